@@ -1,0 +1,294 @@
+"""fp8 GEMM engine: operand preparation (on-the-fly quantization, scale folding) and the backends.
+
+A GEMM ``out[M, N] = A[M, K] @ B[K, N]`` in fp8 needs each operand scaled along its *outer* dim
+(A per row ``(M, 1)``, B per column ``(1, N)``), because then the scales factor out of the sum over K:
+``out = diag(sa) (A8 @ B8) diag(sb)``.
+
+Operands arrive as plain high-precision tensors or ScaledFp8Tensors:
+
+* plain: quantized on the fly, row-wise along the contraction dim (:func:`fp8tensor.quantize.quantize_rowwise`);
+* fp8 scaled on its outer dim: used as is;
+* fp8 scaled on the contraction dim (``grad_out @ W`` with ``W`` scaled per row): **scale folding**.
+  ``A @ (diag(s) W8) = (A diag(s)) @ W8``: A's columns are multiplied by W's row scales, that product is
+  quantized row-wise, and the GEMM runs on ``W8`` unchanged (no re-quantization of W);
+* anything else (a per-element scale, both operands scaled on K): dequantized and re-quantized.
+
+Backends (``set_gemm_backend`` / ``gemm_backend``):
+
+``"rowwise"``   ``torch._scaled_mm`` with per-row/per-column scales applied in its epilogue.
+``"tensorwise"`` ``torch._scaled_mm`` with unit scales and a float32 output, then the row/column fix-up.
+``"emulated"``  dequantize and matmul in float32 (pre-Hopper GPUs, and the numerical reference).
+``"auto"``      (default) CUDA sm_89+: rowwise for bf16 outputs, tensorwise otherwise (measured fastest on
+                H200, see docs/benchmarks.md); older CUDA: emulated; CPU: rowwise when ``torch._scaled_mm``
+                works there (probed once), else emulated.
+
+``torch._scaled_mm`` constraints handled here: A row-major, B column-major (a padded column-major B is kept),
+K and N multiples of 16 on CUDA (zero-padded otherwise), float32 scales of shape (M, 1) / (1, N),
+row-wise outputs bf16 only on CUDA, no e5m2 × e5m2 on CUDA.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from typing import Iterator, Optional
+
+import torch
+
+from .quantize import E4M3, E5M2, quantize_rowwise
+from .tensor import ScaledFp8Tensor
+
+__all__ = ["BACKENDS", "set_gemm_backend", "get_gemm_backend", "gemm_backend", "scaled_mm", "fp8_mm", "choose_backend"]
+
+BACKENDS = ("auto", "rowwise", "tensorwise", "emulated")
+_state = threading.local()
+_default_backend = "auto"
+
+
+def _check_backend(name: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"fp8tensor gemm backend: unknown backend {name!r}; expected one of {BACKENDS}")
+    return name
+
+
+def set_gemm_backend(name: str) -> None:
+    """Set the process-wide GEMM backend: ``"auto"`` (default), ``"rowwise"``, ``"tensorwise"`` or ``"emulated"``.
+
+    Raises:
+        ValueError: unknown backend name.
+    """
+    global _default_backend
+    _default_backend = _check_backend(name)
+
+
+def get_gemm_backend() -> str:
+    """The backend in force in this thread (the innermost :func:`gemm_backend` context, else the global one)."""
+    return getattr(_state, "backend", None) or _default_backend
+
+
+@contextlib.contextmanager
+def gemm_backend(name: str) -> Iterator[None]:
+    """Context manager choosing the GEMM backend in this thread (read when an fp8 GEMM is traced or run)."""
+    _check_backend(name)
+    prev = getattr(_state, "backend", None)
+    _state.backend = name
+    try:
+        yield
+    finally:
+        _state.backend = prev
+
+
+# ---------------------------------------------------------------------------------------------- backends
+def _pad_to(x: int, m: int = 16) -> int:
+    return (x + m - 1) // m * m
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_scaled_mm_works(a_dtype: torch.dtype, b_dtype: torch.dtype, rowwise: bool) -> bool:
+    """Probe once whether ``torch._scaled_mm`` runs on CPU for these fp8 dtypes (real tensors, no modes)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    try:
+        with _disable_current_modes():
+            a = torch.ones(16, 16).to(a_dtype)
+            b = torch.ones(16, 16).to(b_dtype).t()
+            sa = torch.ones(16, 1) if rowwise else torch.ones(())
+            sb = torch.ones(1, 16) if rowwise else torch.ones(())
+            out = torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.float32)
+            return bool(torch.allclose(out, torch.full((16, 16), 16.0)))
+    except Exception:
+        return False
+
+
+def _cuda_fp8_capable(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def choose_backend(
+    device: torch.device, a_dtype: torch.dtype, b_dtype: torch.dtype, out_dtype: torch.dtype, backend: str = "auto"
+) -> str:
+    """Resolve ``backend`` (``"auto"`` or a name) into the backend that can run this GEMM.
+
+    An explicitly requested backend that cannot run on this device/dtype combination falls back to
+    ``"emulated"`` rather than failing inside cuBLAS.
+    """
+    if device.type == "cuda":
+        if not _cuda_fp8_capable(device) or (a_dtype == E5M2 and b_dtype == E5M2):
+            return "emulated"
+        if backend == "auto":
+            return "rowwise" if out_dtype == torch.bfloat16 else "tensorwise"
+        if backend == "rowwise" and out_dtype != torch.bfloat16:
+            return "tensorwise"  # cuBLAS row-wise scaling only writes bf16
+        return backend
+    if device.type == "cpu":
+        if backend == "auto":
+            backend = "rowwise"
+        if backend == "rowwise" and not _cpu_scaled_mm_works(a_dtype, b_dtype, True):
+            backend = "tensorwise"
+        if backend == "tensorwise" and not _cpu_scaled_mm_works(a_dtype, b_dtype, False):
+            backend = "emulated"
+        return backend
+    return "emulated"
+
+
+def scaled_mm(
+    a8: torch.Tensor,
+    sa: torch.Tensor,
+    b8: torch.Tensor,
+    sb: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: Optional[torch.Tensor] = None,
+    use_fast_accum: bool = False,
+    backend: Optional[str] = None,
+) -> torch.Tensor:
+    """``(a8 * sa) @ (b8 * sb) + bias`` with fp8 operands, on the chosen backend.
+
+    Args:
+        a8: ``(M, K)`` float8 tensor (any layout; made row-major if needed).
+        sa: ``(M, 1)`` float32 row scales of ``a8``.
+        b8: ``(K, N)`` float8 tensor (any layout; made column-major if needed, a padded column-major stride
+            is kept as is).
+        sb: ``(1, N)`` float32 column scales of ``b8``.
+        out_dtype: output dtype (float32, bfloat16 or float16).
+        bias: optional ``(N,)`` tensor, added exactly once in ``out_dtype`` precision or better.
+        use_fast_accum: fp8 fast accumulation on CUDA (``torch._scaled_mm(use_fast_accum=...)``).
+        backend: ``"auto"``, ``"rowwise"``, ``"tensorwise"``, ``"emulated"``; None reads :func:`get_gemm_backend`.
+
+    Returns:
+        ``(M, N)`` tensor of ``out_dtype``.
+    """
+    M, K = a8.shape
+    N = b8.shape[1]
+    name = choose_backend(a8.device, a8.dtype, b8.dtype, out_dtype, _check_backend(backend or get_gemm_backend()))
+    if name == "emulated":
+        out = (a8.to(torch.float32) * sa) @ (b8.to(torch.float32) * sb)
+        if bias is not None:
+            out = out + bias.to(torch.float32)
+        return out.to(out_dtype)
+
+    # Layout: A row-major, B column-major (stride (1, ld) with ld >= K).
+    if not (a8.stride(1) == 1 and a8.stride(0) >= max(K, 1)):
+        a8 = a8.contiguous()
+    if not (b8.stride(0) == 1 and b8.stride(1) >= max(K, 1)):
+        b8 = b8.t().contiguous().t()
+    sa = sa.to(torch.float32).expand(M, 1).contiguous()
+    sb = sb.to(torch.float32).expand(1, N).contiguous()
+
+    # cuBLAS needs K and N multiples of 16 and 16-byte aligned leading dims: zero-pad (zeros add nothing).
+    Np = N
+    if a8.device.type == "cuda":
+        Kp, Np = _pad_to(K), _pad_to(N)
+        if Kp != K or a8.stride(0) % 16:
+            a_p = torch.zeros(M, Kp, dtype=a8.dtype, device=a8.device)
+            a_p[:, :K] = a8
+            a8 = a_p
+        if Kp != K or Np != N or b8.stride(1) % 16:
+            b_p = torch.zeros(Np, Kp, dtype=b8.dtype, device=b8.device)
+            b_p[:N, :K] = b8.t()
+            b8 = b_p.t()
+        if Np != N:
+            sb = torch.cat([sb, sb.new_ones(1, Np - N)], dim=1)
+
+    if name == "rowwise":
+        fused_bias = bias is not None and bias.dim() == 1 and bias.dtype == out_dtype == torch.bfloat16
+        b_arg = None
+        if fused_bias:
+            b_arg = bias if Np == N else torch.cat([bias, bias.new_zeros(Np - N)])
+        out = torch._scaled_mm(
+            a8, b8, scale_a=sa, scale_b=sb, bias=b_arg, out_dtype=out_dtype, use_fast_accum=use_fast_accum
+        )
+        if Np != N:
+            out = out[:, :N]
+        if bias is not None and not fused_bias:
+            out = (out.to(torch.float32) + bias.to(torch.float32)).to(out_dtype)
+        return out
+
+    # tensorwise: unit scales, float32 output, then the row/column scale fix-up.
+    one = torch.ones((), dtype=torch.float32, device=a8.device)
+    out = torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.float32, use_fast_accum=use_fast_accum)
+    if Np != N:
+        out = out[:, :N]
+        sb = sb[:, :N]
+    out = out * sa * sb
+    if bias is not None:
+        out = out + bias.to(torch.float32)
+    return out.to(out_dtype)
+
+
+# ---------------------------------------------------------------------------------------------- operands
+def _scale_axes(t: ScaledFp8Tensor) -> tuple[bool, bool]:
+    """For a 2-D ScaledFp8Tensor: (varies along dim 0, varies along dim 1)."""
+    s = t.scale
+    return s.shape[0] != 1, s.shape[1] != 1
+
+
+def _check_mm_args(op: str, a: torch.Tensor, b: torch.Tensor) -> None:
+    if a.dim() != 2 or b.dim() != 2:
+        raise RuntimeError(f"{op}: expected 2-D operands, got shapes {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.shape[1] != b.shape[0]:
+        raise RuntimeError(
+            f"{op}: mat1 and mat2 shapes cannot be multiplied "
+            f"({a.shape[0]}x{a.shape[1]} and {b.shape[0]}x{b.shape[1]})"
+        )
+    if a.device != b.device:
+        raise RuntimeError(f"{op}: operands are on different devices ({a.device} and {b.device})")
+    for t in (a, b):
+        if not t.dtype.is_floating_point:
+            raise RuntimeError(f"{op}: expected floating-point operands, got {t.dtype}")
+
+
+def fp8_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    op: str = "fp8tensor.mm",
+    float8_dtype: torch.dtype = E4M3,
+) -> torch.Tensor:
+    """``a @ b (+ bias)`` where ``a`` ``(M, K)`` and/or ``b`` ``(K, N)`` is a ScaledFp8Tensor.
+
+    A high-precision operand is quantized row-wise along K (``float8_dtype``); an fp8 operand scaled on K is
+    handled by scale folding (see module docstring). Output dtype: the promoted high-precision dtype of the
+    operands. Fast accumulation is used iff every ScaledFp8Tensor operand has ``fast_accum=True``.
+
+    Raises:
+        RuntimeError: operands not 2-D, inner dims differ, devices differ (message names ``op``).
+    """
+    _check_mm_args(op, a, b)
+    fp8_ops = [t for t in (a, b) if isinstance(t, ScaledFp8Tensor)]
+    fast = all(t.fast_accum for t in fp8_ops)
+    out_dtype = torch.promote_types(a.dtype, b.dtype)
+
+    # Resolve fp8 operands that cannot be used as they are into high precision, or fold their K scale.
+    if isinstance(a, ScaledFp8Tensor):
+        rows, cols = _scale_axes(a)
+        if cols:  # scaled along K
+            if not rows and not isinstance(b, ScaledFp8Tensor):
+                # A = A8 diag(s)  =>  A @ B = A8 @ (diag(s) B): fold into B, use A8 with unit row scales.
+                b = b.to(torch.float32) * a.scale.reshape(-1, 1)
+                a = ScaledFp8Tensor(a.qdata, a.scale.new_ones(a.shape[0], 1), a.orig_dtype, a.fast_accum)
+            else:
+                a = a.to_hp(torch.float32)
+    if isinstance(b, ScaledFp8Tensor):
+        rows, cols = _scale_axes(b)
+        if rows:  # scaled along K
+            if not cols and not isinstance(a, ScaledFp8Tensor):
+                # B = diag(s) B8  =>  A @ B = (A diag(s)) @ B8: fold into A.
+                a = a.to(torch.float32) * b.scale.reshape(1, -1)
+                b = ScaledFp8Tensor(b.qdata, b.scale.new_ones(1, b.shape[1]), b.orig_dtype, b.fast_accum)
+            else:
+                b = b.to_hp(torch.float32)
+
+    if isinstance(a, ScaledFp8Tensor):
+        a8, sa = a.qdata, a.scale
+    else:
+        a8, sa = quantize_rowwise(a, dim=1, float8_dtype=float8_dtype)
+    if isinstance(b, ScaledFp8Tensor):
+        b8, sb = b.qdata, b.scale
+    else:
+        # Quantize B along K, writing the column-major layout _scaled_mm wants: quantize B^T row-wise.
+        q, s = quantize_rowwise(b.t(), dim=1, float8_dtype=float8_dtype)
+        b8, sb = q.t(), s.t()
+    if bias is not None and isinstance(bias, ScaledFp8Tensor):
+        bias = bias.to_hp()
+    return scaled_mm(a8, sa, b8, sb, out_dtype, bias=bias, use_fast_accum=fast)

@@ -1,0 +1,258 @@
+"""``ScaledFp8Tensor``: fp8 data plus float32 row-wise scales, as a ``__torch_dispatch__`` wrapper subclass.
+
+What each aten op does to the scale is in :mod:`fp8tensor.ops` (the op table); GEMMs are in
+:mod:`fp8tensor.gemm`; rounding is in :mod:`fp8tensor.quantize`.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from .quantize import E4M3, FLOAT8_DTYPES, check_float8_dtype, quantize_rowwise
+
+__all__ = ["ScaledFp8Tensor", "dequantize"]
+
+
+def _is_dtensor(t: Any) -> bool:
+    # Imported lazily: torch.distributed may be unavailable on some builds.
+    try:
+        from torch.distributed.tensor import DTensor
+    except Exception:  # pragma: no cover - builds without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def map_local(t: Any, fn):
+    """Apply ``fn`` to a tensor, or to the local tensor of a DTensor, keeping mesh, placements, shape and stride.
+
+    This is how fp8tensor handles DTensors everywhere: it never looks at the placements, it only works on
+    the local shard and lets DTensor keep its metadata.
+    """
+    if _is_dtensor(t):
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(
+            fn(t.to_local()), t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
+        )
+    return fn(t)
+
+
+class ScaledFp8Tensor(torch.Tensor):
+    """A tensor stored as fp8 data with float32 scales; it reads as the high-precision tensor it encodes.
+
+    Logical value: ``qdata.float() * scale`` (the scale is the *dequantization multiplier*).
+
+    Attributes:
+        qdata: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2`` tensor, the logical shape.
+        scale: float32 tensor with ``qdata.ndim`` dims, each dim either 1 (not scaled over) or ``qdata``'s size.
+            For :meth:`from_hp` of an ``(N, K)`` weight it is ``(N, 1)``; ``.t()`` makes it ``(1, N)``.
+        orig_dtype: the high-precision dtype (``.dtype`` of this tensor; output dtype of its GEMMs).
+        fast_accum: whether GEMMs with this operand may use fp8 fast accumulation (``use_fast_accum`` of
+            ``torch._scaled_mm``). Default True (forward); fp8tensor's backward passes build operands with False.
+
+    ``shape``, ``stride``, ``device`` and ``dtype`` are the logical ones. Ops not in the op table that are
+    out-of-place run on the dequantized tensor and return a plain tensor; in-place, ``out=`` and collective
+    ops not in the table raise ``NotImplementedError``.
+
+    Raises:
+        TypeError: ``qdata`` is not an fp8 tensor, ``scale`` is not float32, or ``orig_dtype`` is not floating point.
+        ValueError: ``scale`` does not have ``qdata``'s ndim, or a scale dim is neither 1 nor ``qdata``'s size.
+    """
+
+    qdata: torch.Tensor
+    scale: torch.Tensor
+    orig_dtype: torch.dtype
+    fast_accum: bool
+
+    @staticmethod
+    def __new__(
+        cls,
+        qdata: torch.Tensor,
+        scale: torch.Tensor,
+        orig_dtype: torch.dtype,
+        fast_accum: bool = True,
+        requires_grad: bool = False,
+    ):
+        return torch.Tensor._make_wrapper_subclass(
+            cls,
+            qdata.shape,
+            strides=qdata.stride(),
+            storage_offset=qdata.storage_offset(),
+            dtype=orig_dtype,
+            device=qdata.device,
+            layout=qdata.layout,
+            requires_grad=requires_grad,
+        )
+
+    def __init__(
+        self,
+        qdata: torch.Tensor,
+        scale: torch.Tensor,
+        orig_dtype: torch.dtype,
+        fast_accum: bool = True,
+        requires_grad: bool = False,
+    ):
+        if qdata.dtype not in FLOAT8_DTYPES:
+            raise TypeError(f"ScaledFp8Tensor: qdata must be float8_e4m3fn or float8_e5m2, got {qdata.dtype}")
+        if scale.dtype != torch.float32:
+            raise TypeError(f"ScaledFp8Tensor: scale must be float32, got {scale.dtype}")
+        if not orig_dtype.is_floating_point or orig_dtype in FLOAT8_DTYPES:
+            raise TypeError(f"ScaledFp8Tensor: orig_dtype must be a high-precision float dtype, got {orig_dtype}")
+        if scale.ndim != qdata.ndim or any(s != 1 and s != d for s, d in zip(scale.shape, qdata.shape)):
+            raise ValueError(
+                f"ScaledFp8Tensor: scale of shape {tuple(scale.shape)} does not broadcast per-dim to qdata of "
+                f"shape {tuple(qdata.shape)} (each scale dim must be 1 or the data's size)"
+            )
+        self.qdata = qdata
+        self.scale = scale
+        self.orig_dtype = orig_dtype
+        self.fast_accum = bool(fast_accum)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_hp(
+        cls, t: torch.Tensor, float8_dtype: torch.dtype = E4M3, *, fast_accum: bool = True
+    ) -> "ScaledFp8Tensor":
+        """Quantize ``t`` row-wise: one float32 scale per row, taken over the last dim.
+
+        ``scale = amax(|row|) / finfo(float8_dtype).max`` (dequantization multiplier, computed in float32),
+        ``qdata = saturate(t / scale)``. All-zero rows get a finite scale and dequantize to exact zeros;
+        a row holding NaN/inf stays non-finite. The result does not require grad.
+
+        Args:
+            t: floating-point tensor with at least 2 dims (fp32, bf16, fp16, fp64), or a DTensor of one: then
+                each local shard is quantized on its own and a DTensor with the same mesh, placements, shape
+                and stride is returned whose local tensor is a ScaledFp8Tensor.
+            float8_dtype: ``torch.float8_e4m3fn`` (default) or ``torch.float8_e5m2``.
+            fast_accum: stored on the result; see the class docstring.
+
+        Returns:
+            ScaledFp8Tensor with ``qdata`` of ``t``'s shape and ``scale`` of shape ``(*t.shape[:-1], 1)``.
+
+        Raises:
+            TypeError: ``t`` is not a tensor, is not floating point, is already fp8, or ``float8_dtype`` is
+                unsupported.
+            ValueError: ``t`` has fewer than 2 dims.
+        """
+        op = "ScaledFp8Tensor.from_hp"
+        check_float8_dtype(float8_dtype, op)
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: expected a torch.Tensor, got {type(t).__name__}")
+        if isinstance(t, ScaledFp8Tensor):
+            raise TypeError(f"{op}: input is already a ScaledFp8Tensor; call .to_hp() first to re-quantize")
+        if _is_dtensor(t):
+            return map_local(t, lambda lt: cls.from_hp(lt, float8_dtype, fast_accum=fast_accum))
+        if t.dtype in FLOAT8_DTYPES or not t.dtype.is_floating_point:
+            raise TypeError(f"{op}: expected a high-precision floating-point tensor, got dtype {t.dtype}")
+        if t.ndim < 2:
+            raise ValueError(f"{op}: expected a tensor with at least 2 dims (rows × columns), got shape {tuple(t.shape)}")
+        t = _plain(t).detach()
+        qdata, scale = quantize_rowwise(t, dim=-1, float8_dtype=float8_dtype)
+        return cls(qdata, scale, t.dtype, fast_accum)
+
+    def to_hp(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """Dequantize: ``(qdata.float() * scale).to(dtype or orig_dtype)``; a plain tensor of the logical shape."""
+        return (self.qdata.to(torch.float32) * self.scale).to(dtype or self.orig_dtype)
+
+    def with_fast_accum(self, fast_accum: bool) -> "ScaledFp8Tensor":
+        """Same data and scale (no copy), with the given fast-accumulation flag."""
+        return ScaledFp8Tensor(self.qdata, self.scale, self.orig_dtype, fast_accum)
+
+    @property
+    def float8_dtype(self) -> torch.dtype:
+        """The fp8 storage dtype of ``qdata``."""
+        return self.qdata.dtype
+
+    # ------------------------------------------------------------------ subclass protocol
+    def __tensor_flatten__(self):
+        return ["qdata", "scale"], (self.orig_dtype, self.fast_accum)
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):
+        orig_dtype, fast_accum = ctx
+        return ScaledFp8Tensor(inner_tensors["qdata"], inner_tensors["scale"], orig_dtype, fast_accum)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from .ops import dispatch
+
+        return dispatch(func, types, args, kwargs or {})
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __repr__(self) -> str:
+        return (
+            f"ScaledFp8Tensor(shape={tuple(self.shape)}, qdata_dtype={self.qdata.dtype}, "
+            f"scale_shape={tuple(self.scale.shape)}, orig_dtype={self.orig_dtype}, device={self.device}"
+            + (", requires_grad=True" if self.requires_grad else "")
+            + ")"
+        )
+
+    # ------------------------------------------------------------------ serialization
+    def __reduce_ex__(self, protocol):
+        return (
+            _rebuild_scaled_fp8,
+            (
+                # fp8 storages do not survive plain pickle in every torch version: send the bytes as uint8.
+                self.qdata.view(torch.uint8),
+                self.scale,
+                self.orig_dtype,
+                self.fast_accum,
+                self.requires_grad,
+                bool(getattr(self, "_is_param", False)),
+                self.qdata.dtype,
+            ),
+        )
+
+    def __deepcopy__(self, memo):
+        if id(self) in memo:
+            return memo[id(self)]
+        out = _rebuild_scaled_fp8(
+            self.qdata.clone(),
+            self.scale.clone(),
+            self.orig_dtype,
+            self.fast_accum,
+            self.requires_grad,
+            bool(getattr(self, "_is_param", False)),
+        )
+        memo[id(self)] = out
+        return out
+
+
+def _rebuild_scaled_fp8(qdata, scale, orig_dtype, fast_accum, requires_grad, is_param=False, float8_dtype=None):
+    """Unpickling hook of :class:`ScaledFp8Tensor` (registered as a safe global for ``weights_only`` loads)."""
+    if float8_dtype is not None and qdata.dtype != float8_dtype:
+        qdata = qdata.view(float8_dtype)
+    t = ScaledFp8Tensor(qdata, scale, orig_dtype, fast_accum, requires_grad=requires_grad)
+    if is_param:
+        t._is_param = True  # what nn.Parameter(subclass) sets
+    return t
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """Unwrap an ``nn.Parameter`` of a plain tensor to a plain tensor view (no copy)."""
+    if isinstance(t, torch.nn.Parameter) and type(t) is torch.nn.Parameter:
+        return t.data
+    return t
+
+
+def dequantize(t: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Dequantize a ScaledFp8Tensor (or a DTensor whose local tensor is one); other tensors pass through.
+
+    Returns a tensor of the same kind (DTensor stays a DTensor, with the same placements) in ``dtype``
+    (default: the original high-precision dtype).
+    """
+
+    def _one(lt):
+        if isinstance(lt, ScaledFp8Tensor):
+            return lt.to_hp(dtype)
+        return lt if dtype is None else lt.to(dtype)
+
+    return map_local(t, _one)
+
+
+try:  # let torch.load(weights_only=True) rebuild ScaledFp8Tensor
+    torch.serialization.add_safe_globals([ScaledFp8Tensor, _rebuild_scaled_fp8])
+except AttributeError:  # pragma: no cover - very old torch
+    pass

@@ -13,8 +13,16 @@ from .quantize import E4M3, E5M2, quantize_rowwise
 from .tensor import ScaledFp8Tensor, dequantize
 from .gemm import BACKENDS, gemm_backend, get_gemm_backend, set_gemm_backend
 from . import ops as _ops  # noqa: F401  (registers the op table)
+from .training import Fp8MasterWeight, Recipe, RECIPES, fp8_linear
+from .convert import convert_to_fp8, quantize_weights
 
 __all__ = [
+    "Fp8MasterWeight",
+    "Recipe",
+    "RECIPES",
+    "fp8_linear",
+    "convert_to_fp8",
+    "quantize_weights",
     "ScaledFp8Tensor",
     "dequantize",
     "quantize_rowwise",

@@ -1,0 +1,192 @@
+"""Module conversion: ``convert_to_fp8`` (training, master weights) and ``quantize_weights`` (fp8 storage).
+
+Both work on plain modules and on modules already passed through ``parallelize_module`` (DTensor weights) or
+``fully_shard`` (FSDP2): a DTensor weight keeps its Parameter object and placements, only its local tensor is
+swapped, so optimizers and FSDP2 keep their references.
+"""
+from __future__ import annotations
+
+import types
+import warnings
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+
+from .quantize import E4M3, check_float8_dtype
+from .tensor import ScaledFp8Tensor, _is_dtensor
+from .training import Fp8MasterWeight, fp8_linear, get_recipe
+
+__all__ = ["convert_to_fp8", "quantize_weights", "fp8_linear_forward"]
+
+FilterFn = Callable[[nn.Module, str], bool]
+
+
+def fp8_linear_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
+    """``forward`` installed on converted ``nn.Linear`` modules: :func:`fp8tensor.fp8_linear` with the module's recipe."""
+    return fp8_linear(input, self.weight, self.bias, recipe=self.fp8_recipe)
+
+
+def _select_linears(module: nn.Module, module_filter_fn: Optional[FilterFn], op: str):
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"{op}: expected an nn.Module, got {type(module).__name__}")
+    if module_filter_fn is not None and not callable(module_filter_fn):
+        raise TypeError(f"{op}: module_filter_fn must be callable (module, fqn) -> bool")
+    chosen = []
+    for fqn, mod in module.named_modules():
+        if not isinstance(mod, nn.Linear):
+            continue
+        if module_filter_fn is not None:
+            try:
+                keep = module_filter_fn(mod, fqn)
+            except Exception as e:  # the model is still untouched here
+                raise RuntimeError(f"{op}: module_filter_fn raised for module {fqn!r}; the model was not changed") from e
+            if not keep:
+                continue
+        chosen.append((fqn, mod))
+    return chosen
+
+
+def _swap_local(param: torch.Tensor, fn) -> Optional[nn.Parameter]:
+    """Swap the (local) tensor of ``param`` for ``fn(local)``.
+
+    DTensor parameters are updated in place (same Parameter object, same placements; FSDP2's bookkeeping is
+    refreshed); plain parameters return a new Parameter to set on the module.
+    """
+    if _is_dtensor(param):
+        param._local_tensor = fn(param._local_tensor)
+        from .fsdp import refresh_fsdp_param
+
+        refresh_fsdp_param(param)
+        return None
+    return nn.Parameter(fn(param.data), requires_grad=param.requires_grad)
+
+
+def _plain_state_dict_hook(module, state_dict, prefix, local_metadata):
+    """State dict of a converted module holds plain high-precision weights (loadable without fp8tensor)."""
+    key = prefix + "weight"
+    t = state_dict.get(key)
+    if t is None:
+        return
+    if _is_dtensor(t):
+        local = t._local_tensor
+        if isinstance(local, Fp8MasterWeight):
+            from torch.distributed.tensor import DTensor
+
+            state_dict[key] = DTensor.from_local(
+                local._data, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
+            )
+    elif isinstance(t, Fp8MasterWeight):
+        state_dict[key] = t._data
+
+
+def _rewrap_after_load(module, incompatible_keys):
+    """After ``load_state_dict(assign=True)`` replaced the weight with a plain tensor, wrap it again."""
+    w = module.weight
+    local = w._local_tensor if _is_dtensor(w) else w
+    if isinstance(local, (Fp8MasterWeight, ScaledFp8Tensor)):
+        return
+    new = _swap_local(w, lambda lt: Fp8MasterWeight(lt, module.fp8_recipe))
+    if new is not None:
+        module.weight = new
+
+
+def convert_to_fp8(
+    module: nn.Module, *, recipe="rowwise", module_filter_fn: Optional[FilterFn] = None
+) -> nn.Module:
+    """Convert every ``nn.Linear`` of ``module`` (in place) to fp8 training with high-precision master weights.
+
+    Each selected Linear's weight is wrapped in :class:`~fp8tensor.training.Fp8MasterWeight` (quantized on use;
+    the optimizer still updates the high-precision values) and its ``forward`` becomes
+    :func:`~fp8tensor.fp8_linear` with ``recipe``. Callable before or after ``parallelize_module`` and
+    ``fully_shard``. ``state_dict()`` of the converted module holds plain high-precision tensors.
+
+    Layers with ``in_features`` or ``out_features`` not a multiple of 16 (fp8 GEMMs need it; padding every call
+    would cost more than it saves) are left in high precision, and a warning lists them; their names are also
+    stored in ``module.fp8_skipped``.
+
+    Args:
+        module: the model.
+        recipe: ``"rowwise"`` (all three GEMMs in fp8) or ``"rowwise_gw_hp"`` (grad_weight in high precision).
+        module_filter_fn: ``fn(linear, fqn) -> bool``; only Linears for which it returns True are converted.
+
+    Returns:
+        ``module`` itself.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``, or the filter is not callable.
+        ValueError: unknown recipe.
+        RuntimeError: ``module_filter_fn`` raised (the model is left unchanged).
+    """
+    op = "convert_to_fp8"
+    r = get_recipe(recipe)
+    chosen = _select_linears(module, module_filter_fn, op)
+    skipped = []
+    for fqn, lin in chosen:
+        w = lin.weight
+        local = w._local_tensor if _is_dtensor(w) else w
+        if isinstance(local, (Fp8MasterWeight, ScaledFp8Tensor)):
+            continue  # already converted
+        if lin.in_features % 16 or lin.out_features % 16 or not w.dtype.is_floating_point:
+            skipped.append(f"{fqn or '<root>'} ({lin.in_features}->{lin.out_features})")
+            continue
+        new = _swap_local(w, lambda lt: Fp8MasterWeight(lt, r))
+        if new is not None:
+            lin.weight = new
+        lin.fp8_recipe = r
+        lin.forward = types.MethodType(fp8_linear_forward, lin)
+        lin._register_state_dict_hook(_plain_state_dict_hook)
+        lin.register_load_state_dict_post_hook(_rewrap_after_load)
+    module.fp8_skipped = skipped
+    if skipped:
+        warnings.warn(
+            f"{op}: left in high precision (dims not multiples of 16): {', '.join(skipped)}", stacklevel=2
+        )
+    return module
+
+
+def quantize_weights(
+    module: nn.Module, *, module_filter_fn: Optional[FilterFn] = None, float8_dtype: torch.dtype = E4M3
+) -> nn.Module:
+    """Store the weight of every ``nn.Linear`` of ``module`` (in place) as a row-wise :class:`ScaledFp8Tensor`.
+
+    For inference and frozen (e.g. LoRA base) weights: ``weight = ScaledFp8Tensor.from_hp(weight)`` with
+    ``requires_grad=False``; the Linear's ``forward`` becomes :func:`~fp8tensor.fp8_linear`, so gradients still
+    flow to the input, in fp8, through scale folding (the fp8 weight is never re-quantized). Works before or
+    after ``parallelize_module`` (each shard is quantized on its own).
+
+    Args:
+        module: the model.
+        module_filter_fn: ``fn(linear, fqn) -> bool`` selecting Linears.
+        float8_dtype: ``torch.float8_e4m3fn`` (default) or ``torch.float8_e5m2``.
+
+    Returns:
+        ``module`` itself.
+
+    Raises:
+        TypeError: not an ``nn.Module``, filter not callable, or unsupported ``float8_dtype``.
+        RuntimeError: ``module_filter_fn`` raised (the model is left unchanged).
+    """
+    op = "quantize_weights"
+    check_float8_dtype(float8_dtype, op)
+    chosen = _select_linears(module, module_filter_fn, op)
+    for fqn, lin in chosen:
+        w = lin.weight
+        local = w._local_tensor if _is_dtensor(w) else w
+        if isinstance(local, ScaledFp8Tensor):
+            continue
+        if isinstance(local, Fp8MasterWeight):
+            local = local._data
+
+        def q(lt, _local=local):
+            hp = lt._data if isinstance(lt, Fp8MasterWeight) else lt
+            return ScaledFp8Tensor.from_hp(hp.detach(), float8_dtype)
+
+        if _is_dtensor(w):
+            w.requires_grad_(False)
+            w._local_tensor = q(w._local_tensor)
+        else:
+            lin.weight = nn.Parameter(q(w.data), requires_grad=False)
+        lin.fp8_recipe = get_recipe("rowwise")
+        lin.forward = types.MethodType(fp8_linear_forward, lin)
+    return module

@@ -76,7 +76,10 @@ def get_recipe(recipe) -> Recipe:
 
 # ---------------------------------------------------------------------------------------------- quantization
 def _quantize_local(t: torch.Tensor, dim: int, fast_accum: bool, float8_dtype=E4M3) -> torch.Tensor:
-    """Quantize a plain tensor, a master weight or a ScaledFp8Tensor along ``dim`` into a ScaledFp8Tensor."""
+    """Quantize a plain tensor or a master weight along ``dim`` into a ScaledFp8Tensor.
+
+    A ScaledFp8Tensor is returned as is (only its fast-accumulation flag set): it is never re-quantized, and
+    :func:`fp8tensor.gemm.fp8_mm` folds its scale when it lies on the contraction dim."""
     if isinstance(t, ScaledFp8Tensor):
         return t.with_fast_accum(fast_accum)
     if isinstance(t, Fp8MasterWeight):
@@ -88,6 +91,10 @@ def _quantize_local(t: torch.Tensor, dim: int, fast_accum: bool, float8_dtype=E4
 def _quantize(t: torch.Tensor, dim: int, fast_accum: bool, float8_dtype=E4M3) -> torch.Tensor:
     """:func:`_quantize_local` on a tensor or on each DTensor shard (sub-row-wise when ``dim`` is sharded)."""
     return map_local(t, lambda lt: _quantize_local(lt, dim, fast_accum, float8_dtype))
+
+
+def _dequantize(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return map_local(t, lambda lt: lt.to_hp(dtype) if isinstance(lt, ScaledFp8Tensor) else lt)
 
 
 def _is_fp8(t: torch.Tensor) -> bool:
@@ -130,12 +137,16 @@ class _Fp8Linear(torch.autograd.Function):
             grad_x = torch.mm(g2, w_b).reshape(x.shape)
         if ctx.needs_input_grad[1]:
             x2 = x.reshape(-1, K)
-            if recipe.grad_weight_fp8:
+            if recipe.grad_weight_fp8 and _is_fp8(x2):
+                # x arrived in fp8 scaled per token (fp8 sequence-parallel all-gather): its scales lie on the
+                # contraction dim of gy^T @ x, so fp8_mm folds them into gy^T (no re-quantization of x).
+                grad_w = torch.mm(g2.t(), _quantize(x2, 0, fast))
+            elif recipe.grad_weight_fp8:
                 gt8 = _quantize(g2.t(), -1, fast, recipe.float8_dtype)  # (N, M), per output feature over tokens
                 x8 = _quantize(x2, 0, fast, recipe.float8_dtype)  # (M, K), per input feature over tokens
                 grad_w = torch.mm(gt8, x8)
             else:
-                grad_w = torch.mm(g2.t(), x2)
+                grad_w = torch.mm(g2.t(), _dequantize(x2, g2.dtype))
             grad_w = grad_w.to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g2.sum(0)

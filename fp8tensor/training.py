@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_map_only
 
 from .gemm import fp8_mm
+from .kernels import kernel_available, quantize_dim0_t
 from .quantize import E4M3, quantize_rowwise
 from .tensor import ScaledFp8Tensor, _is_dtensor, map_local
 
@@ -84,6 +85,15 @@ def _quantize_local(t: torch.Tensor, dim: int, fast_accum: bool, float8_dtype=E4
         return t.with_fast_accum(fast_accum)
     if isinstance(t, Fp8MasterWeight):
         t = t._data
+    if t.dim() == 2 and t.is_cuda:
+        # Reductions over the outer dim of a row-major tensor: the fused kernel writes the transposed layout
+        # that torch._scaled_mm wants, so the GEMM needs no layout copy.
+        if dim % 2 == 0 and kernel_available(t):
+            q, s = quantize_dim0_t(t, float8_dtype)
+            return ScaledFp8Tensor(q.t(), s.t(), t.dtype, fast_accum)
+        if dim % 2 == 1 and kernel_available(t.t()):
+            q, s = quantize_dim0_t(t.t(), float8_dtype)
+            return ScaledFp8Tensor(q, s, t.dtype, fast_accum)
     q, s = quantize_rowwise(t, dim=dim, float8_dtype=float8_dtype)
     return ScaledFp8Tensor(q, s, t.dtype, fast_accum)
 

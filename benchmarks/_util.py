@@ -1,0 +1,47 @@
+"""Shared timing helpers for the GPU benchmarks (CUDA events / triton do_bench, median)."""
+from __future__ import annotations
+
+import torch
+
+
+def bench_ms(fn, warmup: int = 10, rep: int = 50) -> float:
+    """Median milliseconds of ``fn()`` on the current CUDA device (triton.testing.do_bench when available)."""
+    try:
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=warmup * 5, rep=rep * 5, return_mode="median"))
+    except Exception:
+        for _ in range(warmup):
+            fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(rep):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            torch.cuda.synchronize()
+            times.append(s.elapsed_time(e))
+        times.sort()
+        return times[len(times) // 2]
+
+
+def env_line() -> str:
+    """One line naming the GPU, torch version and date, for the results table."""
+    import datetime
+
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return f"{datetime.date.today()} · {name} · torch {torch.__version__}"
+
+
+def top_kernels(fn, n: int = 12) -> str:
+    """Profile one call of ``fn`` and return the top CUDA kernels by total time as a text table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=n, max_name_column_width=70)

@@ -1,0 +1,98 @@
+"""Per-layer forward+backward time: bf16 vs fp8tensor recipes vs torchao float8 recipes (if importable).
+
+Method (same as docs/benchmarks.md anchors): ``nn.Linear(K, N, bias=False, dtype=bf16)`` converted, compiled
+with ``torch.compile``; ``x`` of shape ``[M, K]`` requires grad; one step = forward + backward with a fixed
+grad_output; median time (triton do_bench). Usage: ``PYTHONPATH=. python benchmarks/linear.py [--profile]``.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from _util import bench_ms, env_line, top_kernels  # noqa: E402
+
+import fp8tensor  # noqa: E402
+
+SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 28672)]
+
+
+def variants():
+    v = {"bf16": lambda m: m}
+    for r in ("rowwise", "rowwise_gw_hp"):
+        v[f"fp8tensor {r}"] = lambda m, r=r: fp8tensor.convert_to_fp8(m, recipe=r)
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        for r in ("tensorwise", "rowwise", "rowwise_with_gw_hp"):
+            v[f"torchao {r}"] = lambda m, r=r: convert_to_float8_training(m, config=Float8LinearConfig.from_recipe_name(r))
+    except Exception as e:  # torchao missing or incompatible
+        print(f"(torchao not available: {type(e).__name__}: {str(e)[:100]})")
+    return v
+
+
+def step_fn(model, x, gy):
+    def step():
+        y = model(x)
+        y.backward(gy)
+
+    return step
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--M", type=int, default=16384)
+    p.add_argument("--profile", action="store_true", help="print top kernels of fp8tensor rowwise at 4096->4096")
+    p.add_argument("--check", action="store_true", help="also print grad error vs fp32 at each shape")
+    args = p.parse_args()
+    dev = torch.device("cuda")
+    vs = variants()
+    print(f"# Linear forward+backward, M={args.M} ({env_line()})\n")
+    names = list(vs)
+    print("| K→N | bf16 ms | " + " | ".join(f"{n} (x)" for n in names[1:]) + " |")
+    print("|" + "---|" * (len(names) + 1))
+    for K, N in SHAPES:
+        torch.manual_seed(0)
+        base = nn.Linear(K, N, bias=False, device=dev, dtype=torch.bfloat16)
+        x = torch.randn(args.M, K, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        gy = torch.randn(args.M, N, device=dev, dtype=torch.bfloat16)
+        times = {}
+        for name, conv in vs.items():
+            m = conv(copy.deepcopy(base))
+            cm = torch.compile(m)
+            fn = step_fn(cm, x, gy)
+            try:
+                times[name] = bench_ms(fn)
+            except Exception as e:
+                print(f"({name} failed at {K}->{N}: {type(e).__name__}: {str(e)[:200]})")
+                times[name] = float("nan")
+            if args.check and name != "bf16":
+                x.grad = None
+                m.weight.grad = None
+                fn()
+                xr = x.detach().float().requires_grad_()
+                wr = base.weight.detach().float().requires_grad_()
+                (xr @ wr.t()).backward(gy.float())
+                ex = ((x.grad.float() - xr.grad).norm() / xr.grad.norm()).item()
+                ew = ((m.weight.grad.float() - wr.grad).norm() / wr.grad.norm()).item()
+                print(f"  check {name} {K}->{N}: grad_input rel err {ex:.4f}, grad_weight rel err {ew:.4f}")
+            x.grad = None
+            del m, cm
+        bf = times["bf16"]
+        print(f"| {K}→{N} | {bf:.3f} | " + " | ".join(f"{times[n]:.3f} ({bf / times[n]:.2f})" for n in names[1:]) + " |")
+    if args.profile:
+        K, N = 4096, 4096
+        base = nn.Linear(K, N, bias=False, device=dev, dtype=torch.bfloat16)
+        x = torch.randn(args.M, K, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        gy = torch.randn(args.M, N, device=dev, dtype=torch.bfloat16)
+        for name in ("bf16", "fp8tensor rowwise"):
+            m = torch.compile(vs[name](copy.deepcopy(base)))
+            print(f"\n## top kernels: {name} {K}->{N}\n```\n{top_kernels(step_fn(m, x, gy))}\n```")
+
+
+if __name__ == "__main__":
+    main()

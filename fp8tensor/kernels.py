@@ -1,0 +1,117 @@
+"""Fused quantization kernels: quantize along dim 0 and write the transposed fp8 layout in one go.
+
+The gradient GEMMs contract over tokens (grad_weight) or output features (grad_input), which are the *outer*
+dims of the row-major activations, gradients and weights. ``torch._scaled_mm`` wants its operands row-major
+(A) and column-major (B) with scales on their outer dims, so these operands must be quantized along dim 0 and
+stored transposed. Written as eager ops (or left to the compiler) that is a strided reduction plus a
+transposing copy; measured on H200 at 16384×4096 bf16 the compiler's fused kernel took ~196 µs, several times
+the memory-bound time. Here:
+
+1. column amax: a 2-D grid of programs, each reducing a ``[CHUNK_M, BLOCK_K]`` slab with coalesced loads and
+   combining with ``atomic_max``;
+2. cast: each program loads a ``[BLOCK_M, BLOCK_K]`` tile, divides by the column scale, saturates, casts to fp8
+   and stores the transposed tile, coalesced along the output's rows.
+
+Exposed as the custom op ``fp8tensor::quantize_dim0_t`` (so ``torch.compile`` keeps it as one call), with a
+plain-PyTorch implementation for CPU and for tensors that the kernel does not take.
+"""
+from __future__ import annotations
+
+import torch
+
+from .quantize import _AMAX_FLOOR, quantize_rowwise
+
+__all__ = ["quantize_dim0_t", "kernel_available"]
+
+try:  # Triton is only present with CUDA builds of torch.
+    import triton
+    import triton.language as tl
+
+    _HAS_TRITON = True
+except Exception:  # pragma: no cover - CPU-only environments
+    _HAS_TRITON = False
+
+
+if _HAS_TRITON:
+
+    @triton.jit
+    def _col_amax_kernel(x_ptr, amax_ptr, M, K, stride_m, CHUNK_M: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
+        pid_k = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for i in range(0, CHUNK_M, BLOCK_M):
+            offs_m = pid_m * CHUNK_M + i + tl.arange(0, BLOCK_M)
+            mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
+            x = tl.load(x_ptr + offs_m[:, None] * stride_m + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+            a = tl.abs(x)
+            a = tl.where(a != a, float("inf"), a)  # NaN -> inf: the column's scale becomes inf, output non-finite
+            acc = tl.maximum(acc, tl.max(a, axis=0))
+        tl.atomic_max(amax_ptr + offs_k, acc, mask=offs_k < K)
+
+    @triton.jit
+    def _cast_t_kernel(x_ptr, amax_ptr, q_ptr, scale_ptr, M, K, stride_m, FMAX: tl.constexpr, EPS: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid_m = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        kmask = offs_k < K
+        amax = tl.load(amax_ptr + offs_k, mask=kmask, other=1.0)
+        scale = tl.maximum(amax, EPS) / FMAX
+        mask = (offs_m[:, None] < M) & kmask[None, :]
+        x = tl.load(x_ptr + offs_m[:, None] * stride_m + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+        y = x / scale[None, :]
+        y = tl.clamp(y, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
+        q = tl.trans(y.to(q_ptr.dtype.element_ty))
+        tl.store(q_ptr + offs_k[:, None] * M + offs_m[None, :], q, mask=kmask[:, None] & (offs_m[None, :] < M))
+        if pid_m == 0:
+            tl.store(scale_ptr + offs_k, scale, mask=kmask)
+
+
+def kernel_available(x: torch.Tensor) -> bool:
+    """Whether the Triton kernel takes ``x``: CUDA, 2-D, row-major with unit inner stride, fp32/bf16/fp16."""
+    return (
+        _HAS_TRITON
+        and x.is_cuda
+        and x.dim() == 2
+        and x.stride(1) == 1
+        and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and x.numel() > 0
+    )
+
+
+def _reference_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype):
+    q, s = quantize_rowwise(x.t(), dim=-1, float8_dtype=float8_dtype)
+    return q.contiguous(), s
+
+
+@torch.library.custom_op("fp8tensor::quantize_dim0_t", mutates_args=())
+def quantize_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``x`` ``(M, K)`` along dim 0 and return it transposed.
+
+    Returns:
+        ``(q, scale)``: ``q`` is ``(K, M)`` row-major ``float8_dtype`` holding ``x.T`` quantized row-wise,
+        ``scale`` is ``(K, 1)`` float32 (dequantization multiplier), i.e. ``q.float() * scale ≈ x.T``.
+    """
+    if not kernel_available(x):
+        return _reference_dim0_t(x, float8_dtype)
+    M, K = x.shape
+    amax = torch.zeros(K, dtype=torch.float32, device=x.device)
+    q = torch.empty(K, M, dtype=float8_dtype, device=x.device)
+    scale = torch.empty(K, 1, dtype=torch.float32, device=x.device)
+    BLOCK_K, BLOCK_M, CHUNK_M = 128, 32, 512
+    grid = (triton.cdiv(K, BLOCK_K), triton.cdiv(M, CHUNK_M))
+    _col_amax_kernel[grid](x, amax, M, K, x.stride(0), CHUNK_M=CHUNK_M, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K)
+    BM, BK = 64, 64
+    grid = (triton.cdiv(M, BM), triton.cdiv(K, BK))
+    _cast_t_kernel[grid](x, amax, q, scale, M, K, x.stride(0), FMAX=torch.finfo(float8_dtype).max,
+                         EPS=_AMAX_FLOOR, BLOCK_M=BM, BLOCK_K=BK)
+    return q, scale
+
+
+@quantize_dim0_t.register_fake
+def _(x, float8_dtype):
+    M, K = x.shape
+    return x.new_empty(K, M, dtype=float8_dtype), x.new_empty(K, 1, dtype=torch.float32)

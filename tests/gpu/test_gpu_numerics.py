@@ -1,0 +1,102 @@
+"""The core numerics on CUDA (skipped without a GPU): backends vs float64, folding, training grads, compile."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fp8tensor
+from fp8tensor import ScaledFp8Tensor, convert_to_fp8, quantize_weights
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+DEV = "cuda"
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("backend", ["rowwise", "tensorwise", "emulated"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(256, 512, 384), (100, 200, 72)])  # second: K, N not multiples of 16
+def test_backends_vs_float64(backend, out_dtype, shape):
+    M, K, N = shape
+    x = torch.randn(M, K, device=DEV, dtype=out_dtype)
+    w = torch.randn(N, K, device=DEV, dtype=out_dtype)
+    b = torch.randn(N, device=DEV, dtype=out_dtype)
+    w8 = ScaledFp8Tensor.from_hp(w)
+    with fp8tensor.gemm_backend(backend):
+        y = F.linear(x, w8, b)
+    ref = x.double() @ w.double().t() + b.double()
+    assert y.dtype == out_dtype and y.shape == (M, N)
+    assert rel(y, ref) < 5e-2
+
+
+def test_backends_agree():
+    x = torch.randn(512, 1024, device=DEV, dtype=torch.bfloat16)
+    w8 = ScaledFp8Tensor.from_hp(torch.randn(768, 1024, device=DEV, dtype=torch.bfloat16), fast_accum=False)
+    outs = {}
+    for be in ("rowwise", "tensorwise", "emulated"):
+        with fp8tensor.gemm_backend(be):
+            outs[be] = F.linear(x, w8).float()
+    assert rel(outs["rowwise"], outs["emulated"]) < 1e-2
+    assert rel(outs["tensorwise"], outs["emulated"]) < 1e-2
+
+
+def test_folding_grad_input():
+    w = torch.randn(384, 512, device=DEV, dtype=torch.bfloat16)
+    lin = nn.Linear(512, 384, bias=False, device=DEV, dtype=torch.bfloat16)
+    lin.weight.data.copy_(w)
+    quantize_weights(lin)
+    x = torch.randn(4, 64, 512, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    gy = torch.randn(4, 64, 384, device=DEV, dtype=torch.bfloat16)
+    lin(x).backward(gy)
+    ref = gy.double() @ w.double()
+    assert rel(x.grad, ref) < 5e-2
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_gw_hp"])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_training_grads(recipe, compiled):
+    lin = nn.Linear(512, 768, device=DEV, dtype=torch.bfloat16)
+    w0 = lin.weight.detach().clone()
+    b0 = lin.bias.detach().clone()
+    convert_to_fp8(lin, recipe=recipe)
+    m = torch.compile(lin, fullgraph=True) if compiled else lin
+    x = torch.randn(2, 256, 512, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    gy = torch.randn(2, 256, 768, device=DEV, dtype=torch.bfloat16)
+    y = m(x)
+    y.backward(gy)
+    xd, wd = x.detach().double(), w0.double()
+    assert rel(y, xd @ wd.t() + b0.double()) < 5e-2
+    assert rel(x.grad, gy.double() @ wd) < 5e-2
+    gw_ref = gy.double().reshape(-1, 768).t() @ xd.reshape(-1, 512)
+    assert rel(lin.weight.grad, gw_ref) < (5e-2 if recipe == "rowwise" else 1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(1000, 300), (4096, 512), (7, 33)])
+@pytest.mark.parametrize("float8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_quantize_dim0_t_kernel_matches_reference(dtype, shape, float8_dtype):
+    from fp8tensor.kernels import _reference_dim0_t, quantize_dim0_t
+
+    x = torch.randn(*shape, device=DEV, dtype=dtype) * torch.rand(1, shape[1], device=DEV, dtype=dtype) * 10
+    x[:, 0] = 0  # an all-zero column
+    q, s = quantize_dim0_t(x, float8_dtype)
+    qr, sr = _reference_dim0_t(x, float8_dtype)
+    assert q.shape == (shape[1], shape[0]) and q.is_contiguous() and s.shape == (shape[1], 1)
+    torch.testing.assert_close(s, sr, rtol=0, atol=0)
+    # identical up to one fp8 rounding step where division rounding differs
+    assert ((q.float() - qr.float()).abs() > 0).float().mean() < 1e-3
+    assert torch.equal(q[0].float(), torch.zeros_like(q[0].float()))
+    assert rel(q.float() * s, x.t()) < (0.04 if float8_dtype == torch.float8_e4m3fn else 0.08)
+
+
+def test_quantize_dim0_t_nan_column_stays_nonfinite():
+    from fp8tensor.kernels import quantize_dim0_t
+
+    x = torch.randn(256, 64, device=DEV, dtype=torch.bfloat16)
+    x[5, 3] = float("nan")
+    q, s = quantize_dim0_t(x, torch.float8_e4m3fn)
+    deq = q.float() * s
+    assert not torch.isfinite(deq[3]).all()
+    assert torch.isfinite(torch.cat([deq[:3], deq[4:]])).all()

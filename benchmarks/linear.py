@@ -21,10 +21,12 @@ import fp8tensor  # noqa: E402
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 28672)]
 
 
-def variants():
+def variants(peers: bool = True):
     v = {"bf16": lambda m: m}
     for r in ("rowwise", "rowwise_gw_hp"):
         v[f"fp8tensor {r}"] = lambda m, r=r: fp8tensor.convert_to_fp8(m, recipe=r)
+    if not peers:
+        return v
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -48,9 +50,14 @@ def main() -> None:
     p.add_argument("--M", type=int, default=16384)
     p.add_argument("--profile", action="store_true", help="print top kernels of fp8tensor rowwise at 4096->4096")
     p.add_argument("--check", action="store_true", help="also print grad error vs fp32 at each shape")
+    p.add_argument("--no-peers", action="store_true", help="skip torchao")
+    p.add_argument("--fast-accum-backward", action="store_true", help="also time rowwise with fast accumulation in backward")
     args = p.parse_args()
     dev = torch.device("cuda")
-    vs = variants()
+    vs = variants(not args.no_peers)
+    if args.fast_accum_backward:
+        r = fp8tensor.Recipe("rowwise_fastbw", grad_weight_fp8=True, fast_accum_backward=True)
+        vs["fp8tensor rowwise+fast bwd"] = lambda m: fp8tensor.convert_to_fp8(m, recipe=r)
     print(f"# Linear forward+backward, M={args.M} ({env_line()})\n")
     names = list(vs)
     print("| K→N | bf16 ms | " + " | ".join(f"{n} (x)" for n in names[1:]) + " |")
@@ -62,6 +69,7 @@ def main() -> None:
         gy = torch.randn(args.M, N, device=dev, dtype=torch.bfloat16)
         times = {}
         for name, conv in vs.items():
+            torch._dynamo.reset()  # each variant compiles afresh (no recompile-limit fallback to eager)
             m = conv(copy.deepcopy(base))
             cm = torch.compile(m)
             fn = step_fn(cm, x, gy)

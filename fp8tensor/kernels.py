@@ -70,6 +70,11 @@ if _HAS_TRITON:
             tl.store(scale_ptr + offs_k, scale, mask=kmask)
 
 
+#: Tile sizes of the two kernels (tuned on H200: see benchmarks/quant_kernels.py and docs/benchmarks.md).
+CONFIG = dict(amax_block_k=64, amax_block_m=256, amax_chunk_m=256, amax_warps=8, cast_block_m=64, cast_block_k=64,
+              cast_warps=4)
+
+
 def kernel_available(x: torch.Tensor) -> bool:
     """Whether the Triton kernel takes ``x``: CUDA, 2-D, row-major with unit inner stride, fp32/bf16/fp16."""
     return (
@@ -101,13 +106,14 @@ def quantize_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype) -> tuple[torch.T
     amax = torch.zeros(K, dtype=torch.float32, device=x.device)
     q = torch.empty(K, M, dtype=float8_dtype, device=x.device)
     scale = torch.empty(K, 1, dtype=torch.float32, device=x.device)
-    BLOCK_K, BLOCK_M, CHUNK_M = 128, 32, 512
-    grid = (triton.cdiv(K, BLOCK_K), triton.cdiv(M, CHUNK_M))
-    _col_amax_kernel[grid](x, amax, M, K, x.stride(0), CHUNK_M=CHUNK_M, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K)
-    BM, BK = 64, 64
-    grid = (triton.cdiv(M, BM), triton.cdiv(K, BK))
+    c = CONFIG
+    grid = (triton.cdiv(K, c["amax_block_k"]), triton.cdiv(M, c["amax_chunk_m"]))
+    _col_amax_kernel[grid](x, amax, M, K, x.stride(0), CHUNK_M=c["amax_chunk_m"], BLOCK_M=c["amax_block_m"],
+                           BLOCK_K=c["amax_block_k"], num_warps=c["amax_warps"])
+    grid = (triton.cdiv(M, c["cast_block_m"]), triton.cdiv(K, c["cast_block_k"]))
     _cast_t_kernel[grid](x, amax, q, scale, M, K, x.stride(0), FMAX=torch.finfo(float8_dtype).max,
-                         EPS=_AMAX_FLOOR, BLOCK_M=BM, BLOCK_K=BK)
+                         EPS=_AMAX_FLOOR, BLOCK_M=c["cast_block_m"], BLOCK_K=c["cast_block_k"],
+                         num_warps=c["cast_warps"])
     return q, scale
 
 

@@ -71,8 +71,8 @@ if _HAS_TRITON:
 
 
 #: Tile sizes of the two kernels (tuned on H200: see benchmarks/quant_kernels.py and docs/benchmarks.md).
-CONFIG = dict(amax_block_k=64, amax_block_m=256, amax_chunk_m=256, amax_warps=8, cast_block_m=64, cast_block_k=64,
-              cast_warps=4)
+CONFIG = dict(amax_block_k=64, amax_block_m=256, amax_chunk_m=256, amax_warps=8, cast_block_m=64, cast_block_k=128,
+              cast_warps=8)
 
 
 def kernel_available(x: torch.Tensor) -> bool:

@@ -1,0 +1,368 @@
+"""Train a small byte-level Llama with FSDP2 x tensor parallelism, in bf16 and in fp8.
+
+Run with ``torchrun``; the world is arranged as a 2-D mesh ``dp x tp``
+(``--tp`` ranks per tensor-parallel group, ``dp = world_size / tp``)::
+
+    torchrun --nproc-per-node 4 examples/train.py            # dp=2 x tp=2, CPU/gloo
+    torchrun --nproc-per-node 8 examples/train.py --tp 4 --device cuda
+
+With ``--mode both`` (default) the same model (same seed -> same initial
+weights) is trained twice on the same batches: once with plain bf16 matmuls
+and once with the transformer blocks' Linears converted by
+``fp8tensor.convert_to_fp8`` (the embedding and output head stay in high
+precision). Rank 0 shows a progress bar, then evaluates both on the held-out
+split and writes ``losses.json`` and ``loss_curve.png`` to ``--out``. The last
+line printed is::
+
+    final val loss: bf16 X.XXXX  fp8 Y.YYYY  gap Z.ZZ%
+
+where the gap is ``(fp8 - bf16) / bf16`` in percent.
+
+Data: bytes of the Python standard library sources (no download), or any
+text file / directory given by ``--data``; see ``examples/data.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+# Allow `torchrun examples/train.py` from the repo root as well as `python -m`.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from data import DEFAULT_MAX_BYTES, RandomWindows, fixed_windows, load_corpus, split_corpus  # noqa: E402
+from llama import Llama, ModelArgs, fp8_module_filter, parallelize_llama  # noqa: E402
+
+RECIPES = ("rowwise", "rowwise_gw_hp")
+
+# FSDP2 warns that the root module returns a view (the logits come out of
+# DTensor.to_local()); the training loop never modifies them in place.
+warnings.filterwarnings("ignore", message=r".*returned a view tensor.*")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options (see ``--help``); defaults target a 2-core CPU, 4 ranks."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--mode", choices=("both", "bf16", "fp8"), default="both",
+                   help="which precision(s) to train")
+    p.add_argument("--recipe", choices=RECIPES, default="rowwise",
+                   help="fp8tensor recipe for the fp8 run")
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel degree")
+    p.add_argument("--no-sequence-parallel", dest="sequence_parallel",
+                   action="store_false", help="replicate the residual stream over TP ranks")
+    p.add_argument("--sp-fp8-comm", action="store_true",
+                   help="fp8 run: all-gather sequence-parallel activations in fp8 "
+                        "(fp8tensor.Fp8PrepareModuleInput)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--compile", action="store_true", help="torch.compile each block")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=8, help="per data-parallel rank")
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default steps/10)")
+    p.add_argument("--grad-clip", type=float, default=1.0, help="0 disables clipping")
+    p.add_argument("--val-batches", type=int, default=8, help="validation batches per dp rank")
+    p.add_argument("--data", default=None,
+                   help="text file or directory (default: the Python stdlib sources)")
+    p.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_BYTES,
+                   help="read at most this many bytes of the corpus")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="out/example", help="output directory")
+    return p.parse_args(argv)
+
+
+def log(*a) -> None:
+    """Print on rank 0 only."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*a, flush=True)
+
+
+def fp8_converter():
+    """Return ``fp8tensor.convert_to_fp8`` or ``None`` if the package is not usable."""
+    try:
+        import fp8tensor
+
+        return fp8tensor.convert_to_fp8
+    except (ImportError, AttributeError):
+        return None
+
+
+def setup(args) -> tuple[torch.device, object]:
+    """Initialise the process group and a ``("dp", "tp")`` device mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dev_type = args.device
+    if dev_type == "auto":
+        dev_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if dev_type == "cuda":
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if dev_type == "cuda" else "gloo")
+    world = dist.get_world_size()
+    if args.tp < 1 or world % args.tp:
+        raise SystemExit(f"world size {world} is not divisible by --tp {args.tp}")
+    mesh = init_device_mesh(dev_type, (world // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
+    return device, mesh
+
+
+def lr_at(step: int, args) -> float:
+    """Linear warm-up then cosine decay to 10% of the peak learning rate."""
+    warmup = args.warmup if args.warmup is not None else max(1, args.steps // 10)
+    if step < warmup:
+        return args.lr * (step + 1) / warmup
+    t = (step - warmup) / max(1, args.steps - warmup)
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+
+
+def grad_norm_clip_(params, max_norm: float) -> float:
+    """Clip gradients to a total L2 norm of ``max_norm``; return the norm before clipping.
+
+    Works when parameters are DTensors on different meshes (e.g. TP-only and
+    FSDP x TP) or plain tensors, which ``torch.nn.utils.clip_grad_norm_`` does
+    not accept, and needs a single all-reduce: every rank sums the squares of
+    its local shards, divided by how many ranks hold a copy of that shard.
+    """
+    from torch.distributed.tensor import DTensor, Replicate
+
+    world = dist.get_world_size()
+    params = [p for p in params if p.grad is not None]
+    for p in params:  # e.g. SequenceParallel norm weights without FSDP
+        g = p.grad
+        if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+            p.grad = g.redistribute(
+                g.device_mesh, [Replicate() if pl.is_partial() else pl for pl in g.placements]
+            )
+    grads = [p.grad for p in params]
+    sq = None
+    for g in grads:
+        if isinstance(g, DTensor):
+            copies = world // g.device_mesh.size()  # ranks outside the grad's mesh
+            for dim, pl in enumerate(g.placements):
+                if isinstance(pl, Replicate):
+                    copies *= g.device_mesh.size(dim)
+            local = g.to_local()
+        else:
+            copies, local = world, g
+        s = local.detach().float().pow(2).sum() / copies
+        sq = s if sq is None else sq + s
+    if sq is None:
+        return 0.0
+    dist.all_reduce(sq)
+    total = sq.sqrt().item()
+    if max_norm > 0 and total > max_norm:
+        scale = max_norm / (total + 1e-6)
+        for g in grads:
+            g.mul_(scale)
+    return total
+
+
+def build_model(args, mesh, device, fp8: bool) -> torch.nn.Module:
+    """Create (seeded init), optionally fp8-convert, then parallelize the model."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    margs = ModelArgs(dim=args.dim, n_layers=args.layers, n_heads=args.heads,
+                      n_kv_heads=args.kv_heads, max_seq_len=max(args.seq_len, 16))
+    torch.manual_seed(args.seed)  # same initial weights for the bf16 and fp8 runs
+    model = Llama(margs).to(device)
+    dp_size = mesh["dp"].size()
+    if dp_size == 1:
+        model.to(torch.bfloat16)  # no FSDP: keep bf16 parameters directly
+        mp_policy = None
+    else:  # fp32 master weights, bf16 compute and all-gathers, fp32 grad reduction
+        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if fp8:
+        convert = fp8_converter()
+        convert(model, recipe=args.recipe, module_filter_fn=fp8_module_filter)
+    parallelize_llama(model, mesh["tp"], mesh["dp"], sequence_parallel=args.sequence_parallel,
+                      mp_policy=mp_policy, compile=args.compile,
+                      sp_fp8_comm=fp8 and args.sp_fp8_comm and mesh["tp"].size() > 1)
+    return model
+
+
+@torch.no_grad()
+def evaluate(model, batches, device, mesh) -> float:
+    """Mean cross-entropy over ``batches`` (averaged over data-parallel ranks)."""
+    model.eval()
+    total = torch.zeros((), dtype=torch.float64)
+    for x, y in batches:
+        logits = model(x.to(device))
+        total += F.cross_entropy(logits.flatten(0, 1).float(), y.to(device).flatten()).cpu()
+    model.train()
+    return _dp_mean(total / len(batches), mesh)
+
+
+def _dp_mean(value: torch.Tensor, mesh) -> float:
+    if mesh["dp"].size() > 1:
+        t = value.to(dtype=torch.float64, device=mesh.device_type).reshape(1)
+        dist.all_reduce(t, group=mesh["dp"].get_group())
+        value = t / mesh["dp"].size()
+    return float(value.item())
+
+
+def train_one(name: str, args, train_data, val_data, device, mesh) -> dict:
+    """Train one model (``name`` in ``{"bf16", "fp8"}``) and return its metrics."""
+    from tqdm import tqdm
+
+    dp_rank, dp_size = mesh["dp"].get_local_rank(), mesh["dp"].size()
+    t_build = time.perf_counter()
+    model = build_model(args, mesh, device, fp8=(name == "fp8"))
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay},
+         {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr, betas=(0.9, 0.95), foreach=False,
+    )
+    batches = RandomWindows(train_data, args.batch_size, args.seq_len, seed=args.seed,
+                            shard=dp_rank, num_shards=dp_size)
+    tokens_per_step = args.batch_size * args.seq_len * dp_size
+    losses: list[float] = []
+    bar = tqdm(range(args.steps), desc=name, disable=dist.get_rank() != 0,
+               dynamic_ncols=True, mininterval=1.0, file=sys.stdout)
+    t_start = t_timed = time.perf_counter()
+    timed_steps = 0
+    for step in bar:
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, args)
+        x, y = next(batches)
+        logits = model(x.to(device))
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.to(device).flatten())
+        loss.backward()
+        gnorm = grad_norm_clip_(model.parameters(), args.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss_val = _dp_mean(loss.detach().cpu(), mesh)
+        if not math.isfinite(loss_val):
+            raise RuntimeError(f"{name}: non-finite loss {loss_val} at step {step}")
+        losses.append(loss_val)
+        if step == 0:  # exclude the first (warm-up / compile) step from throughput
+            t_timed, timed_steps = time.perf_counter(), 0
+        else:
+            timed_steps += 1
+        elapsed = time.perf_counter() - t_timed
+        tok_s = tokens_per_step * timed_steps / elapsed if timed_steps else 0.0
+        bar.set_postfix(loss=f"{loss_val:.4f}", gnorm=f"{gnorm:.2f}", tok_s=f"{tok_s:,.0f}")
+    bar.close()
+    train_s = time.perf_counter() - t_start
+    val_loss = evaluate(
+        model,
+        fixed_windows(val_data, args.val_batches, args.batch_size, args.seq_len,
+                      seed=args.seed + 1, shard=dp_rank, num_shards=dp_size),
+        device, mesh,
+    )
+    result = {
+        "train_loss": losses,
+        "val_loss": val_loss,
+        "tokens_per_s": tok_s,
+        "train_seconds": train_s,
+        "total_seconds": time.perf_counter() - t_build,
+    }
+    log(f"{name}: val loss {val_loss:.4f}  train loss {losses[-1]:.4f}  "
+        f"{tok_s:,.0f} tok/s  {train_s:.1f}s")
+    del model, opt
+    return result
+
+
+def smooth(xs: list[float], alpha: float = 0.9) -> list[float]:
+    """Exponential moving average (bias-corrected) for plotting."""
+    out, m = [], 0.0
+    for i, x in enumerate(xs):
+        m = alpha * m + (1 - alpha) * x
+        out.append(m / (1 - alpha ** (i + 1)))
+    return out
+
+
+def save_outputs(out_dir: Path, args, results: dict, gap_pct: float | None) -> None:
+    """Write ``losses.json`` and ``loss_curve.png`` into ``out_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "config": {k: v for k, v in vars(args).items()},
+        "world_size": dist.get_world_size(),
+        "runs": results,
+        "val_gap_pct": gap_pct,
+    }
+    (out_dir / "losses.json").write_text(json.dumps(payload, indent=1))
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    colors = {"bf16": "tab:blue", "fp8": "tab:orange"}
+    for name, r in results.items():
+        steps = range(1, len(r["train_loss"]) + 1)
+        ax.plot(steps, r["train_loss"], color=colors.get(name), alpha=0.2, lw=0.8)
+        ax.plot(steps, smooth(r["train_loss"]), color=colors.get(name),
+                label=f"{name} train (EMA)  val {r['val_loss']:.4f}")
+        ax.axhline(r["val_loss"], color=colors.get(name), ls="--", lw=0.8)
+    title = f"byte-level Llama, dp={dist.get_world_size() // args.tp} x tp={args.tp}"
+    if gap_pct is not None:
+        title += f", fp8 ({args.recipe}) val gap {gap_pct:+.2f}%"
+    ax.set(xlabel="step", ylabel="cross-entropy (nats/byte)", title=title)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_dir / "loss_curve.png", dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Entry point; returns the per-run results (on every rank)."""
+    args = parse_args(argv)
+    device, mesh = setup(args)
+    modes = ["bf16", "fp8"] if args.mode == "both" else [args.mode]
+    if "fp8" in modes and fp8_converter() is None:
+        if args.mode == "fp8":
+            raise SystemExit("fp8tensor.convert_to_fp8 is not available")
+        log("warning: fp8tensor.convert_to_fp8 is not available; running bf16 only")
+        modes = ["bf16"]
+
+    corpus = load_corpus(args.data, max_bytes=args.max_bytes)
+    train_data, val_data = split_corpus(corpus)
+    dp, tp = mesh["dp"].size(), mesh["tp"].size()
+    log(f"world {dist.get_world_size()} = dp {dp} x tp {tp} on {device.type} | corpus "
+        f"{len(corpus):,} bytes ({len(train_data):,} train / {len(val_data):,} val) | "
+        f"dim {args.dim} layers {args.layers} heads {args.heads}/{args.kv_heads} "
+        f"seq {args.seq_len} batch {args.batch_size}x{dp} steps {args.steps}")
+
+    results = {name: train_one(name, args, train_data, val_data, device, mesh) for name in modes}
+
+    gap = None
+    if "bf16" in results and "fp8" in results:
+        b, f = results["bf16"]["val_loss"], results["fp8"]["val_loss"]
+        gap = 100.0 * (f - b) / b
+    if dist.get_rank() == 0:
+        save_outputs(Path(args.out), args, results, gap)
+        parts = [f"{n} {r['val_loss']:.4f}" for n, r in results.items()]
+        line = "final val loss: " + "  ".join(parts)
+        if gap is not None:
+            line += f"  gap {gap:.2f}%"
+        print(line, flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -38,6 +38,7 @@ __all__ = [
     "TransformerBlock",
     "Llama",
     "parallelize_llama",
+    "block_tp_plan",
     "fp8_module_filter",
 ]
 
@@ -250,6 +251,53 @@ def fp8_module_filter(module: nn.Module, fqn: str) -> bool:
     )
 
 
+
+def block_tp_plan(*, sequence_parallel: bool = True) -> dict:
+    """The tensor-parallel plan of one :class:`TransformerBlock`, with PyTorch's own parallel styles.
+
+    ``wq/wk/wv/w1/w3``: ``ColwiseParallel``; ``wo/w2``: ``RowwiseParallel``. With ``sequence_parallel`` the block's
+    input and output are the local sequence shard (``Shard(1)``): the norms use ``SequenceParallel`` and
+    ``PrepareModuleInput`` all-gathers the sequence before attention / MLP (swap those entries for fp8 gathers with
+    ``fp8tensor.parallel.fp8_sequence_parallel_plan``). Without it the block's input is replicated.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    if not sequence_parallel:
+        return {
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+        }
+    return {
+        "attention_norm": SequenceParallel(),
+        "attention": PrepareModuleInput(
+            input_layouts=(Shard(1), None),
+            desired_input_layouts=(Replicate(), None),
+        ),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": PrepareModuleInput(
+            input_layouts=(Shard(1),),
+            desired_input_layouts=(Replicate(),),
+        ),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+
 def parallelize_llama(
     model: Llama,
     tp_mesh,
@@ -294,7 +342,6 @@ def parallelize_llama(
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
-        PrepareModuleInput,
         RowwiseParallel,
         SequenceParallel,
         parallelize_module,
@@ -318,39 +365,12 @@ def parallelize_llama(
                     input_layouts=Shard(1), output_layouts=Replicate()
                 ),
             }
-            block_plan = {
-                "attention_norm": SequenceParallel(),
-                "attention": PrepareModuleInput(
-                    input_layouts=(Shard(1), None),
-                    desired_input_layouts=(Replicate(), None),
-                ),
-                "attention.wq": ColwiseParallel(),
-                "attention.wk": ColwiseParallel(),
-                "attention.wv": ColwiseParallel(),
-                "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-                "ffn_norm": SequenceParallel(),
-                "feed_forward": PrepareModuleInput(
-                    input_layouts=(Shard(1),),
-                    desired_input_layouts=(Replicate(),),
-                ),
-                "feed_forward.w1": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-                "feed_forward.w3": ColwiseParallel(),
-            }
         else:
             root_plan = {
                 "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
                 "output": ColwiseParallel(output_layouts=Replicate()),
             }
-            block_plan = {
-                "attention.wq": ColwiseParallel(),
-                "attention.wk": ColwiseParallel(),
-                "attention.wv": ColwiseParallel(),
-                "attention.wo": RowwiseParallel(),
-                "feed_forward.w1": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(),
-                "feed_forward.w3": ColwiseParallel(),
-            }
+        block_plan = block_tp_plan(sequence_parallel=sequence_parallel)
         if sp_fp8_comm:
             if not sequence_parallel:
                 raise ValueError("sp_fp8_comm requires sequence_parallel=True")

@@ -8,6 +8,8 @@ Public API:
 * :func:`quantize_weights` — inference / frozen weights stored in fp8.
 * :func:`fp8_linear` — the functional form of an fp8 Linear.
 * :func:`set_gemm_backend` / :func:`gemm_backend` — GEMM backend choice.
+* :class:`Fp8PrepareModuleInput` / :func:`fp8_sequence_parallel_plan` — fp8 all-gather of sequence-parallel
+  activations (per-token scales), see ``docs/sp_fp8.md``.
 """
 from .quantize import E4M3, E5M2, quantize_rowwise
 from .tensor import ScaledFp8Tensor, dequantize
@@ -33,4 +35,10 @@ __all__ = [
     "get_gemm_backend",
     "set_gemm_backend",
 ]
+try:  # fp8 sequence-parallel communication (needs torch.distributed)
+    from .parallel import Fp8PrepareModuleInput, fp8_sequence_all_gather, fp8_sequence_parallel_plan
+
+    __all__ += ["Fp8PrepareModuleInput", "fp8_sequence_all_gather", "fp8_sequence_parallel_plan"]
+except ImportError:  # pragma: no cover - torch builds without distributed
+    pass
 __version__ = "0.1.0"

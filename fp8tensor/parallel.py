@@ -1,0 +1,306 @@
+"""fp8 communication for sequence parallelism: all-gather the activation in fp8, with per-token scales.
+
+With sequence parallelism (SP) the residual stream between tensor-parallel (TP) regions is sharded along the
+sequence dim, and the input of each column-parallel block (attention's ``wq/wk/wv``, the MLP's ``w1/w3``) is
+all-gathered across the TP group first. PyTorch's ``PrepareModuleInput`` does that gather in the activation's
+precision (bf16). The fp8 GEMMs that follow quantize the gathered activation per token (one scale per row,
+over the hidden dim) anyway, so:
+
+* a rank's sequence shard holds *whole* rows (tokens): quantizing the shard row-wise before the gather gives
+  exactly the per-token scales that the GEMM would compute after it — no amax exchange is needed (a
+  per-tensor scale, the usual alternative, needs an amax all-reduce first);
+* the gather moves ``hidden + 4`` bytes per token (fp8 data plus one float32 scale) instead of ``2 * hidden``
+  (bf16): about half the bytes.
+
+The gathered activation is handed to the consumers as a ``DTensor`` (``Replicate()``) whose local tensor is a
+:class:`~fp8tensor.ScaledFp8Tensor` scaled per token; :func:`fp8tensor.fp8_linear` uses it as is in the forward
+GEMM (so ``wq``, ``wk`` and ``wv`` share one fp8 gather and one quantization) and folds its scales into the
+grad_weight GEMM. The backward is unchanged from the high-precision path: the input gradient (a ``Partial``
+or ``Replicate`` DTensor) is reduce-scattered / sliced back to the sequence shard in high precision.
+
+Public API:
+
+* :class:`Fp8PrepareModuleInput` — drop-in for ``PrepareModuleInput`` in a ``parallelize_module`` plan.
+* :func:`fp8_sequence_parallel_plan` — copy of a TP plan with its ``PrepareModuleInput`` entries swapped.
+* :func:`fp8_sequence_all_gather` — the functional form (``Shard(d)`` DTensor in, fp8 ``Replicate`` DTensor out).
+
+Method: row-wise ("axiswise") fp8 scaling as in :mod:`fp8tensor.quantize`; the fp8 all-gather before
+column-parallel GEMMs follows the idea of fp8 SP communication in fp8 training stacks (e.g. TorchAO's float8
+``PrepareFloat8ModuleInput``, which uses a per-tensor scale), moved to per-token scales so that no scale has to
+be agreed on across ranks. See ``docs/sp_fp8.md``.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Optional
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInput, PrepareModuleInputOutput
+
+from .quantize import E4M3, FLOAT8_DTYPES, check_float8_dtype, quantize_rowwise
+from .tensor import ScaledFp8Tensor
+
+__all__ = ["Fp8PrepareModuleInput", "fp8_sequence_parallel_plan", "fp8_sequence_all_gather"]
+
+# torch >= 2.12 names them *_single; older releases only have *_tensor.
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+
+
+def _wait(t: torch.Tensor) -> torch.Tensor:
+    """Wait for an eager functional collective (a no-op under tracing, where the result is a plain tensor)."""
+    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
+
+
+def _gather_payload(qdata: torch.Tensor, scale: torch.Tensor, dim: int, mesh: DeviceMesh):
+    """All-gather fp8 ``qdata`` (sent as uint8 bytes) and float32 ``scale`` along ``dim`` over the 1-D ``mesh``.
+
+    The two gathers are issued before either is waited on. Kept as a separate function so that tests can
+    check what goes over the wire.
+    """
+    group = (mesh, 0)
+    q = _all_gather(qdata.contiguous().view(torch.uint8), dim, group)
+    s = _all_gather(scale.contiguous(), dim, group)
+    return _wait(q).view(qdata.dtype), _wait(s)
+
+
+class _Fp8SequenceAllGather(torch.autograd.Function):
+    """``Shard(d)`` high-precision DTensor -> ``Replicate`` DTensor of a per-token ScaledFp8Tensor.
+
+    Forward: quantize the local rows over the last (hidden) dim, all-gather fp8 data and scales along ``d``.
+    Backward: redistribute the high-precision gradient back to the input's placement — a reduce-scatter (sum)
+    from ``Partial``, a local slice from ``Replicate`` — exactly what ``DTensor.redistribute`` does in the
+    backward of the high-precision gather; the gradient is returned in the input's dtype.
+    """
+
+    @staticmethod
+    def forward(ctx, x: DTensor, float8_dtype: torch.dtype):
+        mesh = x.device_mesh
+        dim = x.placements[0].dim
+        ctx.mesh, ctx.placements, ctx.in_dtype = mesh, x.placements, x.dtype
+        local = x.to_local()
+        qdata, scale = quantize_rowwise(local, dim=-1, float8_dtype=float8_dtype)
+        q_full, s_full = _gather_payload(qdata, scale, dim, mesh)
+        y = ScaledFp8Tensor(q_full, s_full, x.dtype, fast_accum=True)
+        return DTensor.from_local(y, mesh, (Replicate(),), run_check=False, shape=x.shape, stride=x.stride())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        if not isinstance(grad, DTensor):  # a plain local gradient is that of the replicated tensor
+            grad = DTensor.from_local(grad, ctx.mesh, (Replicate(),), run_check=False)
+        g = grad.redistribute(ctx.mesh, ctx.placements)
+        if g.dtype != ctx.in_dtype:
+            g = g.to(ctx.in_dtype)
+        return g, None
+
+
+def _shard_dim(x: torch.Tensor) -> Optional[int]:
+    """The (non-negative) sequence dim if ``x`` is a DTensor sharded once on a 1-D mesh, else None."""
+    if not isinstance(x, DTensor) or x.device_mesh.ndim != 1 or len(x.placements) != 1:
+        return None
+    p = x.placements[0]
+    if type(p) is not Shard:  # _StridedShard and friends are not plain row shards
+        return None
+    return p.dim + x.ndim if p.dim < 0 else p.dim
+
+
+def _why_not_fp8(x: torch.Tensor) -> Optional[tuple[type, str]]:
+    """None if :func:`fp8_sequence_all_gather` can take ``x``, else ``(exception type, reason)``."""
+    if not isinstance(x, DTensor):
+        return TypeError, f"expected a DTensor, got {type(x).__name__}"
+    if x.dtype in FLOAT8_DTYPES or not x.dtype.is_floating_point:
+        return TypeError, f"expected a high-precision floating-point DTensor, got dtype {x.dtype}"
+    if isinstance(x.to_local(), ScaledFp8Tensor):
+        return TypeError, "input is already fp8 (its local tensor is a ScaledFp8Tensor)"
+    if x.ndim < 2:
+        return ValueError, f"expected at least 2 dims (tokens x hidden), got shape {tuple(x.shape)}"
+    d = _shard_dim(x)
+    if d is None:
+        return ValueError, (
+            f"expected a DTensor on a 1-D mesh with placements (Shard(d),), got placements {x.placements} "
+            f"on a {x.device_mesh.ndim}-D mesh"
+        )
+    if d == x.ndim - 1:
+        return ValueError, (
+            f"the input is sharded on its last (hidden) dim (Shard({d})): per-token scales need whole rows; "
+            "shard the sequence dim instead"
+        )
+    if x.shape[d] % x.device_mesh.size():
+        return ValueError, f"uneven sequence shards (dim {d} of size {x.shape[d]} over {x.device_mesh.size()} ranks)"
+    return None
+
+
+def fp8_sequence_all_gather(x: DTensor, *, float8_dtype: torch.dtype = E4M3) -> DTensor:
+    """All-gather a sequence-sharded activation in fp8 with one scale per token.
+
+    Each rank quantizes its local rows over the last (hidden) dim with
+    :func:`fp8tensor.quantize.quantize_rowwise`, then fp8 data (sent as uint8) and float32 scales are
+    all-gathered along the sharded dim with functional collectives. The per-token scales are identical to those
+    :func:`fp8tensor.fp8_linear` computes on a high-precision gathered activation, so the forward GEMMs give
+    bit-identical results; the bytes moved are ``hidden + 4`` per token instead of ``2 * hidden`` for bf16.
+
+    Differentiable: the gradient with respect to ``x`` is the high-precision gradient of the output
+    redistributed to ``x``'s placement (reduce-scatter-sum from ``Partial``, slice from ``Replicate``), as for
+    ``x.redistribute(placements=[Replicate()])``.
+
+    Args:
+        x: DTensor of shape ``(..., hidden)`` on a 1-D mesh (the TP mesh) with placements ``(Shard(d),)``,
+            ``d`` not the last dim (typically ``Shard(1)`` for ``(batch, seq, hidden)``), evenly sharded, of a
+            high-precision floating dtype (bf16/fp16/fp32).
+        float8_dtype: ``torch.float8_e4m3fn`` (default) or ``torch.float8_e5m2``.
+
+    Returns:
+        DTensor of ``x``'s global shape and dtype, placements ``(Replicate(),)``, whose local tensor is a
+        :class:`~fp8tensor.ScaledFp8Tensor` with ``qdata`` of the global shape and ``scale`` of shape
+        ``(..., 1)`` (one per token). Its consumers should be fp8 Linears (:func:`fp8tensor.convert_to_fp8`):
+        a plain op on it runs on the dequantized value (and an ``aten.mm`` on it runs in fp8).
+
+    Raises:
+        TypeError: ``x`` is not a DTensor, not high-precision floating point, or already fp8; unsupported
+            ``float8_dtype``.
+        ValueError: ``x`` has fewer than 2 dims, is not ``(Shard(d),)`` on a 1-D mesh, is sharded on its last
+            dim, or its shards are uneven (dim size not divisible by the mesh size).
+    """
+    op = "fp8_sequence_all_gather"
+    check_float8_dtype(float8_dtype, op)
+    why = _why_not_fp8(x)
+    if why is not None:
+        raise why[0](f"{op}: {why[1]}")
+    return _Fp8SequenceAllGather.apply(x, float8_dtype)
+
+
+def _is_sp_gather(input_layout: Optional[Placement], desired_layout: Optional[Placement]) -> bool:
+    return isinstance(input_layout, Shard) and isinstance(desired_layout, Replicate)
+
+
+class Fp8PrepareModuleInput(PrepareModuleInput):
+    """``PrepareModuleInput`` whose ``Shard(d) -> Replicate()`` input gathers move fp8 data and per-token scales.
+
+    Use it instead of ``PrepareModuleInput`` on the modules whose inputs feed column-parallel fp8 Linears under
+    sequence parallelism (attention, feed-forward), e.g.::
+
+        plan = {
+            "attention": Fp8PrepareModuleInput(input_layouts=(Shard(1), None),
+                                               desired_input_layouts=(Replicate(), None)),
+            "attention.wq": ColwiseParallel(), ...
+        }
+
+    For each input (positional or keyword) whose layout goes from ``Shard(d)`` (``d`` not the last dim) to
+    ``Replicate()``, the input is quantized per token on each rank and gathered with
+    :func:`fp8_sequence_all_gather`; the module receives a ``Replicate`` DTensor whose local tensor is a
+    :class:`~fp8tensor.ScaledFp8Tensor` (or that local tensor, with ``use_local_output=True``). Every other
+    input is prepared exactly as ``PrepareModuleInput`` does. An input that cannot be gathered per token —
+    not floating point, fewer than 2 dims, sharded on its last dim, uneven shards, or already fp8 — falls back
+    to the high-precision gather, with a warning.
+
+    The consumers of a gathered input must be fp8 Linears (:func:`fp8tensor.convert_to_fp8` or
+    :func:`fp8tensor.quantize_weights`, any recipe): they use it as is. Any other op on it sees the dequantized
+    value (e.g. a high-precision ``nn.Linear`` would multiply the fp8-rounded activation, in fp8).
+
+    Args (keyword-only): as ``torch.distributed.tensor.parallel.PrepareModuleInput`` — ``input_layouts``,
+        ``desired_input_layouts``, ``input_kwarg_layouts``, ``desired_input_kwarg_layouts``,
+        ``use_local_output`` — plus ``float8_dtype`` (``torch.float8_e4m3fn``, default, or
+        ``torch.float8_e5m2``).
+
+    Raises:
+        TypeError: unsupported ``float8_dtype``.
+        AssertionError: inconsistent layouts (raised by ``PrepareModuleInput``).
+    """
+
+    def __init__(
+        self,
+        *,
+        input_layouts=None,
+        desired_input_layouts=None,
+        input_kwarg_layouts: Optional[dict] = None,
+        desired_input_kwarg_layouts: Optional[dict] = None,
+        use_local_output: bool = False,
+        float8_dtype: torch.dtype = E4M3,
+    ):
+        check_float8_dtype(float8_dtype, "Fp8PrepareModuleInput")
+        super().__init__(
+            input_layouts=input_layouts,
+            desired_input_layouts=desired_input_layouts,
+            input_kwarg_layouts=input_kwarg_layouts,
+            desired_input_kwarg_layouts=desired_input_kwarg_layouts,
+            use_local_output=use_local_output,
+        )
+        self.float8_dtype = float8_dtype
+
+    def _prepare_input_arg(
+        self, input: Any, mesh: DeviceMesh, input_layout: Optional[Placement], desired_layout: Optional[Placement]
+    ):
+        if not _is_sp_gather(input_layout, desired_layout) or not isinstance(input, torch.Tensor):
+            return super()._prepare_input_arg(input, mesh, input_layout, desired_layout)
+        if isinstance(input, DTensor):
+            dt = input
+        else:
+            dt = DTensor.from_local(input, mesh, (input_layout,), run_check=False)
+        why = _why_not_fp8(dt)
+        if why is not None:
+            warnings.warn(f"Fp8PrepareModuleInput: all-gathering in high precision: {why[1]}", stacklevel=2)
+            return super()._prepare_input_arg(dt, mesh, input_layout, desired_layout)
+        out = _Fp8SequenceAllGather.apply(dt, self.float8_dtype)
+        return out.to_local() if self.use_local_output else out
+
+    def __repr__(self) -> str:
+        return super().__repr__()[:-1] + f", float8_dtype={self.float8_dtype})"
+
+
+def _to_fp8_input_style(style: PrepareModuleInput, float8_dtype: torch.dtype) -> Fp8PrepareModuleInput:
+    new = Fp8PrepareModuleInput.__new__(Fp8PrepareModuleInput)
+    new.__dict__.update(style.__dict__)  # the layouts, as already normalized by PrepareModuleInput.__init__
+    new.float8_dtype = float8_dtype
+    return new
+
+
+def _has_sp_gather(style: PrepareModuleInput) -> bool:
+    pairs = list(zip(style.input_layouts or (), style.desired_input_layouts or ()))
+    pairs += [(v, style.desired_input_kwarg_layouts.get(k)) for k, v in style.input_kwarg_layouts.items()]
+    return any(_is_sp_gather(a, b) for a, b in pairs)
+
+
+def fp8_sequence_parallel_plan(
+    plan: dict[str, ParallelStyle], *, float8_dtype: torch.dtype = E4M3
+) -> dict[str, ParallelStyle]:
+    """Copy of a ``parallelize_module`` plan with fp8 sequence-parallel gathers.
+
+    Every ``PrepareModuleInput`` entry (exact type, or the input half of a ``PrepareModuleInputOutput``) with
+    at least one ``Shard(d) -> Replicate()`` input becomes an :class:`Fp8PrepareModuleInput` with the same
+    layouts and ``use_local_output``; all other entries are kept (the same objects). ``plan`` is not modified.
+
+    Typical use, on a Llama block plan with sequence parallelism (``attention`` / ``feed_forward`` entries
+    ``PrepareModuleInput(input_layouts=(Shard(1), ...), desired_input_layouts=(Replicate(), ...))``)::
+
+        block_plan = fp8_sequence_parallel_plan(block_plan)
+        parallelize_module(block, tp_mesh, block_plan)
+
+    The modules these entries prepare must feed fp8 Linears (see :class:`Fp8PrepareModuleInput`).
+
+    Args:
+        plan: dict from module FQN (or pattern) to ``ParallelStyle``.
+        float8_dtype: ``torch.float8_e4m3fn`` (default) or ``torch.float8_e5m2``.
+
+    Returns:
+        A new dict with the same keys, in the same order.
+
+    Raises:
+        TypeError: ``plan`` is not a dict, or unsupported ``float8_dtype``.
+    """
+    op = "fp8_sequence_parallel_plan"
+    check_float8_dtype(float8_dtype, op)
+    if not isinstance(plan, dict):
+        raise TypeError(f"{op}: expected a dict of module name -> ParallelStyle, got {type(plan).__name__}")
+    out: dict[str, ParallelStyle] = {}
+    for name, style in plan.items():
+        if type(style) is PrepareModuleInput and _has_sp_gather(style):
+            style = _to_fp8_input_style(style, float8_dtype)
+        elif type(style) is PrepareModuleInputOutput and _has_sp_gather(style.prepare_module_input):
+            new = PrepareModuleInputOutput.__new__(PrepareModuleInputOutput)
+            new.__dict__.update(style.__dict__)
+            new.prepare_module_input = _to_fp8_input_style(style.prepare_module_input, float8_dtype)
+            style = new
+        out[name] = style
+    return out

@@ -185,6 +185,9 @@ def quantize_weights(
         if _is_dtensor(w):
             w.requires_grad_(False)
             w._local_tensor = q(w._local_tensor)
+            from .fsdp import refresh_fsdp_param
+
+            refresh_fsdp_param(w)
         else:
             lin.weight = nn.Parameter(q(w.data), requires_grad=False)
         lin.fp8_recipe = get_recipe("rowwise")

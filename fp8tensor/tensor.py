@@ -189,6 +189,19 @@ class ScaledFp8Tensor(torch.Tensor):
             + ")"
         )
 
+    # ------------------------------------------------------------------ FSDP2 all-gather extension
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        """FSDP2 hook: all-gather the fp8 rows and their scales as stored (see :mod:`fp8tensor.fsdp`)."""
+        from .fsdp import scaled_pre_all_gather
+
+        return scaled_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy)
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        """FSDP2 hook: the unsharded ScaledFp8Tensor from the gathered rows and scales (see :mod:`fp8tensor.fsdp`)."""
+        from .fsdp import post_all_gather
+
+        return post_all_gather(self, all_gather_outputs, metadata, param_dtype, out=out)
+
     # ------------------------------------------------------------------ serialization
     def __reduce_ex__(self, protocol):
         return (

@@ -45,6 +45,7 @@ all-gather buffers.
 """
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple, Optional
 
 import torch
@@ -173,6 +174,28 @@ def master_pre_all_gather(master, mesh, outer_size, outer_stride, module, mp_pol
     return _all_gather_inputs(q, s, mesh, outer_size, fast_accum=True)
 
 
+_FSDP_PARAM_OF: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _drop_flat_copy(local: ScaledFp8Tensor) -> None:
+    """Free the flat copy FSDP2 keeps of a ScaledFp8Tensor shard.
+
+    FSDP2 stores ``_sharded_param_data = local.view(-1)`` (at ``fully_shard``, lazy init and after
+    ``load_state_dict``); it is the all-gather input of the default path only, which an extension never takes. For a
+    ScaledFp8Tensor a 1-D view needs one scale per *element* (4 bytes each, on top of the 1-byte data), so the copy
+    would cost 5x the fp8 shard. It is replaced by the shard itself (same storage, nothing extra). The owning
+    ``FSDPParam`` is looked up once per local tensor.
+    """
+    fp = _FSDP_PARAM_OF.get(local)
+    if fp is None:
+        fp = next((f for f in _fsdp_params() if f._sharded_local_tensor is local), None)
+        if fp is None:
+            return
+        _FSDP_PARAM_OF[local] = fp
+    if fp._sharded_param_data is not local:
+        fp._sharded_param_data = local
+
+
 @torch.no_grad()
 def scaled_pre_all_gather(t: ScaledFp8Tensor, mesh, outer_size, outer_stride, module, mp_policy):
     """``ScaledFp8Tensor.fsdp_pre_all_gather``: gather the stored fp8 rows and their scales unchanged.
@@ -187,6 +210,7 @@ def scaled_pre_all_gather(t: ScaledFp8Tensor, mesh, outer_size, outer_stride, mo
         NotImplementedError: the tensor has fewer than 2 dims.
     """
     _check_rowwise_input(t, "ScaledFp8Tensor.fsdp_pre_all_gather")
+    _drop_flat_copy(t)
     scale = t.scale
     if scale.shape[0] != t.shape[0]:
         scale = scale.expand(t.shape[0], *scale.shape[1:])

@@ -481,8 +481,13 @@ def worker_1d(rank: int, world: int, seed: int) -> dict:
             yq = mq(xs[0][rank])
         for h in handles:
             h.remove()
+        # FSDP2's flat copy of each shard (unused by the fp8 all-gather) must not hold one scale per element
+        flat_scale_bytes = max(
+            f._sharded_param_data.scale.numel() * 4 for f in f8fsdp._fsdp_params(mq) if f.sharded_param.dim() == 2)
         res[f"D_{order}"] = dict(
             local=local_types(mq),
+            flat_scale_bytes=flat_scale_bytes,
+            max_scale_bytes=max(4 * -(-s[0] // world) for s in (p.shape for p in base.parameters() if p.dim() == 2)),
             exact={n: same_fp8(w, ScaledFp8Tensor.from_hp(full_w[n + ".weight"])) for n, (_, w) in fwd_w.items()},
             out_equal=bool(torch.equal(yq, y_ref)),
         )
@@ -764,13 +769,15 @@ def test_convert_after_fully_shard(run1d):
 
 
 def test_frozen_scaled_fp8_weights(run1d):
-    """quantize_weights before or after fully_shard: data and scales gathered as stored, bit-exact forward."""
+    """quantize_weights before or after fully_shard: data and scales gathered as stored, bit-exact forward, and
+    no per-element scale copy left in FSDP2's bookkeeping."""
     for rank, r in enumerate(run1d):
         for order in ("before", "after"):
             d = r[f"D_{order}"]
             assert d["local"] == ["ScaledFp8Tensor"], (order, d)
             assert len(d["exact"]) == 7 and all(d["exact"].values()), (order, d["exact"])
             assert d["out_equal"], (rank, order, _ctx(r))
+            assert d["flat_scale_bytes"] <= d["max_scale_bytes"], (order, d["flat_scale_bytes"])
 
 
 def test_big_uneven_weight(run1d):

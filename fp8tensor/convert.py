@@ -6,7 +6,7 @@ swapped, so optimizers and FSDP2 keep their references.
 """
 from __future__ import annotations
 
-import types
+import functools
 import warnings
 from typing import Callable, Optional
 
@@ -134,7 +134,7 @@ def convert_to_fp8(
         if new is not None:
             lin.weight = new
         lin.fp8_recipe = r
-        lin.forward = types.MethodType(fp8_linear_forward, lin)
+        lin.forward = functools.partial(fp8_linear_forward, lin)  # picklable, unlike a bound MethodType
         lin._register_state_dict_hook(_plain_state_dict_hook)
         lin.register_load_state_dict_post_hook(_rewrap_after_load)
     module.fp8_skipped = skipped
@@ -191,5 +191,5 @@ def quantize_weights(
         else:
             lin.weight = nn.Parameter(q(w.data), requires_grad=False)
         lin.fp8_recipe = get_recipe("rowwise")
-        lin.forward = types.MethodType(fp8_linear_forward, lin)
+        lin.forward = functools.partial(fp8_linear_forward, lin)  # picklable, unlike a bound MethodType
     return module

@@ -86,6 +86,10 @@ def quantize_rowwise(
     Returns:
         ``(qdata, scale)``: ``qdata`` has ``x``'s shape and ``float8_dtype``; ``scale`` is float32 with
         ``x.ndim`` dims, size 1 on ``dim``, such that ``qdata.float() * scale ≈ x``.
+
+    Raises:
+        TypeError: ``float8_dtype`` is not one of the supported fp8 formats.
     """
+    check_float8_dtype(float8_dtype, "quantize_rowwise")
     scale = rowwise_scale(x, dim, float8_dtype)
     return cast_to_fp8(x, scale, float8_dtype), scale

@@ -283,6 +283,14 @@ class Fp8MasterWeight(torch.Tensor):
                 inp = args[0] if args else kwargs["input"]
                 bias = args[2] if len(args) > 2 else kwargs.get("bias")
                 return fp8_linear(inp, weight, bias, recipe=weight.recipe)
+        if func == torch._C.TensorBase.data.__set__ and isinstance(args[0], Fp8MasterWeight):
+            # ``w.data = t`` (also how ``Module.to(dtype)`` converts parameters): replace the wrapped data too,
+            # else the wrapper would report t's dtype while still computing with the old ``_data``.
+            new = args[1] if isinstance(args[1], Fp8MasterWeight) else Fp8MasterWeight(args[1], args[0].recipe)
+            with torch._C.DisableTorchFunctionSubclass():
+                func(args[0], new)
+            args[0]._data = new._data
+            return None
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 

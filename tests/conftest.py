@@ -1,0 +1,80 @@
+"""Shared helpers for the CPU test suites.
+
+Randomness: every test draws fresh random inputs. The autouse fixture :func:`_fresh_seed` seeds torch with a new
+random seed per test and prints it, so a failure shows ``FP8TENSOR_TEST_SEED=<seed>`` in its captured output;
+setting that environment variable replays the exact inputs.
+
+Error metric: :func:`rel_err` is the relative Frobenius error ``‖out − ref‖ / ‖ref‖`` computed in float64.
+Bounds follow from fp8 precision: e4m3 rounds to 3 mantissa bits (relative rounding error ≤ 2^-4, RMS ≈ 2^-4/√3
+for uniformly spread mantissas), and a GEMM with *both* operands rounded gives ≈ 3.6 % typical relative error on
+Gaussian data, hence the project bound :data:`E4M3_GEMM_BOUND` = 5e-2.
+"""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from fp8tensor.quantize import quantize_rowwise
+
+#: Relative Frobenius error bound of a GEMM with both operands rounded to e4m3 (typical value ≈ 3.6e-2).
+E4M3_GEMM_BOUND = 5e-2
+#: Same for e5m2 (2 mantissa bits: twice the rounding error of e4m3; typical ≈ 7e-2).
+E5M2_GEMM_BOUND = 1.0e-1
+#: Bound for comparing a result against an exact float64 emulation of the *same* fp8 operands: only the
+#: float32 accumulation order differs (≈ sqrt(K) · 2^-24 relative).
+EMULATION_BOUND = 1e-5
+#: Bound for a bf16 output against a float64 value of the same computation: bf16 rounding (2^-9 relative, RMS
+#: ≈ 2^-9/√3 ≈ 1.1e-3) with margin.
+BF16_OUT_BOUND = 8e-3
+
+BACKENDS = ("rowwise", "tensorwise", "emulated")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_seed():
+    """Seed torch with a fresh (or replayed, via ``FP8TENSOR_TEST_SEED``) seed and print it."""
+    seed = int(os.environ.get("FP8TENSOR_TEST_SEED", random.SystemRandom().randrange(2**31)))
+    torch.manual_seed(seed)
+    print(f"FP8TENSOR_TEST_SEED={seed}")
+    yield seed
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``‖out − ref‖_F / ‖ref‖_F`` in float64 (plain tensors; dequantize fp8 tensors before calling)."""
+    out = out.detach().to(torch.float64)
+    ref = ref.detach().to(torch.float64)
+    assert out.shape == ref.shape, (tuple(out.shape), tuple(ref.shape))
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def dequant_rowwise(x: torch.Tensor, dim: int, float8_dtype=torch.float8_e4m3fn) -> torch.Tensor:
+    """float64 value of ``x`` after fp8tensor's row-wise quantization over ``dim`` (the fp8 operand a GEMM uses)."""
+    q, s = quantize_rowwise(x, dim=dim, float8_dtype=float8_dtype)
+    return q.to(torch.float64) * s.to(torch.float64)
+
+
+def emulated_fp8_mm(a: torch.Tensor, b: torch.Tensor, float8_dtype=torch.float8_e4m3fn) -> torch.Tensor:
+    """float64 ``a @ b`` where plain operands are first quantized row-wise along K, as fp8tensor does on the fly.
+
+    ``a`` is ``(M, K)``, ``b`` is ``(K, N)``; ScaledFp8Tensor operands are taken as their exact dequantized values.
+    """
+    from fp8tensor import ScaledFp8Tensor
+
+    def _val(t, k_dim):
+        if isinstance(t, ScaledFp8Tensor):
+            return t.to_hp(torch.float32).to(torch.float64)
+        return dequant_rowwise(t, k_dim, float8_dtype)
+
+    return _val(a, 1) @ _val(b, 0)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaN == NaN) of two tensors of the same dtype and shape."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    return torch.equal(a, b) or bool(((a == b) | (a.isnan() & b.isnan())).all())

@@ -1,0 +1,207 @@
+"""Module conversion (fp8tensor/convert.py): convert_to_fp8 and quantize_weights on plain (non-distributed) modules."""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fp8tensor import E5M2, Fp8MasterWeight, ScaledFp8Tensor, convert_to_fp8, fp8_linear, quantize_weights
+
+from conftest import E4M3_GEMM_BOUND, E5M2_GEMM_BOUND, rel_err, same_bits
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 64)
+        self.norm = nn.LayerNorm(64)
+        self.mlp = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64, bias=False))
+        self.head = nn.Linear(64, 32)
+
+    def forward(self, idx):
+        h = self.emb(idx)
+        return self.head(h + self.mlp(self.norm(h)))
+
+
+LINEARS = ["mlp.0", "mlp.2", "head"]
+
+
+def _snapshot(model):
+    """Everything conversion may touch: state dict values, parameter objects and types, instance attributes."""
+    return (
+        {k: v.detach().clone() for k, v in model.state_dict().items()},
+        {n: (p, type(p), p.requires_grad) for n, p in model.named_parameters()},
+        {n: set(vars(m)) - {"_forward_pre_hooks"} for n, m in model.named_modules()},
+    )
+
+
+def _assert_unchanged(model, snap):
+    sd, params, attrs = snap
+    now = model.state_dict()
+    assert now.keys() == sd.keys()
+    for k, v in sd.items():
+        assert type(now[k]) is type(v) and same_bits(now[k].detach(), v), k
+    for n, p in model.named_parameters():
+        assert params[n][0] is p and type(p) is params[n][1] and p.requires_grad == params[n][2], n
+    for n, m in model.named_modules():
+        assert set(vars(m)) - {"_forward_pre_hooks"} == attrs[n], n
+        assert "forward" not in vars(m) and not hasattr(m, "fp8_recipe"), n
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_gw_hp"])
+def test_convert_to_fp8_swaps_linears_only(recipe):
+    model = Block()
+    ref = copy.deepcopy(model)
+    out = convert_to_fp8(model, recipe=recipe)
+    assert out is model and model.fp8_skipped == []
+    mods = dict(model.named_modules())
+    for name in LINEARS:
+        lin = mods[name]
+        assert type(lin.weight) is Fp8MasterWeight and isinstance(lin.weight, nn.Parameter)
+        assert lin.weight.requires_grad and lin.weight.recipe.name == recipe and lin.fp8_recipe.name == recipe
+        assert torch.equal(lin.weight._data, dict(ref.named_modules())[name].weight)
+    assert type(model.emb.weight) is nn.Parameter and type(model.norm.weight) is nn.Parameter
+    idx = torch.randint(0, 10, (3, 5))
+    y, y_ref = model(idx), ref(idx)
+    assert 1e-3 < rel_err(y, y_ref) <= E4M3_GEMM_BOUND
+    x = torch.randn(4, 64)
+    assert torch.equal(model.head(x), fp8_linear(x, model.head.weight, model.head.bias, recipe=recipe))
+    # converting again is a no-op (no double wrapping)
+    w = model.head.weight
+    convert_to_fp8(model, recipe=recipe)
+    assert model.head.weight is w and type(w._data) is torch.Tensor
+
+
+def test_module_filter_fn_is_respected():
+    model = Block()
+    seen = []
+
+    def only_mlp(mod, fqn):
+        seen.append((type(mod).__name__, fqn))
+        return fqn.startswith("mlp.")
+
+    convert_to_fp8(model, module_filter_fn=only_mlp)
+    assert sorted(seen) == sorted(("Linear", n) for n in LINEARS)  # called once per Linear, with its fqn
+    assert type(model.mlp[0].weight) is Fp8MasterWeight and type(model.mlp[2].weight) is Fp8MasterWeight
+    assert type(model.head.weight) is nn.Parameter and "forward" not in vars(model.head)
+    x = torch.randn(4, 64)
+    assert torch.equal(model.head(x), F.linear(x, model.head.weight, model.head.bias))
+
+    q = Block()
+    quantize_weights(q, module_filter_fn=lambda mod, fqn: fqn == "head")
+    assert type(q.head.weight) is ScaledFp8Tensor
+    assert type(q.mlp[0].weight) is nn.Parameter and type(q.mlp[2].weight) is nn.Parameter
+
+
+def test_layers_not_multiple_of_16_stay_high_precision_and_are_reported():
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 10), nn.Linear(10, 64), nn.Linear(24, 32))
+    with pytest.warns(UserWarning, match=r"left in high precision.*1 \(64->10\), 2 \(10->64\), 3 \(24->32\)"):
+        convert_to_fp8(model)
+    assert model.fp8_skipped == ["1 (64->10)", "2 (10->64)", "3 (24->32)"]
+    assert type(model[0].weight) is Fp8MasterWeight
+    for i in (1, 2, 3):
+        assert type(model[i].weight) is nn.Parameter and "forward" not in vars(model[i])
+    # a model with nothing to skip does not warn
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        convert_to_fp8(nn.Linear(32, 48))
+
+
+def test_converted_state_dict_loads_into_unconverted_and_back():
+    conv = Block()
+    convert_to_fp8(conv)
+    plain = Block()
+    sd = conv.state_dict()
+    assert sd.keys() == plain.state_dict().keys()
+    assert all(type(v) is torch.Tensor for v in sd.values())
+    plain.load_state_dict(sd)  # strict
+    assert all(type(p) is nn.Parameter for p in plain.parameters())
+    for k, v in plain.state_dict().items():
+        assert torch.equal(v, sd[k]), k
+
+    # unconverted -> converted, copying into the existing master weights
+    src = Block()
+    target = Block()
+    convert_to_fp8(target)
+    w = target.head.weight
+    target.load_state_dict(src.state_dict())
+    assert target.head.weight is w and type(w) is Fp8MasterWeight
+    for name in LINEARS:
+        assert torch.equal(dict(target.named_modules())[name].weight._data, dict(src.named_modules())[name].weight)
+
+    # unconverted -> converted with assign=True: the loaded tensors are wrapped again
+    target2 = Block()
+    convert_to_fp8(target2)
+    target2.load_state_dict(src.state_dict(), assign=True)
+    for name in LINEARS:
+        lw = dict(target2.named_modules())[name].weight
+        assert type(lw) is Fp8MasterWeight and isinstance(lw, nn.Parameter) and lw.requires_grad
+        assert torch.equal(lw._data, dict(src.named_modules())[name].weight)
+    idx = torch.randint(0, 10, (2, 3))
+    target2(idx).sum().backward()
+    assert type(target2.head.weight.grad) is torch.Tensor
+    assert rel_err(target2(idx), src(idx)) <= E4M3_GEMM_BOUND
+
+
+@pytest.mark.parametrize("f8", [torch.float8_e4m3fn, E5M2], ids=["e4m3", "e5m2"])
+def test_quantize_weights(f8):
+    model = Block()
+    ref = copy.deepcopy(model)
+    assert quantize_weights(model, float8_dtype=f8) is model
+    for name in LINEARS:
+        w = dict(model.named_modules())[name].weight
+        assert type(w) is ScaledFp8Tensor and isinstance(w, nn.Parameter) and not w.requires_grad
+        assert w.qdata.dtype == f8 and tuple(w.scale.shape) == (w.shape[0], 1)
+        assert torch.equal(w.to_hp(), ScaledFp8Tensor.from_hp(dict(ref.named_modules())[name].weight.detach(), f8).to_hp())
+    idx = torch.randint(0, 10, (3, 5))
+    bound = E4M3_GEMM_BOUND if f8 == torch.float8_e4m3fn else E5M2_GEMM_BOUND
+    assert rel_err(model(idx), ref(idx)) <= bound
+
+
+def test_quantize_weights_after_convert_to_fp8_uses_master_values():
+    model = Block()
+    convert_to_fp8(model)
+    master = model.head.weight._data.clone()
+    quantize_weights(model)
+    assert type(model.head.weight) is ScaledFp8Tensor
+    assert torch.equal(model.head.weight.to_hp(), ScaledFp8Tensor.from_hp(master).to_hp())
+
+
+# ---------------------------------------------------------------------------------------------- bad inputs
+@pytest.mark.parametrize(
+    "case",
+    ["unknown_recipe", "filter_raises", "filter_not_callable", "q_filter_raises", "q_bad_float8", "q_filter_not_callable"],
+)
+def test_bad_arguments_leave_model_unchanged(case):
+    model = Block()
+    snap = _snapshot(model)
+
+    def boom(mod, fqn):
+        if fqn == "mlp.2":
+            raise KeyError("no such layer")
+        return True
+
+    fn, exc, msg = {
+        "unknown_recipe": (lambda: convert_to_fp8(model, recipe="tensorwise"), ValueError, r"unknown recipe 'tensorwise'"),
+        "filter_raises": (lambda: convert_to_fp8(model, module_filter_fn=boom), RuntimeError, r"convert_to_fp8: module_filter_fn raised for module 'mlp\.2'; the model was not changed"),
+        "filter_not_callable": (lambda: convert_to_fp8(model, module_filter_fn="mlp"), TypeError, r"convert_to_fp8: module_filter_fn must be callable"),
+        "q_filter_raises": (lambda: quantize_weights(model, module_filter_fn=boom), RuntimeError, r"quantize_weights: module_filter_fn raised for module 'mlp\.2'"),
+        "q_bad_float8": (lambda: quantize_weights(model, float8_dtype=torch.float8_e4m3fnuz), TypeError, r"quantize_weights: unsupported float8 dtype"),
+        "q_filter_not_callable": (lambda: quantize_weights(model, module_filter_fn=3), TypeError, r"quantize_weights: module_filter_fn must be callable"),
+    }[case]
+    with pytest.raises(exc, match=msg) as e:
+        fn()
+    if case.endswith("filter_raises"):
+        assert isinstance(e.value.__cause__, KeyError)  # the original error is chained
+    _assert_unchanged(model, snap)
+
+
+@pytest.mark.parametrize("convert", [convert_to_fp8, quantize_weights], ids=["convert_to_fp8", "quantize_weights"])
+@pytest.mark.parametrize("bad", [nn.Linear, "model", torch.randn(4, 4), None], ids=["class", "str", "tensor", "None"])
+def test_non_module_is_rejected(convert, bad):
+    with pytest.raises(TypeError, match=rf"{convert.__name__}: expected an nn.Module, got"):
+        convert(bad)

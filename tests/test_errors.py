@@ -1,0 +1,139 @@
+"""Bad inputs to the core API: a clear Python error naming the operation and the reason; inputs unchanged."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fp8tensor import E4M3, ScaledFp8Tensor, fp8_linear, quantize_rowwise
+from fp8tensor.gemm import fp8_mm, scaled_mm
+from fp8tensor.quantize import check_float8_dtype
+
+from conftest import same_bits
+
+UNSUPPORTED_F8 = [torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, torch.bfloat16, torch.int8]
+
+
+def _snapshot(*ts):
+    return [t.detach().clone() if not isinstance(t, ScaledFp8Tensor) else (t.qdata.clone(), t.scale.clone()) for t in ts]
+
+
+def _unchanged(before, *ts):
+    for b, t in zip(before, ts):
+        if isinstance(t, ScaledFp8Tensor):
+            assert same_bits(b[0], t.qdata) and torch.equal(b[1], t.scale)
+        else:
+            assert same_bits(b, t.detach())
+    return True
+
+
+@pytest.mark.parametrize(
+    "x,exc,msg",
+    [
+        (torch.randn(5), ValueError, r"from_hp: expected a tensor with at least 2 dims.*\(5,\)"),
+        (torch.tensor(1.5), ValueError, r"from_hp: expected a tensor with at least 2 dims.*\(\)"),
+        (torch.ones(4, 4, dtype=torch.int32), TypeError, r"from_hp: expected a high-precision floating-point.*int32"),
+        (torch.ones(4, 4, dtype=torch.bool), TypeError, r"from_hp: .*bool"),
+        (torch.ones(4, 4, dtype=torch.complex64), TypeError, r"from_hp: .*complex64"),
+        (torch.ones(4, 4).to(torch.float8_e4m3fn), TypeError, r"from_hp: .*float8_e4m3fn"),
+        (torch.ones(4, 4).to(torch.float8_e5m2), TypeError, r"from_hp: .*float8_e5m2"),
+        (np.ones((4, 4), dtype=np.float32), TypeError, r"from_hp: expected a torch.Tensor, got ndarray"),
+        ([[1.0, 2.0]], TypeError, r"from_hp: expected a torch.Tensor, got list"),
+    ],
+    ids=["1d", "0d", "int32", "bool", "complex", "fp8-e4m3", "fp8-e5m2", "numpy", "list"],
+)
+def test_from_hp_rejects_bad_inputs(x, exc, msg):
+    before = x.clone() if isinstance(x, torch.Tensor) else None
+    with pytest.raises(exc, match=msg):
+        ScaledFp8Tensor.from_hp(x)
+    if before is not None:
+        assert same_bits(before, x) if before.dtype.is_floating_point else torch.equal(before, x)
+
+
+def test_from_hp_rejects_already_quantized():
+    t = ScaledFp8Tensor.from_hp(torch.randn(4, 8))
+    before = _snapshot(t)
+    with pytest.raises(TypeError, match=r"already a ScaledFp8Tensor.*to_hp\(\)"):
+        ScaledFp8Tensor.from_hp(t)
+    assert _unchanged(before, t)
+
+
+@pytest.mark.parametrize("f8", UNSUPPORTED_F8, ids=str)
+def test_unsupported_float8_dtypes(f8):
+    x = torch.randn(4, 16)
+    before = x.clone()
+    for op, fn in [
+        ("ScaledFp8Tensor.from_hp", lambda: ScaledFp8Tensor.from_hp(x, f8)),
+        ("quantize_rowwise", lambda: quantize_rowwise(x, -1, f8)),
+        ("myop", lambda: check_float8_dtype(f8, "myop")),
+    ]:
+        with pytest.raises(TypeError, match=rf"{op}: unsupported float8 dtype {f8}.*float8_e4m3fn or torch.float8_e5m2"):
+            fn()
+    assert same_bits(before, x)
+
+
+def test_constructor_validates_parts():
+    q, s = quantize_rowwise(torch.randn(8, 16))
+    with pytest.raises(TypeError, match="qdata must be float8"):
+        ScaledFp8Tensor(q.float(), s, torch.float32)
+    with pytest.raises(TypeError, match="scale must be float32"):
+        ScaledFp8Tensor(q, s.double(), torch.float32)
+    with pytest.raises(TypeError, match="orig_dtype must be a high-precision float"):
+        ScaledFp8Tensor(q, s, torch.int32)
+    with pytest.raises(TypeError, match="orig_dtype must be a high-precision float"):
+        ScaledFp8Tensor(q, s, E4M3)
+    with pytest.raises(ValueError, match=r"scale of shape \(8, 2\) does not broadcast"):
+        ScaledFp8Tensor(q, torch.ones(8, 2), torch.float32)
+    with pytest.raises(ValueError, match=r"scale of shape \(8,\) does not broadcast"):
+        ScaledFp8Tensor(q, torch.ones(8), torch.float32)
+
+
+def _fp8_w():
+    return ScaledFp8Tensor.from_hp(torch.randn(32, 64))
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["mm_inner", "linear_inner", "addmm_inner", "mm_3d", "mm_1d", "int_operand", "meta_a", "meta_b", "fp8_mm_inner"],
+)
+def test_gemm_rejects_bad_operands(case):
+    w8 = _fp8_w()
+    x = torch.randn(4, 32)  # K = 32, but w8 has K = 64
+    good_x = torch.randn(4, 64)
+    cases = {
+        "mm_inner": (lambda: torch.mm(x, w8.t()), RuntimeError, r"aten\.mm: mat1 and mat2 shapes cannot be multiplied \(4x32 and 64x32\)"),
+        "linear_inner": (lambda: F.linear(x, w8), RuntimeError, r"shapes cannot be multiplied \(4x32 and 64x32\)"),
+        "addmm_inner": (lambda: torch.addmm(torch.randn(32), x, w8.t()), RuntimeError, r"aten\.addmm: mat1 and mat2 shapes"),
+        "mm_3d": (lambda: torch.mm(torch.randn(2, 4, 64), w8.t()), RuntimeError, r"aten\.mm: expected 2-D operands"),
+        "mm_1d": (lambda: torch.mm(torch.randn(64), w8.t()), RuntimeError, r"2-D"),
+        "int_operand": (lambda: fp8_mm(torch.ones(4, 64, dtype=torch.int64), w8.t()), RuntimeError, r"fp8tensor\.mm: expected floating-point operands, got torch\.int64"),
+        "meta_a": (lambda: torch.mm(torch.randn(4, 64, device="meta"), w8.t()), RuntimeError, r"aten\.mm: operands are on different devices \(meta and cpu\)"),
+        "meta_b": (lambda: torch.mm(good_x, ScaledFp8Tensor.from_hp(torch.randn(32, 64, device="meta")).t()), RuntimeError, r"aten\.mm: operands are on different devices \(cpu and meta\)"),
+        "fp8_mm_inner": (lambda: fp8_mm(x, w8.t(), op="myop"), RuntimeError, r"myop: mat1 and mat2"),
+    }
+    fn, exc, msg = cases[case]
+    before = _snapshot(x, good_x, w8)
+    with pytest.raises(exc, match=msg):
+        fn()
+    assert _unchanged(before, x, good_x, w8)
+
+
+def test_fp8_linear_rejects_bad_shapes():
+    w = torch.randn(32, 64)
+    x = torch.randn(4, 48)
+    before = _snapshot(w, x)
+    with pytest.raises(RuntimeError, match=r"fp8_linear: input's last dim \(48,\) does not match weight's in_features 64"):
+        fp8_linear(x, w)
+    with pytest.raises(RuntimeError, match=r"fp8_linear: weight must be 2-D"):
+        fp8_linear(x, torch.randn(48))
+    with pytest.raises(ValueError, match=r"fp8tensor: unknown recipe 'tensorwise'"):
+        fp8_linear(torch.randn(4, 64), w, recipe="tensorwise")
+    assert _unchanged(before, w, x)
+
+
+def test_scaled_mm_rejects_unknown_backend():
+    a8, sa = quantize_rowwise(torch.randn(4, 16))
+    b8, sb = quantize_rowwise(torch.randn(8, 16))
+    with pytest.raises(ValueError, match="unknown backend 'nope'"):
+        scaled_mm(a8, sa, b8.t(), sb.t(), torch.float32, backend="nope")

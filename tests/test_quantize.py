@@ -1,0 +1,200 @@
+"""Row-wise quantization (fp8tensor.quantize, ScaledFp8Tensor.from_hp / to_hp) against float64.
+
+Error bound per element, for round-to-nearest into a format with ``m`` mantissa bits and smallest normal
+exponent ``emin`` (e4m3fn: m=3, emin=-6; e5m2: m=2, emin=-14), applied to ``y = x / scale``:
+
+    |round(y) − y| ≤ 2^-(m+1) · |y| + 2^(emin−m−1)        (normal range: half an ulp; subnormals: half a step)
+
+so ``|dequant(x) − x| ≤ 2^-(m+1)|x| + 2^(emin−m−1)·scale``, plus a few float32 roundings (x/scale, q·scale)
+of 2^-24 relative each. This is the tightest bound that holds for every element; violating it means wrong
+scales, wrong rounding, or a wrong reduction dim.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fp8tensor import E4M3, E5M2, ScaledFp8Tensor, quantize_rowwise
+from fp8tensor.quantize import amax_to_scale, cast_to_fp8
+
+from conftest import rel_err
+
+FMT = {  # float8 dtype -> (mantissa bits, smallest normal exponent)
+    E4M3: (3, -6),
+    E5M2: (2, -14),
+}
+HP_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+# log10 of the largest magnitude a random input may have, per dtype (fp16 overflows at 65504)
+MAX_LOG10 = {torch.float32: 20.0, torch.bfloat16: 20.0, torch.float16: 3.0, torch.float64: 20.0}
+MIN_LOG10 = {torch.float32: -20.0, torch.bfloat16: -20.0, torch.float16: -6.0, torch.float64: -20.0}
+
+
+def _assert_within_fp8_bound(x: torch.Tensor, deq: torch.Tensor, scale: torch.Tensor, float8_dtype) -> None:
+    """Element-wise bound of the module docstring (x, deq, scale broadcastable; compared in float64)."""
+    m, emin = FMT[float8_dtype]
+    x64, d64, s64 = x.to(torch.float64), deq.to(torch.float64), scale.to(torch.float64)
+    bound = (2.0 ** -(m + 1) + 4 * 2.0**-24) * x64.abs() + 2.0 ** (emin - m - 1) * s64 * (1 + 2.0**-20)
+    err = (d64 - x64).abs()
+    worst = (err - bound).max().item()
+    assert worst <= 0, f"quantization error exceeds the {float8_dtype} bound by {worst:g} (max err {err.max().item():g})"
+
+
+def _random_input(draw_seed: int, shape, dtype, log10_mag: float, row_spread: float) -> torch.Tensor:
+    """Gaussian (clamped at 4σ) with magnitude 10^log10_mag and per-row factors 10^U(-row_spread, row_spread)."""
+    g = torch.Generator().manual_seed(draw_seed)
+    x = torch.randn(shape, generator=g, dtype=torch.float64).clamp(-4, 4)
+    rows = torch.empty(*shape[:-1], 1, dtype=torch.float64).uniform_(-row_spread, row_spread, generator=g)
+    return (x * 10.0**log10_mag * 10.0**rows).to(dtype)
+
+
+@st.composite
+def quant_cases(draw):
+    dtype = draw(st.sampled_from(HP_DTYPES))
+    f8 = draw(st.sampled_from([E4M3, E5M2]))
+    ndim = draw(st.integers(2, 3))
+    shape = tuple(draw(st.integers(1, 33)) for _ in range(ndim))
+    spread = draw(st.floats(0.0, 1.0))
+    lo, hi = MIN_LOG10[dtype], MAX_LOG10[dtype] - 1.0 - spread  # headroom: 4σ clamp and row factors
+    mag = draw(st.floats(lo, hi))
+    seed = draw(st.integers(0, 2**31 - 1))
+    dim = draw(st.integers(-ndim, ndim - 1))
+    return _random_input(seed, shape, dtype, mag, spread), f8, dim
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(quant_cases())
+def test_quantize_rowwise_error_bound_and_scale(case):
+    """quantize_rowwise over any dim: dtypes, shapes, scale layout and value, element-wise error bound."""
+    x, f8, dim = case
+    x_before = x.clone()
+    q, s = quantize_rowwise(x, dim=dim, float8_dtype=f8)
+    assert torch.equal(x, x_before)
+    assert q.dtype == f8 and q.shape == x.shape
+    assert s.dtype == torch.float32 and s.ndim == x.ndim
+    expect_shape = list(x.shape)
+    expect_shape[dim] = 1
+    assert list(s.shape) == expect_shape
+    assert torch.isfinite(s).all() and (s > 0).all()
+
+    # scale = max(amax, 1e-12) / fp8_max (float64 reference; float32 rounding of amax and of the division)
+    amax = x.to(torch.float64).abs().amax(dim=dim, keepdim=True)
+    ref_scale = amax.clamp(min=1e-12) / torch.finfo(f8).max
+    assert ((s.double() - ref_scale).abs() <= 2.0**-22 * ref_scale).all()
+
+    deq = q.to(torch.float64) * s.to(torch.float64)
+    _assert_within_fp8_bound(x, deq, s, f8)
+
+    # the largest element of every (non-floored) row lands on the top of the fp8 range
+    qmax = q.to(torch.float32).abs().amax(dim=dim, keepdim=True)
+    big = amax > 1e-11
+    assert torch.equal(qmax[big], torch.full_like(qmax[big], torch.finfo(f8).max))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(quant_cases())
+def test_from_hp_to_hp_error_bound(case):
+    """ScaledFp8Tensor.from_hp scales the last dim; to_hp(float32) is within the element-wise bound."""
+    x, f8, _ = case
+    t = ScaledFp8Tensor.from_hp(x, f8)
+    assert type(t) is ScaledFp8Tensor and t.dtype == x.dtype and t.shape == x.shape
+    assert t.qdata.dtype == f8 and t.float8_dtype == f8
+    assert tuple(t.scale.shape) == (*x.shape[:-1], 1)
+    assert not t.requires_grad
+    _assert_within_fp8_bound(x, t.to_hp(torch.float32), t.scale, f8)
+    # to_hp() returns the original dtype: the float32 value rounded once to it
+    assert t.to_hp().dtype == x.dtype
+    assert torch.equal(t.to_hp(), t.to_hp(torch.float32).to(x.dtype))
+
+
+@pytest.mark.parametrize("f8", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_gaussian_rms_error_matches_format_precision(f8):
+    """On Gaussian rows the relative RMS error sits near the format's 2^-(m+1)/√3 level (not just under the max)."""
+    m, _ = FMT[f8]
+    x = torch.randn(256, 512)
+    t = ScaledFp8Tensor.from_hp(x, f8)
+    err = rel_err(t.to_hp(torch.float32), x)
+    typical = 2.0 ** -(m + 1) / math.sqrt(3)
+    assert 0.5 * typical < err < 1.5 * typical, (err, typical)
+
+
+@pytest.mark.parametrize("f8", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_all_zero_row_quantizes_to_zeros_with_finite_scale(f8, dtype):
+    x = torch.randn(6, 40).to(dtype)
+    x[2] = 0
+    x[:, 0] = 0  # a zero column must not matter
+    t = ScaledFp8Tensor.from_hp(x, f8)
+    assert torch.isfinite(t.scale).all() and (t.scale > 0).all()
+    assert t.qdata[2].to(torch.float32).eq(0).all()
+    deq = t.to_hp()
+    assert torch.equal(deq[2], torch.zeros_like(deq[2]))
+    assert not torch.signbit(deq[2]).any()
+    # the other rows do not see the zero row (row-wise scales)
+    others = [0, 1, 3, 4, 5]
+    alone = ScaledFp8Tensor.from_hp(x[others], f8)
+    assert torch.equal(t.to_hp()[others], alone.to_hp())
+
+
+@pytest.mark.parametrize("f8", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_row_stays_non_finite_and_others_untouched(f8, bad):
+    x = torch.randn(5, 32)
+    clean = x.clone()
+    x[1, 7] = bad
+    t = ScaledFp8Tensor.from_hp(x, f8)
+    deq = t.to_hp()
+    assert not torch.isfinite(deq[1]).any(), deq[1]  # the whole row is poisoned, visibly
+    rows = [0, 2, 3, 4]
+    ref = ScaledFp8Tensor.from_hp(clean, f8).to_hp()
+    assert torch.equal(deq[rows], ref[rows])
+    assert torch.isfinite(t.scale[rows]).all()
+
+
+def test_fp16_tiny_input_gives_finite_scales_and_correct_values():
+    """fp16 input with max|x| ~ 1e-6 (fp16 subnormals): the scale is computed in float32 and stays finite."""
+    x = (torch.randn(16, 64) * 2.5e-7).clamp(-1e-6, 1e-6).half()
+    x[3, 5] = 1e-6
+    assert x.abs().max().item() < 2e-6
+    t = ScaledFp8Tensor.from_hp(x)
+    assert torch.isfinite(t.scale).all() and (t.scale > 0).all()
+    assert t.scale.dtype == torch.float32
+    deq = t.to_hp(torch.float32)
+    assert torch.isfinite(deq).all()
+    _assert_within_fp8_bound(x, deq, t.scale, E4M3)
+    assert rel_err(deq, x) < 2.0**-4
+
+
+@pytest.mark.parametrize("f8", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_cast_saturates_instead_of_overflowing(f8):
+    """Values beyond the fp8 range (scale too small for them) clamp to ±max, never become NaN/inf."""
+    fmax = torch.finfo(f8).max
+    x = torch.tensor([[3.0 * fmax, -5.0 * fmax, 0.5, float("nan")]])
+    q = cast_to_fp8(x, torch.ones(1, 1), f8)
+    v = q.to(torch.float32)
+    assert v[0, 0].item() == fmax and v[0, 1].item() == -fmax and v[0, 2].item() == 0.5
+    assert v[0, 3].isnan()
+
+
+def test_amax_to_scale_floor_and_nan():
+    amax = torch.tensor([0.0, 1e-30, 448.0, float("nan"), float("inf")], dtype=torch.float64)
+    s = amax_to_scale(amax, E4M3)
+    assert s.dtype == torch.float32
+    floor = torch.tensor(1e-12, dtype=torch.float32) / 448.0
+    assert s[0].item() == floor.item() and s[1].item() == floor.item()
+    assert s[2].item() == 1.0
+    assert s[3].isnan() and s[4].isinf()
+
+
+@pytest.mark.parametrize("f8", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_exactly_representable_rows_round_trip_exactly(f8):
+    """A row that is fp8 values times a power of two (and holds ±max) must come back bit-exact."""
+    fmax = torch.finfo(f8).max
+    vals = torch.randn(8, 48).to(f8).to(torch.float32)
+    vals[:, 0] = fmax
+    x = vals * (2.0 ** torch.randint(-20, 20, (8, 1)).float())  # amax = fmax·2^k, so scale = 2^k exactly
+    t = ScaledFp8Tensor.from_hp(x, f8)
+    assert torch.equal(t.to_hp(), x)

@@ -118,7 +118,7 @@ def main() -> None:
         if ref is None:
             diffs[v] = float("nan")
             continue
-        num = torch.tensor([(outs[v] - ref).norm().item() ** 2, ref.norm().item() ** 2])
+        num = torch.tensor([(outs[v] - ref).norm().item() ** 2, ref.norm().item() ** 2], device=device)
         dist.all_reduce(num)
         diffs[v] = (num[0] / num[1]).sqrt().item()
     if rank == 0:

@@ -38,7 +38,10 @@ import torch
 from .quantize import E4M3, E5M2, quantize_rowwise
 from .tensor import ScaledFp8Tensor
 
-__all__ = ["BACKENDS", "set_gemm_backend", "get_gemm_backend", "gemm_backend", "scaled_mm", "fp8_mm", "choose_backend"]
+__all__ = [
+    "BACKENDS", "set_gemm_backend", "get_gemm_backend", "gemm_backend", "scaled_mm", "fp8_mm", "choose_backend",
+    "quantize_operand",
+]
 
 BACKENDS = ("auto", "rowwise", "tensorwise", "emulated")
 _state = threading.local()
@@ -216,6 +219,25 @@ def scaled_mm(
 
 
 # ---------------------------------------------------------------------------------------------- operands
+def quantize_operand(t: torch.Tensor, dim: int, float8_dtype: torch.dtype = E4M3) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a 2-D GEMM operand along ``dim`` (its contraction dim): ``(q, scale)`` with ``q`` of ``t``'s shape.
+
+    When the reduction runs over the outer dim of a row-major CUDA tensor (``dim=0`` of a row-major ``t``, or
+    ``dim=1`` of a transposed view), the fused kernel of :mod:`fp8tensor.kernels` writes the layout
+    ``torch._scaled_mm`` wants directly (``q`` is then a transposed view of a contiguous tensor); otherwise
+    :func:`fp8tensor.quantize.quantize_rowwise`.
+    """
+    if t.dim() == 2 and t.is_cuda:
+        from .kernels import kernel_available, quantize_dim0_t
+
+        if dim % 2 == 0 and kernel_available(t):
+            q, s = quantize_dim0_t(t, float8_dtype)
+            return q.t(), s.t()
+        if dim % 2 == 1 and kernel_available(t.t()):
+            return quantize_dim0_t(t.t(), float8_dtype)
+    return quantize_rowwise(t, dim=dim, float8_dtype=float8_dtype)
+
+
 def _scale_axes(t: ScaledFp8Tensor) -> tuple[bool, bool]:
     """For a 2-D ScaledFp8Tensor: (varies along dim 0, varies along dim 1)."""
     s = t.scale
@@ -282,13 +304,11 @@ def fp8_mm(
     if isinstance(a, ScaledFp8Tensor):
         a8, sa = a.qdata, a.scale
     else:
-        a8, sa = quantize_rowwise(a, dim=1, float8_dtype=float8_dtype)
+        a8, sa = quantize_operand(a, 1, float8_dtype)
     if isinstance(b, ScaledFp8Tensor):
         b8, sb = b.qdata, b.scale
     else:
-        # Quantize B along K, writing the column-major layout _scaled_mm wants: quantize B^T row-wise.
-        q, s = quantize_rowwise(b.t(), dim=1, float8_dtype=float8_dtype)
-        b8, sb = q.t(), s.t()
+        b8, sb = quantize_operand(b, 0, float8_dtype)
     if bias is not None and isinstance(bias, ScaledFp8Tensor):
         bias = bias.to_hp()
     return scaled_mm(a8, sa, b8, sb, out_dtype, bias=bias, use_fast_accum=fast)

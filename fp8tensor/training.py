@@ -29,8 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_map_only
 
-from .gemm import fp8_mm
-from .kernels import kernel_available, quantize_dim0_t
+from .gemm import fp8_mm, quantize_operand
 from .quantize import E4M3, quantize_rowwise
 from .tensor import ScaledFp8Tensor, _is_dtensor, map_local
 
@@ -85,16 +84,10 @@ def _quantize_local(t: torch.Tensor, dim: int, fast_accum: bool, float8_dtype=E4
         return t.with_fast_accum(fast_accum)
     if isinstance(t, Fp8MasterWeight):
         t = t._data
-    if t.dim() == 2 and t.is_cuda:
-        # Reductions over the outer dim of a row-major tensor: the fused kernel writes the transposed layout
-        # that torch._scaled_mm wants, so the GEMM needs no layout copy.
-        if dim % 2 == 0 and kernel_available(t):
-            q, s = quantize_dim0_t(t, float8_dtype)
-            return ScaledFp8Tensor(q.t(), s.t(), t.dtype, fast_accum)
-        if dim % 2 == 1 and kernel_available(t.t()):
-            q, s = quantize_dim0_t(t.t(), float8_dtype)
-            return ScaledFp8Tensor(q, s, t.dtype, fast_accum)
-    q, s = quantize_rowwise(t, dim=dim, float8_dtype=float8_dtype)
+    if t.dim() == 2:
+        q, s = quantize_operand(t, dim, float8_dtype)  # fused kernel + GEMM layout where it applies
+    else:
+        q, s = quantize_rowwise(t, dim=dim, float8_dtype=float8_dtype)
     return ScaledFp8Tensor(q, s, t.dtype, fast_accum)
 
 
@@ -108,7 +101,11 @@ def _dequantize(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _is_fp8(t: torch.Tensor) -> bool:
-    return isinstance(t.to_local() if _is_dtensor(t) else t, ScaledFp8Tensor)
+    local = t.to_local() if _is_dtensor(t) else t
+    shards = getattr(local, "_local_tensors", None)  # LocalTensorMode: one tensor per simulated rank
+    if isinstance(shards, dict) and shards:
+        local = next(iter(shards.values()))
+    return isinstance(local, ScaledFp8Tensor)
 
 
 class _Fp8Linear(torch.autograd.Function):
@@ -152,9 +149,12 @@ class _Fp8Linear(torch.autograd.Function):
                 # contraction dim of gy^T @ x, so fp8_mm folds them into gy^T (no re-quantization of x).
                 grad_w = torch.mm(g2.t(), _quantize(x2, 0, fast))
             elif recipe.grad_weight_fp8:
-                gt8 = _quantize(g2.t(), -1, fast, recipe.float8_dtype)  # (N, M), per output feature over tokens
-                x8 = _quantize(x2, 0, fast, recipe.float8_dtype)  # (M, K), per input feature over tokens
-                grad_w = torch.mm(gt8, x8)
+                # x per input feature over tokens; gy^T (N, M) is quantized per output feature over tokens by
+                # fp8_mm itself. Nothing derived from grad_out goes through map_local: under torch.compile the
+                # backward of an autograd.Function is traced with grad placements guessed from the forward output
+                # (Partial), which need not be the runtime ones (Replicate).
+                x8 = _quantize(x2, 0, fast, recipe.float8_dtype)
+                grad_w = torch.mm(g2.t(), x8)
             else:
                 grad_w = torch.mm(g2.t(), _dequantize(x2, g2.dtype))
             grad_w = grad_w.to(weight.dtype)

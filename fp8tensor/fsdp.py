@@ -49,6 +49,7 @@ import weakref
 from typing import NamedTuple, Optional
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .quantize import E4M3, quantize_rowwise
 from .tensor import ScaledFp8Tensor, _is_dtensor
@@ -174,7 +175,8 @@ def master_pre_all_gather(master, mesh, outer_size, outer_stride, module, mp_pol
     return _all_gather_inputs(q, s, mesh, outer_size, fast_accum=True)
 
 
-_FSDP_PARAM_OF: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# Keyed by tensor identity (a WeakKeyDictionary would compare colliding tensor keys with ``==``).
+_FSDP_PARAM_OF = WeakIdKeyDictionary()
 
 
 def _drop_flat_copy(local: ScaledFp8Tensor) -> None:
@@ -186,12 +188,13 @@ def _drop_flat_copy(local: ScaledFp8Tensor) -> None:
     would cost 5x the fp8 shard. It is replaced by the shard itself (same storage, nothing extra). The owning
     ``FSDPParam`` is looked up once per local tensor.
     """
-    fp = _FSDP_PARAM_OF.get(local)
+    ref = _FSDP_PARAM_OF.get(local)
+    fp = ref() if ref is not None else None
     if fp is None:
         fp = next((f for f in _fsdp_params() if f._sharded_local_tensor is local), None)
         if fp is None:
             return
-        _FSDP_PARAM_OF[local] = fp
+        _FSDP_PARAM_OF[local] = weakref.ref(fp)  # weak both ways: the FSDPParam holds the local tensor
     if fp._sharded_param_data is not local:
         fp._sharded_param_data = local
 

@@ -65,8 +65,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="fp8 run: all-gather sequence-parallel activations in fp8 "
                         "(fp8tensor.Fp8PrepareModuleInput)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--compile", action="store_true", help="torch.compile each block")
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each block (faster steps; ~1 min of compile per run on CPU)")
+    p.add_argument("--steps", type=int, default=120)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=8, help="per data-parallel rank")
     p.add_argument("--dim", type=int, default=256)
@@ -117,7 +118,11 @@ def setup(args) -> tuple[torch.device, object]:
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if dev_type == "cuda" else "gloo")
+        backend = "nccl" if dev_type == "cuda" else "gloo"
+        if "WORLD_SIZE" in os.environ:  # launched by torchrun
+            dist.init_process_group(backend=backend)
+        else:  # plain `python train.py --tp 1`: a single-process group
+            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
     world = dist.get_world_size()
     if args.tp < 1 or world % args.tp:
         raise SystemExit(f"world size {world} is not divisible by --tp {args.tp}")
@@ -212,11 +217,17 @@ def evaluate(model, batches, device, mesh) -> float:
 
 
 def _dp_mean(value: torch.Tensor, mesh) -> float:
+    """Average a scalar over the data-parallel ranks."""
+    return _dp_mean_list([float(value)], mesh)[0]
+
+
+def _dp_mean_list(values: list[float], mesh) -> list[float]:
+    """Average a list of floats element-wise over the data-parallel ranks."""
+    t = torch.tensor(values, dtype=torch.float64, device=mesh.device_type)
     if mesh["dp"].size() > 1:
-        t = value.to(dtype=torch.float64, device=mesh.device_type).reshape(1)
         dist.all_reduce(t, group=mesh["dp"].get_group())
-        value = t / mesh["dp"].size()
-    return float(value.item())
+        t /= mesh["dp"].size()
+    return t.tolist()
 
 
 def train_one(name: str, args, train_data, val_data, device, mesh) -> dict:
@@ -231,12 +242,12 @@ def train_one(name: str, args, train_data, val_data, device, mesh) -> dict:
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": args.weight_decay},
          {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr, betas=(0.9, 0.95), foreach=False,
+        lr=args.lr, betas=(0.9, 0.95),
     )
     batches = RandomWindows(train_data, args.batch_size, args.seq_len, seed=args.seed,
                             shard=dp_rank, num_shards=dp_size)
     tokens_per_step = args.batch_size * args.seq_len * dp_size
-    losses: list[float] = []
+    local_losses: list[float] = []
     bar = tqdm(range(args.steps), desc=name, disable=dist.get_rank() != 0,
                dynamic_ncols=True, mininterval=1.0, file=sys.stdout)
     t_start = t_timed = time.perf_counter()
@@ -251,10 +262,11 @@ def train_one(name: str, args, train_data, val_data, device, mesh) -> dict:
         gnorm = grad_norm_clip_(model.parameters(), args.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        loss_val = _dp_mean(loss.detach().cpu(), mesh)
-        if not math.isfinite(loss_val):
-            raise RuntimeError(f"{name}: non-finite loss {loss_val} at step {step}")
-        losses.append(loss_val)
+        # gnorm is global (all-reduced), so every rank stops at the same step.
+        if not math.isfinite(gnorm):
+            raise RuntimeError(f"{name}: non-finite gradient norm at step {step}")
+        loss_val = loss.item()  # this rank's loss; averaged over dp ranks after training
+        local_losses.append(loss_val)
         if step == 0:  # exclude the first (warm-up / compile) step from throughput
             t_timed, timed_steps = time.perf_counter(), 0
         else:
@@ -264,6 +276,7 @@ def train_one(name: str, args, train_data, val_data, device, mesh) -> dict:
         bar.set_postfix(loss=f"{loss_val:.4f}", gnorm=f"{gnorm:.2f}", tok_s=f"{tok_s:,.0f}")
     bar.close()
     train_s = time.perf_counter() - t_start
+    losses = _dp_mean_list(local_losses, mesh)  # one collective instead of one per step
     val_loss = evaluate(
         model,
         fixed_windows(val_data, args.val_batches, args.batch_size, args.seq_len,
@@ -283,20 +296,26 @@ def train_one(name: str, args, train_data, val_data, device, mesh) -> dict:
     return result
 
 
-def smooth(xs: list[float], alpha: float = 0.9) -> list[float]:
-    """Exponential moving average (bias-corrected) for plotting."""
-    out, m = [], 0.0
+def smooth(xs: list[float], window: int) -> list[float]:
+    """Trailing moving average over ``window`` steps (shorter at the start), for plotting."""
+    out, acc = [], 0.0
     for i, x in enumerate(xs):
-        m = alpha * m + (1 - alpha) * x
-        out.append(m / (1 - alpha ** (i + 1)))
+        acc += x - (xs[i - window] if i >= window else 0.0)
+        out.append(acc / min(i + 1, window))
     return out
 
 
 def save_outputs(out_dir: Path, args, results: dict, gap_pct: float | None) -> None:
-    """Write ``losses.json`` and ``loss_curve.png`` into ``out_dir``."""
+    """Write ``losses.json`` and ``loss_curve.png`` into ``out_dir``.
+
+    The plot shows the per-step training loss (averaged over data-parallel
+    ranks) of each run with its final validation loss and, when both runs
+    exist, a lower panel with the relative difference fp8 vs bf16 of the
+    smoothed training losses.
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
     payload = {
-        "config": {k: v for k, v in vars(args).items()},
+        "config": dict(vars(args)),
         "world_size": dist.get_world_size(),
         "runs": results,
         "val_gap_pct": gap_pct,
@@ -308,20 +327,36 @@ def save_outputs(out_dir: Path, args, results: dict, gap_pct: float | None) -> N
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    colors = {"bf16": "tab:blue", "fp8": "tab:orange"}
+    both = "bf16" in results and "fp8" in results
+    fig, axes = plt.subplots(2 if both else 1, 1, figsize=(7, 6.5 if both else 4.5), sharex=True,
+                             squeeze=False, gridspec_kw={"height_ratios": [3, 1.3] if both else [1]})
+    ax = axes[0, 0]
+    style = {"bf16": ("tab:blue", "-"), "fp8": ("tab:orange", "--")}
+    n_steps = max(len(r["train_loss"]) for r in results.values())
+    window = max(1, n_steps // 25)
     for name, r in results.items():
+        color, ls = style.get(name, (None, "-"))
         steps = range(1, len(r["train_loss"]) + 1)
-        ax.plot(steps, r["train_loss"], color=colors.get(name), alpha=0.2, lw=0.8)
-        ax.plot(steps, smooth(r["train_loss"]), color=colors.get(name),
-                label=f"{name} train (EMA)  val {r['val_loss']:.4f}")
-        ax.axhline(r["val_loss"], color=colors.get(name), ls="--", lw=0.8)
-    title = f"byte-level Llama, dp={dist.get_world_size() // args.tp} x tp={args.tp}"
+        ax.plot(steps, r["train_loss"], color=color, alpha=0.25, lw=0.7)
+        ax.plot(steps, smooth(r["train_loss"], window), color=color, ls=ls,
+                label=f"{name}: train (mean of {window}), final val {r['val_loss']:.4f}")
+    dp = dist.get_world_size() // args.tp
+    title = f"byte-level Llama {args.dim}d x {args.layers}L, dp={dp} x tp={args.tp}"
     if gap_pct is not None:
-        title += f", fp8 ({args.recipe}) val gap {gap_pct:+.2f}%"
-    ax.set(xlabel="step", ylabel="cross-entropy (nats/byte)", title=title)
+        title += f"\nfp8 ({args.recipe}) val loss gap {gap_pct:+.2f}%"
+    ax.set(ylabel="cross-entropy (nats/byte)", title=title)
     ax.legend()
     ax.grid(alpha=0.3)
+    if both:
+        b = smooth(results["bf16"]["train_loss"], window)
+        f = smooth(results["fp8"]["train_loss"], window)
+        rel = [100.0 * (fv - bv) / bv for bv, fv in zip(b, f)]
+        ax2 = axes[1, 0]
+        ax2.plot(range(1, len(rel) + 1), rel, color="tab:red")
+        ax2.axhline(0.0, color="k", lw=0.6)
+        ax2.set(ylabel="fp8 vs bf16 (%)")
+        ax2.grid(alpha=0.3)
+    axes[-1, 0].set_xlabel("step")
     fig.tight_layout()
     fig.savefig(out_dir / "loss_curve.png", dpi=120)
     plt.close(fig)

@@ -16,6 +16,7 @@ import torch.nn as nn
 from .quantize import E4M3, check_float8_dtype
 from .tensor import ScaledFp8Tensor, _is_dtensor
 from .training import Fp8MasterWeight, fp8_linear, get_recipe
+from .fsdp import check_fsdp_sharded as _check_fsdp_sharded
 
 __all__ = ["convert_to_fp8", "quantize_weights", "fp8_linear_forward"]
 
@@ -121,6 +122,7 @@ def convert_to_fp8(
     op = "convert_to_fp8"
     r = get_recipe(recipe)
     chosen = _select_linears(module, module_filter_fn, op)
+    _check_fsdp_sharded([lin.weight for _, lin in chosen], op)
     skipped = []
     for fqn, lin in chosen:
         w = lin.weight
@@ -170,6 +172,7 @@ def quantize_weights(
     op = "quantize_weights"
     check_float8_dtype(float8_dtype, op)
     chosen = _select_linears(module, module_filter_fn, op)
+    _check_fsdp_sharded([lin.weight for _, lin in chosen], op)
     for fqn, lin in chosen:
         w = lin.weight
         local = w._local_tensor if _is_dtensor(w) else w

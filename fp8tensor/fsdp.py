@@ -41,7 +41,8 @@ scales of the ``padded``/``local`` modes need a copy.
 
 :func:`refresh_fsdp_param` lets :func:`fp8tensor.convert_to_fp8` / :func:`fp8tensor.quantize_weights` run after
 ``fully_shard``: it finds the ``FSDPParam`` that owns the swapped parameter and resets its extension state and cached
-all-gather buffers.
+all-gather buffers; :func:`check_fsdp_sharded` refuses, before anything changes, to convert parameters that FSDP2
+currently holds unsharded.
 """
 from __future__ import annotations
 
@@ -61,6 +62,7 @@ __all__ = [
     "refresh_fsdp_param",
     "refresh_fsdp_module",
     "find_fsdp_param",
+    "check_fsdp_sharded",
     "gather_scales",
     "FUSED",
     "PADDED",
@@ -268,11 +270,10 @@ def post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None
 # ------------------------------------------------------------------------------------------ conversion after sharding
 def _fsdp_states():
     """The live FSDP2 states (one per module ``fully_shard`` was applied to)."""
-    from torch.distributed._composable_state import _module_state_mapping
-
     try:
+        from torch.distributed._composable_state import _module_state_mapping
         from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
-    except ImportError:  # pragma: no cover - very old torch
+    except ImportError:  # pragma: no cover - builds without distributed, very old torch
         return []
     states = []
     for ref in list(_module_state_mapping.values()):
@@ -359,6 +360,33 @@ def refresh_fsdp_param(param: torch.Tensor, module: Optional[torch.nn.Module] = 
         return False
     _refresh(fp)
     return True
+
+
+def check_fsdp_sharded(params, op: str) -> None:
+    """Raise before a conversion if any of ``params`` is an FSDP2 parameter currently held *unsharded*.
+
+    Between a forward with ``reshard_after_forward=False`` and the backward (or after ``unshard()``), a module's
+    attribute is FSDP2's unsharded parameter, not the sharded one the optimizer holds: swapping it would be lost
+    (or silently bypass FSDP2) at the next reshard. Nothing is changed when this raises.
+
+    Raises:
+        RuntimeError: naming ``op`` and the parameter; call ``model.reshard()`` first.
+    """
+    params = [p for p in params if isinstance(p, torch.Tensor)]
+    if not params:
+        return
+    fps = _fsdp_params()
+    if not fps:
+        return
+    ids = {id(p) for p in params}
+    for fp in fps:
+        unsharded = getattr(fp, "_unsharded_param", None)
+        if unsharded is not None and id(unsharded) in ids and fp.sharded_state.name != "SHARDED":
+            raise RuntimeError(
+                f"{op}: parameter {fp._param_fqn or fp._module_info.param_name!r} is currently unsharded by FSDP2 "
+                f"({fp.sharded_state.name}); call model.reshard() (or convert before the first forward). "
+                "The model was not changed."
+            )
 
 
 def refresh_fsdp_module(module: torch.nn.Module) -> int:

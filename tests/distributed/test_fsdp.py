@@ -452,15 +452,21 @@ def worker_1d(rank: int, world: int, seed: int) -> dict:
     res["C_outputs_equal_A"] = all(torch.equal(a, c) for a, c in zip(run_a[0], run_c[0]))
     res["C_params_equal_A"] = all(torch.equal(run_a[3][n], run_c[3][n]) for n in run_a[3])
     del m
-    # converting a parameter while FSDP2 holds it unsharded is refused
+    # converting while FSDP2 holds the parameters unsharded (after a forward with reshard_after_forward=False) is
+    # refused before anything changes; after reshard() it works
     m = shard_block(copy.deepcopy(base), mesh, reshard=False)
     m(xs[0][rank])
+    before = {n: type(p) for n, p in m.named_parameters()}
     try:
-        f8fsdp.refresh_fsdp_param(next(f.sharded_param for f in f8fsdp._fsdp_params(m) if f.sharded_param.dim() == 2))
+        convert_to_fp8(m)
         res["C_unsharded_error"] = None
     except RuntimeError as e:
         res["C_unsharded_error"] = str(e)
-    m.reshard()
+    res["C_unsharded_unchanged"] = {n: type(p) for n, p in m.named_parameters()} == before
+    for mod in (m.attention, m.feed_forward, m):
+        mod.reshard()
+    convert_to_fp8(m)
+    res["C_after_reshard_types"] = local_types(m)
     del m
 
     # ---------------------------------------------- D: frozen ScaledFp8Tensor weights, quantized before / after
@@ -760,12 +766,15 @@ def test_mixed_precision_no_reshard_after_forward(run1d):
 
 def test_convert_after_fully_shard(run1d):
     """convert_to_fp8 on an FSDP2 model that already ran a high-precision step: FSDP2 picks the fp8 all-gather up
-    and the run is bit-identical to converting before fully_shard."""
+    and the run is bit-identical to converting before fully_shard. Converting parameters FSDP2 holds unsharded is
+    refused with a clear error and no change."""
     for rank, r in enumerate(run1d):
         assert r["C_local_types"] == ["Fp8MasterWeight"]
         assert r["C_forward_types"] == ["ScaledFp8Tensor"]
         assert r["C_outputs_equal_A"] and r["C_params_equal_A"], _ctx(r)
-        assert r["C_unsharded_error"] and "unsharded" in r["C_unsharded_error"] and "reshard" in r["C_unsharded_error"]
+        err = r["C_unsharded_error"]
+        assert err and "convert_to_fp8" in err and "unsharded" in err and "reshard" in err, err
+        assert r["C_unsharded_unchanged"] and r["C_after_reshard_types"] == ["Fp8MasterWeight"]
 
 
 def test_frozen_scaled_fp8_weights(run1d):

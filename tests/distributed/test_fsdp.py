@@ -644,6 +644,26 @@ def worker_4(rank: int, world: int, seed: int) -> dict:
             entry["param_rel"] = rel(_plain(mod[0].weight), ref[0].weight.detach())
         res[f"empty_{kind}"] = entry
         del mod
+
+    # ---------------------------------------------- a 1-rank shard mesh (FSDP2 copies only the first input)
+    one = init_device_mesh("cpu", (world, 1), mesh_dim_names=("x", "one"))["one"]
+    torch.manual_seed(seed + 13)
+    lin = nn.Linear(64, 32, bias=False)
+    exp = ScaledFp8Tensor.from_hp(lin.weight.detach())
+    mod = nn.Sequential(copy.deepcopy(lin))
+    from fp8tensor import convert_to_fp8
+
+    convert_to_fp8(mod)
+    fully_shard(mod, mesh=one)
+    outs = []
+    for _ in range(2):  # the second iteration refills the unsharded parameter (out=)
+        y = mod(x)
+        y.backward(torch.ones_like(y))
+        outs.append(y.detach())
+    mod.unshard()
+    ref = FoldLinear(copy.deepcopy(lin))
+    res["world1"] = dict(exact=same_fp8(mod[0].weight, exp), out_equal=all(torch.equal(o, ref(x)) for o in outs))
+    mod.reshard()
     return res
 
 
@@ -834,3 +854,9 @@ def test_empty_shards(run4):
             assert e["type"] == "ScaledFp8Tensor" and e["exact"], (rank, kind, e)
         e = r["empty_master"]
         assert e["out_equal"] and e["grad_rel"] < TIGHT and e["param_rel"] < TIGHT, (rank, e, _ctx(r))
+
+
+def test_world_size_one(run4):
+    """FSDP2 over a 1-rank mesh (data through FSDP2, scales through the metadata): exact weight and forward."""
+    for r in run4:
+        assert r["world1"]["exact"] and r["world1"]["out_equal"], r["world1"]

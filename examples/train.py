@@ -37,8 +37,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-# Allow `torchrun examples/train.py` from the repo root as well as `python -m`.
+# Sibling modules (data, llama); and the checkout's fp8tensor when it is not installed
+# (appended, so an installed fp8tensor takes precedence).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from data import DEFAULT_MAX_BYTES, RandomWindows, fixed_windows, load_corpus, split_corpus  # noqa: E402
 from llama import Llama, ModelArgs, fp8_module_filter, parallelize_llama  # noqa: E402
@@ -191,7 +193,8 @@ def build_model(args, mesh, device, fp8: bool) -> torch.nn.Module:
     model = Llama(margs).to(device)
     dp_size = mesh["dp"].size()
     if dp_size == 1:
-        model.to(torch.bfloat16)  # no FSDP: keep bf16 parameters directly
+        for p in model.parameters():  # no FSDP: bf16 parameters (the RoPE table stays fp32)
+            p.data = p.data.to(torch.bfloat16)
         mp_policy = None
     else:  # fp32 master weights, bf16 compute and all-gathers, fp32 grad reduction
         mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -365,6 +368,8 @@ def save_outputs(out_dir: Path, args, results: dict, gap_pct: float | None) -> N
 def main(argv: list[str] | None = None) -> dict:
     """Entry point; returns the per-run results (on every rank)."""
     args = parse_args(argv)
+    if args.sp_fp8_comm and not args.sequence_parallel:
+        raise SystemExit("--sp-fp8-comm needs sequence parallelism (drop --no-sequence-parallel)")
     device, mesh = setup(args)
     modes = ["bf16", "fp8"] if args.mode == "both" else [args.mode]
     if "fp8" in modes and fp8_converter() is None:

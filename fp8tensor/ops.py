@@ -153,9 +153,31 @@ def _copy_into_data_and_scale(func, args, kwargs):
                 q, s = _quantize_like(src.to_hp(torch.float32), dst)
     else:
         q, s = _quantize_like(src.to(dst.device), dst)
+    if _scale_shared_outside(dst):
+        raise NotImplementedError(
+            "ScaledFp8Tensor copy_: the destination is a view whose scales are shared with elements outside it "
+            f"(e.g. a column slice of a row-scaled tensor: data {tuple(dst.shape)}, scale {tuple(dst.scale.shape)}); "
+            "writing new scales would change those elements. Copy whole rows, or copy into a high-precision tensor."
+        )
     dst.qdata.copy_(q)
     dst.scale.copy_(s)
     return dst
+
+
+def _scale_shared_outside(dst: ScaledFp8Tensor) -> bool:
+    """Whether each scale element of the view ``dst`` also scales data outside ``dst``.
+
+    Compares elements of data per scale element in the view and in the tensors it views: a column slice of a
+    row-scaled tensor has fewer data elements per scale than its base."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    q, s = dst.qdata, dst.scale
+    if isinstance(q, FakeTensor) or type(q) is not torch.Tensor or q.numel() == 0 or s.numel() == 0:
+        return False
+    # Views below autograd carry no ``_base``: compare against the elements of the underlying storages.
+    storage_q = q.untyped_storage().nbytes() // q.element_size()
+    storage_s = s.untyped_storage().nbytes() // s.element_size()
+    return q.numel() * storage_s < storage_q * s.numel()
 
 
 def _scale_fits(src_scale: torch.Tensor, dst_scale: torch.Tensor) -> bool:

@@ -328,3 +328,22 @@ def test_fallback_result_matches_dequantized_value_closely():
     out = t.exp()
     assert type(out) is torch.Tensor
     assert rel_err(out, x.double().exp()) < 2.0**-4 * 0.1 * 2
+
+
+def test_copy_into_column_slice_of_row_scaled_tensor_raises_and_leaves_data():
+    """A column slice shares its row scales with the other columns: copy_ must not rewrite them silently."""
+    full = torch.randn(4, 8)
+    full[:, 4:] *= 10
+    src = ScaledFp8Tensor.from_hp(full[:, :4])
+    dst = ScaledFp8Tensor.from_hp(torch.randn(4, 8))
+    before_q, before_s = dst.qdata.clone(), dst.scale.clone()
+    with pytest.raises(NotImplementedError, match="copy_"):
+        dst[:, :4].copy_(src)
+    with pytest.raises(NotImplementedError, match="copy_"):
+        torch.chunk(dst, 2, dim=1)[1].copy_(src)
+    assert torch.equal(dst.qdata.view(torch.uint8), before_q.view(torch.uint8))
+    assert torch.equal(dst.scale, before_s)
+    # Whole rows are fine: the row scales belong to the slice alone.
+    rows = ScaledFp8Tensor.from_hp(torch.randn(6, 8))
+    rows[2:6].copy_(ScaledFp8Tensor.from_hp(full))
+    assert torch.equal(rows[2:6].to_hp(), ScaledFp8Tensor.from_hp(full).to_hp())

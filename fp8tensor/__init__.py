@@ -16,6 +16,7 @@ from .tensor import ScaledFp8Tensor, dequantize
 from .gemm import BACKENDS, gemm_backend, get_gemm_backend, set_gemm_backend
 from . import ops as _ops  # noqa: F401  (registers the op table)
 from .training import Fp8MasterWeight, Recipe, RECIPES, fp8_linear
+from . import collectives as _collectives  # noqa: F401  (fp8 collectives for DTensor / TP)
 from .convert import convert_to_fp8, quantize_weights
 
 __all__ = [

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from .quantize import E4M3, check_float8_dtype
-from .tensor import ScaledFp8Tensor, _is_dtensor
+from .tensor import ScaledFp8Tensor, _is_dtensor, map_shard
 from .training import Fp8MasterWeight, fp8_linear, get_recipe
 from .fsdp import check_fsdp_sharded as _check_fsdp_sharded
 
@@ -55,7 +55,7 @@ def _swap_local(param: torch.Tensor, fn) -> Optional[nn.Parameter]:
     refreshed); plain parameters return a new Parameter to set on the module.
     """
     if _is_dtensor(param):
-        param._local_tensor = fn(param._local_tensor)
+        param._local_tensor = map_shard(param._local_tensor, fn)
         from .fsdp import refresh_fsdp_param
 
         refresh_fsdp_param(param)
@@ -187,7 +187,7 @@ def quantize_weights(
 
         if _is_dtensor(w):
             w.requires_grad_(False)
-            w._local_tensor = q(w._local_tensor)
+            w._local_tensor = map_shard(w._local_tensor, q)
             from .fsdp import refresh_fsdp_param
 
             refresh_fsdp_param(w)

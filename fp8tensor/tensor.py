@@ -33,9 +33,22 @@ def map_local(t: Any, fn):
         from torch.distributed.tensor import DTensor
 
         return DTensor.from_local(
-            fn(t.to_local()), t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
+            map_shard(t.to_local(), fn), t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
         )
     return fn(t)
+
+
+def map_shard(local: torch.Tensor, fn):
+    """``fn(local)`` for a DTensor's local tensor; under ``torch.distributed._local_tensor.LocalTensorMode`` (the
+    single-process simulation of SPMD ranks) ``fn`` runs on each simulated rank's shard, so that a subclass it
+    builds (a ScaledFp8Tensor, a master weight) ends up *inside* the ``LocalTensor``, as on real ranks."""
+    try:
+        from torch.distributed._local_tensor import LocalTensor, maybe_run_for_local_tensor
+    except Exception:  # pragma: no cover - builds without distributed
+        return fn(local)
+    if isinstance(local, LocalTensor):
+        return maybe_run_for_local_tensor(fn)(local)
+    return fn(local)
 
 
 class ScaledFp8Tensor(torch.Tensor):

@@ -1,0 +1,301 @@
+"""Collectives of :class:`~fp8tensor.tensor.ScaledFp8Tensor`: what DTensor's sharding, redistribution and
+``distribute_tensor`` send over the wire when the local tensor is fp8.
+
+Every handler here moves the fp8 data and the float32 scales as **two separate collectives of the same kind**
+(the fp8 bytes travel as ``uint8``, which every backend supports — gloo has no fp8 type). Nothing is ever
+dequantized, requantized or reduced: a gathered tensor keeps each rank's own scales, so it dequantizes
+bit-exactly to the values the ranks held. Amax is never reduced across ranks.
+
+A scale is only ever *expanded* (materialized) when the collective would otherwise merge values quantized with
+different per-rank scales into one compact scale slot — e.g. all-gathering along dim 0 a tensor whose scale has
+size 1 on dim 0. This is the same rule the op table's ``cat`` uses.
+
+===========================================  ===============================================================
+op                                           scale handling
+===========================================  ===============================================================
+``_c10d_functional.all_gather_into_tensor``  gathered along dim 0 with the data (per-rank dim-0 scales
+                                             repeated over each rank's rows when the scale is compact there)
+``_c10d_functional.wait_tensor``             waits on data and scale (``_wrap_tensor_autograd``: wrapped
+                                             in an ``AsyncCollectiveTensor`` that waits on first use)
+``_c10d_functional.all_to_all_single``       scale made full-size on dim 0, then split/sent like the data
+``_dtensor.shard_dim_alltoall``              full-size on the gather dim; a compact scale on the shard dim is
+                                             expanded to ``group_size`` so each rank receives one slot
+``c10d.scatter_`` (``distribute_tensor``     each shard's data and scale scattered into the output's data and
+Shard, ``src_data_rank`` set)                scale (scales must fit the output's scale layout)
+``c10d.broadcast_`` (Replicate)              data and scale broadcast in place
+``aten.constant_pad_nd`` (uneven shards)     data padded with fp8 zeros; scale padded with ones on the dims it
+                                             is full-size on (a zero dequantizes to zero with any scale)
+===========================================  ===============================================================
+
+Reductions (``all_reduce``, ``reduce_scatter_tensor``) of fp8 data are not defined (the sum of two fp8 tensors
+with different scales is not an fp8 tensor with a scale of this layout); they keep raising
+``NotImplementedError`` from the op table's fallback. DTensor never needs them for fp8 tensors: GEMM outputs,
+including the Partial outputs of row-wise parallel layers, are high-precision tensors.
+
+:class:`~fp8tensor.training.Fp8MasterWeight` needs no handlers (it runs every op on its high-precision data);
+this module only adds the collective and padding ops to the set of ops whose results stay master weights, so a
+redistributed or unevenly sharded master is still a master.
+
+The handlers are registered into :data:`fp8tensor.ops.OP_TABLE` when this module is imported (by
+``fp8tensor/__init__.py``).
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+
+from .ops import _scale_fits, implements
+from .tensor import ScaledFp8Tensor
+
+__all__: list[str] = []
+
+aten = torch.ops.aten
+_funcol = torch.ops._c10d_functional
+_c10d = torch.ops.c10d
+
+
+def _dist_op(name: str) -> list:
+    """``[torch.ops.<name>]`` (``"namespace.op.overload"``), or ``[]`` on a torch build without distributed."""
+    if not torch.distributed.is_available():
+        return []
+    importlib.import_module("torch.distributed._functional_collectives")  # registers _wrap_tensor_autograd
+
+    obj = torch.ops
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return [obj]
+
+
+def _bind(func, args, kwargs) -> dict[str, Any]:
+    """Arguments of an op call by schema name, defaults filled in."""
+    out = {}
+    for i, arg in enumerate(func._schema.arguments):
+        if i < len(args):
+            out[arg.name] = args[i]
+        elif arg.name in kwargs:
+            out[arg.name] = kwargs[arg.name]
+        elif arg.has_default_value():
+            out[arg.name] = arg.default_value
+    return out
+
+
+def _bytes(q: torch.Tensor) -> torch.Tensor:
+    """fp8 data as contiguous ``uint8`` (same bytes): the dtype collectives carry."""
+    return q.contiguous().view(torch.uint8)
+
+
+def _like(t: ScaledFp8Tensor, qbytes: torch.Tensor, scale: torch.Tensor) -> ScaledFp8Tensor:
+    return ScaledFp8Tensor(qbytes.view(t.qdata.dtype), scale, t.orig_dtype, t.fast_accum)
+
+
+def _group_size(group_name) -> int:
+    from torch.distributed.distributed_c10d import _get_group_size_by_name
+
+    return _get_group_size_by_name(group_name)
+
+
+def _unbox_wait(work) -> None:
+    """Block on a ``c10d`` Work returned by a ``c10d.*_`` op (boxed as a ScriptObject by the dispatcher)."""
+    from torch._C._distributed_c10d import Work
+
+    (Work.unbox(work) if not isinstance(work, Work) else work).wait()
+
+
+# --------------------------------------------------------------------------------------------- functional
+@implements(_dist_op("_c10d_functional.all_gather_into_tensor.default"))
+def _all_gather_data_and_scales(func, args, kwargs):
+    """Concatenate every rank's data along dim 0, and their scales along dim 0.
+
+    A scale compact on dim 0 (one value for all local rows, but different per rank) is gathered compactly and
+    then repeated over each rank's rows. That one, and the scale of a local tensor with a single row (which a
+    later ``view`` of the gathered tensor may have to materialize, see ``torch._utils._maybe_view_chunk_cat``),
+    is waited on right away, so no op ever reads a scale still in flight.
+    """
+    b = _bind(func, args, kwargs)
+    t, group_size, group = b["input"], b["group_size"], b["group_name"]
+    rows = t.shape[0]
+    q = func(_bytes(t.qdata), group_size, group)
+    s = func(t.scale.contiguous(), group_size, group)
+    if t.scale.shape[0] == 1 and rows != 1:
+        s = _funcol.wait_tensor.default(s).repeat_interleave(rows, dim=0)
+    elif rows == 1:
+        s = _funcol.wait_tensor.default(s)
+    return _like(t, q, s)
+
+
+@implements(_dist_op("_c10d_functional._wrap_tensor_autograd.default"))
+def _wrap_async(func, args, kwargs):
+    """What the op itself does (``funcol._maybe_wrap_tensor`` in eager): wrap the in-flight result in an
+    ``AsyncCollectiveTensor``, which calls ``wait_tensor`` (below) before the first op that reads it."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return AsyncCollectiveTensor(args[0])
+
+
+@implements(_dist_op("_c10d_functional.wait_tensor.default"))
+def _wait_data_and_scale(func, args, kwargs):
+    """Wait on the data and on the scale (both came from the collective that produced this tensor)."""
+    t = args[0]
+    return ScaledFp8Tensor(func(t.qdata), func(t.scale), t.orig_dtype, t.fast_accum)
+
+
+@implements(_dist_op("_c10d_functional.all_to_all_single.default"))
+def _all_to_all_data_and_scales(func, args, kwargs):
+    """Split along dim 0 and exchange; the scale is made full-size on dim 0 first so it splits with the rows."""
+    b = _bind(func, args, kwargs)
+    t, out_splits, in_splits, group = b["input"], b["output_split_sizes"], b["input_split_sizes"], b["group_name"]
+    s = t.scale
+    if s.shape[0] != t.shape[0]:
+        s = s.expand(t.shape[0], *s.shape[1:])
+    q = func(_bytes(t.qdata), out_splits, in_splits, group)
+    s = func(s.contiguous(), out_splits, in_splits, group)
+    return _like(t, q, s)
+
+
+@implements(_dist_op("_dtensor.shard_dim_alltoall.default"))
+def _shard_dim_alltoall_data_and_scales(func, args, kwargs):
+    """DTensor's Shard(a) -> Shard(b) all-to-all (CUDA path): gather along ``gather_dim``, keep this rank's chunk
+    of ``shard_dim``.
+
+    The scale is made full-size on ``gather_dim`` (per-rank values differ there); a scale compact on
+    ``shard_dim`` is expanded to ``group_size`` slots there, so each rank receives exactly one (equal) slot.
+    """
+    b = _bind(func, args, kwargs)
+    t, gd, sd, group = b["input"], b["gather_dim"], b["shard_dim"], b["group_name"]
+    gd, sd = gd % t.dim(), sd % t.dim()
+    shape = list(t.scale.shape)
+    if shape[gd] != t.shape[gd]:
+        shape[gd] = t.shape[gd]
+    if shape[sd] == 1:
+        shape[sd] = _group_size(group)
+    q = func(_bytes(t.qdata), gd, sd, group)
+    s = func(t.scale.expand(shape).contiguous(), gd, sd, group)
+    return _like(t, q, s)
+
+
+# --------------------------------------------------------------------------------------------- c10d (in place)
+def _check_fp8_list(op: str, tensors) -> bool:
+    """True if the flat list holds ScaledFp8Tensors only; raise if it mixes them with other tensors."""
+    n = sum(isinstance(t, ScaledFp8Tensor) for t in tensors)
+    if n and n != len(tensors):
+        raise NotImplementedError(f"ScaledFp8Tensor: {op} with a mix of ScaledFp8Tensor and other tensors")
+    return n > 0
+
+
+def _contiguous_scale(t: ScaledFp8Tensor) -> torch.Tensor:
+    """The scale of ``t``, replaced by a private contiguous copy first if it is a non-contiguous view."""
+    if not t.scale.is_contiguous():
+        t.scale = t.scale.contiguous()
+    return t.scale
+
+
+@implements(_dist_op("c10d.scatter_.default"))
+def _scatter_data_and_scales(func, args, kwargs):
+    """``distribute_tensor`` with a Shard placement: scatter each shard's fp8 bytes and scale from the source rank.
+
+    The output (``empty_like`` of a shard, on every rank) receives data and scale in place. Each source shard's
+    scale must fit the output's scale layout (size 1 only where the output's is); it is expanded where the output's
+    scale is full-size. The data scatter is waited on before the scale scatter is issued; the scale scatter's Work
+    is returned (so ``async_op`` keeps its meaning for the caller).
+
+    Raises:
+        NotImplementedError: several output tensors, or ScaledFp8Tensors mixed with other tensors.
+        TypeError / ValueError: a source shard with another fp8 dtype, shape or an incompatible scale layout.
+    """
+    b = _bind(func, args, kwargs)
+    outs, ins = list(b["output_tensors"]), [list(x) for x in b["input_tensors"]]
+    op = "c10d.scatter_"
+    if not _check_fp8_list(op, outs + [t for lst in ins for t in lst]):
+        return func(*args, **kwargs)
+    if len(outs) != 1 or len(ins) > 1:
+        raise NotImplementedError(f"ScaledFp8Tensor: {op} supports one output tensor per rank, got {len(outs)}")
+    out = outs[0]
+    srcs = ins[0] if ins else []
+    for i, src in enumerate(srcs):
+        if src.qdata.dtype != out.qdata.dtype:
+            raise TypeError(f"ScaledFp8Tensor {op}: shard {i} is {src.qdata.dtype}, output is {out.qdata.dtype}")
+        if tuple(src.shape) != tuple(out.shape):
+            raise ValueError(f"ScaledFp8Tensor {op}: shard {i} has shape {tuple(src.shape)}, output {tuple(out.shape)}")
+        if not _scale_fits(src.scale, out.scale):
+            raise ValueError(
+                f"ScaledFp8Tensor {op}: shard {i}'s scale {tuple(src.scale.shape)} does not fit the output's scale "
+                f"layout {tuple(out.scale.shape)} (a scale can be expanded, never compacted)"
+            )
+    q_out = out.qdata.view(torch.uint8) if out.qdata.is_contiguous() else torch.empty_like(out.qdata, dtype=torch.uint8)
+    s_out = _contiguous_scale(out)
+    q_in = [[_bytes(src.qdata) for src in srcs]] if ins else []
+    s_in = [[src.scale.expand(s_out.shape).contiguous() for src in srcs]] if ins else []
+    rest = (b["process_group"], b["root_rank"], b["async_op"], b["timeout"])
+    _, work = func([q_out], q_in, *rest)
+    _unbox_wait(work)
+    if q_out.data_ptr() != out.qdata.data_ptr():
+        out.qdata.copy_(q_out.view(out.qdata.dtype))
+    _, work = func([s_out], s_in, *rest)
+    return [out], work
+
+
+@implements(_dist_op("c10d.broadcast_.default"))
+def _broadcast_data_and_scale(func, args, kwargs):
+    """``distribute_tensor`` with Replicate: broadcast the fp8 bytes and the scale from the source, in place.
+
+    Like a plain tensor's broadcast, this overwrites the data (and here the scale) of the tensor passed on the
+    other ranks. Returns the scale broadcast's Work; the data broadcast is waited on first.
+
+    Raises:
+        NotImplementedError: more than one tensor in the list, or ScaledFp8Tensors mixed with other tensors.
+    """
+    b = _bind(func, args, kwargs)
+    tensors = list(b["tensors"])
+    op = "c10d.broadcast_"
+    if not _check_fp8_list(op, tensors):
+        return func(*args, **kwargs)
+    if len(tensors) != 1:
+        raise NotImplementedError(f"ScaledFp8Tensor: {op} supports one tensor per call, got {len(tensors)}")
+    t = tensors[0]
+    rest = (b["process_group"], b["root_rank"], b["root_tensor"], b["async_op"], b["timeout"])
+    q = t.qdata.view(torch.uint8) if t.qdata.is_contiguous() else _bytes(t.qdata)
+    _, work = func([q], *rest)
+    _unbox_wait(work)
+    if q.data_ptr() != t.qdata.data_ptr():
+        t.qdata.copy_(q.view(t.qdata.dtype))
+    _, work = func([_contiguous_scale(t)], *rest)
+    return [t], work
+
+
+# --------------------------------------------------------------------------------------------- padding
+@implements([aten.constant_pad_nd.default])
+def _pad_data_with_zeros_scale_with_ones(func, args, kwargs):
+    """Zero-padding (DTensor pads uneven shards before a collective and unpads after): fp8 zeros in the data;
+    the scale is padded with ones on the dims where it is full-size (cropped likewise for negative pads), and left
+    alone on the dims where it has size 1. A non-zero pad value dequantizes and returns a plain tensor."""
+    b = _bind(func, args, kwargs)
+    t, pad, value = b["self"], list(b["pad"]), b.get("value", 0)
+    if value != 0:
+        return func(t.to_hp(), pad, value)
+    spad = []
+    for i in range(len(pad) // 2):
+        d = t.dim() - 1 - i
+        spad += pad[2 * i : 2 * i + 2] if t.scale.shape[d] != 1 else [0, 0]
+    q = func(t.qdata.view(torch.uint8), pad, 0)
+    s = func(t.scale, spad, 1.0) if any(spad) else t.scale
+    return _like(t, q, s)
+
+
+# --------------------------------------------------------------------------------------------- master weights
+def _keep_master_through_collectives() -> None:
+    from .training import _PRESERVE
+
+    _PRESERVE.add(aten.constant_pad_nd.default)
+    for name in (
+        "_c10d_functional.all_gather_into_tensor.default",
+        "_c10d_functional.wait_tensor.default",
+        "_c10d_functional._wrap_tensor_autograd.default",
+        "_c10d_functional.all_to_all_single.default",
+        "_dtensor.shard_dim_alltoall.default",
+    ):
+        _PRESERVE.update(_dist_op(name))
+
+
+_keep_master_through_collectives()

@@ -35,8 +35,12 @@ def implements(ops: Sequence) -> Callable:
     return deco
 
 
-def _wrap(qdata: torch.Tensor, scale: torch.Tensor, like: ScaledFp8Tensor) -> ScaledFp8Tensor:
-    return ScaledFp8Tensor(qdata, scale, like.orig_dtype, like.fast_accum)
+def _wrap(qdata: torch.Tensor, scale: torch.Tensor, like: ScaledFp8Tensor, shares_scale: bool = False):
+    out = ScaledFp8Tensor(qdata, scale, like.orig_dtype, like.fast_accum)
+    if shares_scale or getattr(like, "_shares_scale", False):
+        # A view whose scales also scale data outside it (a column slice of a row-scaled tensor): copy_ refuses.
+        out._shares_scale = True
+    return out
 
 
 def _norm_dim(d: int, ndim: int) -> int:
@@ -153,31 +157,35 @@ def _copy_into_data_and_scale(func, args, kwargs):
                 q, s = _quantize_like(src.to_hp(torch.float32), dst)
     else:
         q, s = _quantize_like(src.to(dst.device), dst)
-    if _scale_shared_outside(dst):
+    if getattr(dst, "_shares_scale", False) and not _shared_scale_write_ok(dst, s):
         raise NotImplementedError(
             "ScaledFp8Tensor copy_: the destination is a view whose scales are shared with elements outside it "
-            f"(e.g. a column slice of a row-scaled tensor: data {tuple(dst.shape)}, scale {tuple(dst.scale.shape)}); "
-            "writing new scales would change those elements. Copy whole rows, or copy into a high-precision tensor."
+            f"(e.g. a column slice of a row-scaled tensor: data {tuple(dst.shape)}, scale {tuple(dst.scale.shape)}), "
+            "another part of it was already written with different scales, and writing these would change that "
+            "part. Copy whole rows, pieces quantized with the same row scales, or into a high-precision tensor."
         )
     dst.qdata.copy_(q)
     dst.scale.copy_(s)
     return dst
 
 
-def _scale_shared_outside(dst: ScaledFp8Tensor) -> bool:
-    """Whether each scale element of the view ``dst`` also scales data outside ``dst``.
+def _shared_scale_write_ok(dst: ScaledFp8Tensor, new_scale: torch.Tensor) -> bool:
+    """Whether ``copy_`` may write ``new_scale`` into a view ``dst`` that shares its scales with sibling views.
 
-    Compares elements of data per scale element in the view and in the tensors it views: a column slice of a
-    row-scaled tensor has fewer data elements per scale than its base."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    q, s = dst.qdata, dst.scale
-    if isinstance(q, FakeTensor) or type(q) is not torch.Tensor or q.numel() == 0 or s.numel() == 0:
-        return False
-    # Views below autograd carry no ``_base``: compare against the elements of the underlying storages.
-    storage_q = q.untyped_storage().nbytes() // q.element_size()
-    storage_s = s.untyped_storage().nbytes() // s.element_size()
-    return q.numel() * storage_s < storage_q * s.numel()
+    Loading a checkpoint chunk by chunk (DCP writes column chunks of a row-scaled weight into slices) is fine as
+    long as all chunks of a row carry the same scale. The shared scale tensor remembers which regions were written
+    since its values last changed; changing the values from a region not written before, while another region
+    was written with the old ones, would silently corrupt that region, so it is refused. Writing an already
+    written region with new scales starts over (the next load of a checkpoint)."""
+    region = (dst.qdata.storage_offset(), tuple(dst.qdata.shape), tuple(dst.qdata.stride()))
+    written = dst.scale.__dict__.setdefault("_fp8_written_regions", set())
+    same = new_scale.shape == dst.scale.shape and _all_equal([new_scale.contiguous(), dst.scale.contiguous()])
+    if not same:
+        if written and region not in written:
+            return False
+        written.clear()  # first write, or this region again (a new load): start a new generation of scales
+    written.add(region)
+    return True
 
 
 def _scale_fits(src_scale: torch.Tensor, dst_scale: torch.Tensor) -> bool:
@@ -344,8 +352,9 @@ def _slice_scale_if_scaled(func, args, kwargs):
     end = kwargs.get("end", args[3] if len(args) > 3 else None)
     step = kwargs.get("step", args[4] if len(args) > 4 else 1)
     q = aten.slice.Tensor(t.qdata, dim, start, end, step)
-    s = aten.slice.Tensor(t.scale, dim, start, end, step) if _scaled_along(t, dim) else t.scale
-    return _wrap(q, s, t)
+    if _scaled_along(t, dim):
+        return _wrap(q, aten.slice.Tensor(t.scale, dim, start, end, step), t)
+    return _wrap(q, t.scale, t, shares_scale=q.shape[dim] < t.shape[dim])
 
 
 @implements([aten.select.int])
@@ -353,7 +362,7 @@ def _select_scale(func, args, kwargs):
     t, dim, index = args[0], _norm_dim(args[1], args[0].dim()), args[2]
     q = t.qdata.select(dim, index)
     s = t.scale.select(dim, index if _scaled_along(t, dim) else 0)
-    return _wrap(q, s, t)
+    return _wrap(q, s, t, shares_scale=not _scaled_along(t, dim) and t.shape[dim] > 1)
 
 
 @implements([aten.split.Tensor, aten.split_with_sizes.default])
@@ -363,9 +372,8 @@ def _split_scale_if_scaled(func, args, kwargs):
     qs = func(t.qdata, split, dim)
     if _scaled_along(t, dim):
         ss = func(t.scale, split, dim)
-    else:
-        ss = [t.scale] * len(qs)
-    return [_wrap(q, s, t) for q, s in zip(qs, ss)]
+        return [_wrap(q, s, t) for q, s in zip(qs, ss)]
+    return [_wrap(q, t.scale, t, shares_scale=len(qs) > 1) for q in qs]
 
 
 @implements([aten.unbind.int])

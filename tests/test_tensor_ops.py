@@ -330,20 +330,29 @@ def test_fallback_result_matches_dequantized_value_closely():
     assert rel_err(out, x.double().exp()) < 2.0**-4 * 0.1 * 2
 
 
-def test_copy_into_column_slice_of_row_scaled_tensor_raises_and_leaves_data():
-    """A column slice shares its row scales with the other columns: copy_ must not rewrite them silently."""
+def test_copy_into_column_slices_with_conflicting_row_scales_raises():
+    """Column slices share their row scales: pieces with the same row scales load exactly (a DCP load of column
+    chunks), a piece whose row scales differ from what another piece already wrote raises instead of corrupting it."""
     full = torch.randn(4, 8)
     full[:, 4:] *= 10
-    src = ScaledFp8Tensor.from_hp(full[:, :4])
+    g = ScaledFp8Tensor.from_hp(full)
     dst = ScaledFp8Tensor.from_hp(torch.randn(4, 8))
-    before_q, before_s = dst.qdata.clone(), dst.scale.clone()
+    dst[:, :4].copy_(g[:, :4])
+    torch.chunk(dst, 2, dim=1)[1].copy_(g[:, 4:])
+    assert same_bits(dst.qdata, g.qdata) and torch.equal(dst.scale, g.scale)
+    # a second load (new values, same regions) works too
+    g2 = ScaledFp8Tensor.from_hp(torch.randn(4, 8))
+    dst[:, :4].copy_(g2[:, :4])
+    dst[:, 4:].copy_(g2[:, 4:])
+    assert torch.equal(dst.to_hp(), g2.to_hp())
+    # pieces quantized separately (different row scales) cannot share one row scale
+    dst = ScaledFp8Tensor.from_hp(torch.randn(4, 8))
+    dst[:, :4].copy_(ScaledFp8Tensor.from_hp(full[:, :4]))
+    before = dst.to_hp().clone()
     with pytest.raises(NotImplementedError, match="copy_"):
-        dst[:, :4].copy_(src)
-    with pytest.raises(NotImplementedError, match="copy_"):
-        torch.chunk(dst, 2, dim=1)[1].copy_(src)
-    assert torch.equal(dst.qdata.view(torch.uint8), before_q.view(torch.uint8))
-    assert torch.equal(dst.scale, before_s)
-    # Whole rows are fine: the row scales belong to the slice alone.
+        dst[:, 4:].copy_(ScaledFp8Tensor.from_hp(full[:, 4:]))
+    assert torch.equal(dst.to_hp(), before)
+    # whole rows own their scales
     rows = ScaledFp8Tensor.from_hp(torch.randn(6, 8))
     rows[2:6].copy_(ScaledFp8Tensor.from_hp(full))
     assert torch.equal(rows[2:6].to_hp(), ScaledFp8Tensor.from_hp(full).to_hp())

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["BlockConfig", "RMSNorm", "Attention", "FeedForward", "LlamaBlock", "tp_plan"]
+__all__ = ["BlockConfig", "RMSNorm", "Attention", "FeedForward", "LlamaBlock", "tp_plan", "SplitFp8Linear",
+           "split_reference"]
 
 
 class BlockConfig:
@@ -105,7 +106,7 @@ class LlamaBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-def tp_plan(sequence_parallel: bool) -> dict:
+def tp_plan(sequence_parallel: bool, local_output: bool = True) -> dict:
     """The tensor-parallel plan of :class:`LlamaBlock` with PyTorch's parallel styles (Megatron / torchtitan).
 
     ``wq``/``wk``/``wv``/``w1``/``w3`` column-wise (output features sharded), ``wo``/``w2`` row-wise (input
@@ -116,6 +117,13 @@ def tp_plan(sequence_parallel: bool) -> dict:
     the norms run sequence-sharded (``SequenceParallel``), ``PrepareModuleInput`` all-gathers the sequence before
     attention and the MLP, and the row-wise layers reduce-scatter back to ``Shard(1)``. Otherwise the block
     takes and returns full (replicated) ``[b, s, h]`` tensors and the norms are not sharded.
+
+    ``local_output=False`` is the variant for shards of uneven size (a dim not divisible by the mesh size): a
+    plain local tensor handed from one style to the next is turned back into a DTensor by ``DTensor.from_local``
+    *without* a global shape, which assumes every rank holds the same size, so PyTorch's styles fail on uneven
+    shards in high precision too. Here ``w1``/``w3`` return DTensors (any FFN width) and, with sequence
+    parallelism, so do ``wo``/``w2`` — then the block takes and returns ``Shard(1)`` DTensors (any sequence
+    length). Attention keeps local outputs: each rank must hold whole heads anyway (heads divisible by the mesh).
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
@@ -125,24 +133,24 @@ def tp_plan(sequence_parallel: bool) -> dict:
         SequenceParallel,
     )
 
+    mlp_in = {"use_local_output": local_output}
+    row_out = {"output_layouts": Shard(1), "use_local_output": local_output} if sequence_parallel else {}
     plan = {
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w3": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(),
+        "attention.wo": RowwiseParallel(**row_out),
+        "feed_forward.w1": ColwiseParallel(**mlp_in),
+        "feed_forward.w3": ColwiseParallel(**mlp_in),
+        "feed_forward.w2": RowwiseParallel(**row_out),
     }
     if sequence_parallel:
         plan.update(
             {
                 "attention_norm": SequenceParallel(),
                 "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-                "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
                 "ffn_norm": SequenceParallel(),
                 "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
             }
         )
     return plan
@@ -153,19 +161,38 @@ class SplitFp8Linear(nn.Module):
 
     ``dim=0`` (column-parallel): the weight's rows are cut into ``torch.chunk(n)`` pieces, each piece runs
     :func:`fp8tensor.fp8_linear` and the outputs are concatenated. ``dim=1`` (row-parallel): weight columns and
-    input features are cut alike and the per-piece fp8 outputs are summed in rank order. Each piece quantizes its
-    own slice, exactly as each rank does, so a TP run must match this module up to float32 rounding.
+    input features are cut alike and the per-piece fp8 outputs are summed in rank order (as DTensor's
+    Partial -> Replicate all-reduce does). Each piece quantizes its own slice, exactly as each rank does, so a TP
+    run must match this module up to float32 rounding.
+
+    ``weights`` says how the weight is held, as in the TP model it mirrors: ``"master"`` (high-precision, quantized
+    on use, as after :func:`fp8tensor.convert_to_fp8`), ``"fp8_before"`` (quantized row-wise once, then cut: a
+    row-parallel piece keeps its full rows' scales, as :func:`fp8tensor.quantize_weights` before
+    ``parallelize_module``) or ``"fp8_after"`` (cut, then each piece quantized on its own: sub-row-wise scales).
     """
 
-    def __init__(self, lin: nn.Linear, n: int, dim: int, recipe: str):
+    def __init__(self, lin: nn.Linear, n: int, dim: int, recipe: str = "rowwise", weights: str = "master"):
         super().__init__()
-        self.weight = lin.weight
+        from fp8tensor import ScaledFp8Tensor
+
         self.n, self.dim, self.recipe = n, dim, recipe
+        if weights == "master":
+            self.weight = lin.weight
+            self.pieces = None
+        else:
+            w = lin.weight.detach()
+            if weights == "fp8_before":
+                pieces = torch.chunk(ScaledFp8Tensor.from_hp(w), n, dim)
+            elif weights == "fp8_after":
+                pieces = [ScaledFp8Tensor.from_hp(c.contiguous()) for c in torch.chunk(w, n, dim)]
+            else:
+                raise ValueError(f"SplitFp8Linear: unknown weights={weights!r}")
+            self.pieces = list(pieces)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from fp8tensor import fp8_linear
 
-        ws = torch.chunk(self.weight, self.n, self.dim)
+        ws = self.pieces if self.pieces is not None else torch.chunk(self.weight, self.n, self.dim)
         if self.dim == 0:
             return torch.cat([fp8_linear(x, w, recipe=self.recipe) for w in ws], dim=-1)
         xs = torch.split(x, [w.shape[1] for w in ws], dim=-1)
@@ -175,11 +202,14 @@ class SplitFp8Linear(nn.Module):
         return out
 
 
-def split_reference(block: LlamaBlock, n: int, recipe: str) -> LlamaBlock:
+ROW_PARALLEL = ("wo", "w2")
+
+
+def split_reference(block: LlamaBlock, n: int, recipe: str = "rowwise", weights: str = "master") -> LlamaBlock:
     """Swap every Linear of ``block`` (in place) for a :class:`SplitFp8Linear` cut as in :func:`tp_plan` over
     ``n`` ranks (``wo``/``w2`` row-wise, the others column-wise). Returns ``block``."""
     for parent in (block.attention, block.feed_forward):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(parent, name, SplitFp8Linear(child, n, 1 if name in ("wo", "w2") else 0, recipe))
+                setattr(parent, name, SplitFp8Linear(child, n, 1 if name in ROW_PARALLEL else 0, recipe, weights))
     return block

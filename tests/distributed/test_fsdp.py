@@ -20,10 +20,6 @@ printed on failure).
 from __future__ import annotations
 
 import copy
-import os
-import socket
-import sys
-import traceback
 import types
 from pathlib import Path
 
@@ -53,71 +49,11 @@ LR, STEPS = 1e-2, 3
 
 
 # ============================================================================================ spawn harness
-def _test_seed() -> int:
-    """A fresh seed for the spawned workers (``FP8TENSOR_TEST_SEED`` replays one); printed for failure reports."""
-    import random
-
-    seed = int(os.environ.get("FP8TENSOR_TEST_SEED") or random.SystemRandom().randrange(2**31))
-    print(f"FP8TENSOR_TEST_SEED={seed} (spawned workers)")
-    return seed
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, world: int, port: int, fn_name: str, out_dir: str, seed: int, errq) -> None:
-    """Process entry: init gloo, run ``fn_name(rank, world, seed)``, save its result dict to ``out_dir/rank{rank}.pt``."""
-    import datetime
-    import faulthandler
-    import warnings
-
-    import torch.distributed as dist
-
-    faulthandler.enable()
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    sys.path.insert(0, str(HERE))
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
-        res = globals()[fn_name](rank, world, seed)
-        torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        errq.put(f"rank {rank}:\n{traceback.format_exc()}")
-        raise
-
-
 def spawn(fn_name: str, world: int, out_dir) -> list[dict]:
-    """Run ``fn_name`` on ``world`` gloo processes; return the per-rank result dicts (raise with the tracebacks).
+    """Run ``fn_name(rank, world, seed)`` on ``world`` gloo processes (``tests/distributed/_spawn.py``)."""
+    from _spawn import spawn as run
 
-    The workers' seed is fresh (or ``FP8TENSOR_TEST_SEED`` to replay) and stored in every result dict.
-    """
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    errq = ctx.SimpleQueue()
-    port = _free_port()
-    seed = _test_seed()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, fn_name, str(out_dir), seed, errq))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=900)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    errors = []
-    while not errq.empty():
-        errors.append(errq.get())
-    if errors or any(p.exitcode != 0 for p in procs):
-        raise RuntimeError("\n".join(errors) or f"exit codes {[p.exitcode for p in procs]}")
-    return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+    return run(__name__, fn_name, world, out_dir)
 
 
 # ============================================================================================ helpers (workers)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 import sys
 import traceback
 import warnings
@@ -332,9 +331,9 @@ WORLD = 4  # dp=2 x tp=2
 
 
 def _free_port() -> int:
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        return sk.getsockname()[1]
+    from _spawn import free_port
+
+    return free_port()
 
 
 def _gloo_worker(rank: int, port: int, errq):

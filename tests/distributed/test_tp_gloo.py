@@ -32,10 +32,6 @@ Data, weights and the seed are fresh on every run (printed; ``FP8TENSOR_TEST_SEE
 from __future__ import annotations
 
 import copy
-import os
-import socket
-import sys
-import traceback
 from pathlib import Path
 
 import pytest
@@ -62,65 +58,11 @@ STEPS, LR = 5, 1e-2
 
 
 # ============================================================================================ spawn harness
-def _test_seed() -> int:
-    import random
-
-    seed = int(os.environ.get("FP8TENSOR_TEST_SEED") or random.SystemRandom().randrange(2**31))
-    print(f"FP8TENSOR_TEST_SEED={seed} (spawned workers)")
-    return seed
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, world: int, port: int, out_dir: str, seed: int, errq) -> None:
-    """Process entry: init gloo, run :func:`worker`, save its result dict to ``out_dir/rank{rank}.pt``."""
-    import datetime
-    import faulthandler
-    import warnings
-
-    import torch.distributed as dist
-
-    faulthandler.enable()
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    sys.path.insert(0, str(HERE))
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
-        res = worker(rank, world, seed)
-        torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        errq.put(f"rank {rank}:\n{traceback.format_exc()}")
-        raise
-
-
 def spawn(world: int, out_dir) -> list[dict]:
-    """Run :func:`worker` on ``world`` gloo processes; the per-rank result dicts (raises with the tracebacks)."""
-    import torch.multiprocessing as mp
+    """Run :func:`worker` on ``world`` gloo processes (``tests/distributed/_spawn.py``)."""
+    from _spawn import spawn as run
 
-    ctx = mp.get_context("spawn")
-    errq = ctx.SimpleQueue()
-    port, seed = _free_port(), _test_seed()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, str(out_dir), seed, errq)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=900)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    errors = []
-    while not errq.empty():
-        errors.append(errq.get())
-    if errors or any(p.exitcode != 0 for p in procs):
-        raise RuntimeError("\n".join(errors) or f"exit codes {[p.exitcode for p in procs]}")
-    return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+    return run(__name__, "worker", world, out_dir)
 
 
 # ============================================================================================ worker helpers

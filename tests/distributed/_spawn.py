@@ -1,0 +1,83 @@
+"""Spawn harness of the multi-process gloo tests: one process per rank, a fresh seed per run (``FP8TENSOR_TEST_SEED``
+replays one), per-rank result dicts and tracebacks sent back to the parent."""
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import importlib
+import os
+import random
+import socket
+import sys
+import traceback
+import warnings
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+
+
+def fresh_seed() -> int:
+    """A fresh seed for the spawned workers (``FP8TENSOR_TEST_SEED`` replays one); printed for failure reports."""
+    seed = int(os.environ.get("FP8TENSOR_TEST_SEED") or random.SystemRandom().randrange(2**31))
+    print(f"FP8TENSOR_TEST_SEED={seed} (spawned workers)")
+    return seed
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 for the gloo rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world, port, module, fn_name, extra, out_dir, seed, errq) -> None:
+    """Process entry: init gloo, run ``module.fn_name(rank, world, *extra, seed)``, save its result dict."""
+    import torch.distributed as dist
+
+    faulthandler.enable()
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    for p in (str(HERE), str(HERE.parent)):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
+        fn = getattr(importlib.import_module(module), fn_name)
+        res = fn(rank, world, *extra, seed)
+        torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        errq.put(f"rank {rank}:\n{traceback.format_exc()}")
+        raise
+
+
+def spawn(module: str, fn_name: str, world: int, out_dir, extra: tuple = (), timeout: float = 900) -> list[dict]:
+    """Run ``module.fn_name(rank, world, *extra, seed)`` on ``world`` gloo processes; return the per-rank result
+    dicts, or raise ``RuntimeError`` with every rank's traceback."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    errq = ctx.SimpleQueue()
+    port = free_port()
+    seed = fresh_seed()
+    procs = [
+        ctx.Process(target=_entry, args=(r, world, port, module, fn_name, tuple(extra), str(out_dir), seed, errq))
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=timeout)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    errors = []
+    while not errq.empty():
+        errors.append(errq.get())
+    if errors or any(p.exitcode != 0 for p in procs):
+        raise RuntimeError("\n".join(errors) or f"exit codes {[p.exitcode for p in procs]}")
+    return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]

@@ -80,14 +80,7 @@ def test_fp8_tensor_parallel_quantized_after_sharding():
 
 
 def test_fp8_tensor_parallel_quantized_before_sharding():
-    """quantize_weights, then parallelize_module.
-
-    Known fp8tensor gap: ``parallelize_module`` distributes weights with
-    ``src_data_rank=0``, i.e. a ``c10d.scatter_`` of the weight, which
-    ``ScaledFp8Tensor`` does not implement yet.  Only that exact failure is an
-    expected failure; once scatter works this test runs the full checks.
-    """
+    """quantize_weights, then parallelize_module: ``parallelize_module`` distributes the fp8 weights with
+    ``src_data_rank=0``, i.e. a ``c10d.scatter_`` of data and scales from rank 0."""
     proc = run_example_raw("--quantize-when", "before")
-    if proc.returncode != 0 and "collective op c10d.scatter_" in proc.stderr:
-        pytest.xfail("ScaledFp8Tensor does not implement c10d.scatter_ (parallelize_module after quantize_weights)")
     check_fp8_summary(parse_summary(proc), "before")

@@ -330,9 +330,12 @@ def _view_scale(scale: torch.Tensor, old: Sequence[int], new: Sequence[int]) -> 
 @implements([aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten._reshape_alias.default])
 def _view_scale_with_data(func, args, kwargs):
     t, size = args[0], args[1]
-    q = t.qdata.reshape(size) if func is aten.reshape.default else aten.view.default(t.qdata, size)
-    if func is aten._unsafe_view.default:
-        q = aten._unsafe_view.default(t.qdata, size)
+    if func is aten.reshape.default:
+        q = t.qdata.reshape(size)
+    elif func is aten._unsafe_view.default:
+        q = func(t.qdata, size)
+    else:  # view, _reshape_alias (its stride argument is the view's own)
+        q = aten.view.default(t.qdata, size)
     return _wrap(q, _view_scale(t.scale, t.shape, q.shape), t)
 
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 __all__ = [
     "ModelArgs",
@@ -228,6 +229,12 @@ class Llama(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens)
+        if isinstance(h, AsyncCollectiveTensor):
+            # Under TP the embedding's output is the pending result of its reduce-scatter / all-reduce. Handing
+            # that wrapper to a torch.compile-d block breaks the backward on torch 2.13 (the gradient reaches
+            # DTensor's redistribute as a plain tensor: "'Tensor' object has no attribute '_local_tensor'");
+            # an eager out-of-place op waits for the collective and returns a plain tensor that autograd tracks.
+            h = h.clone()
         for layer in self.layers:
             h = layer(h, self.rope)
         return self.output(self.norm(h))
@@ -332,9 +339,10 @@ def parallelize_llama(
     per-token scales instead of bf16.
 
     If ``compile`` is true each block is ``torch.compile``-d in place (after
-    TP, before FSDP). Then, if ``dp_mesh`` has size > 1, ``fully_shard`` is applied to each
+    TP, before FSDP). Then, if ``dp_mesh`` is given, ``fully_shard`` is applied to each
     block and to the root, with ``mp_policy`` (an FSDP2
-    ``MixedPrecisionPolicy`` or ``None``).
+    ``MixedPrecisionPolicy`` or ``None``). A ``dp_mesh`` of size 1 shards nothing
+    but still gives FSDP2's mixed precision (float32 master weights, bf16 compute).
 
     ``dp_mesh`` / ``tp_mesh`` may be ``None`` to skip that dimension.
     Returns ``model``.
@@ -385,7 +393,7 @@ def parallelize_llama(
         for block in model.layers:
             block.compile()
 
-    if dp_mesh is not None and dp_mesh.size() > 1:
+    if dp_mesh is not None:
         from torch.distributed.fsdp import fully_shard
 
         kwargs = {"mesh": dp_mesh}

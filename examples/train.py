@@ -191,13 +191,9 @@ def build_model(args, mesh, device, fp8: bool) -> torch.nn.Module:
                       n_kv_heads=args.kv_heads, max_seq_len=max(args.seq_len, 16))
     torch.manual_seed(args.seed)  # same initial weights for the bf16 and fp8 runs
     model = Llama(margs).to(device)
-    dp_size = mesh["dp"].size()
-    if dp_size == 1:
-        for p in model.parameters():  # no FSDP: bf16 parameters (the RoPE table stays fp32)
-            p.data = p.data.to(torch.bfloat16)
-        mp_policy = None
-    else:  # fp32 master weights, bf16 compute and all-gathers, fp32 grad reduction
-        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    # float32 master weights, bf16 compute and all-gathers, float32 gradient reduction: FSDP2's mixed precision,
+    # also when the dp dim has size 1 (then FSDP2 shards nothing and only manages the bf16 copies).
+    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if fp8:
         convert = fp8_converter()
         convert(model, recipe=args.recipe, module_filter_fn=fp8_module_filter)
@@ -296,6 +292,8 @@ def train_one(name: str, args, train_data, val_data, device, mesh) -> dict:
     log(f"{name}: val loss {val_loss:.4f}  train loss {losses[-1]:.4f}  "
         f"{tok_s:,.0f} tok/s  {train_s:.1f}s")
     del model, opt
+    if args.compile:
+        torch._dynamo.reset()  # the next run compiles its own blocks from a clean cache
     return result
 
 

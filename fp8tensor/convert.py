@@ -6,7 +6,6 @@ swapped, so optimizers and FSDP2 keep their references.
 """
 from __future__ import annotations
 
-import functools
 import warnings
 from typing import Callable, Optional
 
@@ -18,14 +17,56 @@ from .tensor import ScaledFp8Tensor, _is_dtensor, map_shard
 from .training import Fp8MasterWeight, fp8_linear, get_recipe
 from .fsdp import check_fsdp_sharded as _check_fsdp_sharded
 
-__all__ = ["convert_to_fp8", "quantize_weights", "fp8_linear_forward"]
+__all__ = ["convert_to_fp8", "quantize_weights", "fp8_linear_forward", "Fp8Linear", "Fp8LinearMixin"]
 
 FilterFn = Callable[[nn.Module, str], bool]
 
 
 def fp8_linear_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
-    """``forward`` installed on converted ``nn.Linear`` modules: :func:`fp8tensor.fp8_linear` with the module's recipe."""
+    """``forward`` of converted ``nn.Linear`` modules: :func:`fp8tensor.fp8_linear` with the module's recipe.
+
+    ``input``: ``[..., in_features]`` (plain tensor or DTensor); returns ``[..., out_features]``."""
     return fp8_linear(input, self.weight, self.bias, recipe=self.fp8_recipe)
+
+
+class Fp8LinearMixin:
+    """Marks a converted Linear and gives it :func:`fp8_linear_forward` as ``forward``.
+
+    ``convert_to_fp8`` / ``quantize_weights`` change a selected module's class ``C`` (``nn.Linear``, a subclass of
+    it, or FSDP2's ``FSDPLinear``) to a subclass ``Fp8C(Fp8LinearMixin, C)``, one per original class. Changing the
+    class rather than setting ``forward`` on each instance keeps ``isinstance(m, C)``, pickling, and lets
+    ``torch.compile`` share one graph between layers (a per-instance ``forward`` is guarded by object identity,
+    which recompiles once per Linear and soon hits dynamo's recompile limit).
+    """
+
+    forward = fp8_linear_forward
+
+
+class Fp8Linear(Fp8LinearMixin, nn.Linear):
+    """A converted ``nn.Linear`` (the class :func:`convert_to_fp8` gives plain ``nn.Linear`` modules)."""
+
+
+_FP8_CLASSES: dict = {nn.Linear: Fp8Linear}
+
+
+def _fp8_class(cls: type) -> type:
+    """The converted counterpart of module class ``cls`` (created once and registered here for pickle)."""
+    if issubclass(cls, Fp8LinearMixin):
+        return cls
+    new = _FP8_CLASSES.get(cls)
+    if new is None:
+        name = f"Fp8{cls.__name__}"
+        qualname = f"_Fp8_{cls.__module__}_{cls.__qualname__}".replace(".", "_").replace("<", "_").replace(">", "_")
+        new = type(name, (Fp8LinearMixin, cls), {"__module__": __name__, "__qualname__": qualname})
+        globals()[qualname] = new  # pickle finds it as fp8tensor.convert.<qualname>
+        _FP8_CLASSES[cls] = new
+    return new
+
+
+def _install_fp8_forward(lin: nn.Linear) -> None:
+    if "forward" in lin.__dict__:  # an older per-instance override would shadow the class method
+        del lin.__dict__["forward"]
+    lin.__class__ = _fp8_class(type(lin))
 
 
 def _select_linears(module: nn.Module, module_filter_fn: Optional[FilterFn], op: str):
@@ -99,7 +140,8 @@ def convert_to_fp8(
 
     Each selected Linear's weight is wrapped in :class:`~fp8tensor.training.Fp8MasterWeight` (quantized on use;
     the optimizer still updates the high-precision values) and its ``forward`` becomes
-    :func:`~fp8tensor.fp8_linear` with ``recipe``. Callable before or after ``parallelize_module`` and
+    :func:`~fp8tensor.fp8_linear` with ``recipe`` (the module's class becomes a subclass of its class and of
+    :class:`Fp8LinearMixin`: ``nn.Linear`` -> :class:`Fp8Linear`). Callable before or after ``parallelize_module`` and
     ``fully_shard``. ``state_dict()`` of the converted module holds plain high-precision tensors.
 
     Layers with ``in_features`` or ``out_features`` not a multiple of 16 (fp8 GEMMs need it; padding every call
@@ -136,7 +178,7 @@ def convert_to_fp8(
         if new is not None:
             lin.weight = new
         lin.fp8_recipe = r
-        lin.forward = functools.partial(fp8_linear_forward, lin)  # picklable, unlike a bound MethodType
+        _install_fp8_forward(lin)
         lin._register_state_dict_hook(_plain_state_dict_hook)
         lin.register_load_state_dict_post_hook(_rewrap_after_load)
     module.fp8_skipped = skipped
@@ -194,5 +236,5 @@ def quantize_weights(
         else:
             lin.weight = nn.Parameter(q(w.data), requires_grad=False)
         lin.fp8_recipe = get_recipe("rowwise")
-        lin.forward = functools.partial(fp8_linear_forward, lin)  # picklable, unlike a bound MethodType
+        _install_fp8_forward(lin)
     return module

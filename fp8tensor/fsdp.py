@@ -254,10 +254,13 @@ def post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None
                 f"fp8tensor fsdp_post_all_gather: out= must be the ScaledFp8Tensor of shape {tuple(qdata.shape)} "
                 f"built on the first all-gather, got {type(target).__name__} of shape {tuple(target.shape)}"
             )
-        if target.qdata.data_ptr() != qdata.data_ptr():
-            target.qdata.copy_(qdata)
-        if target.scale.data_ptr() != scale.data_ptr():
-            target.scale.copy_(scale)
+        # Refill without bumping the version counters: the forward may have saved this weight for backward
+        # (torch.compile saves qdata and scale themselves), and the re-gather before backward writes the same
+        # values. FSDP2 does the same for the all-gather outputs it copies into.
+        for dst, src in ((target.qdata, qdata), (target.scale, scale)):
+            if dst.data_ptr() != src.data_ptr():
+                with torch.autograd._unsafe_preserve_version_counter(dst):
+                    dst.copy_(src)
         return None
     if meta.mode != FUSED:
         # Own the scales in a buffer that FSDP2 frees on reshard and re-allocates before the next ``out=`` call.

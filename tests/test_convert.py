@@ -9,6 +9,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import pickle
+
+from fp8tensor.convert import Fp8Linear, Fp8LinearMixin
 from fp8tensor import E5M2, Fp8MasterWeight, ScaledFp8Tensor, convert_to_fp8, fp8_linear, quantize_weights
 
 from conftest import E4M3_GEMM_BOUND, E5M2_GEMM_BOUND, rel_err, same_bits
@@ -36,11 +39,12 @@ def _snapshot(model):
         {k: v.detach().clone() for k, v in model.state_dict().items()},
         {n: (p, type(p), p.requires_grad) for n, p in model.named_parameters()},
         {n: set(vars(m)) - {"_forward_pre_hooks"} for n, m in model.named_modules()},
+        {n: type(m) for n, m in model.named_modules()},
     )
 
 
 def _assert_unchanged(model, snap):
-    sd, params, attrs = snap
+    sd, params, attrs, classes = snap
     now = model.state_dict()
     assert now.keys() == sd.keys()
     for k, v in sd.items():
@@ -50,6 +54,7 @@ def _assert_unchanged(model, snap):
     for n, m in model.named_modules():
         assert set(vars(m)) - {"_forward_pre_hooks"} == attrs[n], n
         assert "forward" not in vars(m) and not hasattr(m, "fp8_recipe"), n
+        assert type(m) is classes[n], n
 
 
 @pytest.mark.parametrize("recipe", ["rowwise", "rowwise_gw_hp"])
@@ -64,6 +69,8 @@ def test_convert_to_fp8_swaps_linears_only(recipe):
         assert type(lin.weight) is Fp8MasterWeight and isinstance(lin.weight, nn.Parameter)
         assert lin.weight.requires_grad and lin.weight.recipe.name == recipe and lin.fp8_recipe.name == recipe
         assert torch.equal(lin.weight._data, dict(ref.named_modules())[name].weight)
+        assert type(lin) is Fp8Linear and isinstance(lin, nn.Linear) and "forward" not in vars(lin)
+    assert type(model.emb) is nn.Embedding and type(model.norm) is nn.LayerNorm
     assert type(model.emb.weight) is nn.Parameter and type(model.norm.weight) is nn.Parameter
     idx = torch.randint(0, 10, (3, 5))
     y, y_ref = model(idx), ref(idx)
@@ -205,3 +212,77 @@ def test_bad_arguments_leave_model_unchanged(case):
 def test_non_module_is_rejected(convert, bad):
     with pytest.raises(TypeError, match=rf"{convert.__name__}: expected an nn.Module, got"):
         convert(bad)
+
+
+class ScaledLinear(nn.Linear):
+    """A user subclass of nn.Linear (its own __init__ argument and attribute)."""
+
+    def __init__(self, i, o, gain=2.0):
+        super().__init__(i, o)
+        self.gain = gain
+
+
+class _Holder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = ScaledLinear(64, 32)
+        self.b = nn.Linear(32, 16)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+@pytest.mark.parametrize("convert", [convert_to_fp8, quantize_weights], ids=["convert_to_fp8", "quantize_weights"])
+def test_converted_classes_keep_isinstance_and_pickle(convert):
+    """A converted module's class derives from its original class (nn.Linear subclasses included), one class per
+    original class; the whole converted model pickles and reloads to the same outputs."""
+    model = _Holder()
+    convert(model)
+    assert isinstance(model.a, ScaledLinear) and isinstance(model.a, Fp8LinearMixin) and model.a.gain == 2.0
+    assert type(model.b) is Fp8Linear
+    other = convert(_Holder())
+    assert type(other.a) is type(model.a)  # shared, so compiled code and pickles see one class
+    x = torch.randn(5, 64)
+    back = pickle.loads(pickle.dumps(model))
+    assert type(back.a) is type(model.a) and type(back.b) is Fp8Linear
+    assert same_bits(back(x), model(x))
+    if convert is convert_to_fp8:  # the state dict holds plain weights: an unconverted copy gives the hp result
+        ref = _Holder()
+        ref.load_state_dict(model.state_dict())
+        assert rel_err(model(x), ref(x)) <= 2 * E4M3_GEMM_BOUND
+
+
+class _Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(64, 64)
+        self.down = nn.Linear(64, 64)
+
+    def forward(self, x):
+        return self.down(F.silu(self.up(x)))
+
+
+def test_compile_shares_one_graph_across_converted_layers():
+    """Identical converted layers compile once: dynamo guards on the module class, not on a per-instance forward
+    (a per-instance forward would recompile for every layer and hit dynamo's recompile limit)."""
+    from torch import _dynamo
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    _dynamo.reset()
+    layers = nn.ModuleList(_Mlp() for _ in range(10))
+    convert_to_fp8(layers)
+    for layer in layers:
+        layer.compile(backend=backend)
+    x = torch.randn(8, 64, requires_grad=True)
+    h = x
+    for layer in layers:
+        h = layer(h)
+    h.sum().backward()
+    _dynamo.reset()
+    assert len(graphs) == 1, f"{len(graphs)} graphs compiled for 10 identical converted layers"
+    assert x.grad is not None and torch.isfinite(x.grad).all()

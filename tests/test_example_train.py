@@ -68,3 +68,19 @@ def test_train_example_runs(tmp_path, tp):
 
     png = tmp_path / "loss_curve.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_train_example_compiled_tp(tmp_path):
+    """``--compile`` with TP=2 (FSDP2 over a 1-rank dp dim): both runs complete and learn, every block shares one
+    compiled graph (no recompile-limit fallback to eager), and the fp8 run stays close to bf16."""
+    proc = _run_train(tmp_path, 2, extra=("--compile",))
+    assert proc.returncode == 0, f"train.py --compile failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    assert "recompile_limit" not in proc.stderr, proc.stderr[-4000:]
+    m = FINAL_RE.search(proc.stdout)
+    assert m, f"no final line in output:\n{proc.stdout[-3000:]}"
+    bf16_val, fp8_val, gap = map(float, m.groups())
+    runs = json.loads((tmp_path / "losses.json").read_text())["runs"]
+    for name, r in runs.items():
+        losses = r["train_loss"]
+        assert all(math.isfinite(x) for x in losses) and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.5, name
+    assert abs(gap) < 5.0

@@ -197,8 +197,10 @@ def build_model(args, mesh, device, fp8: bool) -> torch.nn.Module:
     if fp8:
         convert = fp8_converter()
         convert(model, recipe=args.recipe, module_filter_fn=fp8_module_filter)
+    # With one dp rank resharding after forward frees nothing worth the re-gather (for fp8: the re-quantization of
+    # every weight) before backward; with more ranks it frees the gathered weights between forward and backward.
     parallelize_llama(model, mesh["tp"], mesh["dp"], sequence_parallel=args.sequence_parallel,
-                      mp_policy=mp_policy, compile=args.compile,
+                      mp_policy=mp_policy, compile=args.compile, reshard_after_forward=mesh["dp"].size() > 1,
                       sp_fp8_comm=fp8 and args.sp_fp8_comm and mesh["tp"].size() > 1)
     return model
 

@@ -63,6 +63,23 @@ def main() -> None:
     ms = bench_ms(lambda: comp_amax(x))
     print(f"| amax only, torch.compile abs().amax(0) | {ms * 1e3:.1f} | {M * K * 2 / (ms * 1e-3) / 1e9:.0f} |")
 
+    # Row-wise (last dim) in eager: what FSDP2's pre-all-gather and from_hp run on each weight shard.
+    from fp8tensor.quantize import cast_to_fp8, rowwise_scale
+
+    print("\n| row-wise (dim -1), eager | shape | dtype | µs | GB/s |\n|---|---|---|---|---|")
+    for shape, dtype in (((16384, 4096), torch.bfloat16), ((14336, 4096), torch.float32),
+                         ((4096, 14336), torch.float32), ((1024, 4096), torch.float32)):
+        w = torch.randn(*shape, device="cuda", dtype=dtype)
+        nb = w.numel() * (w.element_size() + 1) + shape[0] * 4
+
+        def eager_ops(w=w):
+            s = rowwise_scale(w, -1, f8)
+            return cast_to_fp8(w, s, f8), s
+
+        for name, fn in (("eager ops", eager_ops), ("fused Triton kernel", lambda w=w: kernels.quantize_last_dim(w, f8))):
+            ms = bench_ms(fn)
+            print(f"| {name} | {shape[0]}×{shape[1]} | {str(dtype)[6:]} | {ms * 1e3:.1f} | {nb / (ms * 1e-3) / 1e9:.0f} |")
+
 
 if __name__ == "__main__":
     import triton  # noqa: F401

@@ -12,7 +12,10 @@ the memory-bound time. Here:
 2. cast: each program loads a ``[BLOCK_M, BLOCK_K]`` tile, divides by the column scale, saturates, casts to fp8
    and stores the transposed tile, coalesced along the output's rows.
 
-Exposed as the custom op ``fp8tensor::quantize_dim0_t`` (so ``torch.compile`` keeps it as one call), with a
+A third kernel quantizes along the last dim (row-wise, contiguous rows) in one launch for eager CUDA callers
+(``quantize_rowwise``, ``ScaledFp8Tensor.from_hp``, FSDP2's pre-all-gather of master weights).
+
+The dim-0 kernel is exposed as the custom op ``fp8tensor::quantize_dim0_t`` (so ``torch.compile`` keeps it as one call), with a
 plain-PyTorch implementation for CPU and for tensors that the kernel does not take.
 """
 from __future__ import annotations
@@ -21,7 +24,7 @@ import torch
 
 from .quantize import _AMAX_FLOOR, quantize_rowwise
 
-__all__ = ["quantize_dim0_t", "kernel_available"]
+__all__ = ["quantize_dim0_t", "kernel_available", "quantize_last_dim", "row_kernel_available"]
 
 try:  # Triton is only present with CUDA builds of torch.
     import triton
@@ -70,9 +73,86 @@ if _HAS_TRITON:
             tl.store(scale_ptr + offs_k, scale, mask=kmask)
 
 
+    @triton.jit
+    def _row_quant_kernel(x_ptr, q_ptr, scale_ptr, M, K, FMAX: tl.constexpr, EPS: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+        # Each program quantizes BLOCK_M contiguous rows of a row-major (M, K) tensor: one pass for the row amax,
+        # one pass (mostly from L2) to divide, saturate, cast and store. IEEE divisions (div_rn) make the result
+        # bit-identical to the eager ops of fp8tensor.quantize (clamp(amax, EPS) / FMAX, then x / scale).
+        pid = tl.program_id(0)
+        offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+        mmask = offs_m < M
+        rows = offs_m.to(tl.int64)[:, None] * K
+        acc = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask = mmask[:, None] & (offs_k[None, :] < K)
+            x = tl.load(x_ptr + rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+            a = tl.abs(x)
+            a = tl.where(a != a, float("inf"), a)  # NaN -> inf: the row's scale becomes inf, output non-finite
+            acc = tl.maximum(acc, tl.max(a, axis=1))
+        scale = tl.div_rn(tl.maximum(acc, EPS), FMAX)
+        tl.store(scale_ptr + offs_m, scale, mask=mmask)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask = mmask[:, None] & (offs_k[None, :] < K)
+            x = tl.load(x_ptr + rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+            y = tl.div_rn(x, scale[:, None])
+            y = tl.clamp(y, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
+            tl.store(q_ptr + rows + offs_k[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
+
+
 #: Tile sizes of the two kernels (tuned on H200: see benchmarks/quant_kernels.py and docs/benchmarks.md).
 CONFIG = dict(amax_block_k=64, amax_block_m=256, amax_chunk_m=256, amax_warps=8, cast_block_m=64, cast_block_k=128,
               cast_warps=8)
+
+
+#: Tiles of the row-wise (last-dim) kernel.
+ROW_CONFIG = dict(block_m=4, block_k=1024, warps=8)
+
+
+def row_kernel_available(x: torch.Tensor) -> bool:
+    """Whether :func:`quantize_last_dim` runs the Triton kernel on ``x``: a plain (not fake, not traced) contiguous
+    CUDA tensor of fp32/bf16/fp16 with at least one element, and no torch dispatch mode active.
+
+    Under ``torch.compile`` the eager ops are kept instead, so inductor can fuse the quantization with its
+    producer (e.g. a norm); the results are bit-identical either way."""
+    return (
+        _HAS_TRITON
+        and type(x) is torch.Tensor
+        and x.is_cuda
+        and x.dim() >= 1
+        and x.numel() > 0
+        and x.is_contiguous()
+        and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and not torch.compiler.is_compiling()
+        and torch._C._len_torch_dispatch_stack() == 0
+    )
+
+
+def quantize_last_dim(x: torch.Tensor, float8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-wise quantization along the last dim in one Triton kernel (eager CUDA; see :func:`row_kernel_available`).
+
+    Same contract and bits as the eager ops of ``fp8tensor.quantize.quantize_rowwise(x, dim=-1, float8_dtype)``
+    (a row holding NaN gets an infinite instead of a NaN scale; it stays non-finite either way): returns
+    ``(qdata, scale)``, ``qdata`` of ``x``'s shape in ``float8_dtype`` and ``scale`` float32 of shape
+    ``(*x.shape[:-1], 1)``. The eager version makes ~7 passes over ``x`` (abs, amax, divide, clamp, cast, with
+    float32 intermediates); the kernel reads ``x`` twice and writes the fp8 bytes once.
+
+    Raises:
+        ValueError: ``x`` is not a tensor the kernel takes (check :func:`row_kernel_available` first).
+    """
+    if not row_kernel_available(x):
+        raise ValueError("fp8tensor quantize_last_dim: needs a contiguous fp32/bf16/fp16 CUDA tensor in eager mode")
+    K = x.shape[-1]
+    M = x.numel() // K
+    q = torch.empty(x.shape, dtype=float8_dtype, device=x.device)
+    scale = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
+    c = ROW_CONFIG
+    _row_quant_kernel[(triton.cdiv(M, c["block_m"]),)](
+        x, q, scale, M, K, FMAX=torch.finfo(float8_dtype).max, EPS=_AMAX_FLOOR,
+        BLOCK_M=c["block_m"], BLOCK_K=c["block_k"], num_warps=c["warps"])
+    return q, scale
 
 
 def kernel_available(x: torch.Tensor) -> bool:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .quantize import _AMAX_FLOOR, quantize_rowwise
+from .quantize import _AMAX_FLOOR, inv_fp8_max, quantize_rowwise
 
 __all__ = ["quantize_dim0_t", "kernel_available", "quantize_last_dim", "row_kernel_available"]
 
@@ -54,7 +54,8 @@ if _HAS_TRITON:
         tl.atomic_max(amax_ptr + offs_k, acc, mask=offs_k < K)
 
     @triton.jit
-    def _cast_t_kernel(x_ptr, amax_ptr, q_ptr, scale_ptr, M, K, stride_m, FMAX: tl.constexpr, EPS: tl.constexpr,
+    def _cast_t_kernel(x_ptr, amax_ptr, q_ptr, scale_ptr, M, K, stride_m, FMAX: tl.constexpr, INV_FMAX: tl.constexpr,
+                       EPS: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
         pid_m = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -62,7 +63,7 @@ if _HAS_TRITON:
         offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
         kmask = offs_k < K
         amax = tl.load(amax_ptr + offs_k, mask=kmask, other=1.0)
-        scale = tl.maximum(amax, EPS) / FMAX
+        scale = tl.maximum(amax, EPS) * INV_FMAX  # as fp8tensor.quantize.amax_to_scale (one IEEE multiply)
         mask = (offs_m[:, None] < M) & kmask[None, :]
         x = tl.load(x_ptr + offs_m[:, None] * stride_m + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
         y = x / scale[None, :]
@@ -74,11 +75,12 @@ if _HAS_TRITON:
 
 
     @triton.jit
-    def _row_quant_kernel(x_ptr, q_ptr, scale_ptr, M, K, FMAX: tl.constexpr, EPS: tl.constexpr,
+    def _row_quant_kernel(x_ptr, q_ptr, scale_ptr, M, K, FMAX: tl.constexpr, INV_FMAX: tl.constexpr, EPS: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
         # Each program quantizes BLOCK_M contiguous rows of a row-major (M, K) tensor: one pass for the row amax,
-        # one pass (mostly from L2) to divide, saturate, cast and store. IEEE divisions (div_rn) make the result
-        # bit-identical to the eager ops of fp8tensor.quantize (clamp(amax, EPS) / FMAX, then x / scale).
+        # one pass (mostly from L2) to divide, saturate, cast and store. Bit-identical to the eager ops of
+        # fp8tensor.quantize: scale = clamp(amax, EPS) * fp32(1/FMAX) (one IEEE multiply), then x / scale with an
+        # IEEE division (div_rn; Triton's plain '/' on float32 is an approximate division).
         pid = tl.program_id(0)
         offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
         mmask = offs_m < M
@@ -91,7 +93,7 @@ if _HAS_TRITON:
             a = tl.abs(x)
             a = tl.where(a != a, float("inf"), a)  # NaN -> inf: the row's scale becomes inf, output non-finite
             acc = tl.maximum(acc, tl.max(a, axis=1))
-        scale = tl.div_rn(tl.maximum(acc, EPS), FMAX)
+        scale = tl.maximum(acc, EPS) * INV_FMAX
         tl.store(scale_ptr + offs_m, scale, mask=mmask)
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -119,7 +121,7 @@ def row_kernel_available(x: torch.Tensor) -> bool:
     producer (e.g. a norm); the results are bit-identical either way."""
     return (
         _HAS_TRITON
-        and type(x) is torch.Tensor
+        and type(x) in (torch.Tensor, torch.nn.Parameter)
         and x.is_cuda
         and x.dim() >= 1
         and x.numel() > 0
@@ -150,7 +152,7 @@ def quantize_last_dim(x: torch.Tensor, float8_dtype: torch.dtype) -> tuple[torch
     scale = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
     c = ROW_CONFIG
     _row_quant_kernel[(triton.cdiv(M, c["block_m"]),)](
-        x, q, scale, M, K, FMAX=torch.finfo(float8_dtype).max, EPS=_AMAX_FLOOR,
+        x, q, scale, M, K, FMAX=torch.finfo(float8_dtype).max, INV_FMAX=inv_fp8_max(float8_dtype), EPS=_AMAX_FLOOR,
         BLOCK_M=c["block_m"], BLOCK_K=c["block_k"], num_warps=c["warps"])
     return q, scale
 
@@ -192,7 +194,7 @@ def quantize_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype) -> tuple[torch.T
                            BLOCK_K=c["amax_block_k"], num_warps=c["amax_warps"])
     grid = (triton.cdiv(M, c["cast_block_m"]), triton.cdiv(K, c["cast_block_k"]))
     _cast_t_kernel[grid](x, amax, q, scale, M, K, x.stride(0), FMAX=torch.finfo(float8_dtype).max,
-                         EPS=_AMAX_FLOOR, BLOCK_M=c["cast_block_m"], BLOCK_K=c["cast_block_k"],
+                         INV_FMAX=inv_fp8_max(float8_dtype), EPS=_AMAX_FLOOR, BLOCK_M=c["cast_block_m"], BLOCK_K=c["cast_block_k"],
                          num_warps=c["cast_warps"])
     return q, scale
 

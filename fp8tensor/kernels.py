@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .quantize import _AMAX_FLOOR, inv_fp8_max, quantize_rowwise
+from .quantize import _AMAX_FLOOR, quantize_rowwise
 
 __all__ = ["quantize_dim0_t", "kernel_available", "quantize_last_dim", "row_kernel_available"]
 
@@ -54,8 +54,7 @@ if _HAS_TRITON:
         tl.atomic_max(amax_ptr + offs_k, acc, mask=offs_k < K)
 
     @triton.jit
-    def _cast_t_kernel(x_ptr, amax_ptr, q_ptr, scale_ptr, M, K, stride_m, FMAX: tl.constexpr, INV_FMAX: tl.constexpr,
-                       EPS: tl.constexpr,
+    def _cast_t_kernel(x_ptr, amax_ptr, q_ptr, scale_ptr, M, K, stride_m, FMAX: tl.constexpr, EPS: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
         pid_m = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -63,7 +62,7 @@ if _HAS_TRITON:
         offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
         kmask = offs_k < K
         amax = tl.load(amax_ptr + offs_k, mask=kmask, other=1.0)
-        scale = tl.maximum(amax, EPS) * INV_FMAX  # as fp8tensor.quantize.amax_to_scale (one IEEE multiply)
+        scale = tl.maximum(amax, EPS) / FMAX
         mask = (offs_m[:, None] < M) & kmask[None, :]
         x = tl.load(x_ptr + offs_m[:, None] * stride_m + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
         y = x / scale[None, :]
@@ -75,12 +74,13 @@ if _HAS_TRITON:
 
 
     @triton.jit
-    def _row_quant_kernel(x_ptr, q_ptr, scale_ptr, M, K, FMAX: tl.constexpr, INV_FMAX: tl.constexpr, EPS: tl.constexpr,
+    def _row_quant_kernel(x_ptr, q_ptr, scale_ptr, M, K, FMAX: tl.constexpr, EPS: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
         # Each program quantizes BLOCK_M contiguous rows of a row-major (M, K) tensor: one pass for the row amax,
-        # one pass (mostly from L2) to divide, saturate, cast and store. Bit-identical to the eager ops of
-        # fp8tensor.quantize: scale = clamp(amax, EPS) * fp32(1/FMAX) (one IEEE multiply), then x / scale with an
-        # IEEE division (div_rn; Triton's plain '/' on float32 is an approximate division).
+        # one pass (mostly from L2) to divide, saturate, cast and store. Meant to give the bits of the eager CUDA
+        # ops of fp8tensor.quantize: the scale as the dim-0 kernel computes it (measured equal to eager CUDA, which
+        # divides by a Python scalar as a multiply by its reciprocal), then x / scale as an IEEE division (div_rn;
+        # Triton's plain '/' on float32 is approximate, and eager CUDA divides tensor by tensor exactly).
         pid = tl.program_id(0)
         offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
         mmask = offs_m < M
@@ -93,7 +93,7 @@ if _HAS_TRITON:
             a = tl.abs(x)
             a = tl.where(a != a, float("inf"), a)  # NaN -> inf: the row's scale becomes inf, output non-finite
             acc = tl.maximum(acc, tl.max(a, axis=1))
-        scale = tl.maximum(acc, EPS) * INV_FMAX
+        scale = tl.maximum(acc, EPS) / FMAX  # the dim-0 kernel's expression: equal to the eager CUDA scale
         tl.store(scale_ptr + offs_m, scale, mask=mmask)
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -111,6 +111,8 @@ CONFIG = dict(amax_block_k=64, amax_block_m=256, amax_chunk_m=256, amax_warps=8,
 
 #: Tiles of the row-wise (last-dim) kernel.
 ROW_CONFIG = dict(block_m=4, block_k=1024, warps=8)
+#: Set to False to quantize with the eager ops everywhere (the kernel is then never launched).
+USE_ROW_KERNEL = True
 
 
 def row_kernel_available(x: torch.Tensor) -> bool:
@@ -121,6 +123,7 @@ def row_kernel_available(x: torch.Tensor) -> bool:
     producer (e.g. a norm); the results are bit-identical either way."""
     return (
         _HAS_TRITON
+        and USE_ROW_KERNEL
         and type(x) in (torch.Tensor, torch.nn.Parameter)
         and x.is_cuda
         and x.dim() >= 1
@@ -135,8 +138,9 @@ def row_kernel_available(x: torch.Tensor) -> bool:
 def quantize_last_dim(x: torch.Tensor, float8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Row-wise quantization along the last dim in one Triton kernel (eager CUDA; see :func:`row_kernel_available`).
 
-    Same contract and bits as the eager ops of ``fp8tensor.quantize.quantize_rowwise(x, dim=-1, float8_dtype)``
-    (a row holding NaN gets an infinite instead of a NaN scale; it stays non-finite either way): returns
+    Same contract as the eager ops of ``fp8tensor.quantize.quantize_rowwise(x, dim=-1, float8_dtype)``, meant to
+    give the same bits on CUDA (a row holding NaN gets an infinite instead of a NaN scale; it stays non-finite
+    either way): returns
     ``(qdata, scale)``, ``qdata`` of ``x``'s shape in ``float8_dtype`` and ``scale`` float32 of shape
     ``(*x.shape[:-1], 1)``. The eager version makes ~7 passes over ``x`` (abs, amax, divide, clamp, cast, with
     float32 intermediates); the kernel reads ``x`` twice and writes the fp8 bytes once.
@@ -152,7 +156,7 @@ def quantize_last_dim(x: torch.Tensor, float8_dtype: torch.dtype) -> tuple[torch
     scale = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
     c = ROW_CONFIG
     _row_quant_kernel[(triton.cdiv(M, c["block_m"]),)](
-        x, q, scale, M, K, FMAX=torch.finfo(float8_dtype).max, INV_FMAX=inv_fp8_max(float8_dtype), EPS=_AMAX_FLOOR,
+        x, q, scale, M, K, FMAX=torch.finfo(float8_dtype).max, EPS=_AMAX_FLOOR,
         BLOCK_M=c["block_m"], BLOCK_K=c["block_k"], num_warps=c["warps"])
     return q, scale
 
@@ -194,7 +198,7 @@ def quantize_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype) -> tuple[torch.T
                            BLOCK_K=c["amax_block_k"], num_warps=c["amax_warps"])
     grid = (triton.cdiv(M, c["cast_block_m"]), triton.cdiv(K, c["cast_block_k"]))
     _cast_t_kernel[grid](x, amax, q, scale, M, K, x.stride(0), FMAX=torch.finfo(float8_dtype).max,
-                         INV_FMAX=inv_fp8_max(float8_dtype), EPS=_AMAX_FLOOR, BLOCK_M=c["cast_block_m"], BLOCK_K=c["cast_block_k"],
+                         EPS=_AMAX_FLOOR, BLOCK_M=c["cast_block_m"], BLOCK_K=c["cast_block_k"],
                          num_warps=c["cast_warps"])
     return q, scale
 

@@ -37,12 +37,6 @@ FLOAT8_DTYPES = (E4M3, E5M2)
 _AMAX_FLOOR = 1e-12
 
 
-_INV_FMAX = {
-    dt: float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(torch.finfo(dt).max, dtype=torch.float32))
-    for dt in (torch.float8_e4m3fn, torch.float8_e5m2)
-}
-
-
 def check_float8_dtype(float8_dtype: torch.dtype, op: str) -> None:
     """Raise ``TypeError`` naming ``op`` unless ``float8_dtype`` is ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``."""
     if float8_dtype not in FLOAT8_DTYPES:
@@ -55,19 +49,11 @@ def amax_to_scale(amax: torch.Tensor, float8_dtype: torch.dtype) -> torch.Tensor
     """Turn an amax tensor (any shape, any float dtype) into a float32 dequantization scale.
 
     ``scale = max(amax, 1e-12) / finfo(float8_dtype).max``, computed in float32 so that tiny fp16/bf16
-    inputs never overflow a reciprocal, as one multiply by the float32 reciprocal of the fp8 maximum: a single
-    IEEE multiply rounds the same on every device and in every kernel (ATen divides by a Python scalar as an IEEE
-    division on CPU but as a reciprocal multiply on CUDA), so the fused kernels of :mod:`fp8tensor.kernels` and
-    these eager ops give bit-identical scales. NaN/inf amax propagate into the scale (the row stays non-finite).
+    inputs never overflow a reciprocal. NaN/inf amax propagate into the scale (the row stays non-finite).
     """
     amax = amax.to(torch.float32)
     # clamp keeps NaN as NaN (torch.clamp propagates NaN), so a NaN row stays visibly NaN.
-    return torch.clamp(amax, min=_AMAX_FLOOR) * inv_fp8_max(float8_dtype)
-
-
-def inv_fp8_max(float8_dtype: torch.dtype) -> float:
-    """``1 / finfo(float8_dtype).max`` rounded to float32 (returned as a Python float holding that value)."""
-    return _INV_FMAX[float8_dtype]
+    return torch.clamp(amax, min=_AMAX_FLOOR) / torch.finfo(float8_dtype).max
 
 
 def rowwise_scale(x: torch.Tensor, dim: int, float8_dtype: torch.dtype) -> torch.Tensor:

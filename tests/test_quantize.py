@@ -183,7 +183,7 @@ def test_amax_to_scale_floor_and_nan():
     amax = torch.tensor([0.0, 1e-30, 448.0, float("nan"), float("inf")], dtype=torch.float64)
     s = amax_to_scale(amax, E4M3)
     assert s.dtype == torch.float32
-    floor = torch.tensor(1e-12, dtype=torch.float32) * (torch.tensor(1.0) / torch.tensor(448.0))  # float32 reciprocal
+    floor = torch.tensor(1e-12, dtype=torch.float32) / 448.0
     assert s[0].item() == floor.item() and s[1].item() == floor.item()
     assert s[2].item() == 1.0
     assert s[3].isnan() and s[4].isinf()

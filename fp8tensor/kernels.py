@@ -119,8 +119,8 @@ def row_kernel_available(x: torch.Tensor) -> bool:
     """Whether :func:`quantize_last_dim` runs the Triton kernel on ``x``: a plain (not fake, not traced) contiguous
     CUDA tensor of fp32/bf16/fp16 with at least one element, and no torch dispatch mode active.
 
-    Under ``torch.compile`` the eager ops are kept instead, so inductor can fuse the quantization with its
-    producer (e.g. a norm); the results are bit-identical either way."""
+    Under ``torch.compile`` the eager ops are traced instead, so inductor can fuse the quantization with its
+    producer (e.g. a norm); compiled code then rounds as inductor's generated kernels do."""
     return (
         _HAS_TRITON
         and USE_ROW_KERNEL

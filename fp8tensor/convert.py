@@ -33,13 +33,18 @@ class Fp8LinearMixin:
     """Marks a converted Linear and gives it :func:`fp8_linear_forward` as ``forward``.
 
     ``convert_to_fp8`` / ``quantize_weights`` change a selected module's class ``C`` (``nn.Linear``, a subclass of
-    it, or FSDP2's ``FSDPLinear``) to a subclass ``Fp8C(Fp8LinearMixin, C)``, one per original class. Changing the
-    class rather than setting ``forward`` on each instance keeps ``isinstance(m, C)``, pickling, and lets
-    ``torch.compile`` share one graph between layers (a per-instance ``forward`` is guarded by object identity,
-    which recompiles once per Linear and soon hits dynamo's recompile limit).
+    it that keeps ``nn.Linear.forward``, or FSDP2's ``FSDPLinear``) to a subclass ``Fp8C(Fp8LinearMixin, C)``, one
+    per original class. Changing the class rather than setting ``forward`` on each instance keeps
+    ``isinstance(m, C)`` and lets ``torch.compile`` share one graph between layers (a per-instance ``forward`` is
+    guarded by object identity, which recompiles once per Linear and soon hits dynamo's recompile limit).
+    Pickles name the original class, so a converted model loads in a process that never converted anything.
     """
 
     forward = fp8_linear_forward
+    _fp8_base: type = nn.Linear
+
+    def __reduce_ex__(self, protocol):
+        return (_new_converted, (type(self)._fp8_base,), self.__getstate__())
 
 
 class Fp8Linear(Fp8LinearMixin, nn.Linear):
@@ -50,23 +55,36 @@ _FP8_CLASSES: dict = {nn.Linear: Fp8Linear}
 
 
 def _fp8_class(cls: type) -> type:
-    """The converted counterpart of module class ``cls`` (created once and registered here for pickle)."""
+    """The converted counterpart of module class ``cls`` (created once per class)."""
     if issubclass(cls, Fp8LinearMixin):
         return cls
     new = _FP8_CLASSES.get(cls)
     if new is None:
-        name = f"Fp8{cls.__name__}"
-        qualname = f"_Fp8_{cls.__module__}_{cls.__qualname__}".replace(".", "_").replace("<", "_").replace(">", "_")
-        new = type(name, (Fp8LinearMixin, cls), {"__module__": __name__, "__qualname__": qualname})
-        globals()[qualname] = new  # pickle finds it as fp8tensor.convert.<qualname>
+        new = type(f"Fp8{cls.__name__}", (Fp8LinearMixin, cls), {"__module__": cls.__module__, "_fp8_base": cls})
         _FP8_CLASSES[cls] = new
     return new
 
 
-def _install_fp8_forward(lin: nn.Linear) -> None:
-    if "forward" in lin.__dict__:  # an older per-instance override would shadow the class method
-        del lin.__dict__["forward"]
-    lin.__class__ = _fp8_class(type(lin))
+def _new_converted(base: type):
+    """Unpickling helper: an empty instance of the converted class of ``base`` (state is set by pickle)."""
+    return object.__new__(_fp8_class(base))
+
+
+def _own_forward(lin: nn.Module) -> Optional[str]:
+    """Why ``lin`` has a forward of its own that conversion would drop (None when it is ``nn.Linear``'s)."""
+    f = lin.__dict__.get("forward")
+    if f is not None:
+        legacy = getattr(f, "func", None) is fp8_linear_forward  # set by fp8tensor before class conversion
+        if not legacy:
+            return "a forward set on the instance"
+    if type(lin).forward is not nn.Linear.forward and not isinstance(lin, Fp8LinearMixin):
+        return f"{type(lin).__name__}.forward overrides nn.Linear.forward"
+    return None
+
+
+def _install_fp8_forward(lin: nn.Linear, cls: type) -> None:
+    lin.__dict__.pop("forward", None)  # only fp8tensor's own legacy per-instance forward gets here
+    lin.__class__ = cls
 
 
 def _select_linears(module: nn.Module, module_filter_fn: Optional[FilterFn], op: str):
@@ -87,6 +105,19 @@ def _select_linears(module: nn.Module, module_filter_fn: Optional[FilterFn], op:
                 continue
         chosen.append((fqn, mod))
     return chosen
+
+
+def _drop_custom_forwards(chosen):
+    """Split off Linears whose own ``forward`` conversion would silently replace (e.g. a LoRA Linear adding a
+    low-rank path): they stay in high precision and are reported."""
+    keep, skipped = [], []
+    for fqn, lin in chosen:
+        why = _own_forward(lin)
+        if why is None:
+            keep.append((fqn, lin))
+        else:
+            skipped.append(f"{fqn or '<root>'} ({why})")
+    return keep, skipped
 
 
 def _swap_local(param: torch.Tensor, fn) -> Optional[nn.Parameter]:
@@ -145,8 +176,9 @@ def convert_to_fp8(
     ``fully_shard``. ``state_dict()`` of the converted module holds plain high-precision tensors.
 
     Layers with ``in_features`` or ``out_features`` not a multiple of 16 (fp8 GEMMs need it; padding every call
-    would cost more than it saves) are left in high precision, and a warning lists them; their names are also
-    stored in ``module.fp8_skipped``.
+    would cost more than it saves), and Linears with a ``forward`` of their own (a subclass overriding it, or one
+    set on the instance, e.g. a LoRA-style Linear: conversion would silently replace it) are left in high
+    precision, and a warning lists them; they are also listed in ``module.fp8_skipped``.
 
     Args:
         module: the model.
@@ -165,7 +197,8 @@ def convert_to_fp8(
     r = get_recipe(recipe)
     chosen = _select_linears(module, module_filter_fn, op)
     _check_fsdp_sharded([lin.weight for _, lin in chosen], op)
-    skipped = []
+    chosen, skipped = _drop_custom_forwards(chosen)
+    classes = {fqn: _fp8_class(type(lin)) for fqn, lin in chosen}  # before any change: a failure leaves no trace
     for fqn, lin in chosen:
         w = lin.weight
         local = w._local_tensor if _is_dtensor(w) else w
@@ -178,13 +211,13 @@ def convert_to_fp8(
         if new is not None:
             lin.weight = new
         lin.fp8_recipe = r
-        _install_fp8_forward(lin)
+        _install_fp8_forward(lin, classes[fqn])
         lin._register_state_dict_hook(_plain_state_dict_hook)
         lin.register_load_state_dict_post_hook(_rewrap_after_load)
     module.fp8_skipped = skipped
     if skipped:
         warnings.warn(
-            f"{op}: left in high precision (dims not multiples of 16): {', '.join(skipped)}", stacklevel=2
+            f"{op}: left in high precision: {', '.join(skipped)}", stacklevel=2
         )
     return module
 
@@ -197,7 +230,8 @@ def quantize_weights(
     For inference and frozen (e.g. LoRA base) weights: ``weight = ScaledFp8Tensor.from_hp(weight)`` with
     ``requires_grad=False``; the Linear's ``forward`` becomes :func:`~fp8tensor.fp8_linear`, so gradients still
     flow to the input, in fp8, through scale folding (the fp8 weight is never re-quantized). Works before or
-    after ``parallelize_module`` (each shard is quantized on its own).
+    after ``parallelize_module`` (each shard is quantized on its own). Linears with a ``forward`` of their own are
+    left unchanged, with a warning (as in :func:`convert_to_fp8`).
 
     Args:
         module: the model.
@@ -215,6 +249,10 @@ def quantize_weights(
     check_float8_dtype(float8_dtype, op)
     chosen = _select_linears(module, module_filter_fn, op)
     _check_fsdp_sharded([lin.weight for _, lin in chosen], op)
+    chosen, skipped = _drop_custom_forwards(chosen)
+    if skipped:
+        warnings.warn(f"{op}: left in high precision: {', '.join(skipped)}", stacklevel=2)
+    classes = {fqn: _fp8_class(type(lin)) for fqn, lin in chosen}  # before any change: a failure leaves no trace
     for fqn, lin in chosen:
         w = lin.weight
         local = w._local_tensor if _is_dtensor(w) else w
@@ -236,5 +274,5 @@ def quantize_weights(
         else:
             lin.weight = nn.Parameter(q(w.data), requires_grad=False)
         lin.fp8_recipe = get_recipe("rowwise")
-        _install_fp8_forward(lin)
+        _install_fp8_forward(lin, classes[fqn])
     return module

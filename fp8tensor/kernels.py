@@ -132,6 +132,8 @@ def row_kernel_available(x: torch.Tensor) -> bool:
         and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
         and not torch.compiler.is_compiling()
         and torch._C._len_torch_dispatch_stack() == 0
+        and not torch._C._functorch.is_functorch_wrapped_tensor(x)  # vmap / grad wrappers look like plain tensors
+        and not (x.requires_grad and torch.is_grad_enabled())  # the eager ops keep the autograd graph
     )
 
 
@@ -155,9 +157,10 @@ def quantize_last_dim(x: torch.Tensor, float8_dtype: torch.dtype) -> tuple[torch
     q = torch.empty(x.shape, dtype=float8_dtype, device=x.device)
     scale = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
     c = ROW_CONFIG
-    _row_quant_kernel[(triton.cdiv(M, c["block_m"]),)](
-        x, q, scale, M, K, FMAX=torch.finfo(float8_dtype).max, EPS=_AMAX_FLOOR,
-        BLOCK_M=c["block_m"], BLOCK_K=c["block_k"], num_warps=c["warps"])
+    with torch.cuda.device(x.device):  # Triton launches on the current device
+        _row_quant_kernel[(triton.cdiv(M, c["block_m"]),)](
+            x, q, scale, M, K, FMAX=torch.finfo(float8_dtype).max, EPS=_AMAX_FLOOR,
+            BLOCK_M=c["block_m"], BLOCK_K=c["block_k"], num_warps=c["warps"])
     return q, scale
 
 
@@ -193,13 +196,14 @@ def quantize_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype) -> tuple[torch.T
     q = torch.empty(K, M, dtype=float8_dtype, device=x.device)
     scale = torch.empty(K, 1, dtype=torch.float32, device=x.device)
     c = CONFIG
-    grid = (triton.cdiv(K, c["amax_block_k"]), triton.cdiv(M, c["amax_chunk_m"]))
-    _col_amax_kernel[grid](x, amax, M, K, x.stride(0), CHUNK_M=c["amax_chunk_m"], BLOCK_M=c["amax_block_m"],
-                           BLOCK_K=c["amax_block_k"], num_warps=c["amax_warps"])
-    grid = (triton.cdiv(M, c["cast_block_m"]), triton.cdiv(K, c["cast_block_k"]))
-    _cast_t_kernel[grid](x, amax, q, scale, M, K, x.stride(0), FMAX=torch.finfo(float8_dtype).max,
-                         EPS=_AMAX_FLOOR, BLOCK_M=c["cast_block_m"], BLOCK_K=c["cast_block_k"],
-                         num_warps=c["cast_warps"])
+    with torch.cuda.device(x.device):  # Triton launches on the current device
+        grid = (triton.cdiv(K, c["amax_block_k"]), triton.cdiv(M, c["amax_chunk_m"]))
+        _col_amax_kernel[grid](x, amax, M, K, x.stride(0), CHUNK_M=c["amax_chunk_m"], BLOCK_M=c["amax_block_m"],
+                               BLOCK_K=c["amax_block_k"], num_warps=c["amax_warps"])
+        grid = (triton.cdiv(M, c["cast_block_m"]), triton.cdiv(K, c["cast_block_k"]))
+        _cast_t_kernel[grid](x, amax, q, scale, M, K, x.stride(0), FMAX=torch.finfo(float8_dtype).max,
+                             EPS=_AMAX_FLOOR, BLOCK_M=c["cast_block_m"], BLOCK_K=c["cast_block_k"],
+                             num_warps=c["cast_warps"])
     return q, scale
 
 

@@ -123,7 +123,9 @@ class _Fp8Linear(torch.autograd.Function):
         ctx.recipe = recipe
         ctx.has_bias = bias is not None
         ctx.save_for_backward(x, weight)
-        return out.reshape(*x.shape[:-1], N)
+        # Not a view of ``out`` (as F.linear's output is not): FSDP2 hooks the module output for backward, and an
+        # in-place op on a view output would drop that hook (torch warns about it).
+        return torch.ops.aten._unsafe_view(out, (*x.shape[:-1], N))
 
     @staticmethod
     def backward(ctx, grad_out):

@@ -10,6 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import pickle
+from pathlib import Path
 
 from fp8tensor.convert import Fp8Linear, Fp8LinearMixin
 from fp8tensor import E5M2, Fp8MasterWeight, ScaledFp8Tensor, convert_to_fp8, fp8_linear, quantize_weights
@@ -286,3 +287,76 @@ def test_compile_shares_one_graph_across_converted_layers():
     _dynamo.reset()
     assert len(graphs) == 1, f"{len(graphs)} graphs compiled for 10 identical converted layers"
     assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+def test_converted_subclass_model_loads_in_a_fresh_process(tmp_path):
+    """A whole converted model whose Linears are user subclasses pickles by the original class: a process that
+    never called convert_to_fp8 loads it (and gets the converted class back); two user classes with the same
+    name in different modules do not collide."""
+    import subprocess
+    import sys
+
+    (tmp_path / "mods_a.py").write_text("import torch.nn as nn\nclass Proj(nn.Linear):\n    pass\n")
+    pkg = tmp_path / "mods"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("import torch.nn as nn\nclass Proj(nn.Linear):\n    pass\n")
+    root = str(Path(__file__).resolve().parents[1])
+    save = f"""
+import sys, torch, torch.nn as nn
+sys.path[:0] = [{str(tmp_path)!r}, {root!r}]
+import mods_a, mods.a
+from fp8tensor import convert_to_fp8
+torch.manual_seed(0)
+m = convert_to_fp8(nn.Sequential(mods_a.Proj(32, 32), mods.a.Proj(32, 16)))
+x = torch.randn(4, 32)
+torch.save({{"model": m, "x": x, "y": m(x).detach()}}, {str(tmp_path / "m.pt")!r})
+"""
+    load = f"""
+import sys, torch
+sys.path[:0] = [{str(tmp_path)!r}, {root!r}]
+import mods_a, mods.a
+from fp8tensor.convert import Fp8LinearMixin
+d = torch.load({str(tmp_path / "m.pt")!r}, weights_only=False)
+m = d["model"]
+assert isinstance(m[0], mods_a.Proj) and isinstance(m[0], Fp8LinearMixin), type(m[0]).__mro__
+assert isinstance(m[1], mods.a.Proj) and not isinstance(m[1], mods_a.Proj), type(m[1]).__mro__
+assert torch.equal(m(d["x"]), d["y"])
+print("LOADED")
+"""
+    for code in (save, load):
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "LOADED" in proc.stdout
+
+
+class LoraLinear(nn.Linear):
+    """A Linear with its own forward (a low-rank path added to the base projection)."""
+
+    def __init__(self, i, o, r=4):
+        super().__init__(i, o)
+        self.a = nn.Parameter(torch.randn(r, i) * 0.1)
+        self.b = nn.Parameter(torch.randn(o, r) * 0.1)
+
+    def forward(self, x):
+        return super().forward(x) + x @ self.a.t() @ self.b.t()
+
+
+@pytest.mark.parametrize("convert", [convert_to_fp8, quantize_weights], ids=["convert_to_fp8", "quantize_weights"])
+def test_linears_with_their_own_forward_are_left_alone(convert):
+    """Conversion would replace a user's forward (dropping e.g. a LoRA path): such Linears are skipped, with a
+    warning naming them; plain Linears next to them are converted."""
+    model = nn.Sequential(LoraLinear(64, 64), nn.Linear(64, 32))
+    inst = nn.Linear(32, 32)
+    inst.forward = lambda x: x  # a forward set on the instance (e.g. by another library's hook)
+    model.append(inst)
+    x = torch.randn(3, 64)
+    ref = copy.deepcopy(model)
+    with pytest.warns(UserWarning, match=r"0 \(LoraLinear.forward overrides nn.Linear.forward\).*2 \(a forward set"):
+        convert(model)
+    assert type(model[0]) is LoraLinear and type(model[0].weight) is nn.Parameter
+    assert type(model[2]) is nn.Linear and type(model[2].weight) is nn.Parameter
+    assert isinstance(model[1], Fp8LinearMixin)
+    assert same_bits(model[0](x), ref[0](x))
+    if convert is convert_to_fp8:
+        assert model.fp8_skipped == ["0 (LoraLinear.forward overrides nn.Linear.forward)", "2 (a forward set on the instance)"]

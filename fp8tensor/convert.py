@@ -71,7 +71,12 @@ def _new_converted(base: type):
 
 
 def _own_forward(lin: nn.Module) -> Optional[str]:
-    """Why ``lin`` has a forward of its own that conversion would drop (None when it is ``nn.Linear``'s)."""
+    """Why ``lin`` cannot be converted without changing what it computes: a forward of its own that conversion
+    would drop, or a parametrized weight (e.g. weight norm) that has no single tensor to swap. None when it can."""
+    from torch.nn.utils import parametrize
+
+    if parametrize.is_parametrized(lin, "weight"):
+        return "weight is parametrized"
     f = lin.__dict__.get("forward")
     if f is not None:
         legacy = getattr(f, "func", None) is fp8_linear_forward  # set by fp8tensor before class conversion
@@ -178,7 +183,8 @@ def convert_to_fp8(
     Layers with ``in_features`` or ``out_features`` not a multiple of 16 (fp8 GEMMs need it; padding every call
     would cost more than it saves), and Linears with a ``forward`` of their own (a subclass overriding it, or one
     set on the instance, e.g. a LoRA-style Linear: conversion would silently replace it) are left in high
-    precision, and a warning lists them; they are also listed in ``module.fp8_skipped``.
+    precision, and a warning lists them; they are also listed in ``module.fp8_skipped``. So are Linears whose
+    weight is parametrized (e.g. weight norm). Converting a converted model again switches its recipe.
 
     Args:
         module: the model.
@@ -202,8 +208,12 @@ def convert_to_fp8(
     for fqn, lin in chosen:
         w = lin.weight
         local = w._local_tensor if _is_dtensor(w) else w
-        if isinstance(local, (Fp8MasterWeight, ScaledFp8Tensor)):
-            continue  # already converted
+        if isinstance(local, Fp8MasterWeight):  # already converted: only the recipe may change
+            local.recipe = r
+            lin.fp8_recipe = r
+            continue
+        if isinstance(local, ScaledFp8Tensor):
+            continue  # stored in fp8 by quantize_weights: nothing to train
         if lin.in_features % 16 or lin.out_features % 16 or not w.dtype.is_floating_point:
             skipped.append(f"{fqn or '<root>'} ({lin.in_features}->{lin.out_features})")
             continue

@@ -360,3 +360,35 @@ def test_linears_with_their_own_forward_are_left_alone(convert):
     assert same_bits(model[0](x), ref[0](x))
     if convert is convert_to_fp8:
         assert model.fp8_skipped == ["0 (LoraLinear.forward overrides nn.Linear.forward)", "2 (a forward set on the instance)"]
+
+
+def test_converting_again_switches_the_recipe():
+    """convert_to_fp8 on a converted model with another recipe switches it (no double wrapping); the result equals
+    converting the unconverted model with that recipe directly."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 32))
+    a = convert_to_fp8(copy.deepcopy(base), recipe="rowwise")
+    w = a[0].weight
+    convert_to_fp8(a, recipe="rowwise_gw_hp")
+    assert a[0].weight is w and a[0].fp8_recipe.name == "rowwise_gw_hp" and w.recipe.name == "rowwise_gw_hp"
+    b = convert_to_fp8(copy.deepcopy(base), recipe="rowwise_gw_hp")
+    x = torch.randn(8, 64, requires_grad=True)
+    xb = x.detach().clone().requires_grad_()
+    a(x).sum().backward()
+    b(xb).sum().backward()
+    assert same_bits(x.grad, xb.grad)
+    assert same_bits(a[0].weight.grad, b[0].weight.grad)
+
+
+def test_parametrized_weight_is_skipped_with_a_warning():
+    """A weight-norm (parametrized) Linear has no single weight tensor to swap: left in high precision, named in
+    the warning, model unchanged; the plain Linear next to it is converted."""
+    from torch.nn.utils.parametrizations import weight_norm
+
+    model = nn.Sequential(weight_norm(nn.Linear(64, 64)), nn.Linear(64, 32))
+    x = torch.randn(4, 64)
+    ref = model[0](x)
+    with pytest.warns(UserWarning, match=r"0 \(weight is parametrized\)"):
+        convert_to_fp8(model)
+    assert not isinstance(model[0], Fp8LinearMixin) and same_bits(model[0](x), ref)
+    assert isinstance(model[1], Fp8LinearMixin)

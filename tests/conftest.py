@@ -78,3 +78,26 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     return torch.equal(a, b) or bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
+def same_fp8(w, expected) -> bool:
+    """``w`` is a ScaledFp8Tensor with exactly ``expected``'s fp8 bits and scales."""
+    from fp8tensor import ScaledFp8Tensor
+
+    return (
+        isinstance(w, ScaledFp8Tensor)
+        and w.qdata.dtype == expected.qdata.dtype
+        and torch.equal(w.qdata.view(torch.uint8), expected.qdata.view(torch.uint8))
+        and torch.equal(w.scale, expected.scale)
+    )
+
+
+def dequant(t: torch.Tensor) -> torch.Tensor:
+    """Exact float32 value of a ScaledFp8Tensor (``qdata * scale``), the data of a master weight, else ``t``."""
+    from fp8tensor import Fp8MasterWeight, ScaledFp8Tensor
+
+    if isinstance(t, ScaledFp8Tensor):
+        return t.to_hp(torch.float32)
+    if isinstance(t, Fp8MasterWeight):
+        return t._data
+    return t

@@ -24,6 +24,7 @@ pytestmark = pytest.mark.slow
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from conftest import same_fp8  # noqa: E402
 
 
 # ============================================================================================ spawn harness
@@ -44,17 +45,6 @@ def make_base(seed: int):
 
 def linear_names(model) -> list[str]:
     return [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-
-
-def same_fp8(w, expected) -> bool:
-    from fp8tensor import ScaledFp8Tensor
-
-    return (
-        isinstance(w, ScaledFp8Tensor)
-        and w.qdata.dtype == expected.qdata.dtype
-        and torch.equal(w.qdata.view(torch.uint8), expected.qdata.view(torch.uint8))
-        and torch.equal(w.scale, expected.scale)
-    )
 
 
 def tp_slice(t, name: str, tp_rank: int):

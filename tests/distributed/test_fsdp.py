@@ -30,6 +30,7 @@ import torch.nn as nn
 pytestmark = pytest.mark.slow
 
 HERE = Path(__file__).resolve().parent
+from conftest import same_fp8  # noqa: E402
 
 # e4m3 has 3 mantissa bits: relative rounding 2^-4; a GEMM of Gaussian data ends up ~3.6% off in norm. One bound
 # for "one fp8 GEMM away from float64"; the block output carries the residual, so it is well inside it.
@@ -247,18 +248,6 @@ def capture_forward_weights(model, store: dict):
 
             handles.append(mod.register_forward_pre_hook(hook))
     return handles
-
-
-def same_fp8(w, expected) -> bool:
-    """``w`` is a ScaledFp8Tensor with exactly ``expected``'s fp8 bits and scales."""
-    from fp8tensor import ScaledFp8Tensor
-
-    return (
-        isinstance(w, ScaledFp8Tensor)
-        and w.qdata.dtype == expected.qdata.dtype
-        and torch.equal(w.qdata.view(torch.uint8), expected.qdata.view(torch.uint8))
-        and torch.equal(w.scale, expected.scale)
-    )
 
 
 def make_data(seed, world, steps, shape):
@@ -735,6 +724,7 @@ def test_compiled_matches_eager(run1d):
         assert r["G_error"] is None, r["G_error"]
         c = r["G_compiled"]
         assert max(c["out"]) < TIGHT_AFTER_STEP and c["out"][0] < TIGHT, (rank, c["out"], _ctx(r))
+        assert max(c["grad"][0].values()) < TIGHT, (rank, c["grad"][0], _ctx(r))
         for t in range(STEPS):
             assert max(c["grad"][t].values()) < TIGHT_AFTER_STEP, (rank, t, c["grad"][t], _ctx(r))
         assert max(c["param"].values()) < TIGHT_AFTER_STEP, (rank, c["param"], _ctx(r))

@@ -22,8 +22,6 @@ from __future__ import annotations
 import copy
 import os
 import sys
-import traceback
-import warnings
 
 import pytest
 import torch
@@ -330,25 +328,10 @@ def test_plan_transform():
 WORLD = 4  # dp=2 x tp=2
 
 
-def _free_port() -> int:
-    from _spawn import free_port
-
-    return free_port()
-
-
-def _gloo_worker(rank: int, port: int, errq):
-    try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        torch.set_num_threads(1)
-        warnings.filterwarnings("ignore")
-        dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-        _gloo_checks(rank)
-    except BaseException:
-        errq.put(f"rank {rank}:\n{traceback.format_exc()}")
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def gloo_entry(rank: int, world: int, seed: int) -> dict:
+    """Worker run by the shared spawn harness (``_spawn.py``): the checks assert on every rank."""
+    _gloo_checks(rank)
+    return {}
 
 
 def _gloo_checks(rank: int):
@@ -420,23 +403,9 @@ def _gloo_checks(rank: int):
 
 
 @pytest.mark.slow
-def test_gloo_fsdp2_tp_compile():
+def test_gloo_fsdp2_tp_compile(tmp_path):
     """4 gloo ranks, (dp=2, tp=2) mesh, FSDP2 over dp + TP/SP over tp, both recipes: fp8 comm vs bf16 comm in
     eager, compiled (aot_eager) vs eager, payload dtypes."""
-    import torch.multiprocessing as mp
+    from _spawn import spawn
 
-    ctx = mp.get_context("spawn")
-    errq = ctx.SimpleQueue()
-    port = _free_port()
-    procs = [ctx.Process(target=_gloo_worker, args=(r, port, errq)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=600)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    errors = []
-    while not errq.empty():
-        errors.append(errq.get())
-    assert not errors and all(p.exitcode == 0 for p in procs), "\n".join(errors) or [p.exitcode for p in procs]
+    spawn(__name__, "gloo_entry", WORLD, tmp_path, timeout=600)  # raises with every rank's traceback

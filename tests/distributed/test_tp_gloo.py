@@ -41,6 +41,7 @@ import torch.nn as nn
 pytestmark = pytest.mark.slow
 
 HERE = Path(__file__).resolve().parent
+from conftest import dequant  # noqa: E402
 
 FP8_GEMM_BOUND = 5e-2
 BLOCK_OUT_BOUND = 2 * FP8_GEMM_BOUND  # two fp8 GEMMs in series per residual branch (see test_tp_local.py)
@@ -71,17 +72,6 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach().double(), b.detach().double()
     assert a.shape == b.shape, (tuple(a.shape), tuple(b.shape))
     return ((a - b).norm() / b.norm()).item()
-
-
-def dequant(t: torch.Tensor) -> torch.Tensor:
-    """Exact float32 value of a ScaledFp8Tensor, the data of a master weight, else ``t``."""
-    from fp8tensor import Fp8MasterWeight, ScaledFp8Tensor
-
-    if isinstance(t, ScaledFp8Tensor):
-        return t.to_hp(torch.float32)
-    if isinstance(t, Fp8MasterWeight):
-        return t._data
-    return t
 
 
 def _placements():

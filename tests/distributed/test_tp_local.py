@@ -42,6 +42,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from conftest import dequant  # noqa: E402
 
 import fp8tensor  # noqa: E402
 from fp8tensor import Fp8MasterWeight, ScaledFp8Tensor, convert_to_fp8, quantize_weights  # noqa: E402
@@ -127,15 +128,6 @@ def slices_on_ranks(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
     from torch.distributed._local_tensor import LocalTensor
 
     return LocalTensor({r: c.detach().contiguous() for r, c in enumerate(torch.chunk(t, n, dim=dim))})
-
-
-def dequant(t: torch.Tensor) -> torch.Tensor:
-    """Exact high-precision value of a ScaledFp8Tensor (``qdata * scale`` in float32) or master weight."""
-    if isinstance(t, ScaledFp8Tensor):
-        return t.to_hp(torch.float32)
-    if isinstance(t, Fp8MasterWeight):
-        return t._data
-    return t
 
 
 def assert_locals(d: DTensor, expected: torch.Tensor, cls: type, n: int, what: str) -> None:

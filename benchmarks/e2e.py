@@ -1,0 +1,274 @@
+"""End-to-end training step on one GPU: bf16 vs fp8tensor vs torchao, with and without FSDP2, and under DTensor.
+
+Method (docs/benchmarks.md, "issue 11"): ``examples/llama.py``'s Llama (byte vocabulary), random tokens; each block
+``torch.compile``-d; fused AdamW; step = forward + cross-entropy + backward + optimizer step + zero_grad; median
+of ``--steps`` (15) steps after ``--warmup`` (5); ``torch._dynamo.reset()`` between variants. fp8 is applied to the
+block Linears only (``fp8_module_filter``). GPU kernel time per step from ``torch.profiler`` (CUDA activity, 3
+steps); wall / GPU > 1 is time the GPU waited on the host.
+
+Variants: ``<precision>@<setup>`` (comma-separated in ``--variants``):
+
+* precision: ``bf16``; ``rowwise`` / ``rowwise_gw_hp`` (fp8tensor recipes); ``ao_tensorwise``, ``ao_rowwise``,
+  ``ao_rowwise_gw_hp`` (torchao.float8, skipped when not importable); ``ao_tensorwise_ag`` (torchao tensorwise with
+  its fp8 FSDP2 all-gather).
+* setup: ``fsdp`` (default; FSDP2 over a 1-rank mesh, float32 master, ``MixedPrecisionPolicy(bf16, fp32 reduce)``,
+  ``reshard_after_forward=False``), ``plain`` (no FSDP2: bf16 parameters, bf16 master), ``tp`` (block Linears under
+  ``parallelize_module`` on a 1-rank TP mesh, then FSDP2 over the 1-rank dp mesh of the same 2-D mesh), ``tp_plain``
+  (the TP mesh, no FSDP2).
+
+Ratios are to ``bf16`` of the same setup. ``--mode reduce-overhead`` compiles the blocks with CUDA graphs.
+
+Sizes of the issue (one command each; all variants fit in one device call of < 9 minutes)::
+
+    PYTHONPATH=. python3 benchmarks/e2e.py --size 2048      # dim 2048, FFN 8192, 16/8 heads, 6 layers, seq 4096 x 2
+    PYTHONPATH=. python3 benchmarks/e2e.py --size 4096      # dim 4096, FFN 14336, 32/8 heads, 4 layers, seq 8192
+    PYTHONPATH=. python3 benchmarks/e2e.py --size 8192      # dim 8192, FFN 28672, 64/8 heads, 2 layers, seq 8192
+    PYTHONPATH=. python3 benchmarks/e2e.py --size readme    # README example: dim 1024, 4 layers, seq 1024 x 16
+    ... --variants bf16@fsdp,rowwise@fsdp --profile          # + top host ops of the fp8 step, chrome trace in $OUT
+
+CPU smoke run: ``--device cpu --size tiny --no-compile``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+sys.path.insert(0, os.path.join(HERE, ".."))
+
+from llama import Llama, ModelArgs, fp8_module_filter  # noqa: E402
+
+SIZES = {
+    "tiny": dict(dim=128, ffn=384, heads=4, kv_heads=2, layers=2, seq=64, batch=2),
+    "readme": dict(dim=1024, ffn=None, heads=16, kv_heads=4, layers=4, seq=1024, batch=16),
+    "2048": dict(dim=2048, ffn=8192, heads=16, kv_heads=8, layers=6, seq=4096, batch=2),
+    "4096": dict(dim=4096, ffn=14336, heads=32, kv_heads=8, layers=4, seq=8192, batch=1),
+    "8192": dict(dim=8192, ffn=28672, heads=64, kv_heads=8, layers=2, seq=8192, batch=1),
+}
+DEFAULT_VARIANTS = ("bf16@fsdp,rowwise@fsdp,rowwise_gw_hp@fsdp,ao_tensorwise@fsdp,ao_rowwise@fsdp,"
+                    "bf16@plain,rowwise@plain,ao_tensorwise@plain,bf16@tp,rowwise@tp")
+SETUPS = ("fsdp", "plain", "tp", "tp_plain")
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", default="2048", choices=sorted(SIZES))
+    for k in ("dim", "ffn", "heads", "kv_heads", "layers", "seq", "batch"):
+        p.add_argument(f"--{k.replace('_', '-')}", type=int, default=None, help=f"override the size's {k}")
+    p.add_argument("--variants", default=DEFAULT_VARIANTS)
+    p.add_argument("--steps", type=int, default=15)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--mode", default=None, help="torch.compile mode of the blocks (e.g. reduce-overhead)")
+    p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--profile", action="store_true", help="print top host ops of every fp8tensor variant")
+    p.add_argument("--trace-dir", default=os.environ.get("OUT"), help="write chrome traces here with --profile")
+    p.add_argument("--json", default=None, help="write the rows as JSON here")
+    a = p.parse_args(argv)
+    size = dict(SIZES[a.size])
+    for k in size:
+        if getattr(a, k) is not None:
+            size[k] = getattr(a, k)
+    a.cfg = size
+    return a
+
+
+def setup_dist(device):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29600 + os.getpid() % 1000))
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    return init_device_mesh(device.type, (1, 1), mesh_dim_names=("dp", "tp"))
+
+
+def ao_available() -> bool:
+    try:
+        import torchao.float8  # noqa: F401
+
+        return True
+    except Exception:
+        return False
+
+
+def build(precision: str, setup: str, args, mesh, device):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    c = args.cfg
+    margs = ModelArgs(dim=c["dim"], n_layers=c["layers"], n_heads=c["heads"], n_kv_heads=c["kv_heads"],
+                      ffn_hidden=c["ffn"], max_seq_len=max(c["seq"], 16))
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Llama(margs)
+    fsdp = setup in ("fsdp", "tp")
+    if not fsdp:
+        model = model.to(torch.bfloat16)  # no FSDP2: bf16 parameters (bf16 master)
+    if precision in ("rowwise", "rowwise_gw_hp"):
+        import fp8tensor
+
+        fp8tensor.convert_to_fp8(model, recipe=precision, module_filter_fn=fp8_module_filter)
+    elif precision.startswith("ao_"):
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        name = precision[3:]
+        ag = name.endswith("_ag")
+        name = name[:-3] if ag else name
+        cfg = Float8LinearConfig.from_recipe_name(name)
+        if ag:
+            import dataclasses
+
+            cfg = dataclasses.replace(cfg, enable_fsdp_float8_all_gather=True)
+        convert_to_float8_training(model, config=cfg, module_filter_fn=fp8_module_filter)
+    if setup in ("tp", "tp_plain"):
+        from torch.distributed.tensor.parallel import parallelize_module
+        from llama import block_tp_plan
+
+        for block in model.layers:
+            parallelize_module(block, mesh["tp"], block_tp_plan(sequence_parallel=False))
+    if not args.no_compile:
+        for block in model.layers:
+            block.compile(mode=args.mode) if args.mode else block.compile()
+    if fsdp:
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in model.layers:
+            fully_shard(block, mesh=mesh["dp"], mp_policy=mp, reshard_after_forward=False)
+        fully_shard(model, mesh=mesh["dp"], mp_policy=mp)
+    return model
+
+
+def run_variant(variant: str, args, mesh, device):
+    precision, _, setup = variant.partition("@")
+    setup = setup or "fsdp"
+    if setup not in SETUPS:
+        raise SystemExit(f"e2e.py: unknown setup {setup!r} in {variant!r}; expected one of {SETUPS}")
+    if precision.startswith("ao_") and not ao_available():
+        print(f"# {variant}: torchao not importable, skipped", flush=True)
+        return None
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    c = args.cfg
+    model = build(precision, setup, args, mesh, device)
+    fused = cuda
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
+    g = torch.Generator(device="cpu").manual_seed(1)
+    batches = [torch.randint(0, 256, (c["batch"], c["seq"] + 1), generator=g).to(device) for _ in range(4)]
+    precompute = None
+    if precision == "ao_tensorwise_ag":
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+        precompute = precompute_float8_dynamic_scale_for_fsdp
+
+    def step(i):
+        tok = batches[i % len(batches)]
+        logits = model(tok[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), tok[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if precompute is not None:
+            precompute(model)
+        return loss
+
+    t_compile = time.perf_counter()
+    for i in range(args.warmup):
+        step(i)
+    sync()
+    t_compile = time.perf_counter() - t_compile
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for i in range(args.steps):
+        sync()
+        t0 = time.perf_counter()
+        step(i)
+        sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+    ms = statistics.median(times)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+    gpu_ms = float("nan")
+    if cuda:
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if args.profile else [])
+        with profile(activities=acts) as prof:
+            for i in range(3):
+                step(i)
+            sync()
+        ka = prof.key_averages()
+        gpu_ms = sum(e.self_device_time_total for e in ka) / 3 / 1e3
+        if args.profile and precision not in ("bf16",):
+            print(f"\n## {variant}: top host ops (3 steps), wall {ms:.2f} ms, GPU {gpu_ms:.2f} ms per step")
+            print(ka.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=80))
+            print(ka.table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=80))
+            if args.trace_dir:
+                os.makedirs(args.trace_dir, exist_ok=True)
+                prof.export_chrome_trace(os.path.join(args.trace_dir, f"trace_{args.size}_{variant}.json"))
+    loss = float(step(0).detach().float())
+    row = dict(variant=variant, precision=precision, setup=setup, ms=ms, tok_s=c["batch"] * c["seq"] / ms * 1e3,
+               gpu_ms=gpu_ms, peak_gib=peak, warmup_s=t_compile, loss=loss, min_ms=min(times))
+    print(f"# {variant}: {ms:.2f} ms/step (min {min(times):.2f}), GPU {gpu_ms:.2f} ms, peak {peak:.2f} GiB, "
+          f"warm-up {t_compile:.1f} s, loss {loss:.3f}", flush=True)
+    del model, opt
+    torch._dynamo.reset()
+    if cuda:
+        torch.cuda.empty_cache()
+    return row
+
+
+def main(argv=None):
+    args = parse(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(0)
+    mesh = setup_dist(device)
+    rows = []
+    for v in args.variants.split(","):
+        v = v.strip()
+        if not v:
+            continue
+        try:
+            r = run_variant(v, args, mesh, device)
+        except Exception as e:  # keep the other rows of a long device call
+            import traceback
+
+            traceback.print_exc()
+            print(f"# {v}: FAILED ({type(e).__name__}: {e})", flush=True)
+            torch._dynamo.reset()
+            r = None
+        if r is not None:
+            rows.append(r)
+    c = args.cfg
+    env = (f"{time.strftime('%Y-%m-%d')} · "
+           f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'} · torch {torch.__version__}")
+    print(f"\n# e2e step, size {args.size}: dim {c['dim']}, FFN {c['ffn'] or 'default'}, {c['heads']}/{c['kv_heads']} "
+          f"heads, {c['layers']} layers, seq {c['seq']} x batch {c['batch']}; compile "
+          f"{'off' if args.no_compile else (args.mode or 'default')}; {env}\n")
+    print("| variant | step ms | tokens/s | vs bf16 | GPU ms/step | wall / GPU | peak GiB |")
+    print("|---|---|---|---|---|---|---|")
+    base = {r["setup"]: r["ms"] for r in rows if r["precision"] == "bf16"}
+    for r in rows:
+        b = base.get(r["setup"])
+        ratio = f"{b / r['ms']:.3f}x" if b else "—"
+        print(f"| {r['variant']} | {r['ms']:.2f} | {r['tok_s']:,.0f} | {ratio} | {r['gpu_ms']:.2f} | "
+              f"{r['ms'] / r['gpu_ms']:.2f} | {r['peak_gib']:.1f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(size=args.size, cfg=c, env=env, mode=args.mode, rows=rows), f, indent=1)
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,244 @@
+"""Host overhead of fp8tensor's Linear: the library's layers vs a bare implementation of the same math.
+
+Three comparisons, each a forward + backward of ``y = x W^T`` (bias-free), timed as the median wall time of many
+repetitions (CUDA: synchronized per repetition), with shapes small enough that the host dominates:
+
+1. ``eager``: an ``nn.Linear`` converted by ``fp8tensor.convert_to_fp8`` vs :class:`BareFp8Linear`, a plain
+   ``torch.autograd.Function`` doing the same quantizations (row-wise along each GEMM's contraction dim, e4m3) and
+   the same ``torch._scaled_mm`` calls (forward fast accumulation, backward slow) with no subclass at all.
+2. ``dtensor``: the converted Linear under ``parallelize_module(ColwiseParallel())`` on a 1-rank mesh vs the bare
+   one plus DTensor's own cost (a bf16 ``nn.Linear`` under the same plan minus the plain bf16 Linear): what the
+   fp8 subclass adds *inside* DTensor.
+3. ``compiled``: a ``torch.compile``-d stack of ``--layers`` converted Linears vs the compiled stack of bare ones.
+
+Target (issue 11): every ratio <= 1.15x. Runs on CPU (gloo) and on CUDA (nccl)::
+
+    PYTHONPATH=. python3 benchmarks/host_overhead.py                      # CPU, small shapes
+    PYTHONPATH=. python3 benchmarks/host_overhead.py --device cuda --tokens 1024 --dim 1024
+    PYTHONPATH=. python3 benchmarks/host_overhead.py --only eager --profile   # cProfile of the converted Linear
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import fp8tensor  # noqa: E402
+from fp8tensor.quantize import quantize_rowwise  # noqa: E402
+
+E4M3 = torch.float8_e4m3fn
+
+
+# ------------------------------------------------------------------------------------------------ bare reference
+def _q_last(t: torch.Tensor):
+    """Row-wise e4m3 quantization along the last dim of a 2-D tensor: (q row-major, scale (M, 1))."""
+    return quantize_rowwise(t, dim=-1, float8_dtype=E4M3)
+
+
+def _q_first_t(t: torch.Tensor):
+    """Quantize ``t`` (M, K) along dim 0 and return the transposed layout: (q (K, M) row-major, scale (K, 1)).
+
+    CUDA: the library's fused dim-0 kernel launched directly (what a hand-written implementation would call);
+    elsewhere the plain ops."""
+    if t.is_cuda:
+        try:
+            from fp8tensor import kernels as K
+
+            launch = getattr(K, "quantize_dim0_t_launch", None) or getattr(K, "_quantize_dim0_t_eager", None)
+            if launch is not None and K.kernel_available(t):
+                return launch(t, E4M3)
+        except Exception:
+            pass
+    q, s = quantize_rowwise(t.t(), dim=-1, float8_dtype=E4M3)
+    return q.contiguous(), s
+
+
+class _BareFn(torch.autograd.Function):
+    """``x @ W^T`` with the three GEMMs in fp8 (rowwise recipe), plain tensors and ``torch._scaled_mm`` only."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        K = x.shape[-1]
+        x2 = x.reshape(-1, K)
+        xq, xs = _q_last(x2)
+        wq, ws = _q_last(w)
+        out = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.t(), out_dtype=x.dtype, use_fast_accum=True)
+        ctx.save_for_backward(x, w)
+        return out.view(*x.shape[:-1], w.shape[0])
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        K, N = x.shape[-1], w.shape[0]
+        g2 = g.reshape(-1, N)
+        x2 = x.reshape(-1, K)
+        gq, gs = _q_last(g2)  # grad_input = g @ W: g per token over N, W per input column over N
+        wq, ws = _q_first_t(w)  # (K, N) row-major == (N, K) column-major
+        gx = torch._scaled_mm(gq, wq.t(), scale_a=gs, scale_b=ws.t(), out_dtype=g.dtype, use_fast_accum=False)
+        gtq, gts = _q_first_t(g2)  # grad_weight = g^T @ x: both over tokens
+        xtq, xts = _q_first_t(x2)
+        gw = torch._scaled_mm(gtq, xtq.t(), scale_a=gts, scale_b=xts.t(), out_dtype=g.dtype, use_fast_accum=False)
+        return gx.view(x.shape), gw.to(w.dtype)
+
+
+class BareFp8Linear(nn.Module):
+    """Bias-free Linear running :class:`_BareFn` (the reference for the host-overhead ratios)."""
+
+    def __init__(self, lin: nn.Linear):
+        super().__init__()
+        self.weight = lin.weight
+
+    def forward(self, x):
+        return _BareFn.apply(x, self.weight)
+
+
+# ------------------------------------------------------------------------------------------------ timing
+def _sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def time_us(step, dev, reps: int, inner: int) -> float:
+    """Median over ``reps`` of the mean wall µs of ``inner`` back-to-back calls of ``step``."""
+    for _ in range(max(3, inner)):
+        step()
+    _sync(dev)
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            step()
+        _sync(dev)
+        out.append((time.perf_counter() - t0) / inner * 1e6)
+    return statistics.median(out)
+
+
+def fwd_bwd(mod, x, gy):
+    def step():
+        y = mod(x)
+        y.backward(gy)
+        x.grad = None
+        for p in mod.parameters():
+            p.grad = None
+
+    return step
+
+
+def make_linear(dim, dev, dtype, seed=0):
+    torch.manual_seed(seed)
+    return nn.Linear(dim, dim, bias=False, device=dev, dtype=dtype)
+
+
+def convert(mod, recipe):
+    fp8tensor.convert_to_fp8(mod, recipe=recipe)
+    return mod
+
+
+def one_rank_mesh(dev):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=0, world_size=1)
+    return init_device_mesh(dev.type, (1,))
+
+
+def tp_wrap(lin, mesh):
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    wrapper = nn.Sequential(lin)
+    parallelize_module(wrapper, mesh, {"0": ColwiseParallel()})
+    return wrapper
+
+
+# ------------------------------------------------------------------------------------------------ main
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--tokens", type=int, default=None, help="rows of x (default: 16 on CPU, 1024 on CUDA)")
+    p.add_argument("--dim", type=int, default=None, help="in = out features (default: 64 on CPU, 1024 on CUDA)")
+    p.add_argument("--layers", type=int, default=4, help="Linears in the compiled stack")
+    p.add_argument("--recipe", default="rowwise")
+    p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--inner", type=int, default=20)
+    p.add_argument("--only", default="eager,dtensor,compiled")
+    p.add_argument("--profile", action="store_true", help="cProfile 200 eager converted steps (top 30 by tottime)")
+    args = p.parse_args(argv)
+    dev = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    cuda = dev.type == "cuda"
+    M = args.tokens or (1024 if cuda else 16)
+    D = args.dim or (1024 if cuda else 64)
+    if not cuda:
+        torch.set_num_threads(1)  # CPU fp8 GEMMs are emulated: tiny shapes, one thread, so the host part shows
+    only = set(args.only.split(","))
+    x = torch.randn(M, D, device=dev, dtype=dtype, requires_grad=True)
+    gy = torch.randn(M, D, device=dev, dtype=dtype)
+    T = lambda step: time_us(step, dev, args.reps, args.inner)  # noqa: E731
+    rows = []
+
+    def row(name, lib, ref, note=""):
+        rows.append((name, lib, ref, lib / ref, note))
+
+    if "eager" in only or "dtensor" in only:
+        bf16 = T(fwd_bwd(make_linear(D, dev, dtype), x, gy))
+        bare = T(fwd_bwd(BareFp8Linear(make_linear(D, dev, dtype)), x, gy))
+        conv = convert(make_linear(D, dev, dtype), args.recipe)
+        lib = T(fwd_bwd(conv, x, gy))
+        rows.append(("bf16 nn.Linear (reference only)", bf16, bf16, 1.0, ""))
+        if "eager" in only:
+            row("eager: converted Linear vs bare", lib, bare)
+        if args.profile:
+            import cProfile
+            import pstats
+
+            step = fwd_bwd(conv, x, gy)
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(200):
+                step()
+            _sync(dev)
+            pr.disable()
+            pstats.Stats(pr).sort_stats("tottime").print_stats(30)
+        if "dtensor" in only:
+            mesh = one_rank_mesh(dev)
+            bf16_dt = T(fwd_bwd(tp_wrap(make_linear(D, dev, dtype), mesh), x, gy))
+            fp8_dt = T(fwd_bwd(tp_wrap(convert(make_linear(D, dev, dtype), args.recipe), mesh), x, gy))
+            row("dtensor: converted Linear under 1-rank TP vs bare + DTensor's bf16 cost", fp8_dt,
+                bare + (bf16_dt - bf16), f"bf16 under TP {bf16_dt:.0f} µs")
+    if "compiled" in only:
+        torch._dynamo.reset()
+        stack = nn.Sequential(*[make_linear(D, dev, dtype, seed=i) for i in range(args.layers)])
+        bare_stack = torch.compile(nn.Sequential(*[BareFp8Linear(m) for m in stack]))
+        ref = T(fwd_bwd(bare_stack, x, gy))
+        torch._dynamo.reset()
+        lib_stack = torch.compile(convert(nn.Sequential(*[make_linear(D, dev, dtype, seed=i) for i in range(args.layers)]),
+                                          args.recipe))
+        lib = T(fwd_bwd(lib_stack, x, gy))
+        row(f"compiled: stack of {args.layers} converted Linears vs bare", lib, ref)
+
+    env = f"{time.strftime('%Y-%m-%d')} · {torch.cuda.get_device_name(dev) if cuda else 'cpu'} · torch {torch.__version__}"
+    print(f"\n# host overhead, {M} tokens x {D}->{D} {args.dtype}, recipe {args.recipe}, forward+backward; {env}\n")
+    print("| comparison | fp8tensor µs | reference µs | ratio | note |")
+    print("|---|---|---|---|---|")
+    for name, lib, ref, ratio, note in rows:
+        print(f"| {name} | {lib:.0f} | {ref:.0f} | {ratio:.2f}x | {note} |")
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return rows
+
+
+if __name__ == "__main__":
+    main()

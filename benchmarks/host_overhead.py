@@ -48,14 +48,12 @@ def _q_first_t(t: torch.Tensor):
     CUDA: the library's fused dim-0 kernel launched directly (what a hand-written implementation would call);
     elsewhere the plain ops."""
     if t.is_cuda:
-        try:
-            from fp8tensor import kernels as K
+        from fp8tensor import kernels as K
 
-            launch = getattr(K, "quantize_dim0_t_launch", None) or getattr(K, "_quantize_dim0_t_eager", None)
-            if launch is not None and K.kernel_available(t):
-                return launch(t, E4M3)
-        except Exception:
-            pass
+        if K.kernel_available(t):
+            if torch.compiler.is_compiling():
+                return torch.ops.fp8tensor.quantize_dim0_t(t, E4M3)
+            return K.launch_dim0_t(t, E4M3, 1e-12)
     q, s = quantize_rowwise(t.t(), dim=-1, float8_dtype=E4M3)
     return q.contiguous(), s
 

@@ -88,7 +88,7 @@ def _bytes(q: torch.Tensor) -> torch.Tensor:
 
 
 def _like(t: ScaledFp8Tensor, qbytes: torch.Tensor, scale: torch.Tensor) -> ScaledFp8Tensor:
-    return ScaledFp8Tensor(qbytes.view(t.qdata.dtype), scale, t.orig_dtype, t.fast_accum)
+    return ScaledFp8Tensor._make(qbytes.view(t.qdata.dtype), scale, t.orig_dtype, t.fast_accum)
 
 
 def _group_size(group_name) -> int:
@@ -139,7 +139,7 @@ def _wrap_async(func, args, kwargs):
 def _wait_data_and_scale(func, args, kwargs):
     """Wait on the data and on the scale (both came from the collective that produced this tensor)."""
     t = args[0]
-    return ScaledFp8Tensor(func(t.qdata), func(t.scale), t.orig_dtype, t.fast_accum)
+    return ScaledFp8Tensor._make(func(t.qdata), func(t.scale), t.orig_dtype, t.fast_accum)
 
 
 @implements(_dist_op("_c10d_functional.all_to_all_single.default"))

@@ -118,8 +118,14 @@ def choose_backend(
     """Resolve ``backend`` (``"auto"`` or a name) into the backend that can run this GEMM.
 
     An explicitly requested backend that cannot run on this device/dtype combination falls back to
-    ``"emulated"`` rather than failing inside cuBLAS.
+    ``"emulated"`` rather than failing inside cuBLAS. Cached per (device, dtypes, requested backend): the answer
+    depends only on those and on the hardware.
     """
+    return _choose_backend(device, a_dtype, b_dtype, out_dtype, backend)
+
+
+@functools.lru_cache(maxsize=None)
+def _choose_backend(device, a_dtype, b_dtype, out_dtype, backend) -> str:
     if device.type == "cuda":
         if not _cuda_fp8_capable(device) or (a_dtype == E5M2 and b_dtype == E5M2):
             return "emulated"
@@ -167,7 +173,7 @@ def scaled_mm(
     """
     M, K = a8.shape
     N = b8.shape[1]
-    name = choose_backend(a8.device, a8.dtype, b8.dtype, out_dtype, _check_backend(backend or get_gemm_backend()))
+    name = _choose_backend(a8.device, a8.dtype, b8.dtype, out_dtype, _check_backend(backend or get_gemm_backend()))
     if name == "emulated":
         out = (a8.to(torch.float32) * sa) @ (b8.to(torch.float32) * sb)
         if bias is not None:
@@ -274,7 +280,7 @@ def fp8_mm(
             if not rows and not isinstance(b, ScaledFp8Tensor):
                 # A = A8 diag(s)  =>  A @ B = A8 @ (diag(s) B): fold into B, use A8 with unit row scales.
                 b = b.to(torch.float32) * a.scale.reshape(-1, 1)
-                a = ScaledFp8Tensor(a.qdata, a.scale.new_ones(a.shape[0], 1), a.orig_dtype, a.fast_accum)
+                a = ScaledFp8Tensor._make(a.qdata, a.scale.new_ones(a.shape[0], 1), a.orig_dtype, a.fast_accum)
             else:
                 a = a.to_hp(torch.float32)
     if isinstance(b, ScaledFp8Tensor):
@@ -283,7 +289,7 @@ def fp8_mm(
             if not cols and not isinstance(a, ScaledFp8Tensor):
                 # B = diag(s) B8  =>  A @ B = (A diag(s)) @ B8: fold into A.
                 a = a.to(torch.float32) * b.scale.reshape(1, -1)
-                b = ScaledFp8Tensor(b.qdata, b.scale.new_ones(1, b.shape[1]), b.orig_dtype, b.fast_accum)
+                b = ScaledFp8Tensor._make(b.qdata, b.scale.new_ones(1, b.shape[1]), b.orig_dtype, b.fast_accum)
             else:
                 b = b.to_hp(torch.float32)
 

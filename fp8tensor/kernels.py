@@ -17,13 +17,14 @@ A third kernel quantizes along the last dim (row-wise, contiguous rows) in one l
 
 This module is a leaf: it imports nothing from fp8tensor. The numerics' constants (the amax floor; the fp8 max
 follows from the fp8 dtype) are passed in by :mod:`fp8tensor.quantize`, which decides when a kernel runs and
-registers the dim-0 kernel as the custom op ``fp8tensor::quantize_dim0_t`` (so ``torch.compile`` keeps it as one call).
+registers the dim-0 kernels as the ``torch.library.triton_op`` ``fp8tensor::quantize_dim0_t`` (``torch.compile`` calls
+the kernels inline from its generated code; eager callers launch them directly with :func:`launch_dim0_t`).
 """
 from __future__ import annotations
 
 import torch
 
-__all__ = ["kernel_available", "launch_dim0_t", "quantize_last_dim", "row_kernel_available"]
+__all__ = ["kernel_available", "launch_dim0_t", "quantize_last_dim", "row_kernel_available", "eager_launch_ok"]
 
 try:  # Triton is only present with CUDA builds of torch.
     import triton
@@ -32,6 +33,9 @@ try:  # Triton is only present with CUDA builds of torch.
     _HAS_TRITON = True
 except Exception:  # pragma: no cover - CPU-only environments
     _HAS_TRITON = False
+
+#: Whether Triton is importable (the kernels of this module exist).
+HAS_TRITON = _HAS_TRITON
 
 
 if _HAS_TRITON:
@@ -123,20 +127,34 @@ def row_kernel_available(x: torch.Tensor) -> bool:
     return (
         _HAS_TRITON
         and USE_ROW_KERNEL
-        and type(x) in (torch.Tensor, torch.nn.Parameter)
+        and x.dtype in _KERNEL_DTYPES
         and x.is_cuda
         and x.dim() >= 1
         and x.numel() > 0
         and x.is_contiguous()
-        and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
-        and not torch.compiler.is_compiling()
-        and torch._C._len_torch_dispatch_stack() == 0
-        and not torch._C._functorch.is_functorch_wrapped_tensor(x)  # vmap / grad wrappers look like plain tensors
         and not (x.requires_grad and torch.is_grad_enabled())  # the eager ops keep the autograd graph
+        and eager_launch_ok(x)
     )
 
 
-def quantize_last_dim(x: torch.Tensor, float8_dtype: torch.dtype, amax_floor: float) -> tuple[torch.Tensor, torch.Tensor]:
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def eager_launch_ok(x: torch.Tensor) -> bool:
+    """Whether a kernel may be launched on ``x`` right now from Python: ``x`` is a plain tensor (not a subclass, not
+    fake, not a vmap/grad wrapper), nothing is being traced (``torch.compile``) and no torch dispatch mode is active.
+    Otherwise callers go through ops that the tracer or mode sees."""
+    return (
+        type(x) in _PLAIN_TYPES
+        and torch._C._len_torch_dispatch_stack() == 0
+        and not torch.compiler.is_compiling()
+        and not torch._C._functorch.is_functorch_wrapped_tensor(x)  # vmap / grad wrappers look like plain tensors
+    )
+
+
+def quantize_last_dim(x: torch.Tensor, float8_dtype: torch.dtype, amax_floor: float, *, checked: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Row-wise quantization along the last dim in one Triton kernel (eager CUDA; see :func:`row_kernel_available`).
 
     ``amax_floor``: the smallest amax a scale is built from (``fp8tensor.quantize._AMAX_FLOOR``).
@@ -150,7 +168,7 @@ def quantize_last_dim(x: torch.Tensor, float8_dtype: torch.dtype, amax_floor: fl
     Raises:
         ValueError: ``x`` is not a tensor the kernel takes (check :func:`row_kernel_available` first).
     """
-    if not row_kernel_available(x):
+    if not checked and not row_kernel_available(x):  # checked=True: the caller just asked row_kernel_available
         raise ValueError("fp8tensor quantize_last_dim: needs a contiguous fp32/bf16/fp16 CUDA tensor in eager mode")
     K = x.shape[-1]
     M = x.numel() // K
@@ -176,21 +194,36 @@ def kernel_available(x: torch.Tensor) -> bool:
     )
 
 
-def launch_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype, amax_floor: float) -> tuple[torch.Tensor, torch.Tensor]:
+def launch_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype, amax_floor: float, *, traced: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the dim-0 kernels on ``x`` ``(M, K)`` (check :func:`kernel_available` first): ``(q, scale)``, ``q``
     ``(K, M)`` row-major ``float8_dtype`` holding ``x.T`` quantized row-wise, ``scale`` ``(K, 1)`` float32.
-    ``amax_floor``: the smallest amax a scale is built from. Tiles from :data:`CONFIG` (read at each call)."""
+    ``amax_floor``: the smallest amax a scale is built from. Tiles from :data:`CONFIG` (read at each call).
+
+    ``traced=False``: an eager launch on ``x``'s device. ``traced=True``: the body of the ``triton_op``
+    ``fp8tensor::quantize_dim0_t`` — the kernels go through ``torch.library.wrap_triton`` so that ``torch.compile``
+    sees them and inductor calls them inline from its generated code (no Python custom op at run time)."""
     M, K = x.shape
     amax = torch.zeros(K, dtype=torch.float32, device=x.device)
     q = torch.empty(K, M, dtype=float8_dtype, device=x.device)
     scale = torch.empty(K, 1, dtype=torch.float32, device=x.device)
     c = CONFIG
-    with torch.cuda.device(x.device):  # Triton launches on the current device
-        grid = (triton.cdiv(K, c["amax_block_k"]), triton.cdiv(M, c["amax_chunk_m"]))
-        _col_amax_kernel[grid](x, amax, M, K, x.stride(0), CHUNK_M=c["amax_chunk_m"], BLOCK_M=c["amax_block_m"],
-                               BLOCK_K=c["amax_block_k"], num_warps=c["amax_warps"])
-        grid = (triton.cdiv(M, c["cast_block_m"]), triton.cdiv(K, c["cast_block_k"]))
-        _cast_t_kernel[grid](x, amax, q, scale, M, K, x.stride(0), FMAX=torch.finfo(float8_dtype).max,
-                             EPS=amax_floor, BLOCK_M=c["cast_block_m"], BLOCK_K=c["cast_block_k"],
-                             num_warps=c["cast_warps"])
+    if traced:
+        from torch.library import wrap_triton
+
+        amax_k, cast_k = wrap_triton(_col_amax_kernel), wrap_triton(_cast_t_kernel)
+        _dim0_t_kernels(amax_k, cast_k, x, amax, q, scale, M, K, torch.finfo(float8_dtype).max, amax_floor, c)
+    else:
+        with torch.cuda.device(x.device):  # Triton launches on the current device
+            _dim0_t_kernels(_col_amax_kernel, _cast_t_kernel, x, amax, q, scale, M, K, torch.finfo(float8_dtype).max,
+                            amax_floor, c)
     return q, scale
+
+
+def _dim0_t_kernels(amax_k, cast_k, x, amax, q, scale, M, K, fmax, amax_floor, c) -> None:
+    grid = (triton.cdiv(K, c["amax_block_k"]), triton.cdiv(M, c["amax_chunk_m"]))
+    amax_k[grid](x, amax, M, K, x.stride(0), CHUNK_M=c["amax_chunk_m"], BLOCK_M=c["amax_block_m"],
+                 BLOCK_K=c["amax_block_k"], num_warps=c["amax_warps"])
+    grid = (triton.cdiv(M, c["cast_block_m"]), triton.cdiv(K, c["cast_block_k"]))
+    cast_k[grid](x, amax, q, scale, M, K, x.stride(0), FMAX=fmax, EPS=amax_floor, BLOCK_M=c["cast_block_m"],
+                 BLOCK_K=c["cast_block_k"], num_warps=c["cast_warps"])

@@ -40,7 +40,7 @@ def _quantize_local(t: torch.Tensor, dim: int, fast_accum: bool, float8_dtype=E4
     if isinstance(t, QuantizeOnUse):
         t = t._data
     q, s = quantize(t, dim, float8_dtype, gemm_layout=True)  # fused kernel + GEMM layout where it applies
-    return ScaledFp8Tensor(q, s, t.dtype, fast_accum)
+    return ScaledFp8Tensor._make(q, s, t.dtype, fast_accum)
 
 
 def _quantize(t: torch.Tensor, dim: int, fast_accum: bool, float8_dtype=E4M3) -> torch.Tensor:

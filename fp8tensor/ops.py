@@ -23,7 +23,7 @@ def _wrap(qdata: torch.Tensor, scale: torch.Tensor, like: ScaledFp8Tensor, share
     row-scaled tensor), which ``copy_`` guards; views keeping ``like``'s scale tensor share its write bookkeeping."""
     shares = shares_scale or like.shares_scale
     writes = like.scale_writes() if shares and scale is like.scale else None
-    return ScaledFp8Tensor(qdata, scale, like.orig_dtype, like.fast_accum, shares_scale=shares, scale_writes=writes)
+    return ScaledFp8Tensor._make(qdata, scale, like.orig_dtype, like.fast_accum, shares, writes)
 
 
 def _norm_dim(d: int, ndim: int) -> int:

@@ -2,7 +2,7 @@
 
 This module is the only place where fp8 rounding happens, and :func:`quantize` is the one entry point that decides
 *how* a tensor is quantized: a Triton kernel of :mod:`fp8tensor.kernels` (eager CUDA), the plain ops below (CPU,
-``torch.compile``, tensors the kernels do not take), or the ``fp8tensor::quantize_dim0_t`` custom op (GEMM operands
+``torch.compile``, tensors the kernels do not take), or the ``fp8tensor::quantize_dim0_t`` triton op (GEMM operands
 reduced over their outer dim, in the transposed layout ``torch._scaled_mm`` wants). ``from_hp``, the GEMM engine's
 operand preparation, training, the FSDP2 pre-all-gather and ``copy_`` all go through it (or, for a scale layout
 given by an existing tensor, through :func:`amax_to_scale` / :func:`cast_to_fp8`).
@@ -91,7 +91,7 @@ def quantize(
 
     1. ``gemm_layout=True``, ``x`` a 2-D CUDA tensor whose ``dim`` is its outer (strided) dim — ``dim=0`` of a
        row-major ``x`` or ``dim=1`` of a transposed view — and :func:`fp8tensor.kernels.kernel_available`: the
-       ``fp8tensor::quantize_dim0_t`` custom op; ``qdata`` is then a transposed view of a contiguous tensor (the
+       ``fp8tensor::quantize_dim0_t`` triton op (eager: its kernels launched directly); ``qdata`` is then a transposed view of a contiguous tensor (the
        column-major layout ``torch._scaled_mm`` wants for its second operand).
     2. ``dim`` is the last dim and :func:`fp8tensor.kernels.row_kernel_available` (eager, contiguous CUDA): the fused
        row-wise Triton kernel (same bits as the ops).
@@ -104,12 +104,12 @@ def quantize(
     if x.is_cuda:
         if gemm_layout and x.dim() == 2:
             if dim % 2 == 0 and kernels.kernel_available(x):
-                q, s = quantize_dim0_t(x, float8_dtype)
+                q, s = _dim0_t(x, float8_dtype)
                 return q.t(), s.t()
             if dim % 2 == 1 and kernels.kernel_available(x.t()):
-                return quantize_dim0_t(x.t(), float8_dtype)
+                return _dim0_t(x.t(), float8_dtype)
         if x.dim() and dim in (-1, x.dim() - 1) and kernels.row_kernel_available(x):
-            return kernels.quantize_last_dim(x, float8_dtype, _AMAX_FLOOR)
+            return kernels.quantize_last_dim(x, float8_dtype, _AMAX_FLOOR, checked=True)
     scale = rowwise_scale(x, dim, float8_dtype)
     return cast_to_fp8(x, scale, float8_dtype), scale
 
@@ -134,18 +134,23 @@ def quantize_rowwise(
     return quantize(x, dim, float8_dtype)
 
 
-# ---------------------------------------------------------------------------------------------- dim-0 custom op
+# ---------------------------------------------------------------------------------------------- dim-0 triton op
 def _reference_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype):
     q, s = quantize_rowwise(x.t(), dim=-1, float8_dtype=float8_dtype)
     return q.contiguous(), s
 
 
-@torch.library.custom_op("fp8tensor::quantize_dim0_t", mutates_args=())
+# With Triton, a triton_op (compiled graphs launch the kernels inline); CPU-only builds have no kernels to expose.
+_register_op = torch.library.triton_op if kernels.HAS_TRITON else torch.library.custom_op
+
+
+@_register_op("fp8tensor::quantize_dim0_t", mutates_args=())
 def quantize_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x`` ``(M, K)`` along dim 0 and return it transposed.
 
     The fused Triton kernels of :mod:`fp8tensor.kernels` where they take ``x`` (CUDA, row-major), else the plain
-    ops (:func:`quantize_rowwise` of ``x.T``).
+    ops (:func:`quantize_rowwise` of ``x.T``). Registered with ``torch.library.triton_op``: under ``torch.compile``
+    the op is decomposed into its kernels, which inductor launches from its generated code (no Python per call).
 
     Returns:
         ``(q, scale)``: ``q`` is ``(K, M)`` row-major ``float8_dtype`` holding ``x.T`` quantized row-wise,
@@ -153,10 +158,20 @@ def quantize_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype) -> tuple[torch.T
     """
     if not kernels.kernel_available(x):
         return _reference_dim0_t(x, float8_dtype)
-    return kernels.launch_dim0_t(x, float8_dtype, _AMAX_FLOOR)
+    return kernels.launch_dim0_t(x, float8_dtype, _AMAX_FLOOR, traced=True)
 
 
-@quantize_dim0_t.register_fake
-def _(x, float8_dtype):
-    M, K = x.shape
-    return x.new_empty(K, M, dtype=float8_dtype), x.new_empty(K, 1, dtype=torch.float32)
+def _dim0_t(x: torch.Tensor, float8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_dim0_t` of a CUDA ``x`` the kernels take: launched directly when nothing traces ``x``
+    (eager: no dispatcher round trip), else through the op (``torch.compile``, fake tensors, dispatch modes)."""
+    if kernels.eager_launch_ok(x) and not (x.requires_grad and torch.is_grad_enabled()):
+        return kernels.launch_dim0_t(x, float8_dtype, _AMAX_FLOOR)
+    return torch.ops.fp8tensor.quantize_dim0_t(x, float8_dtype)
+
+
+if not kernels.HAS_TRITON:  # a triton_op is its own fake kernel; the plain custom op needs one
+
+    @quantize_dim0_t.register_fake
+    def _(x, float8_dtype):
+        M, K = x.shape
+        return x.new_empty(K, M, dtype=float8_dtype), x.new_empty(K, 1, dtype=torch.float32)

@@ -238,6 +238,28 @@ class ScaledFp8Tensor(torch.Tensor):
         self._scale_writes = scale_writes
 
     # ------------------------------------------------------------------ construction
+    @staticmethod
+    def _make(qdata: torch.Tensor, scale: torch.Tensor, orig_dtype: torch.dtype, fast_accum: bool = True,
+              shares_scale: bool = False, scale_writes: Optional[_ScaleWrites] = None) -> "ScaledFp8Tensor":
+        """Trusted internal constructor for op results: the public constructor without its input checks (the
+        caller built ``qdata``/``scale`` to the class invariants), no ``requires_grad``. One wrapper creation and
+        five attribute stores; op handlers, the GEMM engine, unflatten and the FSDP2 hooks build results with it.
+        Under dynamo (which cannot trace the bare wrapper creation) it is the public constructor."""
+        if torch.compiler.is_compiling():
+            return ScaledFp8Tensor(qdata, scale, orig_dtype, fast_accum, shares_scale=shares_scale,
+                                   scale_writes=scale_writes)
+        t = torch.Tensor._make_wrapper_subclass(
+            ScaledFp8Tensor, qdata.shape, strides=qdata.stride(), storage_offset=qdata.storage_offset(),
+            dtype=orig_dtype, device=qdata.device, layout=qdata.layout,
+        )
+        t.qdata = qdata
+        t.scale = scale
+        t.orig_dtype = orig_dtype
+        t.fast_accum = fast_accum
+        t.shares_scale = shares_scale
+        t._scale_writes = scale_writes
+        return t
+
     @classmethod
     def from_hp(
         cls, t: torch.Tensor, float8_dtype: torch.dtype = E4M3, *, fast_accum: bool = True
@@ -285,8 +307,8 @@ class ScaledFp8Tensor(torch.Tensor):
 
     def with_fast_accum(self, fast_accum: bool) -> "ScaledFp8Tensor":
         """Same data and scale (no copy), with the given fast-accumulation flag."""
-        return ScaledFp8Tensor(self.qdata, self.scale, self.orig_dtype, fast_accum, shares_scale=self.shares_scale,
-                               scale_writes=self._scale_writes)
+        return ScaledFp8Tensor._make(self.qdata, self.scale, self.orig_dtype, bool(fast_accum), self.shares_scale,
+                                     self._scale_writes)
 
     def scale_writes(self) -> _ScaleWrites:
         """The write bookkeeping of this tensor's scale (created on first use; shared with the views that share
@@ -307,8 +329,8 @@ class ScaledFp8Tensor(torch.Tensor):
     @staticmethod
     def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):
         orig_dtype, fast_accum, shares_scale, scale_writes = ctx
-        return ScaledFp8Tensor(inner_tensors["qdata"], inner_tensors["scale"], orig_dtype, fast_accum,
-                               shares_scale=shares_scale, scale_writes=scale_writes)
+        return ScaledFp8Tensor._make(inner_tensors["qdata"], inner_tensors["scale"], orig_dtype, fast_accum,
+                                     shares_scale, scale_writes)
 
     __torch_dispatch__ = classmethod(_dispatch)
 
@@ -415,7 +437,7 @@ def fsdp_post_all_gather(all_gather_outputs, metadata, param_dtype, *, out=None)
         _payload.refill(target.qdata, target.scale, qdata, scale)
         return None
     qdata, scale, inner = _payload.unsharded_buffers(all_gather_outputs, metadata)
-    return ScaledFp8Tensor(qdata, scale, param_dtype, metadata.fast_accum), inner
+    return ScaledFp8Tensor._make(qdata, scale, param_dtype, metadata.fast_accum), inner
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:

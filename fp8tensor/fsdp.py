@@ -50,14 +50,16 @@ Editing FSDP2's private state (conversion after ``fully_shard``, dropping FSDP2'
 """
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple, Optional
 
 import torch
 
-from .quantize import E4M3, quantize
+from .quantize import E4M3, quantize, quantize_group
 
 __all__ = [
     "master_pre_all_gather",
+    "register_group_finder",
     "scaled_pre_all_gather",
     "all_gather_inputs",
     "gathered",
@@ -147,6 +149,59 @@ def check_rowwise_input(t: torch.Tensor, op: str) -> None:
         )
 
 
+# ------------------------------------------------------------------------------------------ group quantization
+#: ``fn(local) -> (group, locals)``: the FSDP2 parameter group holding the sharded local tensor ``local`` (any
+#: weak-referenceable key) and that group's sharded local tensors; ``(None, [])`` when ``local`` is in none. Set by
+#: fp8tensor.fsdp_state, which reads FSDP2's state; None: each weight is quantized on its own.
+_GROUP_FINDER = None
+#: group -> {id(master data): (data, data._version, qdata, scale)}: weights of the group quantized together with an
+#: earlier weight of the same pre-all-gather round, waiting for their own hook call.
+_PENDING: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def register_group_finder(fn) -> None:
+    """Let :func:`master_pre_all_gather` quantize a whole FSDP2 parameter group in one launch (see
+    :func:`_group_quantized`); ``fn(local)`` returns ``(group, sharded local tensors of the group)``."""
+    global _GROUP_FINDER
+    _GROUP_FINDER = fn
+
+
+def _group_quantized(master, float8_dtype):
+    """``(qdata, scale)`` of ``master``'s rows from one launch over its whole FSDP2 parameter group, or None.
+
+    FSDP2 calls the pre-all-gather hook once per parameter of a group, back to back. The first call quantizes every
+    master weight of the group of the same class, fp8 format, dtype and device
+    (:func:`fp8tensor.quantize.quantize_group`, the same bits as one launch each) and keeps the others' results until
+    their own call. A kept result is used only by the same tensor at the same version (an optimizer step in between
+    bumps the version, and the weight is quantized again)."""
+    if _GROUP_FINDER is None:
+        return None
+    data = master._data
+    try:
+        group, locals_ = _GROUP_FINDER(master)
+    except Exception:  # FSDP2 internals changed: quantize weight by weight
+        return None
+    if group is None:
+        return None
+    pending = _PENDING.get(group)
+    if pending:
+        hit = pending.pop(id(data), None)
+        if hit is not None and hit[0] is data and hit[1] == data._version:
+            return hit[2], hit[3]
+    datas = [data]
+    for t in locals_:
+        if t is master or type(t) is not type(master) or getattr(t.recipe, "float8_dtype", E4M3) != float8_dtype:
+            continue
+        d = t._data
+        if d.dtype == data.dtype and d.device == data.device and d.numel() > 0 and d.ndim >= 2:
+            datas.append(d)
+    if len(datas) < 2:
+        return None
+    results = quantize_group(datas, float8_dtype)
+    _PENDING[group] = {id(d): (d, d._version, q, s) for d, (q, s) in zip(datas[1:], results[1:])}
+    return results[0]
+
+
 @torch.no_grad()
 def master_pre_all_gather(master, mesh, outer_size, outer_stride, module, mp_policy):
     """``Fp8MasterWeight.fsdp_pre_all_gather``: quantize the local master rows row-wise, return fp8 data + scales.
@@ -171,7 +226,10 @@ def master_pre_all_gather(master, mesh, outer_size, outer_stride, module, mp_pol
     data = master._data
     check_rowwise_input(data, "Fp8MasterWeight.fsdp_pre_all_gather")
     float8_dtype = getattr(master.recipe, "float8_dtype", E4M3)
-    if data.numel() > 0:
+    hit = _group_quantized(master, float8_dtype) if data.numel() > 0 else None
+    if hit is not None:
+        q, s = hit
+    elif data.numel() > 0:
         q, s = quantize(data, -1, float8_dtype)
     else:
         q = torch.empty(data.shape, dtype=float8_dtype, device=data.device)

@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from . import fsdp as _payload
 from .master import Fp8MasterWeight
 from .tensor import ScaledFp8Tensor, _is_dtensor, register_fsdp_pre_all_gather_callback
 
@@ -169,3 +170,31 @@ def _drop_flat_copy(local: ScaledFp8Tensor) -> None:
 
 
 register_fsdp_pre_all_gather_callback(_drop_flat_copy)
+
+
+_GROUP_OF = WeakIdKeyDictionary()
+
+
+def _group_locals(local):
+    """``(FSDPParamGroup, its sharded local tensors)`` for the sharded local tensor ``local``, or ``(None, [])``.
+
+    The group of each local tensor is looked up once (a scan of the live FSDP2 states) and cached weakly; the
+    FSDP2 pre-all-gather of :class:`Fp8MasterWeight` uses it to quantize the whole group in one launch
+    (``fp8tensor.fsdp.register_group_finder``)."""
+    ref = _GROUP_OF.get(local)
+    group = ref() if ref is not None else None
+    if group is None:
+        for state in _fsdp_states():
+            for g in _param_groups(state):
+                if any(fp._sharded_local_tensor is local for fp in g.fsdp_params):
+                    group = g
+                    break
+            if group is not None:
+                break
+        if group is None:
+            return None, []
+        _GROUP_OF[local] = weakref.ref(group)
+    return group, [fp._sharded_local_tensor for fp in group.fsdp_params]
+
+
+_payload.register_group_finder(_group_locals)

@@ -24,7 +24,10 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["kernel_available", "launch_dim0_t", "quantize_last_dim", "row_kernel_available", "eager_launch_ok"]
+__all__ = [
+    "kernel_available", "launch_dim0_t", "quantize_last_dim", "quantize_last_dim_group", "row_kernel_available",
+    "eager_launch_ok",
+]
 
 try:  # Triton is only present with CUDA builds of torch.
     import triton
@@ -107,6 +110,43 @@ if _HAS_TRITON:
             tl.store(q_ptr + rows + offs_k[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
 
 
+    @triton.jit
+    def _row_quant_group_kernel(table_ptr, N_T: tl.constexpr, FMAX: tl.constexpr, EPS: tl.constexpr,
+                                X_TY: tl.constexpr, Q_TY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+        # _row_quant_kernel over N_T tensors in one launch. table (int64, 6 x N_T): x / q / scale addresses, M, K and
+        # the first program of each tensor. A program finds its tensor, then runs _row_quant_kernel's body on it.
+        pid = tl.program_id(0)
+        t = 0
+        for i in tl.static_range(1, N_T):
+            t = tl.where(pid >= tl.load(table_ptr + 5 * N_T + i), i, t)
+        x_ptr = tl.load(table_ptr + t).to(tl.pointer_type(X_TY))
+        q_ptr = tl.load(table_ptr + N_T + t).to(tl.pointer_type(Q_TY))
+        scale_ptr = tl.load(table_ptr + 2 * N_T + t).to(tl.pointer_type(tl.float32))
+        M = tl.load(table_ptr + 3 * N_T + t)
+        K = tl.load(table_ptr + 4 * N_T + t)
+        first = tl.load(table_ptr + 5 * N_T + t)
+        offs_m = (pid - first) * BLOCK_M + tl.arange(0, BLOCK_M)
+        mmask = offs_m < M
+        rows = offs_m.to(tl.int64)[:, None] * K
+        acc = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask = mmask[:, None] & (offs_k[None, :] < K)
+            x = tl.load(x_ptr + rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+            a = tl.abs(x)
+            a = tl.where(a != a, float("inf"), a)
+            acc = tl.maximum(acc, tl.max(a, axis=1))
+        scale = tl.maximum(acc, EPS) / FMAX
+        tl.store(scale_ptr + offs_m, scale, mask=mmask)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask = mmask[:, None] & (offs_k[None, :] < K)
+            x = tl.load(x_ptr + rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+            y = tl.div_rn(x, scale[:, None])
+            y = tl.clamp(y, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
+            tl.store(q_ptr + rows + offs_k[None, :], y.to(Q_TY), mask=mask)
+
+
 #: Tile sizes of the two kernels (tuned on H200: see benchmarks/quant_kernels.py and docs/benchmarks.md).
 CONFIG = dict(amax_block_k=64, amax_block_m=256, amax_chunk_m=256, amax_warps=8, cast_block_m=64, cast_block_k=128,
               cast_warps=8)
@@ -146,9 +186,9 @@ def eager_launch_ok(x: torch.Tensor) -> bool:
     fake, not a vmap/grad wrapper), nothing is being traced (``torch.compile``) and no torch dispatch mode is active.
     Otherwise callers go through ops that the tracer or mode sees."""
     return (
-        type(x) in _PLAIN_TYPES
+        not torch.compiler.is_compiling()  # first: dynamo cannot trace the C calls below (it would break the graph)
+        and type(x) in _PLAIN_TYPES
         and torch._C._len_torch_dispatch_stack() == 0
-        and not torch.compiler.is_compiling()
         and not torch._C._functorch.is_functorch_wrapped_tensor(x)  # vmap / grad wrappers look like plain tensors
     )
 
@@ -180,6 +220,52 @@ def quantize_last_dim(x: torch.Tensor, float8_dtype: torch.dtype, amax_floor: fl
             x, q, scale, M, K, FMAX=torch.finfo(float8_dtype).max, EPS=amax_floor,
             BLOCK_M=c["block_m"], BLOCK_K=c["block_k"], num_warps=c["warps"])
     return q, scale
+
+
+def _tl_dtype(dtype: torch.dtype):
+    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
+            torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}[dtype]
+
+
+def quantize_last_dim_group(xs: list, float8_dtype: torch.dtype, amax_floor: float) -> list:
+    """:func:`quantize_last_dim` of several tensors in one launch (same bits as one launch each).
+
+    ``xs``: tensors for which :func:`row_kernel_available` holds, all of one dtype on one device. Returns one
+    ``(qdata, scale)`` per tensor; the results are views of two flat buffers (one fp8, one float32). Meant for the
+    FSDP2 pre-all-gather, which quantizes every master weight of a parameter group at once: one launch and four
+    small allocations instead of a launch and two allocations per weight.
+
+    Raises:
+        ValueError: the tensors differ in dtype or device.
+    """
+    x0 = xs[0]
+    if any(x.dtype != x0.dtype or x.device != x0.device for x in xs):
+        raise ValueError("fp8tensor quantize_last_dim_group: tensors must share dtype and device")
+    c = ROW_CONFIG
+    n = len(xs)
+    Ks = [x.shape[-1] for x in xs]
+    Ms = [x.numel() // k for x, k in zip(xs, Ks)]
+    q_flat = torch.empty(sum(x.numel() for x in xs), dtype=float8_dtype, device=x0.device)
+    s_flat = torch.empty(sum(Ms), dtype=torch.float32, device=x0.device)
+    out, firsts, q_ptrs, s_ptrs = [], [], [], []
+    qo = so = blocks = 0
+    for x, m in zip(xs, Ms):
+        q = q_flat[qo:qo + x.numel()].view(x.shape)
+        s = s_flat[so:so + m].view(*x.shape[:-1], 1)
+        out.append((q, s))
+        q_ptrs.append(q.data_ptr())
+        s_ptrs.append(s.data_ptr())
+        firsts.append(blocks)
+        qo += x.numel()
+        so += m
+        blocks += triton.cdiv(m, c["block_m"])
+    table = torch.tensor([x.data_ptr() for x in xs] + q_ptrs + s_ptrs + Ms + Ks + firsts, dtype=torch.int64)
+    table = table.pin_memory().to(x0.device, non_blocking=True)  # no host sync (pinned source)
+    with torch.cuda.device(x0.device):
+        _row_quant_group_kernel[(blocks,)](
+            table, N_T=n, FMAX=torch.finfo(float8_dtype).max, EPS=amax_floor, X_TY=_tl_dtype(x0.dtype),
+            Q_TY=_tl_dtype(float8_dtype), BLOCK_M=c["block_m"], BLOCK_K=c["block_k"], num_warps=c["warps"])
+    return out
 
 
 def kernel_available(x: torch.Tensor) -> bool:

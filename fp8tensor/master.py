@@ -6,6 +6,8 @@ quantizes its local rows before the all-gather (payload in :mod:`fp8tensor.fsdp`
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_flatten, tree_map_only
@@ -151,6 +153,8 @@ class Fp8MasterWeight(torch.Tensor, QuantizeOnUse):
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         return fsdp_post_all_gather(all_gather_outputs, metadata, param_dtype, out=out)
+
+    fsdp_pre_all_gather.__signature__ = inspect.signature(fsdp_pre_all_gather)  # see ScaledFp8Tensor's
 
     def __reduce_ex__(self, protocol):
         # Pickles as the plain high-precision tensor: a checkpoint never needs fp8tensor to load.

@@ -1,0 +1,60 @@
+"""Host-overhead machinery on CUDA (skipped without a GPU): the grouped row-wise kernel gives the bits of one launch
+per tensor, and compiled graphs launch the dim-0 kernels inline (no Python custom op left in the generated code)."""
+import pytest
+import torch
+
+from fp8tensor import kernels
+from fp8tensor.quantize import _AMAX_FLOOR, quantize, quantize_dim0_t, quantize_group
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+DEV = "cuda"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("float8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_group_kernel_bit_identical_to_one_launch_each(dtype, float8_dtype):
+    shapes = [(2048, 2048), (7, 33), (1, 1030), (300, 4096), (3, 5, 1030)]
+    xs = [(torch.randn(*s, device=DEV) * torch.rand(*s[:-1], 1, device=DEV) * 100).to(dtype) for s in shapes]
+    xs[0][3] = 0  # an all-zero row
+    xs[1][2, 5] = float("nan")  # a NaN row stays non-finite
+    xs[3][0, 0] = 1e30 if dtype == torch.float32 else 3e38  # saturating
+    got = quantize_group(xs, float8_dtype)
+    for x, (q, s) in zip(xs, got):
+        qr, sr = kernels.quantize_last_dim(x, float8_dtype, _AMAX_FLOOR)
+        assert q.shape == x.shape and q.dtype == float8_dtype and s.shape == (*x.shape[:-1], 1)
+        assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
+        assert torch.equal(s.nan_to_num(), sr.nan_to_num())
+        qe, se = quantize(x, -1, float8_dtype)
+        assert torch.equal(q.view(torch.uint8), qe.view(torch.uint8))
+
+
+def test_group_falls_back_for_mixed_dtypes_and_layouts():
+    xs = [torch.randn(64, 128, device=DEV), torch.randn(64, 128, device=DEV, dtype=torch.bfloat16),
+          torch.randn(128, 64, device=DEV).t()]
+    for x, (q, s) in zip(xs, quantize_group(xs)):
+        qr, sr = quantize(x, -1)
+        assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr)
+
+
+def test_compiled_graph_launches_dim0_kernels_inline():
+    from torch._inductor.utils import run_and_get_code
+
+    def f(x):
+        return quantize_dim0_t(x * 2, torch.float8_e4m3fn)
+
+    x = torch.randn(512, 256, device=DEV, dtype=torch.bfloat16)
+    (q, s), codes = run_and_get_code(torch.compile(f), x)
+    code = "\n".join(codes)
+    assert "_col_amax_kernel" in code and "_cast_t_kernel" in code
+    assert "torch.ops.fp8tensor.quantize_dim0_t" not in code
+    qr, sr = quantize_dim0_t(x * 2, torch.float8_e4m3fn)
+    assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr)
+
+
+def test_eager_dim0_direct_launch_matches_op():
+    from fp8tensor.quantize import _dim0_t
+
+    x = torch.randn(1000, 300, device=DEV)
+    q, s = _dim0_t(x, torch.float8_e4m3fn)
+    qr, sr = torch.ops.fp8tensor.quantize_dim0_t(x, torch.float8_e4m3fn)
+    assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr)

@@ -10,7 +10,6 @@ import inspect
 
 import torch
 import torch.nn.functional as F
-from torch.utils._pytree import tree_flatten, tree_map_only
 
 from . import fsdp as _payload
 from .gemm import fp8_mm
@@ -129,21 +128,25 @@ class Fp8MasterWeight(torch.Tensor, QuantizeOnUse):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        masters = [a for a in _flat(args, kwargs) if isinstance(a, Fp8MasterWeight)]
-        recipe = masters[0].recipe
-        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+        if func in _GEMMS:
             return _master_mm(func, args, kwargs)
-        u_args, u_kwargs = tree_map_only(Fp8MasterWeight, lambda t: t._data, (args, kwargs))
+        # aten arguments are tensors, or lists / tuples of them (a fused optimizer step takes lists of every
+        # parameter): unwrap those directly instead of a general pytree walk (this runs once per optimizer step
+        # for all parameters at once, and for every layout op on a master).
+        masters = []
+        u_args = tuple(_unwrap(a, masters) for a in args)
+        u_kwargs = {k: _unwrap(v, masters) for k, v in kwargs.items()} if kwargs else kwargs
         out = func(*u_args, **u_kwargs)
+        if out is None:
+            return None
         if func._schema.is_mutable:
             # In-place / out= ops (optimizer steps, copy_, init): the inner data was updated; return wrappers.
             inner_to_outer = {id(m._data): m for m in masters}
-            return tree_map_only(torch.Tensor, lambda t: inner_to_outer.get(id(t), t), out)
+            return _map_tensors(out, lambda t: inner_to_outer.get(id(t), t))
         if func in _PRESERVE:
-            return tree_map_only(
-                torch.Tensor,
-                lambda t: Fp8MasterWeight(t, recipe) if t.dtype.is_floating_point and t.dtype == masters[0].dtype else t,
-                out,
+            recipe, dtype = masters[0].recipe, masters[0].dtype
+            return _map_tensors(
+                out, lambda t: Fp8MasterWeight(t, recipe) if t.dtype.is_floating_point and t.dtype == dtype else t
             )
         return out
 
@@ -161,8 +164,27 @@ class Fp8MasterWeight(torch.Tensor, QuantizeOnUse):
         return self._data.__reduce_ex__(protocol)
 
 
-def _flat(args, kwargs):
-    return tree_flatten((args, kwargs))[0]
+_GEMMS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+
+
+def _unwrap(a, masters: list):
+    """``a`` with every :class:`Fp8MasterWeight` (also inside lists / tuples) replaced by its ``_data``; the masters
+    found are appended to ``masters``."""
+    if isinstance(a, Fp8MasterWeight):
+        masters.append(a)
+        return a._data
+    if type(a) in (list, tuple):
+        return type(a)(_unwrap(x, masters) for x in a)
+    return a
+
+
+def _map_tensors(out, fn):
+    """``fn`` applied to every tensor of an op result (a tensor, or lists / tuples of them)."""
+    if isinstance(out, torch.Tensor):
+        return fn(out)
+    if type(out) in (list, tuple):
+        return type(out)(_map_tensors(x, fn) for x in out)
+    return out
 
 
 def _master_mm(func, args, kwargs):

@@ -118,28 +118,47 @@ class _ScaleWrites:
         return f"_ScaleWrites({len(self.regions)} regions)"
 
 
+_DTENSOR = None  # torch.distributed.tensor.DTensor once imported (False: not available in this build)
+
+
+def _dtensor_cls():
+    global _DTENSOR
+    if _DTENSOR is None:
+        try:  # imported lazily: torch.distributed may be unavailable on some builds
+            from torch.distributed.tensor import DTensor
+
+            _DTENSOR = DTensor
+        except Exception:  # pragma: no cover - builds without distributed
+            _DTENSOR = False
+    return _DTENSOR
+
+
 def _is_dtensor(t: Any) -> bool:
-    # Imported lazily: torch.distributed may be unavailable on some builds.
-    try:
-        from torch.distributed.tensor import DTensor
-    except Exception:  # pragma: no cover - builds without distributed
-        return False
-    return isinstance(t, DTensor)
+    cls = _dtensor_cls()
+    return cls is not False and isinstance(t, cls)
 
 
 def map_local(t: Any, fn):
     """Apply ``fn`` to a tensor, or to the local tensor of a DTensor, keeping mesh, placements, shape and stride.
 
     This is how fp8tensor handles DTensors everywhere: it never looks at the placements, it only works on
-    the local shard and lets DTensor keep its metadata.
+    the local shard and lets DTensor keep its metadata. Without autograd (the fp8 Linear's forward and backward
+    run under no-grad) and outside ``torch.compile``, a result of the local tensor's shape and dtype is wrapped with
+    ``t``'s own sharding spec directly (what ``DTensor.from_local(..., run_check=False, shape=t.shape,
+    stride=t.stride())`` builds, without its autograd function).
     """
-    if _is_dtensor(t):
-        from torch.distributed.tensor import DTensor
-
-        return DTensor.from_local(
-            map_shard(t.to_local(), fn), t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
-        )
-    return fn(t)
+    cls = _dtensor_cls()
+    if cls is False or not isinstance(t, cls):
+        return fn(t)
+    if not torch.compiler.is_compiling() and not (torch.is_grad_enabled() and t.requires_grad):
+        local = t._local_tensor
+        out = map_shard(local, fn)
+        if out.shape == local.shape and out.dtype == t.dtype and not out.requires_grad:
+            return cls(out, t._spec, requires_grad=False)
+        return cls.from_local(out, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
+    return cls.from_local(
+        map_shard(t.to_local(), fn), t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
+    )
 
 
 def map_shard(local: torch.Tensor, fn):

@@ -34,8 +34,10 @@ How the bytes travel (all ranks make the same choice, it depends only on the glo
            data (zero-padded to the padded shard) goes through FSDP2's all-gather; the (padded) scales through one
            extra small all-gather issued on the same process group in ``fsdp_pre_all_gather`` and carried to
            ``fsdp_post_all_gather`` in the metadata. Same bytes, one more (tiny) collective.
-``local``  world size 1: FSDP2 copies only the first input; the data goes through FSDP2, the scales through the
-           metadata.
+``local``  world size 1: one ``uint8`` input packing the fp8 bytes and, 16-byte aligned after them, the float32
+           scales (FSDP2 copies only the first input at world size 1); the unsharded tensor's data and scales both
+           view the buffer FSDP2 fills, so later rounds copy nothing into it. With a parameter group quantized in
+           one launch the kernel writes straight into the packed buffers.
 
 The fp8 data is sent as ``uint8`` because gloo has no float8 dtypes (NCCL would accept either); nothing is lost, it
 is a bit-level view. Padding rows are zeros with unit scales and are dropped after the gather: ``torch.chunk``
@@ -43,7 +45,7 @@ sharding puts every rank's real rows first, so the first ``rows`` gathered rows 
 
 On later iterations FSDP2 calls ``fsdp_post_all_gather(..., out=unsharded_param)`` after re-allocating the storages
 returned as inner tensors the first time; the unsharded :class:`ScaledFp8Tensor` views those storages, so only the
-scales of the ``padded``/``local`` modes need a copy.
+scales of the ``padded`` mode need a copy.
 
 Editing FSDP2's private state (conversion after ``fully_shard``, dropping FSDP2's flat copy of an fp8 shard) is
 :mod:`fp8tensor.fsdp_state`.
@@ -81,7 +83,55 @@ class _Meta(NamedTuple):
     float8_dtype: torch.dtype
     rows: int  # dim 0 of the unsharded tensor
     fast_accum: bool
-    scale: Optional[torch.Tensor]  # gathered (padded) scales in PADDED / LOCAL mode, else None
+    scale: Optional[torch.Tensor]  # gathered (padded) scales in PADDED mode, else None
+    packed: Optional[tuple] = None  # LOCAL: (qdata shape, scale shape) of the packed payload
+
+
+def _scale_offset(nbytes: int) -> int:
+    """Byte offset of the scales in a packed ``local`` payload: after the fp8 bytes, 16-byte aligned."""
+    return -(-nbytes // 16) * 16
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def packed_views(buf: torch.Tensor, qshape, sshape, float8_dtype: torch.dtype):
+    """``(qdata, scale)`` viewing a packed ``local`` payload ``buf`` (1-D ``uint8``: the fp8 bytes of ``qshape``,
+    zero padding to a 16-byte boundary, the float32 scales of ``sshape``)."""
+    nq, ns = _numel(qshape), _numel(sshape)
+    off = _scale_offset(nq)
+    buf = buf.view(-1)
+    return buf[:nq].view(float8_dtype).view(qshape), buf[off:off + 4 * ns].view(torch.float32).view(sshape)
+
+
+def packed_buffers(shapes, float8_dtype: torch.dtype, device) -> list:
+    """One allocation holding the packed ``local`` payloads of several weights: per ``(qshape, sshape)`` a 1-D
+    ``uint8`` region (16-byte aligned) and its ``(qdata, scale)`` views, for the quantization to write into."""
+    sizes = [_scale_offset(_scale_offset(_numel(q)) + 4 * _numel(sc)) for q, sc in shapes]
+    flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+    out, o = [], 0
+    for (qshape, sshape), n in zip(shapes, sizes):
+        region = flat[o:o + n]
+        q, sc = packed_views(region, qshape, sshape, float8_dtype)
+        nq = q.numel()
+        if n > nq + 4 * sc.numel():  # padding bytes travel too: make them deterministic
+            region[nq:_scale_offset(nq)].zero_()
+            region[_scale_offset(nq) + 4 * sc.numel():].zero_()
+        out.append((region, q, sc))
+        o += n
+    return out
+
+
+def pack(qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The packed ``local`` payload of ``qdata`` and ``scale`` (a copy of both into one ``uint8`` buffer)."""
+    ((region, q, sc),) = packed_buffers([(tuple(qdata.shape), tuple(scale.shape))], qdata.dtype, qdata.device)
+    q.copy_(qdata)
+    sc.copy_(scale)
+    return region
 
 
 def _padded_rows(rows: int, world_size: int) -> int:
@@ -101,7 +151,8 @@ def _pad_rows(t: torch.Tensor, rows: int, fill) -> torch.Tensor:
     return out
 
 
-def all_gather_inputs(qdata: torch.Tensor, scale: torch.Tensor, mesh, outer_size, fast_accum: bool):
+def all_gather_inputs(qdata: torch.Tensor, scale: torch.Tensor, mesh, outer_size, fast_accum: bool,
+                      packed: Optional[torch.Tensor] = None):
     """Pad the local fp8 rows and row scales and choose how they travel (see the module docstring).
 
     Args:
@@ -109,17 +160,21 @@ def all_gather_inputs(qdata: torch.Tensor, scale: torch.Tensor, mesh, outer_size
         scale: ``(r, *srest)`` float32 scales of those rows.
         mesh: FSDP2's 1-D shard mesh.
         outer_size: the unsharded (FSDP-level) size.
+        fast_accum: carried to the unsharded tensor.
+        packed: for a 1-rank mesh, the packed payload ``qdata`` and ``scale`` already view (see
+            :func:`packed_buffers`); built here (a copy) when None.
 
     Returns:
         ``(all_gather_inputs, metadata)`` as FSDP2 expects them from ``fsdp_pre_all_gather``.
     """
     world_size = mesh.size()
     rows = int(outer_size[0])
+    if world_size == 1:
+        buf = packed if packed is not None else pack(qdata, scale)
+        return (buf,), _Meta(LOCAL, qdata.dtype, rows, fast_accum, None, (tuple(qdata.shape), tuple(scale.shape)))
     prow = _padded_rows(rows, world_size)
     data = _pad_rows(qdata.view(torch.uint8), prow, 0)
     scale = _pad_rows(scale, prow, 1.0)
-    if world_size == 1:
-        return (data,), _Meta(LOCAL, qdata.dtype, rows, fast_accum, scale)
     if rows % world_size == 0:
         return (data, scale), _Meta(FUSED, qdata.dtype, rows, fast_accum, None)
     gathered_scales = torch.empty((prow * world_size, *scale.shape[1:]), dtype=scale.dtype, device=scale.device)
@@ -166,8 +221,10 @@ def register_group_finder(fn) -> None:
     _GROUP_FINDER = fn
 
 
-def _group_quantized(master, float8_dtype):
-    """``(qdata, scale)`` of ``master``'s rows from one launch over its whole FSDP2 parameter group, or None.
+def _group_quantized(master, float8_dtype, packed: bool):
+    """``(qdata, scale, payload)`` of ``master``'s rows from one launch over its whole FSDP2 parameter group, or None.
+    With ``packed`` (a 1-rank mesh) the kernel writes straight into the packed ``local`` payloads
+    (:func:`packed_buffers`) and ``payload`` is this weight's; else ``payload`` is None.
 
     FSDP2 calls the pre-all-gather hook once per parameter of a group, back to back. The first call quantizes every
     master weight of the group of the same class, fp8 format, dtype and device
@@ -186,8 +243,8 @@ def _group_quantized(master, float8_dtype):
     pending = _PENDING.get(group)
     if pending:
         hit = pending.pop(id(data), None)
-        if hit is not None and hit[0] is data and hit[1] == data._version:
-            return hit[2], hit[3]
+        if hit is not None and hit[0] is data and hit[1] == data._version and hit[2] == packed:
+            return hit[3]
     datas = [data]
     for t in locals_:
         if t is master or type(t) is not type(master) or getattr(t.recipe, "float8_dtype", E4M3) != float8_dtype:
@@ -197,8 +254,13 @@ def _group_quantized(master, float8_dtype):
             datas.append(d)
     if len(datas) < 2:
         return None
-    results = quantize_group(datas, float8_dtype)
-    _PENDING[group] = {id(d): (d, d._version, q, s) for d, (q, s) in zip(datas[1:], results[1:])}
+    if packed:
+        bufs = packed_buffers([(tuple(d.shape), (*d.shape[:-1], 1)) for d in datas], float8_dtype, data.device)
+        quantize_group(datas, float8_dtype, out=[(q, s) for _, q, s in bufs])
+        results = [(q, s, region) for region, q, s in bufs]
+    else:
+        results = [(q, s, None) for q, s in quantize_group(datas, float8_dtype)]
+    _PENDING[group] = {id(d): (d, d._version, packed, r) for d, r in zip(datas[1:], results[1:])}
     return results[0]
 
 
@@ -226,15 +288,16 @@ def master_pre_all_gather(master, mesh, outer_size, outer_stride, module, mp_pol
     data = master._data
     check_rowwise_input(data, "Fp8MasterWeight.fsdp_pre_all_gather")
     float8_dtype = getattr(master.recipe, "float8_dtype", E4M3)
-    hit = _group_quantized(master, float8_dtype) if data.numel() > 0 else None
+    hit = _group_quantized(master, float8_dtype, mesh.size() == 1) if data.numel() > 0 else None
+    packed = None
     if hit is not None:
-        q, s = hit
+        q, s, packed = hit
     elif data.numel() > 0:
         q, s = quantize(data, -1, float8_dtype)
     else:
         q = torch.empty(data.shape, dtype=float8_dtype, device=data.device)
         s = torch.empty((*data.shape[:-1], 1), dtype=torch.float32, device=data.device)
-    return all_gather_inputs(q, s, mesh, outer_size, fast_accum=True)
+    return all_gather_inputs(q, s, mesh, outer_size, fast_accum=True, packed=packed)
 
 
 @torch.no_grad()
@@ -260,6 +323,8 @@ def gathered(all_gather_outputs, metadata) -> tuple[torch.Tensor, torch.Tensor]:
         metadata: what ``fsdp_pre_all_gather`` returned.
     """
     meta: _Meta = metadata
+    if meta.mode == LOCAL:
+        return packed_views(all_gather_outputs[0], *meta.packed, meta.float8_dtype)
     scale_full = all_gather_outputs[1] if meta.mode == FUSED else meta.scale
     return all_gather_outputs[0].view(meta.float8_dtype)[: meta.rows], scale_full[: meta.rows]
 
@@ -282,9 +347,13 @@ def unsharded_buffers(all_gather_outputs, metadata):
     """First ``fsdp_post_all_gather``: ``(qdata, scale, inner_tensors)`` of the unsharded tensor.
 
     ``inner_tensors`` are the buffers FSDP2 frees on reshard and re-allocates before the next ``out=`` call; in the
-    ``padded`` / ``local`` modes the scales are copied into such a buffer of their own."""
+    ``padded`` mode the scales are copied into such a buffer of their own (``local``: data and scales both view
+    the one gathered buffer)."""
     meta: _Meta = metadata
     data_u8 = all_gather_outputs[0]
+    if meta.mode == LOCAL:
+        q, s = packed_views(data_u8, *meta.packed, meta.float8_dtype)
+        return q, s, (data_u8,)
     scale_full = all_gather_outputs[1] if meta.mode == FUSED else meta.scale
     if meta.mode != FUSED:
         scale_full = scale_full.clone()

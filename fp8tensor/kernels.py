@@ -227,11 +227,12 @@ def _tl_dtype(dtype: torch.dtype):
             torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}[dtype]
 
 
-def quantize_last_dim_group(xs: list, float8_dtype: torch.dtype, amax_floor: float) -> list:
+def quantize_last_dim_group(xs: list, float8_dtype: torch.dtype, amax_floor: float, *, out=None) -> list:
     """:func:`quantize_last_dim` of several tensors in one launch (same bits as one launch each).
 
     ``xs``: tensors for which :func:`row_kernel_available` holds, all of one dtype on one device. Returns one
-    ``(qdata, scale)`` per tensor; the results are views of two flat buffers (one fp8, one float32). Meant for the
+    ``(qdata, scale)`` per tensor; the results are views of two flat buffers (one fp8, one float32), or the
+    contiguous tensors given in ``out`` (one ``(qdata, scale)`` per tensor, any addresses). Meant for the
     FSDP2 pre-all-gather, which quantizes every master weight of a parameter group at once: one launch and four
     small allocations instead of a launch and two allocations per weight.
 
@@ -245,19 +246,27 @@ def quantize_last_dim_group(xs: list, float8_dtype: torch.dtype, amax_floor: flo
     n = len(xs)
     Ks = [x.shape[-1] for x in xs]
     Ms = [x.numel() // k for x, k in zip(xs, Ks)]
-    q_flat = torch.empty(sum(x.numel() for x in xs), dtype=float8_dtype, device=x0.device)
-    s_flat = torch.empty(sum(Ms), dtype=torch.float32, device=x0.device)
-    out, firsts, q_ptrs, s_ptrs = [], [], [], []
-    qo = so = blocks = 0
-    for x, m in zip(xs, Ms):
-        q = q_flat[qo:qo + x.numel()].view(x.shape)
-        s = s_flat[so:so + m].view(*x.shape[:-1], 1)
-        out.append((q, s))
+    if out is None:
+        q_flat = torch.empty(sum(x.numel() for x in xs), dtype=float8_dtype, device=x0.device)
+        s_flat = torch.empty(sum(Ms), dtype=torch.float32, device=x0.device)
+        out, qo, so = [], 0, 0
+        for x, m in zip(xs, Ms):
+            out.append((q_flat[qo:qo + x.numel()].view(x.shape), s_flat[so:so + m].view(*x.shape[:-1], 1)))
+            qo += x.numel()
+            so += m
+    else:
+        out = list(out)
+        for x, (q, s) in zip(xs, out):
+            if (q.shape != x.shape or q.dtype != float8_dtype or not q.is_contiguous() or s.numel() != x.numel() //
+                    x.shape[-1] or s.dtype != torch.float32 or not s.is_contiguous()):
+                raise ValueError("fp8tensor quantize_last_dim_group: out= tensors must be contiguous, of the "
+                                 "input's shape in the fp8 dtype and of one float32 per row")
+    firsts, q_ptrs, s_ptrs = [], [], []
+    blocks = 0
+    for (q, s), m in zip(out, Ms):
         q_ptrs.append(q.data_ptr())
         s_ptrs.append(s.data_ptr())
         firsts.append(blocks)
-        qo += x.numel()
-        so += m
         blocks += triton.cdiv(m, c["block_m"])
     table = torch.tensor([x.data_ptr() for x in xs] + q_ptrs + s_ptrs + Ms + Ks + firsts, dtype=torch.int64)
     table = table.pin_memory().to(x0.device, non_blocking=True)  # no host sync (pinned source)

@@ -18,7 +18,7 @@ def spawn(fn_name: str, world: int, out_dir) -> list[dict]:
     return run(__name__, fn_name, world, out_dir)
 
 
-def _train(seed: int, reshard: bool, grouped: bool) -> dict:
+def _train(seed: int, reshard: bool, grouped: bool, compiled: bool = False) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -29,6 +29,9 @@ def _train(seed: int, reshard: bool, grouped: bool) -> dict:
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(64, 96, bias=False), nn.Linear(96, 48, bias=False), nn.Linear(48, 64, bias=False))
     fp8tensor.convert_to_fp8(model)
+    if compiled:
+        for m in model:
+            m.compile()
     fully_shard(model, mesh=init_device_mesh("cpu", (1,)), reshard_after_forward=reshard)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -66,9 +69,23 @@ def worker_group(rank: int, world: int, seed: int) -> dict:
     return res
 
 
+def worker_compiled(rank: int, world: int, seed: int) -> dict:
+    torch._dynamo.reset()
+    res = dict(grouped=_train(seed, False, grouped=True, compiled=True))
+    torch._dynamo.reset()
+    res["single"] = _train(seed, False, grouped=False, compiled=True)
+    res["seed"] = seed
+    return res
+
+
 @pytest.fixture(scope="module")
 def run1(tmp_path_factory):
     return spawn("worker_group", 1, tmp_path_factory.mktemp("fsdp_group"))
+
+
+@pytest.fixture(scope="module")
+def run1_compiled(tmp_path_factory):
+    return spawn("worker_compiled", 1, tmp_path_factory.mktemp("fsdp_group_compiled"))
 
 
 def _equal(a, b) -> bool:
@@ -86,3 +103,41 @@ def test_grouped_quantization_is_bit_identical(run1, reshard):
     # the weights changed between steps, so a stale kept result would have shown up as a different output
     assert not torch.equal(g["y"][0], g["y"][1])
     assert all(g["shared_storage"]) and all(s["shared_storage"])
+
+
+def test_grouped_quantization_compiled(run1_compiled):
+    """Compiled Linears read the packed payload's data and scales (two views of one buffer) as graph inputs."""
+    (r,) = run1_compiled
+    for key in ("y", "grads", "params"):
+        assert _equal(r["grouped"][key], r["single"][key]), (key, r["seed"])
+    assert all(r["grouped"]["shared_storage"])
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_kept_result_not_served_after_update(packed):
+    """The first hook call of a group quantizes every weight and keeps the others' results; a weight updated in
+    place before its own call (version bump) is quantized again, from its new values."""
+    from fp8tensor import fsdp as payload
+    from fp8tensor import fsdp_state
+    from fp8tensor.master import Fp8MasterWeight
+    from fp8tensor.quantize import quantize
+
+    torch.manual_seed(0)
+    ws = [Fp8MasterWeight(torch.randn(n, 32)) for n in (16, 24, 8)]
+    key = nn.Linear(1, 1)  # any weak-referenceable object stands for the FSDP2 parameter group
+    payload.register_group_finder(lambda local: (key, ws))
+    try:
+        def hook(w):
+            hit = payload._group_quantized(w, torch.float8_e4m3fn, packed)
+            assert hit is not None and (hit[2] is not None) == packed
+            return hit[0], hit[1]
+
+        hook(ws[0])  # quantizes all three, keeps ws[1] and ws[2]
+        with torch.no_grad():
+            ws[1]._data.mul_(3.0)  # an optimizer step in between
+        for w in ws[1:]:
+            q, s = hook(w)
+            qr, sr = quantize(w._data, -1)
+            assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr)
+    finally:
+        payload.register_group_finder(fsdp_state._group_locals)

@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 
 from .quantize import FLOAT8_DTYPES, amax_to_scale, cast_to_fp8
-from .tensor import OP_TABLE, ScaledFp8Tensor, implements  # noqa: F401  (OP_TABLE: re-exported for readers)
+from .tensor import ScaledFp8Tensor, implements
 
 aten = torch.ops.aten
 

@@ -58,3 +58,56 @@ def test_eager_dim0_direct_launch_matches_op():
     q, s = _dim0_t(x, torch.float8_e4m3fn)
     qr, sr = torch.ops.fp8tensor.quantize_dim0_t(x, torch.float8_e4m3fn)
     assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr)
+
+
+@pytest.mark.parametrize("reshard", [False, True])
+def test_fsdp_one_rank_grouped_packed_matches_per_weight(reshard):
+    """FSDP2 over a 1-rank NCCL mesh: the grouped kernel writing the packed payload trains bit for bit like
+    quantizing each weight in its own hook (3 AdamW steps), and the unsharded weight's data and scales view one
+    buffer."""
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import fp8tensor
+    from fp8tensor import fsdp as payload
+    from fp8tensor import fsdp_state
+
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        runs = {}
+        for grouped in (True, False):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(256, 512, bias=False), nn.Linear(512, 128, bias=False),
+                                  nn.Linear(128, 256, bias=False)).to(DEV)
+            fp8tensor.convert_to_fp8(model)
+            fully_shard(model, mesh=init_device_mesh("cuda", (1,)), reshard_after_forward=reshard)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            shared = []
+            model[1].register_forward_pre_hook(lambda m, a: shared.append(
+                m.weight.to_local().qdata.untyped_storage().data_ptr()
+                == m.weight.to_local().scale.untyped_storage().data_ptr()))
+            gen = torch.Generator(device=DEV).manual_seed(1)
+            payload.register_group_finder(fsdp_state._group_locals if grouped else None)
+            ys = []
+            try:
+                for _ in range(3):
+                    x = torch.randn(8, 64, 256, device=DEV, generator=gen)
+                    y = model(x)
+                    y.float().square().mean().backward()
+                    opt.step()
+                    opt.zero_grad()
+                    ys.append(y.detach())
+            finally:
+                payload.register_group_finder(fsdp_state._group_locals)
+            runs[grouped] = (ys, [p.to_local()._data.clone() for p in model.parameters()], shared)
+        (yg, pg, sg), (ys_, ps, ss) = runs[True], runs[False]
+        assert all(torch.equal(a, b) for a, b in zip(yg, ys_))
+        assert all(torch.equal(a, b) for a, b in zip(pg, ps))
+        assert not torch.equal(yg[0], yg[1]) and all(sg) and all(ss)
+    finally:
+        if own:
+            dist.destroy_process_group()

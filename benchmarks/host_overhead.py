@@ -221,12 +221,13 @@ def main(argv=None):
         bare_stack = torch.compile(nn.Sequential(*[BareFp8Linear(m) for m in stack]))
         ref = T(fwd_bwd(bare_stack, x, gy))
         torch._dynamo.reset()
-        lib_stack = torch.compile(convert(nn.Sequential(*[make_linear(D, dev, dtype, seed=i) for i in range(args.layers)]),
-                                          args.recipe))
+        lib_mods = nn.Sequential(*[make_linear(D, dev, dtype, seed=i) for i in range(args.layers)])
+        lib_stack = torch.compile(convert(lib_mods, args.recipe))
         lib = T(fwd_bwd(lib_stack, x, gy))
         row(f"compiled: stack of {args.layers} converted Linears vs bare", lib, ref)
 
-    env = f"{time.strftime('%Y-%m-%d')} · {torch.cuda.get_device_name(dev) if cuda else 'cpu'} · torch {torch.__version__}"
+    gpu = torch.cuda.get_device_name(dev) if cuda else "cpu"
+    env = f"{time.strftime('%Y-%m-%d')} · {gpu} · torch {torch.__version__}"
     print(f"\n# host overhead, {M} tokens x {D}->{D} {args.dtype}, recipe {args.recipe}, forward+backward; {env}\n")
     print("| comparison | fp8tensor µs | reference µs | ratio | note |")
     print("|---|---|---|---|---|")

@@ -92,8 +92,9 @@ def quantize(
 
     1. ``gemm_layout=True``, ``x`` a 2-D CUDA tensor whose ``dim`` is its outer (strided) dim — ``dim=0`` of a
        row-major ``x`` or ``dim=1`` of a transposed view — and :func:`fp8tensor.kernels.kernel_available`: the
-       ``fp8tensor::quantize_dim0_t`` triton op (eager: its kernels launched directly); ``qdata`` is then a transposed view of a contiguous tensor (the
-       column-major layout ``torch._scaled_mm`` wants for its second operand).
+       ``fp8tensor::quantize_dim0_t`` triton op (eager: its kernels launched directly); ``qdata`` is then a
+       transposed view of a contiguous tensor (the column-major layout ``torch._scaled_mm`` wants for its second
+       operand).
     2. ``dim`` is the last dim and :func:`fp8tensor.kernels.row_kernel_available` (eager, contiguous CUDA): the fused
        row-wise Triton kernel (same bits as the ops).
     3. Otherwise (CPU, ``torch.compile``, other layouts): :func:`rowwise_scale` and :func:`cast_to_fp8`.

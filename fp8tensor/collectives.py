@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from .ops import _scale_fits, implements
-from .tensor import ScaledFp8Tensor, make_scaled
+from .tensor import ScaledFp8Tensor
 
 __all__: list[str] = []
 
@@ -86,9 +86,8 @@ def _bytes(q: torch.Tensor) -> torch.Tensor:
     return q.contiguous().view(torch.uint8)
 
 
-def _like(t: ScaledFp8Tensor, qbytes: torch.Tensor, scale: torch.Tensor, dims=None) -> ScaledFp8Tensor:
-    """The result of a collective on ``t``: its dtypes and flags, ``dims`` as ``scaled_dims`` (default ``t``'s)."""
-    return make_scaled(qbytes.view(t.qdata.dtype), scale, t.orig_dtype, t.fast_accum, t.scaled_dims if dims is None else dims)
+def _like(t: ScaledFp8Tensor, qbytes: torch.Tensor, scale: torch.Tensor) -> ScaledFp8Tensor:
+    return ScaledFp8Tensor(qbytes.view(t.qdata.dtype), scale, t.orig_dtype, t.fast_accum)
 
 
 def _group_size(group_name) -> int:
@@ -109,23 +108,21 @@ def _unbox_wait(work) -> None:
 def _all_gather_data_and_scales(func, args, kwargs):
     """Concatenate every rank's data along dim 0, and their scales along dim 0.
 
-    A scale shared along dim 0 (one value for all local rows, but different per rank) is gathered compactly and
+    A scale compact on dim 0 (one value for all local rows, but different per rank) is gathered compactly and
     then repeated over each rank's rows. That one, and the scale of a local tensor with a single row (which a
     later ``view`` of the gathered tensor may have to materialize, see ``torch._utils._maybe_view_chunk_cat``),
-    is waited on right away, so no op ever reads a scale still in flight. Whether the scale is per row is the
-    tensor's declared layout (``scaled_dims``), the same on every rank, never its local size: a rank holding one
-    row (scale ``[1, 1]``) or none sends what the others send.
+    is waited on right away, so no op ever reads a scale still in flight.
     """
     b = _bind(func, args, kwargs)
     t, group_size, group = b["input"], b["group_size"], b["group_name"]
     rows = t.shape[0]
     q = func(_bytes(t.qdata), group_size, group)
     s = func(t.scale.contiguous(), group_size, group)
-    if not t.scaled_dims[0] and rows != 1:
+    if t.scale.shape[0] == 1 and rows != 1:
         s = _funcol.wait_tensor.default(s).repeat_interleave(rows, dim=0)
     elif rows == 1:
         s = _funcol.wait_tensor.default(s)
-    return _like(t, q, s, (True,) + t.scaled_dims[1:])
+    return _like(t, q, s)
 
 
 @implements(_dist_op("_c10d_functional._wrap_tensor_autograd.default"))
@@ -141,7 +138,7 @@ def _wrap_async(func, args, kwargs):
 def _wait_data_and_scale(func, args, kwargs):
     """Wait on the data and on the scale (both came from the collective that produced this tensor)."""
     t = args[0]
-    return make_scaled(func(t.qdata), func(t.scale), t.orig_dtype, t.fast_accum, t.scaled_dims)
+    return ScaledFp8Tensor(func(t.qdata), func(t.scale), t.orig_dtype, t.fast_accum)
 
 
 @implements(_dist_op("_c10d_functional.all_to_all_single.default"))
@@ -150,11 +147,11 @@ def _all_to_all_data_and_scales(func, args, kwargs):
     b = _bind(func, args, kwargs)
     t, out_splits, in_splits, group = b["input"], b["output_split_sizes"], b["input_split_sizes"], b["group_name"]
     s = t.scale
-    if not t.scaled_dims[0]:
+    if s.shape[0] != t.shape[0]:
         s = s.expand(t.shape[0], *s.shape[1:])
     q = func(_bytes(t.qdata), out_splits, in_splits, group)
     s = func(s.contiguous(), out_splits, in_splits, group)
-    return _like(t, q, s, (True,) + t.scaled_dims[1:])
+    return _like(t, q, s)
 
 
 @implements(_dist_op("_dtensor.shard_dim_alltoall.default"))
@@ -169,14 +166,13 @@ def _shard_dim_alltoall_data_and_scales(func, args, kwargs):
     t, gd, sd, group = b["input"], b["gather_dim"], b["shard_dim"], b["group_name"]
     gd, sd = gd % t.dim(), sd % t.dim()
     shape = list(t.scale.shape)
-    dims = list(t.scaled_dims)
-    if not dims[gd]:
-        shape[gd], dims[gd] = t.shape[gd], True
-    if not dims[sd]:
+    if shape[gd] != t.shape[gd]:
+        shape[gd] = t.shape[gd]
+    if shape[sd] == 1:
         shape[sd] = _group_size(group)
     q = func(_bytes(t.qdata), gd, sd, group)
     s = func(t.scale.expand(shape).contiguous(), gd, sd, group)
-    return _like(t, q, s, tuple(dims))
+    return _like(t, q, s)
 
 
 # --------------------------------------------------------------------------------------------- c10d (in place)
@@ -273,7 +269,7 @@ def _broadcast_data_and_scale(func, args, kwargs):
 def _pad_data_with_zeros_scale_with_ones(func, args, kwargs):
     """Zero-padding (DTensor pads uneven shards before a collective and unpads after): fp8 zeros in the data;
     the scale is padded with ones on the dims where it is full-size (cropped likewise for negative pads), and left
-    alone on the dims where it is shared (``scaled_dims``). A non-zero pad value dequantizes and returns a plain tensor."""
+    alone on the dims where it has size 1. A non-zero pad value dequantizes and returns a plain tensor."""
     b = _bind(func, args, kwargs)
     t, pad, value = b["self"], list(b["pad"]), b.get("value", 0)
     if value != 0:
@@ -281,8 +277,7 @@ def _pad_data_with_zeros_scale_with_ones(func, args, kwargs):
     spad = []
     for i in range(len(pad) // 2):
         d = t.dim() - 1 - i
-        # the declared layout, not the size: a one-row shard's per-row [1, 1] scale is padded like the others
-        spad += pad[2 * i : 2 * i + 2] if t.scaled_dims[d] else [0, 0]
+        spad += pad[2 * i : 2 * i + 2] if t.scale.shape[d] != 1 else [0, 0]
     q = func(t.qdata.view(torch.uint8), pad, 0)
     s = func(t.scale, spad, 1.0) if any(spad) else t.scale
     return _like(t, q, s)

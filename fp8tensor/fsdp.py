@@ -53,7 +53,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .quantize import E4M3, quantize_rowwise
-from .tensor import ScaledFp8Tensor, _is_dtensor, make_scaled
+from .tensor import ScaledFp8Tensor, _is_dtensor
 
 __all__ = [
     "master_pre_all_gather",
@@ -266,8 +266,7 @@ def post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None
         # Own the scales in a buffer that FSDP2 frees on reshard and re-allocates before the next ``out=`` call.
         scale_full = scale_full.clone()
         scale = scale_full[:rows]
-    # one scale per row (scaled_pre_all_gather / master_pre_all_gather gather per-row scales), declared so
-    unsharded = make_scaled(qdata, scale, param_dtype, meta.fast_accum, (True, *(s != 1 for s in scale.shape[1:])))
+    unsharded = ScaledFp8Tensor(qdata, scale, param_dtype, meta.fast_accum)
     return unsharded, (data_u8, scale_full)
 
 

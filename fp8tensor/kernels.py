@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .quantize import SCALE_FLOOR, quantize_rowwise
+from .quantize import _AMAX_FLOOR, quantize_rowwise
 
 __all__ = ["quantize_dim0_t", "kernel_available", "quantize_last_dim", "row_kernel_available"]
 
@@ -62,7 +62,7 @@ if _HAS_TRITON:
         offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
         kmask = offs_k < K
         amax = tl.load(amax_ptr + offs_k, mask=kmask, other=1.0)
-        scale = tl.maximum(amax / FMAX, EPS)  # fp8tensor.quantize.amax_to_scale: max(amax / fmax, 2^-126)
+        scale = tl.maximum(amax, EPS) / FMAX
         mask = (offs_m[:, None] < M) & kmask[None, :]
         x = tl.load(x_ptr + offs_m[:, None] * stride_m + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
         y = x / scale[None, :]
@@ -93,7 +93,7 @@ if _HAS_TRITON:
             a = tl.abs(x)
             a = tl.where(a != a, float("inf"), a)  # NaN -> inf: the row's scale becomes inf, output non-finite
             acc = tl.maximum(acc, tl.max(a, axis=1))
-        scale = tl.maximum(acc / FMAX, EPS)  # the dim-0 kernel's expression: equal to the eager CUDA scale
+        scale = tl.maximum(acc, EPS) / FMAX  # the dim-0 kernel's expression: equal to the eager CUDA scale
         tl.store(scale_ptr + offs_m, scale, mask=mmask)
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -159,7 +159,7 @@ def quantize_last_dim(x: torch.Tensor, float8_dtype: torch.dtype) -> tuple[torch
     c = ROW_CONFIG
     with torch.cuda.device(x.device):  # Triton launches on the current device
         _row_quant_kernel[(triton.cdiv(M, c["block_m"]),)](
-            x, q, scale, M, K, FMAX=torch.finfo(float8_dtype).max, EPS=SCALE_FLOOR,
+            x, q, scale, M, K, FMAX=torch.finfo(float8_dtype).max, EPS=_AMAX_FLOOR,
             BLOCK_M=c["block_m"], BLOCK_K=c["block_k"], num_warps=c["warps"])
     return q, scale
 
@@ -202,7 +202,7 @@ def quantize_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype) -> tuple[torch.T
                                BLOCK_K=c["amax_block_k"], num_warps=c["amax_warps"])
         grid = (triton.cdiv(M, c["cast_block_m"]), triton.cdiv(K, c["cast_block_k"]))
         _cast_t_kernel[grid](x, amax, q, scale, M, K, x.stride(0), FMAX=torch.finfo(float8_dtype).max,
-                             EPS=SCALE_FLOOR, BLOCK_M=c["cast_block_m"], BLOCK_K=c["cast_block_k"],
+                             EPS=_AMAX_FLOOR, BLOCK_M=c["cast_block_m"], BLOCK_K=c["cast_block_k"],
                              num_warps=c["cast_warps"])
     return q, scale
 

@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_map_only
 
 from .gemm import fp8_mm
 from .quantize import cast_to_fp8, amax_to_scale
-from .tensor import ScaledFp8Tensor, make_scaled
+from .tensor import ScaledFp8Tensor
 
 aten = torch.ops.aten
 OP_TABLE: dict = {}
@@ -35,15 +35,8 @@ def implements(ops: Sequence) -> Callable:
     return deco
 
 
-def _wrap(qdata: torch.Tensor, scale: torch.Tensor, like: ScaledFp8Tensor, shares_scale: bool = False, dims=None):
-    """A view (or copy) of ``like``: its dtype and flags, ``dims`` as ``scaled_dims`` (default: ``like``'s)."""
-    dims = like.scaled_dims if dims is None else dims
-    if torch.is_inference_mode_enabled() and not like.is_inference():
-        # Autograd makes the result a view of ``like`` (a normal tensor): it must not be an inference tensor.
-        with torch.inference_mode(False):
-            out = make_scaled(qdata, scale, like.orig_dtype, like.fast_accum, dims)
-    else:
-        out = make_scaled(qdata, scale, like.orig_dtype, like.fast_accum, dims)
+def _wrap(qdata: torch.Tensor, scale: torch.Tensor, like: ScaledFp8Tensor, shares_scale: bool = False):
+    out = ScaledFp8Tensor(qdata, scale, like.orig_dtype, like.fast_accum)
     if shares_scale or getattr(like, "_shares_scale", False):
         # A view whose scales also scale data outside it (a column slice of a row-scaled tensor): copy_ refuses.
         out._shares_scale = True
@@ -55,8 +48,7 @@ def _norm_dim(d: int, ndim: int) -> int:
 
 
 def _scaled_along(t: ScaledFp8Tensor, d: int) -> bool:
-    """Whether ``t`` declares one scale per index of dim ``d`` (never read from sizes: see ``scaled_dims``)."""
-    return t.scaled_dims[d]
+    return t.scale.shape[d] != 1
 
 
 # --------------------------------------------------------------------------------------------- dispatch
@@ -129,24 +121,17 @@ def _clone_both(func, args, kwargs):
 
 @implements([aten._to_copy.default])
 def _to_copy_move_scale(func, args, kwargs):
-    """Device moves move data and scale; a float dtype changes the logical (output) dtype, data stays fp8; an fp8
-    dtype raises ``TypeError`` (a plain fp8 tensor would have to drop the scale); other dtypes dequantize."""
+    """Device moves move data and scale; a float dtype changes the logical (output) dtype, data stays fp8."""
     t = args[0]
     kwargs = dict(kwargs)
     dtype = kwargs.pop("dtype", None)
-    if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        raise TypeError(
-            f"ScaledFp8Tensor.to({dtype}): a plain fp8 tensor cannot hold the scale, so converting would silently "
-            "change the values (saturate large rows, flush small ones). Use .qdata (the fp8 data) and .scale, "
-            "or .to_hp() and quantize the values yourself."
-        )
-    if dtype is not None and not dtype.is_floating_point:
+    if dtype is not None and (not dtype.is_floating_point or dtype in (torch.float8_e4m3fn, torch.float8_e5m2)):
         return func(t.to_hp(), dtype=dtype, **kwargs)
     kwargs.pop("layout", None)
     qdata = func(t.qdata, **kwargs)
     scale_kwargs = {k: v for k, v in kwargs.items() if k in ("device", "non_blocking", "pin_memory")}
     scale = func(t.scale, **scale_kwargs)
-    return make_scaled(qdata, scale, dtype or t.orig_dtype, t.fast_accum, t.scaled_dims)
+    return ScaledFp8Tensor(qdata, scale, dtype or t.orig_dtype, t.fast_accum)
 
 
 @implements([aten.copy_.default])
@@ -212,27 +197,20 @@ def _scale_fits(src_scale: torch.Tensor, dst_scale: torch.Tensor) -> bool:
 
 def _quantize_like(x: torch.Tensor, like: ScaledFp8Tensor):
     """Quantize ``x`` with ``like``'s fp8 dtype, reducing amax over the dims ``like.scale`` has size 1 on."""
-    dims = [d for d in range(x.ndim) if not like.scaled_dims[d]]
-    if not dims:
-        amax = x.abs()
-    elif any(x.shape[d] == 0 for d in dims):  # an empty reduction: amax 0, as an all-zero row
-        amax = x.new_zeros([1 if d in dims else n for d, n in enumerate(x.shape)])
-    else:
-        amax = x.abs().amax(dim=dims, keepdim=True)
+    dims = [d for d in range(x.ndim) if like.scale.shape[d] == 1]
+    amax = x.abs().amax(dim=dims, keepdim=True) if dims else x.abs()
     scale = amax_to_scale(amax, like.qdata.dtype)
     return cast_to_fp8(x, scale, like.qdata.dtype), scale
 
 
 # --------------------------------------------------------------------------------------------- factories
-def _factory_scale(t: ScaledFp8Tensor, size, device):
-    """Unit scales for a new tensor of ``size`` made from ``t``: ``t``'s declared layout when the ndim matches."""
+def _factory_scale(t: ScaledFp8Tensor, size, device) -> torch.Tensor:
     size = list(size)
     if len(size) == t.scale.ndim:
-        dims = t.scaled_dims
+        shape = [n if t.scale.shape[d] != 1 else 1 for d, n in enumerate(size)]
     else:
-        dims = (False,) * len(size)
-    shape = [n if b else 1 for b, n in zip(dims, size)]
-    return torch.ones(shape, dtype=torch.float32, device=device), dims
+        shape = [1] * len(size)
+    return torch.ones(shape, dtype=torch.float32, device=device)
 
 
 @implements([aten.empty_like.default, aten.zeros_like.default])
@@ -246,8 +224,7 @@ def _like_with_unit_scale(func, args, kwargs):
     q = func(t.qdata, **kwargs)
     if func is aten.empty_like.default:
         q.zero_()  # fp8 garbage could be NaN; a fresh tensor reads as zeros
-    s, dims = _factory_scale(t, t.shape, device)
-    return make_scaled(q, s, t.orig_dtype, t.fast_accum, dims)
+    return ScaledFp8Tensor(q, _factory_scale(t, t.shape, device), t.orig_dtype, t.fast_accum)
 
 
 @implements([aten.new_zeros.default, aten.new_empty.default, aten.new_ones.default])
@@ -262,36 +239,32 @@ def _new_with_unit_scale(func, args, kwargs):
         q = torch.ones(size, dtype=t.qdata.dtype, device=device)
     else:
         q = torch.zeros(size, dtype=t.qdata.dtype, device=device)
-    s, dims = _factory_scale(t, size, device)
-    return make_scaled(q, s, t.orig_dtype, t.fast_accum, dims)
+    return ScaledFp8Tensor(q, _factory_scale(t, size, device), t.orig_dtype, t.fast_accum)
 
 
 # --------------------------------------------------------------------------------------------- layout: permutations
 @implements([aten.t.default])
 def _t_scale(func, args, kwargs):
     t = args[0]
-    return _wrap(t.qdata.t(), t.scale.t(), t, dims=t.scaled_dims[::-1])
+    return _wrap(t.qdata.t(), t.scale.t(), t)
 
 
 @implements([aten.transpose.int])
 def _transpose_scale(func, args, kwargs):
-    t, d0, d1 = args[0], _norm_dim(args[1], args[0].dim()), _norm_dim(args[2], args[0].dim())
-    dims = list(t.scaled_dims)
-    dims[d0], dims[d1] = dims[d1], dims[d0]
-    return _wrap(t.qdata.transpose(d0, d1), t.scale.transpose(d0, d1), t, dims=tuple(dims))
+    t, d0, d1 = args[0], args[1], args[2]
+    return _wrap(t.qdata.transpose(d0, d1), t.scale.transpose(d0, d1), t)
 
 
 @implements([aten.permute.default])
 def _permute_scale(func, args, kwargs):
     t, dims = args[0], args[1]
-    return _wrap(t.qdata.permute(dims), t.scale.permute(dims), t, dims=tuple(t.scaled_dims[d] for d in dims))
+    return _wrap(t.qdata.permute(dims), t.scale.permute(dims), t)
 
 
 @implements([aten.unsqueeze.default])
 def _unsqueeze_scale(func, args, kwargs):
-    t, d = args[0], _norm_dim(args[1], args[0].dim() + 1)
-    dims = t.scaled_dims[:d] + (False,) + t.scaled_dims[d:]
-    return _wrap(t.qdata.unsqueeze(d), t.scale.unsqueeze(d), t, dims=dims)
+    t, d = args[0], args[1]
+    return _wrap(t.qdata.unsqueeze(d), t.scale.unsqueeze(d), t)
 
 
 @implements([aten.as_strided.default])
@@ -335,32 +308,23 @@ def _view_groups(old: Sequence[int], new: Sequence[int]):
     return groups
 
 
-def _view_scale(scale: torch.Tensor, old: Sequence[int], new: Sequence[int], dims: Sequence[bool]):
-    """The scale and ``scaled_dims`` of a ``view(new)`` of data of shape ``old`` with declared ``dims``.
+def _view_scale(scale: torch.Tensor, old: Sequence[int], new: Sequence[int]) -> torch.Tensor:
+    """The scale of a ``view(new)`` of data of shape ``old``.
 
-    The same shape keeps scale and layout (also for empty and one-row tensors). Otherwise, per run of dims that
-    reshape into each other: a run that is scaled on some dim of size > 1 is reshaped with the data (materialized
-    first where it mixes shared and scaled dims: exact, more memory) and scaled on every new dim; a run shared on
-    all its dims stays shared; a run of size-1 dims only keeps whether it was scaled.
+    Per run of dims that reshape into each other: all-unscaled stays unscaled (size 1), all-scaled is
+    reshaped with the data, mixed is materialized (expanded) first, which is exact but costs memory.
     """
-    old, new = list(old), list(new)
-    if old == new:
-        return scale, tuple(dims)
-    if len(new) == 0:
-        return scale.reshape(()), ()
-    if len(old) == 0 or 0 in old:  # no elements to share a scale (or a 0-d tensor): one scale per element
-        return scale.expand(old).reshape(new), (True,) * len(new)
-    inter, target, new_dims = [], [], [False] * len(new)
-    for odims, ndims in _view_groups(old, new):
-        if all(old[d] == 1 for d in odims) and all(new[d] == 1 for d in ndims):
-            flag, keep = any(dims[d] for d in odims), False
+    if len(old) == 0 or len(new) == 0 or 0 in old:
+        return scale.expand(old).reshape(new) if len(new) else scale.reshape(())
+    inter, target = [], []
+    for odims, ndims in _view_groups(list(old), list(new)):
+        if all(scale.shape[d] == 1 for d in odims):
+            inter += [1] * len(odims)
+            target += [1] * len(ndims)
         else:
-            flag = keep = any(dims[d] and old[d] != 1 for d in odims)
-        inter += [old[d] for d in odims] if keep else [1] * len(odims)
-        target += [new[d] for d in ndims] if keep else [1] * len(ndims)
-        for d in ndims:
-            new_dims[d] = flag
-    return scale.expand(inter).reshape(target), tuple(new_dims)
+            inter += [old[d] for d in odims]
+            target += [new[d] for d in ndims]
+    return scale.expand(inter).reshape(target)
 
 
 @implements([aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten._reshape_alias.default])
@@ -372,16 +336,14 @@ def _view_scale_with_data(func, args, kwargs):
         q = func(t.qdata, size)
     else:  # view, _reshape_alias (its stride argument is the view's own)
         q = aten.view.default(t.qdata, size)
-    scale, dims = _view_scale(t.scale, t.shape, q.shape, t.scaled_dims)
-    return _wrap(q, scale, t, dims=dims)
+    return _wrap(q, _view_scale(t.scale, t.shape, q.shape), t)
 
 
 @implements([aten.squeeze.dim, aten.squeeze.default, aten.squeeze.dims])
 def _squeeze_scale(func, args, kwargs):
     t = args[0]
     q = func(t.qdata, *args[1:], **kwargs)
-    scale, dims = _view_scale(t.scale, t.shape, q.shape, t.scaled_dims)
-    return _wrap(q, scale, t, dims=dims)
+    return _wrap(q, _view_scale(t.scale, t.shape, q.shape), t)
 
 
 # --------------------------------------------------------------------------------------------- layout: slicing
@@ -403,8 +365,7 @@ def _select_scale(func, args, kwargs):
     t, dim, index = args[0], _norm_dim(args[1], args[0].dim()), args[2]
     q = t.qdata.select(dim, index)
     s = t.scale.select(dim, index if _scaled_along(t, dim) else 0)
-    dims = t.scaled_dims[:dim] + t.scaled_dims[dim + 1 :]
-    return _wrap(q, s, t, shares_scale=not _scaled_along(t, dim) and t.shape[dim] > 1, dims=dims)
+    return _wrap(q, s, t, shares_scale=not _scaled_along(t, dim) and t.shape[dim] > 1)
 
 
 @implements([aten.split.Tensor, aten.split_with_sizes.default])
@@ -448,25 +409,23 @@ def _cat_scales(func, args, kwargs):
     first = fp8[0]
     dim = _norm_dim(dim, first.dim())
     q = torch.cat([t.qdata for t in fp8], dim)
-    # Off the cat dim, scales must share a layout: scaled where any input is (expanded where it was shared).
-    nd = first.dim()
-    off = [any(t.scaled_dims[d] for t in fp8) for d in range(nd)]
-    scales = [
-        t.scale.expand([t.scale.shape[d] if d == dim else (t.shape[d] if off[d] else 1) for d in range(nd)])
-        for t in fp8
-    ]
-    if all(_scaled_along(t, dim) for t in fp8):
-        s, along = torch.cat(scales, dim), True
-    elif not any(_scaled_along(t, dim) for t in fp8) and _all_equal([s.contiguous() for s in scales]):
-        s, along = scales[0], False
+    # Off the cat dim, scales must share a pattern: expand where they differ.
+    shape = [max(t.scale.shape[d] for t in fp8) if d != dim else None for d in range(first.dim())]
+    scales = []
+    for t in fp8:
+        target = [shape[d] if d != dim else t.scale.shape[d] for d in range(first.dim())]
+        target = [t.shape[d] if (d != dim and target[d] != 1) else target[d] for d in range(first.dim())]
+        scales.append(t.scale.expand(target))
+    if all(_scaled_along(t, dim) for t in fp8) or all(t.shape[dim] == 1 for t in fp8):
+        s = torch.cat(scales, dim)
+    elif all(s.shape[dim] == 1 for s in scales) and _all_equal([s.contiguous() for s in scales]):
+        s = scales[0]
     else:
         s = torch.cat(
-            [sc.expand([t.shape[d] if d == dim else sc.shape[d] for d in range(nd)]) for sc, t in zip(scales, fp8)],
+            [sc.expand([t.shape[d] if d == dim else sc.shape[d] for d in range(t.dim())]) for sc, t in zip(scales, fp8)],
             dim,
         )
-        along = True
-    dims = tuple(along if d == dim else off[d] for d in range(nd))
-    return make_scaled(q, s.contiguous(), first.orig_dtype, all(t.fast_accum for t in fp8), dims)
+    return ScaledFp8Tensor(q, s.contiguous(), first.orig_dtype, all(t.fast_accum for t in fp8))
 
 
 # --------------------------------------------------------------------------------------------- metadata-only

@@ -32,17 +32,9 @@ E5M2 = torch.float8_e5m2
 #: The fp8 formats supported for storage and GEMMs (OCP e4m3fn and e5m2).
 FLOAT8_DTYPES = (E4M3, E5M2)
 
-#: Smallest scale: float32's smallest normal number (2^-126). ``scale = max(amax / fp8_max, SCALE_FLOOR)``.
-#: An all-zero (or empty) row gets this scale, so it is finite and positive and the row dequantizes to exact
-#: zeros; any row with ``amax >= fp8_max * 2^-126`` (about 5.3e-36 for e4m3, 6.7e-34 for e5m2) gets exactly
-#: ``amax / fp8_max`` and keeps fp8's relative precision. Rows below that limit keep the floor: their values are
-#: quantized on a fixed absolute grid (scale * fp8 grid), so they lose relative precision gradually and the
-#: smallest ones flush to zero. A smaller, subnormal float32 scale would itself carry fewer significant bits and
-#: ``x / scale`` could overflow, hence the limit. (The floor used to be an *amax* of 1e-12, which clamped every
-#: row below ~1e-12 and flushed rows below ~1e-18 to zero.) Traced code reads it as
-#: ``torch.finfo(torch.float32).tiny``, a constant for torch.compile; a module-level Python float becomes a
-#: symbolic input under ``dynamic=True`` and trips a dynamo bug (docs/pytorch_issues.md).
-SCALE_FLOOR = torch.finfo(torch.float32).tiny
+# Smallest amax used to build a scale. An all-zero row gets this amax, so its scale is finite and positive
+# and the row dequantizes to exact zeros. 1e-12 / 448 is ~2e-15, far above fp32's smallest normal.
+_AMAX_FLOOR = 1e-12
 
 
 def check_float8_dtype(float8_dtype: torch.dtype, op: str) -> None:
@@ -56,24 +48,16 @@ def check_float8_dtype(float8_dtype: torch.dtype, op: str) -> None:
 def amax_to_scale(amax: torch.Tensor, float8_dtype: torch.dtype) -> torch.Tensor:
     """Turn an amax tensor (any shape, any float dtype) into a float32 dequantization scale.
 
-    ``scale = max(amax / finfo(float8_dtype).max, 2^-126)`` computed in float32 (see :data:`SCALE_FLOOR` for the
-    floor and its limit). NaN/inf amax propagate into the scale (the row stays non-finite). For every amax above
-    the floor the value is ``amax / fp8_max``, the same division as before the floor moved, so ordinary rows
-    quantize bit-identically.
+    ``scale = max(amax, 1e-12) / finfo(float8_dtype).max``, computed in float32 so that tiny fp16/bf16
+    inputs never overflow a reciprocal. NaN/inf amax propagate into the scale (the row stays non-finite).
     """
     amax = amax.to(torch.float32)
     # clamp keeps NaN as NaN (torch.clamp propagates NaN), so a NaN row stays visibly NaN.
-    return torch.clamp(amax / torch.finfo(float8_dtype).max, min=torch.finfo(torch.float32).tiny)
+    return torch.clamp(amax, min=_AMAX_FLOOR) / torch.finfo(float8_dtype).max
 
 
 def rowwise_scale(x: torch.Tensor, dim: int, float8_dtype: torch.dtype) -> torch.Tensor:
-    """Float32 scale of ``x`` reduced over ``dim`` (kept with size 1): ``amax(|x|, dim) / fp8_max``.
-
-    An empty ``dim`` (a ``[7, 0]`` tensor) reduces to amax 0, as an all-zero row: the floor scale."""
-    if x.shape[dim] == 0:
-        shape = list(x.shape)
-        shape[dim] = 1
-        return amax_to_scale(x.new_zeros(shape, dtype=torch.float32), float8_dtype)
+    """Float32 scale of ``x`` reduced over ``dim`` (kept with size 1): ``amax(|x|, dim) / fp8_max``."""
     amax = torch.amax(torch.abs(x), dim=dim, keepdim=True)
     return amax_to_scale(amax, float8_dtype)
 

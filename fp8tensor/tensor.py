@@ -5,13 +5,13 @@ What each aten op does to the scale is in :mod:`fp8tensor.ops` (the op table); G
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 
 from .quantize import E4M3, FLOAT8_DTYPES, check_float8_dtype, quantize_rowwise
 
-__all__ = ["ScaledFp8Tensor", "dequantize", "validate_parts", "make_scaled", "rowwise_dims"]
+__all__ = ["ScaledFp8Tensor", "dequantize"]
 
 
 def _is_dtensor(t: Any) -> bool:
@@ -21,18 +21,6 @@ def _is_dtensor(t: Any) -> bool:
     except Exception:  # pragma: no cover - builds without distributed
         return False
     return isinstance(t, DTensor)
-
-
-def _is_local_tensor(t: Any) -> bool:
-    """Whether ``t`` is a ``torch.distributed._local_tensor.LocalTensor`` (one tensor per simulated rank)."""
-    cls = type(t)
-    if cls is torch.Tensor or cls.__name__ != "LocalTensor":
-        return False
-    try:
-        from torch.distributed._local_tensor import LocalTensor
-    except Exception:  # pragma: no cover - builds without distributed
-        return False
-    return isinstance(t, LocalTensor)
 
 
 def map_local(t: Any, fn):
@@ -47,8 +35,6 @@ def map_local(t: Any, fn):
         return DTensor.from_local(
             map_shard(t.to_local(), fn), t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
         )
-    if _is_local_tensor(t):
-        return map_shard(t, fn)
     return fn(t)
 
 
@@ -77,33 +63,20 @@ class ScaledFp8Tensor(torch.Tensor):
         orig_dtype: the high-precision dtype (``.dtype`` of this tensor; output dtype of its GEMMs).
         fast_accum: whether GEMMs with this operand may use fp8 fast accumulation (``use_fast_accum`` of
             ``torch._scaled_mm``). Default True (forward); fp8tensor's backward passes build operands with False.
-        scaled_dims: tuple of bools, one per dim: True where there is one scale per index of that dim (the scale
-            has the data's size there), False where one scale is shared along it (size 1). This is the *declared*
-            layout: on a dim of size 1 both read the same from the shapes, and collectives of shards with one
-            row (or none) must agree with the other ranks, so every op decides from ``scaled_dims``, never from
-            sizes. :meth:`from_hp` declares ``(True, ..., True, False)``. When not given it is read from the
-            shapes: a dim where the scale is not 1 is scaled; a dim of size 1 is scaled if another dim is
-            unambiguously shared (scale 1, data not 1), else shared.
 
     ``shape``, ``stride``, ``device`` and ``dtype`` are the logical ones. Ops not in the op table that are
     out-of-place run on the dequantized tensor and return a plain tensor; in-place, ``out=`` and collective
     ops not in the table raise ``NotImplementedError``.
 
-    The public constructor validates its arguments (:func:`validate_parts`), including the scale *values*
-    (one check over the scale, a device sync on CUDA; skipped while tracing). Results of ops are built without
-    these checks: a row holding NaN or inf legitimately gets a non-finite scale from :meth:`from_hp`.
-
     Raises:
         TypeError: ``qdata`` is not an fp8 tensor, ``scale`` is not float32, or ``orig_dtype`` is not floating point.
-        ValueError: ``scale`` does not have ``qdata``'s ndim, a scale dim is neither 1 nor ``qdata``'s size, a
-            scale is negative, zero, NaN or infinite, or ``scaled_dims`` does not match the shapes.
+        ValueError: ``scale`` does not have ``qdata``'s ndim, or a scale dim is neither 1 nor ``qdata``'s size.
     """
 
     qdata: torch.Tensor
     scale: torch.Tensor
     orig_dtype: torch.dtype
     fast_accum: bool
-    scaled_dims: tuple
 
     @staticmethod
     def __new__(
@@ -113,8 +86,6 @@ class ScaledFp8Tensor(torch.Tensor):
         orig_dtype: torch.dtype,
         fast_accum: bool = True,
         requires_grad: bool = False,
-        scaled_dims: Optional[Sequence[bool]] = None,
-        _trusted: bool = False,
     ):
         return torch.Tensor._make_wrapper_subclass(
             cls,
@@ -134,20 +105,22 @@ class ScaledFp8Tensor(torch.Tensor):
         orig_dtype: torch.dtype,
         fast_accum: bool = True,
         requires_grad: bool = False,
-        scaled_dims: Optional[Sequence[bool]] = None,
-        _trusted: bool = False,
     ):
-        if not _trusted:
-            scaled_dims = validate_parts(qdata, scale, orig_dtype, scaled_dims, "ScaledFp8Tensor")
-        elif scaled_dims is None:
-            scaled_dims = _shape_dims(qdata.shape, scale.shape)
-        else:
-            scaled_dims = tuple(scaled_dims)
+        if qdata.dtype not in FLOAT8_DTYPES:
+            raise TypeError(f"ScaledFp8Tensor: qdata must be float8_e4m3fn or float8_e5m2, got {qdata.dtype}")
+        if scale.dtype != torch.float32:
+            raise TypeError(f"ScaledFp8Tensor: scale must be float32, got {scale.dtype}")
+        if not orig_dtype.is_floating_point or orig_dtype in FLOAT8_DTYPES:
+            raise TypeError(f"ScaledFp8Tensor: orig_dtype must be a high-precision float dtype, got {orig_dtype}")
+        if scale.ndim != qdata.ndim or any(s != 1 and s != d for s, d in zip(scale.shape, qdata.shape)):
+            raise ValueError(
+                f"ScaledFp8Tensor: scale of shape {tuple(scale.shape)} does not broadcast per-dim to qdata of "
+                f"shape {tuple(qdata.shape)} (each scale dim must be 1 or the data's size)"
+            )
         self.qdata = qdata
         self.scale = scale
         self.orig_dtype = orig_dtype
         self.fast_accum = bool(fast_accum)
-        self.scaled_dims = scaled_dims
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -163,15 +136,12 @@ class ScaledFp8Tensor(torch.Tensor):
         Args:
             t: floating-point tensor with at least 2 dims (fp32, bf16, fp16, fp64), or a DTensor of one: then
                 each local shard is quantized on its own and a DTensor with the same mesh, placements, shape
-                and stride is returned whose local tensor is a ScaledFp8Tensor. A ``LocalTensor`` (PyTorch's
-                single-process simulation of ranks) gives a LocalTensor of per-rank ScaledFp8Tensors. Any dim
-                may be empty (a ``[7, 0]`` tensor gets seven finite scales; an empty row is an all-zero row).
+                and stride is returned whose local tensor is a ScaledFp8Tensor.
             float8_dtype: ``torch.float8_e4m3fn`` (default) or ``torch.float8_e5m2``.
             fast_accum: stored on the result; see the class docstring.
 
         Returns:
-            ScaledFp8Tensor with ``qdata`` of ``t``'s shape and ``scale`` of shape ``(*t.shape[:-1], 1)``,
-            ``scaled_dims == (True, ..., True, False)``.
+            ScaledFp8Tensor with ``qdata`` of ``t``'s shape and ``scale`` of shape ``(*t.shape[:-1], 1)``.
 
         Raises:
             TypeError: ``t`` is not a tensor, is not floating point, is already fp8, or ``float8_dtype`` is
@@ -184,9 +154,7 @@ class ScaledFp8Tensor(torch.Tensor):
             raise TypeError(f"{op}: expected a torch.Tensor, got {type(t).__name__}")
         if isinstance(t, ScaledFp8Tensor):
             raise TypeError(f"{op}: input is already a ScaledFp8Tensor; call .to_hp() first to re-quantize")
-        if _is_dtensor(t) or _is_local_tensor(t):
-            # DTensor: each local shard; LocalTensor (simulated ranks): each rank's tensor, so that the result is
-            # a LocalTensor *of* ScaledFp8Tensors, the nesting DTensor shards get.
+        if _is_dtensor(t):
             return map_local(t, lambda lt: cls.from_hp(lt, float8_dtype, fast_accum=fast_accum))
         if t.dtype in FLOAT8_DTYPES or not t.dtype.is_floating_point:
             raise TypeError(f"{op}: expected a high-precision floating-point tensor, got dtype {t.dtype}")
@@ -194,7 +162,7 @@ class ScaledFp8Tensor(torch.Tensor):
             raise ValueError(f"{op}: expected a tensor with at least 2 dims (rows × columns), got shape {tuple(t.shape)}")
         t = _plain(t).detach()
         qdata, scale = quantize_rowwise(t, dim=-1, float8_dtype=float8_dtype)
-        return make_scaled(qdata, scale, t.dtype, fast_accum, rowwise_dims(t.ndim, -1))
+        return cls(qdata, scale, t.dtype, fast_accum)
 
     def to_hp(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """Dequantize: ``(qdata.float() * scale).to(dtype or orig_dtype)``; a plain tensor of the logical shape."""
@@ -202,7 +170,7 @@ class ScaledFp8Tensor(torch.Tensor):
 
     def with_fast_accum(self, fast_accum: bool) -> "ScaledFp8Tensor":
         """Same data and scale (no copy), with the given fast-accumulation flag."""
-        return make_scaled(self.qdata, self.scale, self.orig_dtype, fast_accum, self.scaled_dims)
+        return ScaledFp8Tensor(self.qdata, self.scale, self.orig_dtype, fast_accum)
 
     @property
     def float8_dtype(self) -> torch.dtype:
@@ -211,12 +179,12 @@ class ScaledFp8Tensor(torch.Tensor):
 
     # ------------------------------------------------------------------ subclass protocol
     def __tensor_flatten__(self):
-        return ["qdata", "scale"], (self.orig_dtype, self.fast_accum, self.scaled_dims)
+        return ["qdata", "scale"], (self.orig_dtype, self.fast_accum)
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):
-        orig_dtype, fast_accum, scaled_dims = ctx
-        return make_scaled(inner_tensors["qdata"], inner_tensors["scale"], orig_dtype, fast_accum, scaled_dims)
+        orig_dtype, fast_accum = ctx
+        return ScaledFp8Tensor(inner_tensors["qdata"], inner_tensors["scale"], orig_dtype, fast_accum)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -260,7 +228,6 @@ class ScaledFp8Tensor(torch.Tensor):
                 self.requires_grad,
                 bool(getattr(self, "_is_param", False)),
                 self.qdata.dtype,
-                self.scaled_dims,
             ),
         )
 
@@ -274,112 +241,16 @@ class ScaledFp8Tensor(torch.Tensor):
             self.fast_accum,
             self.requires_grad,
             bool(getattr(self, "_is_param", False)),
-            None,
-            self.scaled_dims,
         )
         memo[id(self)] = out
         return out
 
 
-# ---------------------------------------------------------------------------------------------- layout and checks
-def rowwise_dims(ndim: int, dim: int) -> tuple:
-    """``scaled_dims`` of a quantization reduced over ``dim``: one scale per index of every other dim."""
-    dim = dim % ndim if ndim else 0
-    return tuple(d != dim for d in range(ndim))
-
-
-def _shape_dims(qshape, sshape) -> tuple:
-    """``scaled_dims`` read from the shapes (see the class docstring): scaled where the scale is not 1; a dim of
-    size 1 is scaled when another dim is unambiguously shared (the common row-wise layout reduced over one dim)."""
-    shared = any(s == 1 and d != 1 for s, d in zip(sshape, qshape))
-    return tuple(s != 1 or (d == 1 and shared) for s, d in zip(sshape, qshape))
-
-
-def _check_layout(qdata, scale, orig_dtype, scaled_dims, op: str) -> tuple:
-    """Types, dims and shapes of the parts (no values); returns the ``scaled_dims`` to use."""
-    if not isinstance(qdata, torch.Tensor) or qdata.dtype not in FLOAT8_DTYPES:
-        raise TypeError(f"{op}: qdata must be float8_e4m3fn or float8_e5m2, got {getattr(qdata, 'dtype', type(qdata))}")
-    if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32:
-        raise TypeError(f"{op}: scale must be float32, got {getattr(scale, 'dtype', type(scale))}")
-    if not isinstance(orig_dtype, torch.dtype) or not orig_dtype.is_floating_point or orig_dtype in FLOAT8_DTYPES:
-        raise TypeError(f"{op}: orig_dtype must be a high-precision float dtype, got {orig_dtype}")
-    if scale.ndim != qdata.ndim or any(s != 1 and s != d for s, d in zip(scale.shape, qdata.shape)):
-        raise ValueError(
-            f"{op}: scale of shape {tuple(scale.shape)} does not broadcast per-dim to qdata of "
-            f"shape {tuple(qdata.shape)} (each scale dim must be 1 or the data's size)"
-        )
-    if scaled_dims is None:
-        return _shape_dims(qdata.shape, scale.shape)
-    dims = tuple(bool(b) for b in scaled_dims)
-    if len(dims) != qdata.ndim or any(
-        (s != d) if b else (s != 1) for b, s, d in zip(dims, scale.shape, qdata.shape)
-    ):
-        raise ValueError(
-            f"{op}: scaled_dims {dims} does not match scale {tuple(scale.shape)} and qdata {tuple(qdata.shape)} "
-            "(a scaled dim needs the data's size in the scale, a shared dim size 1)"
-        )
-    return dims
-
-
-def _values_checkable(scale: torch.Tensor) -> bool:
-    """Whether the scale's values can be read here (not while tracing, not fake / meta / a subclass)."""
-    return (
-        type(scale) is torch.Tensor
-        and not scale.is_meta
-        and not torch.compiler.is_compiling()
-        and torch._C._len_torch_dispatch_stack() == 0
-    )
-
-
-def validate_parts(qdata, scale, orig_dtype, scaled_dims=None, op: str = "ScaledFp8Tensor") -> tuple:
-    """All checks of the public :class:`ScaledFp8Tensor` constructor; returns the ``scaled_dims`` to use.
-
-    Types, dims and shapes (see the class docstring), and the scale values: every scale must be finite and
-    positive (a scale is a dequantization multiplier: zero loses the data, a negative one flips its sign, NaN/inf
-    make it non-finite). The value check reads the scale (one reduction; a sync on CUDA) and is skipped while
-    tracing. Op results never go through this function (see :func:`make_scaled`).
-
-    Raises:
-        TypeError / ValueError: naming ``op``, what was expected and what was given (first bad scale and its index).
-    """
-    dims = _check_layout(qdata, scale, orig_dtype, scaled_dims, op)
-    if scale.numel() and _values_checkable(scale):
-        bad = ~(torch.isfinite(scale) & (scale > 0))
-        if bool(bad.any()):
-            idx = tuple(int(i) for i in bad.nonzero()[0])
-            raise ValueError(
-                f"{op}: scale must be finite and positive (it multiplies the fp8 data), got {float(scale[idx])} at "
-                f"index {idx} ({int(bad.sum())} bad of {scale.numel()})"
-            )
-    return dims
-
-
-def make_scaled(
-    qdata: torch.Tensor,
-    scale: torch.Tensor,
-    orig_dtype: torch.dtype,
-    fast_accum: bool = True,
-    scaled_dims: Optional[Sequence[bool]] = None,
-    requires_grad: bool = False,
-) -> "ScaledFp8Tensor":
-    """Build a ScaledFp8Tensor from trusted parts (op results, collectives, flatten/unflatten): no checks.
-
-    ``scaled_dims`` None reads it from the shapes. Views of a tensor created outside ``torch.inference_mode`` are
-    built outside it too (an inference tensor cannot become the autograd view of a normal tensor)."""
-    # Through the class (torch.compile traces subclass construction only as a call of the class itself).
-    return ScaledFp8Tensor(qdata, scale, orig_dtype, fast_accum, requires_grad, scaled_dims, _trusted=True)
-
-
-def _rebuild_scaled_fp8(
-    qdata, scale, orig_dtype, fast_accum, requires_grad, is_param=False, float8_dtype=None, scaled_dims=None
-):
-    """Unpickling hook of :class:`ScaledFp8Tensor` (registered as a safe global for ``weights_only`` loads).
-
-    Layout checks only (a checkpoint may hold rows with non-finite scales, which only NaN/inf inputs produce)."""
+def _rebuild_scaled_fp8(qdata, scale, orig_dtype, fast_accum, requires_grad, is_param=False, float8_dtype=None):
+    """Unpickling hook of :class:`ScaledFp8Tensor` (registered as a safe global for ``weights_only`` loads)."""
     if float8_dtype is not None and qdata.dtype != float8_dtype:
         qdata = qdata.view(float8_dtype)
-    dims = _check_layout(qdata, scale, orig_dtype, scaled_dims, "ScaledFp8Tensor (unpickling)")
-    t = make_scaled(qdata, scale, orig_dtype, fast_accum, dims, requires_grad=requires_grad)
+    t = ScaledFp8Tensor(qdata, scale, orig_dtype, fast_accum, requires_grad=requires_grad)
     if is_param:
         t._is_param = True  # what nn.Parameter(subclass) sets
     return t

@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_map_only
 
 from .gemm import fp8_mm, quantize_operand
 from .quantize import E4M3, quantize_rowwise
-from .tensor import ScaledFp8Tensor, _is_dtensor, make_scaled, map_local, rowwise_dims
+from .tensor import ScaledFp8Tensor, _is_dtensor, map_local
 
 __all__ = ["Recipe", "RECIPES", "get_recipe", "Fp8MasterWeight", "fp8_linear"]
 
@@ -88,7 +88,7 @@ def _quantize_local(t: torch.Tensor, dim: int, fast_accum: bool, float8_dtype=E4
         q, s = quantize_operand(t, dim, float8_dtype)  # fused kernel + GEMM layout where it applies
     else:
         q, s = quantize_rowwise(t, dim=dim, float8_dtype=float8_dtype)
-    return make_scaled(q, s, t.dtype, fast_accum, rowwise_dims(t.dim(), dim))
+    return ScaledFp8Tensor(q, s, t.dtype, fast_accum)
 
 
 def _quantize(t: torch.Tensor, dim: int, fast_accum: bool, float8_dtype=E4M3) -> torch.Tensor:

@@ -109,13 +109,13 @@ def test_row_kernel_bit_identical_to_eager_ops(dtype, shape, float8_dtype):
     """The fused last-dim kernel (used by eager quantize_rowwise / from_hp / FSDP2 pre-all-gather on CUDA) gives
     the same fp8 bits and scales as the eager ops, including all-zero rows and saturating values."""
     from fp8tensor.kernels import quantize_last_dim, row_kernel_available
-    from fp8tensor.quantize import _AMAX_FLOOR
+    from fp8tensor.quantize import SCALE_FLOOR
     from fp8tensor.quantize import cast_to_fp8, quantize_rowwise, rowwise_scale
 
     x = (torch.randn(*shape, device=DEV) * torch.rand(*shape[:-1], 1, device=DEV) * 100).to(dtype)
     x.view(-1, shape[-1])[0] = 0  # an all-zero row
     assert row_kernel_available(x)
-    q, s = quantize_last_dim(x, float8_dtype, _AMAX_FLOOR)
+    q, s = quantize_last_dim(x, float8_dtype, SCALE_FLOOR)
     sr = rowwise_scale(x, -1, float8_dtype)
     qr = cast_to_fp8(x, sr, float8_dtype)
     assert q.shape == x.shape and s.shape == (*shape[:-1], 1) and q.dtype == float8_dtype

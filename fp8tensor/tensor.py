@@ -203,6 +203,10 @@ class ScaledFp8Tensor(torch.Tensor):
     ``shape``, ``stride``, ``device`` and ``dtype`` are the logical ones. Ops not in the op table that are
     out-of-place run on the dequantized tensor and return a plain tensor; in-place, ``out=`` and collective
     ops not in the table raise ``NotImplementedError``.
+    ``.to(float dtype)`` changes the logical dtype (data stays fp8); ``.to(torch.float8_e4m3fn / float8_e5m2)``
+    raises ``TypeError``: a plain fp8 tensor cannot hold the scale, and dropping it would silently change values
+    (use ``.qdata`` and ``.scale``, or ``.to_hp()``). Views work under ``torch.inference_mode()`` on tensors
+    created outside it.
 
     The public constructor checks its arguments with :func:`validate_parts`, including the scale *values* (one
     reduction over the scale: a device sync on CUDA; skipped while tracing). Results of ops are built without these

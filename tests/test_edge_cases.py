@@ -345,3 +345,24 @@ def test_op_results_and_checkpoints_with_non_finite_rows_still_work():
     buf.seek(0)
     u = torch.load(buf, weights_only=True)
     assert same_bits(u.scale, t.scale) and torch.equal(u.qdata.view(torch.uint8), t.qdata.view(torch.uint8))
+
+
+# ============================================================================================ compiled
+def test_compiled_zero_tokens_inference_views_empty_rows_and_to_fp8():
+    """The eager cases above under ``torch.compile``: zero tokens (forward, backward: zero weight gradient), a slice
+    in inference mode, ``from_hp`` of a ``[7, 0]`` tensor; ``.to(float8)`` still raises, naming the reason."""
+    torch._dynamo.reset()
+    m = convert_to_fp8(nn.Linear(32, 16))
+    x = torch.randn(0, 32, requires_grad=True)
+    y = torch.compile(m, backend="aot_eager")(x)
+    y.sum().backward()
+    assert y.shape == (0, 16) and x.grad.shape == (0, 32) and not bool(m.weight.grad.any())
+    w8 = ScaledFp8Tensor.from_hp(torch.randn(4, 8))
+    a = torch.randn(2, 8)
+    with torch.inference_mode():
+        got = torch.compile(lambda w, a: a @ w[1:3].t(), backend="aot_eager")(w8, a)
+    assert same_bits(got, a @ w8[1:3].t())
+    e = torch.compile(lambda t: ScaledFp8Tensor.from_hp(t).to_hp(), backend="aot_eager")(torch.randn(7, 0))
+    assert e.shape == (7, 0)
+    with pytest.raises(Exception, match=r"cannot hold the scale"):
+        torch.compile(lambda w: w.to(torch.float8_e4m3fn), backend="aot_eager")(w8)

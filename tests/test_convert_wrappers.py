@@ -180,7 +180,7 @@ def test_unreachable_captured_forward_raises_before_any_change():
     wrapper = lambda x: held.f(x)  # noqa: E731
     model[1].forward = wrapper
     w0, w1 = model[0].weight, model[1].weight
-    with pytest.raises(RuntimeError, match=r"convert_to_fp8: .*'1'.*convert before parallelizing"):
+    with pytest.raises(RuntimeError, match=r"convert_to_fp8: .*'1'.*Convert before parallelizing"):
         convert_to_fp8(model)
     assert type(model[0]) is nn.Linear and type(model[1]) is nn.Linear
     assert model[0].weight is w0 and model[1].weight is w1 and type(w0) is nn.Parameter

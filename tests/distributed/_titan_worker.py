@@ -112,6 +112,11 @@ def _build(order: str, tp: int, backend: str, world: int):
         )
         if order == "after_both":
             convert()
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):  # gloo has no PREMUL_SUM: sum, then divide (same result on NCCL's path)
+            m.set_force_sum_reduction_for_comms(True)
     model.to_empty(device="cpu")
     with torch.no_grad():
         model.init_weights(buffer_device=None)

@@ -1,5 +1,5 @@
 """fp8tensor inside torchtitan 0.3.0 (issue 17): the real package's Llama3 debug model (6 blocks, dim 256, vocab 2048),
-its TP sharding with sequence parallelism and its FSDP2 (bf16 mixed precision), on 2 gloo processes (TP degree 2),
+its TP sharding with sequence parallelism and its FSDP2 (bf16 mixed precision), on 4 gloo processes (FSDP 2 x TP 2),
 for the DTensor SPMD backends ``partial_dtensor`` and ``full_dtensor``, trained 3 AdamW steps from the same
 weights on the same tokens in every conversion order (see ``_titan_worker.py``):
 ``converter`` (fp8tensor.torchtitan's model converter, before the model is built), ``after_tp`` (convert_to_fp8
@@ -10,9 +10,10 @@ Checked per order, on every rank:
 
 * the 30 block Linears are converted (``lm_head`` is filtered out), with no fp8tensor warning;
 * exactly 3 fp8 GEMMs (``torch._scaled_mm``) per converted Linear per step: 90;
-* the loss tracks high precision: relative difference <= 1e-2 at every step (measured ~1e-4: the fp8 rounding of
-  each GEMM, 2^-4 relative per element, averages out over the 2048-way softmax and 256-dim contractions);
-* all conversion orders give the same losses (same fp8 numerics; only float32 summation order may differ).
+* the loss tracks high precision: relative difference <= 5e-3 at every step (measured <= 1e-4: the fp8 rounding of
+  each GEMM, 2^-4 relative per element, averages out over 256- to 768-long contractions and the 2048-way softmax;
+  a Linear left in bf16 would show as 0 fp8 GEMMs, a wrong scale as an O(1) loss difference);
+* all conversion orders give the same losses (identical weights and fp8 numerics; measured bit-identical).
 
 torchtitan is a test dependency installed by ``.ci/run`` (``--no-deps`` plus the few packages the llama3 path
 imports, see docs/torchtitan.md); with ``FP8TENSOR_REQUIRE_TORCHTITAN=1`` (set by .ci/run) a missing torchtitan
@@ -38,9 +39,11 @@ ORDERS = ("hp", "converter", "after_tp", "after_both", "after_init")
 FP8_ORDERS = ORDERS[1:]
 STEPS = 3
 N_CONVERTED = 6 * 5  # wqkv, wo, w1, w2, w3 per block
-LOSS_VS_HP = 1e-2
-#: losses of the fp8 orders among themselves: identical weights and fp8 numerics; float32 summation order only
-SAME_NUMERICS = 1e-3
+WORLD, TP = 4, 2
+LOSS_VS_HP = 5e-3
+#: losses of the fp8 orders among themselves: identical weights, placements and fp8 numerics (measured identical);
+#: margin for a float32 summation-order difference flipping a single fp8 rounding
+SAME_NUMERICS = 1e-4
 
 
 @pytest.fixture(scope="module", params=["partial_dtensor", "full_dtensor"])
@@ -49,7 +52,7 @@ def results(request, tmp_path_factory):
     from _spawn import spawn
 
     out = tmp_path_factory.mktemp(f"titan_{request.param}")
-    return spawn("_titan_worker", "train", 2, out, extra=(ORDERS, 2, request.param, STEPS), timeout=900)
+    return spawn("_titan_worker", "train", WORLD, out, extra=(ORDERS, TP, request.param, STEPS), timeout=900)
 
 
 @pytest.mark.parametrize("order", FP8_ORDERS)

@@ -27,7 +27,7 @@ from dataclasses import field, fields
 from typing import Any
 
 from .convert import Fp8LinearMixin, convert_to_fp8
-from .training import RECIPES, get_recipe
+from .recipes import get_recipe
 
 __all__ = [
     "Fp8TensorLinear",
@@ -180,5 +180,3 @@ else:
             _missing(name)
         raise AttributeError(f"module 'fp8tensor.torchtitan' has no attribute {name!r}")
 
-
-RECIPE_NAMES = sorted(RECIPES)

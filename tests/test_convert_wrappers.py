@@ -200,3 +200,20 @@ def test_plain_master_weight_swap_runs_three_fp8_gemms():
     with count_scaled_mm() as n:
         lin(x).sum().backward()
     assert n[0] == 3
+
+
+def test_torchtitan_module_imports_without_torchtitan():
+    """fp8tensor.torchtitan imports without torchtitan; using its classes raises an ImportError saying what to
+    install (a fresh interpreter with ``torchtitan`` made unimportable)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['torchtitan'] = None\n"
+        "import fp8tensor.torchtitan as t\n"
+        "try:\n    t.Fp8TensorConverter\nexcept ImportError as e:\n    print('IMPORTERROR', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "IMPORTERROR fp8tensor.torchtitan.Fp8TensorConverter needs torchtitan 0.3.0" in out.stdout
+    assert "pip install torchtitan==0.3.0" in out.stdout

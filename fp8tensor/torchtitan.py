@@ -154,7 +154,7 @@ if _IMPORT_ERROR is None:
     @override(
         target=Linear.Config,
         exact=True,
-        fqns=["layers.*"],
+        fqns=["*layers.*"],  # "layers.0.…" from the model config, "model_spec.model.layers.0.…" from the trainer's
         description="fp8tensor: row-wise fp8 training of the transformer blocks' Linears (lm_head stays)",
     )
     def fp8tensor_linear_layers(cfg, *, recipe: str = "rowwise"):

@@ -82,3 +82,59 @@ def test_conversion_orders_agree(results):
     for order in FP8_ORDERS:
         for a, b in zip(results[0][order]["losses"], ref):
             assert abs(a - b) / b <= SAME_NUMERICS, (order, results[0][order]["losses"], ref)
+
+
+@pytest.mark.parametrize("root", ["model_config", "model_spec"])
+@pytest.mark.parametrize("target", ["fp8tensor_linear", "fp8tensor_linear_layers"])
+def test_cli_override_converts_linears(root, target):
+    """``--override.imports 'fp8tensor.torchtitan.<target>={"recipe": ...}'`` through torchtitan's own override
+    parser and applier, on the model config and on its ModelSpec (the trainer reaches the model through it):
+    ``fp8tensor_linear`` converts all 31 Linears, ``fp8tensor_linear_layers`` the 30 block Linears, not lm_head;
+    the option reaches every converted module; the model builds and passes torchtitan's module protocol check."""
+    import torch
+    from torchtitan.config.override import OverrideConfig, apply_overrides, parse_cli_imports
+    from torchtitan.models.llama3 import model_registry
+
+    from fp8tensor import Fp8MasterWeight
+    from fp8tensor.torchtitan import Fp8TensorLinear
+
+    spec = model_registry("debugmodel")
+    imports = parse_cli_imports([f'fp8tensor.torchtitan.{target}={{"recipe": "rowwise_gw_hp"}}'])
+    apply_overrides(OverrideConfig(imports=imports), spec if root == "model_spec" else spec.model)
+    with torch.device("meta"):
+        model = spec.model.build()
+    model.verify_module_protocol()
+    conv = {fqn: m for fqn, m in model.named_modules() if isinstance(m, Fp8TensorLinear)}
+    assert len(conv) == (N_CONVERTED + 1 if target == "fp8tensor_linear" else N_CONVERTED)
+    assert ("lm_head" in conv) == (target == "fp8tensor_linear")
+    assert all(m.fp8_recipe.name == "rowwise_gw_hp" and isinstance(m.weight, Fp8MasterWeight) for m in conv.values())
+
+
+def test_converter_options():
+    """Fp8TensorConverter: ``filter_fqns`` keeps matching Linears, an unknown recipe raises ValueError naming the
+    known ones when the converter is built (as torchtitan's model_registry builds it)."""
+    from torchtitan.models.common.linear import Linear
+    from torchtitan.models.llama3 import model_registry
+
+    from fp8tensor.torchtitan import Fp8TensorConverter, Fp8TensorLinear
+
+    spec = model_registry("debugmodel", converters=[Fp8TensorConverter.Config(filter_fqns=["wo", "lm_head"])])
+    kinds = {fqn: type(c) for fqn, c, _, _ in spec.model.traverse(Linear.Config)}
+    assert sum(k is Fp8TensorLinear.Config for k in kinds.values()) == 6 * 4
+    assert all(k is not Fp8TensorLinear.Config for f, k in kinds.items() if f.endswith("wo") or f == "lm_head")
+    with pytest.raises(ValueError, match="unknown recipe 'tensorwise'"):
+        model_registry("debugmodel", converters=[Fp8TensorConverter.Config(recipe="tensorwise")])
+
+
+def test_llama3_debugmodel_fp8tensor_config():
+    """``--module fp8tensor.torchtitan --config llama3_debugmodel_fp8tensor``: torchtitan's debug trainer config with
+    the converter (needs torchtitan's full dependencies: its trainer imports the dataset and tensorboard stack,
+    which CI does not install)."""
+    pytest.importorskip("torchtitan.trainer", reason="torchtitan's trainer dependencies are not installed")
+    from torchtitan.models.common.linear import Linear
+
+    from fp8tensor.torchtitan import Fp8TensorLinear, llama3_debugmodel_fp8tensor
+
+    cfg = llama3_debugmodel_fp8tensor().model_spec.model
+    kinds = [type(c) for _, c, _, _ in cfg.traverse(Linear.Config)]
+    assert kinds.count(Fp8TensorLinear.Config) == N_CONVERTED

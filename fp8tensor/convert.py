@@ -324,14 +324,20 @@ def convert_to_fp8(
     Each selected Linear's weight is wrapped in :class:`~fp8tensor.master.Fp8MasterWeight` (quantized on use;
     the optimizer still updates the high-precision values) and its ``forward`` becomes
     :func:`~fp8tensor.fp8_linear` with ``recipe`` (the module's class becomes a subclass of its class and of
-    :class:`Fp8LinearMixin`: ``nn.Linear`` -> :class:`Fp8Linear`). Callable before or after ``parallelize_module`` and
-    ``fully_shard``. ``state_dict()`` of the converted module holds plain high-precision tensors.
+    :class:`Fp8LinearMixin`: ``nn.Linear`` -> :class:`Fp8Linear`). Callable before or after ``parallelize_module``,
+    torchtitan's TP and ``fully_shard``. ``state_dict()`` of the converted module holds plain high-precision tensors.
+
+    A ``forward`` that a framework set on the instance and that calls the Linear's own bound forward it captured
+    (torchtitan's ``Module.parallelize``: ``lin.forward = wrapper`` around the bound ``nn.Linear.forward``) is kept
+    and pointed at the fp8 forward, so the Linear still runs all of the recipe's fp8 GEMMs (see :class:`_Redirect`).
 
     Layers with ``in_features`` or ``out_features`` not a multiple of 16 (fp8 GEMMs need it; padding every call
     would cost more than it saves), and Linears with a ``forward`` of their own (a subclass overriding it, or one
-    set on the instance, e.g. a LoRA-style Linear: conversion would silently replace it) are left in high
-    precision, and a warning lists them; they are also listed in ``module.fp8_skipped``. So are Linears whose
-    weight is parametrized (e.g. weight norm). Converting a converted model again switches its recipe.
+    set on the instance that never calls the Linear's forward, e.g. a LoRA-style Linear: conversion would silently
+    replace it) are left in high precision, and a warning lists them; they are also listed in
+    ``module.fp8_skipped``. So are Linears whose weight is parametrized (e.g. weight norm). Converting a converted
+    model again switches its recipe; a Linear whose weight is already an :class:`Fp8MasterWeight` (swapped in by
+    hand) gets the fp8 forward.
 
     Args:
         module: the model.
@@ -344,7 +350,9 @@ def convert_to_fp8(
     Raises:
         TypeError: ``module`` is not an ``nn.Module``, or the filter is not callable.
         ValueError: unknown recipe.
-        RuntimeError: ``module_filter_fn`` raised (the model is left unchanged).
+        RuntimeError: ``module_filter_fn`` raised, a Linear is currently unsharded by FSDP2, or a forward set on a
+            Linear instance holds the Linear's bound forward where it cannot be redirected (e.g. in a named tuple;
+            convert before parallelizing). The model is left unchanged.
     """
     op = "convert_to_fp8"
     r = get_recipe(recipe)
@@ -390,8 +398,9 @@ def quantize_weights(
     For inference and frozen (e.g. LoRA base) weights: ``weight = ScaledFp8Tensor.from_hp(weight)`` with
     ``requires_grad=False``; the Linear's ``forward`` becomes :func:`~fp8tensor.fp8_linear`, so gradients still
     flow to the input, in fp8, through scale folding (the fp8 weight is never re-quantized). Works before or
-    after ``parallelize_module`` (each shard is quantized on its own). Linears with a ``forward`` of their own are
-    left unchanged, with a warning (as in :func:`convert_to_fp8`).
+    after ``parallelize_module`` or torchtitan's TP (each shard is quantized on its own; a framework's wrapper of the
+    forward is redirected as in :func:`convert_to_fp8`). Linears with a ``forward`` of their own are left
+    unchanged, with a warning (as in :func:`convert_to_fp8`).
 
     Args:
         module: the model.
@@ -403,7 +412,8 @@ def quantize_weights(
 
     Raises:
         TypeError: not an ``nn.Module``, filter not callable, or unsupported ``float8_dtype``.
-        RuntimeError: ``module_filter_fn`` raised (the model is left unchanged).
+        RuntimeError: ``module_filter_fn`` raised, or a forward wrapper cannot be redirected (as in
+            :func:`convert_to_fp8`); the model is left unchanged.
     """
     op = "quantize_weights"
     check_float8_dtype(float8_dtype, op)

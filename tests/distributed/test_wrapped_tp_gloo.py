@@ -12,7 +12,8 @@ Checked per rank:
 * A direct weight swap (``weight._local_tensor = Fp8MasterWeight(...)``, no module conversion) under the wrapper:
   ``F.linear`` on a DTensor never reaches the master's ``__torch_function__`` (DTensor disables it), so autograd
   records plain ``mm`` nodes: forward and grad_input run in fp8 on the master, grad_weight in high precision. It
-  warns saying so, and runs exactly 2 fp8 GEMMs per forward+backward.
+  warns saying so, and runs exactly 2 fp8 GEMMs per forward+backward. ``convert_to_fp8`` on that model keeps the
+  masters and gives the modules the fp8 forward: 3 fp8 GEMMs per Linear, no warning, same result as converting.
 
 Data and weights are fresh per run (``FP8TENSOR_TEST_SEED`` replays).
 """
@@ -116,6 +117,13 @@ def gloo_entry(rank: int, world: int, seed: int) -> dict:
         warnings.simplefilter("always")
         res["swap"] = _run(swap, x)
     res["swap_warnings"] = [str(m.message) for m in w]
+    for i in (0, 2):
+        swap[i].weight.grad = None
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        fp8tensor.convert_to_fp8(swap)  # the masters stay; the modules (and their wrappers) get the fp8 forward
+        res["swap_converted"] = _run(swap, x)
+    res["swap_converted_warnings"] = [str(m.message) for m in w]
     res["x"] = x
     return res
 
@@ -169,3 +177,12 @@ def test_direct_swap_under_a_wrapper_warns_and_runs_two_fp8_gemms(results):
     for r in results:
         assert r["swap"][3] == 4  # forward + grad_input of each of the 2 Linears; grad_weight in high precision
         assert any("grad_weight" in m and "high precision" in m for m in r["swap_warnings"]), r["swap_warnings"]
+
+
+def test_convert_after_a_direct_swap_runs_three_fp8_gemms(results):
+    from conftest import same_bits
+
+    for r in results:
+        assert r["swap_converted"][3] == 6 and r["swap_converted_warnings"] == []
+        (ya, gxa, gwa, _), (ys, gxs, gws, _) = r["after"], r["swap_converted"]
+        assert same_bits(ys, ya) and same_bits(gxs, gxa) and all(same_bits(a, b) for a, b in zip(gws, gwa))

@@ -82,6 +82,9 @@ if _IMPORT_ERROR is None:
         DTensor of one after torchtitan's TP / FSDP2); ``forward(input)``: ``(*, in_features)`` ->
         ``(*, out_features)`` through :func:`fp8tensor.fp8_linear` with ``config.recipe``. ``state_dict()``
         holds the plain high-precision weight (DCP checkpoints load into a non-converted model).
+
+        Raises:
+            ValueError: ``in_features`` or ``out_features`` not a multiple of 16; unknown ``recipe``.
         """
 
         _fp8_base = Linear
@@ -92,6 +95,11 @@ if _IMPORT_ERROR is None:
             """fp8tensor recipe: ``"rowwise"`` (3 fp8 GEMMs) or ``"rowwise_gw_hp"`` (grad_weight high precision)."""
 
         def __init__(self, config: Config):
+            if config.in_features % 16 or config.out_features % 16:
+                raise ValueError(
+                    f"Fp8TensorLinear: in_features and out_features must be multiples of 16 (fp8 GEMMs), got "
+                    f"{config.in_features} -> {config.out_features}; keep this Linear a Linear.Config"
+                )
             Linear.__init__(self, config)
             convert_to_fp8(self, recipe=config.recipe)
 

@@ -124,6 +124,8 @@ def test_converter_options():
     assert all(k is not Fp8TensorLinear.Config for f, k in kinds.items() if f.endswith("wo") or f == "lm_head")
     with pytest.raises(ValueError, match="unknown recipe 'tensorwise'"):
         model_registry("debugmodel", converters=[Fp8TensorConverter.Config(recipe="tensorwise")])
+    with pytest.raises(ValueError, match=r"multiples of 16.*24 -> 32"):
+        Fp8TensorLinear.Config(in_features=24, out_features=32).build()
 
 
 def test_llama3_debugmodel_fp8tensor_config():

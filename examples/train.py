@@ -27,7 +27,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import hashlib
 import os
+import platform
 import sys
 import time
 import warnings
@@ -418,6 +420,8 @@ def save_outputs(out_dir: Path, args, results: dict, gap_pct: float | None) -> N
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     payload = {
+        "argv": sys.argv[1:],
+        "versions": {"python": platform.python_version(), "torch": torch.__version__},
         "config": dict(vars(args)),
         "world_size": dist.get_world_size(),
         "runs": results,
@@ -483,8 +487,11 @@ def main(argv: list[str] | None = None) -> dict:
     corpus = load_corpus(args.data, max_bytes=args.max_bytes)
     train_data, val_data = split_corpus(corpus)
     dp, tp = mesh["dp"].size(), mesh["tp"].size()
+    # The default corpus is this Python's standard library: its fingerprint tells whether two runs saw the same bytes.
+    digest = hashlib.sha256(corpus.numpy().tobytes()).hexdigest()[:12]
+    log(f"Python {platform.python_version()}, torch {torch.__version__}")
     log(f"world {dist.get_world_size()} = dp {dp} x tp {tp} on {device.type} | corpus "
-        f"{len(corpus):,} bytes ({len(train_data):,} train / {len(val_data):,} val) | "
+        f"{len(corpus):,} bytes, sha256 {digest} ({len(train_data):,} train / {len(val_data):,} val) | "
         f"dim {args.dim} layers {args.layers} heads {args.heads}/{args.kv_heads} "
         f"seq {args.seq_len} batch {args.batch_size}x{dp} steps {args.steps}")
 

@@ -401,23 +401,15 @@ def train_one(name: str, args, train_data, val_data, device, mesh) -> dict:
     return result
 
 
-def smooth(xs: list[float], window: int) -> list[float]:
-    """Trailing moving average over ``window`` steps (shorter at the start), for plotting."""
-    out, acc = [], 0.0
-    for i, x in enumerate(xs):
-        acc += x - (xs[i - window] if i >= window else 0.0)
-        out.append(acc / min(i + 1, window))
-    return out
-
-
 def save_outputs(out_dir: Path, args, results: dict, gap_pct: float | None) -> None:
-    """Write ``losses.json`` and ``loss_curve.png`` into ``out_dir``.
+    """Write ``losses.json`` and ``loss_curve.png`` (drawn by ``examples/plot_losses.py``) into ``out_dir``.
 
-    The plot shows the per-step training loss (averaged over data-parallel
-    ranks) of each run with its final validation loss and, when both runs
-    exist, a lower panel with the relative difference fp8 vs bf16 of the
-    smoothed training losses.
+    The plot shows each run's per-step training loss (averaged over data-parallel ranks), its moving average and
+    final validation loss and, when both runs exist, a lower panel with the relative difference fp8 vs bf16 of
+    the smoothed training losses.
     """
+    from plot_losses import plot
+
     out_dir.mkdir(parents=True, exist_ok=True)
     payload = {
         "argv": sys.argv[1:],
@@ -428,45 +420,7 @@ def save_outputs(out_dir: Path, args, results: dict, gap_pct: float | None) -> N
         "val_gap_pct": gap_pct,
     }
     (out_dir / "losses.json").write_text(json.dumps(payload, indent=1))
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    both = "bf16" in results and "fp8" in results
-    fig, axes = plt.subplots(2 if both else 1, 1, figsize=(7, 6.5 if both else 4.5), sharex=True,
-                             squeeze=False, gridspec_kw={"height_ratios": [3, 1.3] if both else [1]})
-    ax = axes[0, 0]
-    style = {"bf16": ("tab:blue", "-"), "fp8": ("tab:orange", "--")}
-    n_steps = max(len(r["train_loss"]) for r in results.values())
-    window = max(1, n_steps // 25)
-    for name, r in results.items():
-        color, ls = style.get(name, (None, "-"))
-        steps = range(1, len(r["train_loss"]) + 1)
-        ax.plot(steps, r["train_loss"], color=color, alpha=0.25, lw=0.7)
-        ax.plot(steps, smooth(r["train_loss"], window), color=color, ls=ls,
-                label=f"{name}: train (mean of {window}), final val {r['val_loss']:.4f}")
-    dp = dist.get_world_size() // args.tp
-    title = f"byte-level Llama {args.dim}d x {args.layers}L, dp={dp} x tp={args.tp}"
-    if gap_pct is not None:
-        title += f"\nfp8 ({args.recipe}) val loss gap {gap_pct:+.2f}%"
-    ax.set(ylabel="cross-entropy (nats/byte)", title=title)
-    ax.legend()
-    ax.grid(alpha=0.3)
-    if both:
-        b = smooth(results["bf16"]["train_loss"], window)
-        f = smooth(results["fp8"]["train_loss"], window)
-        rel = [100.0 * (fv - bv) / bv for bv, fv in zip(b, f)]
-        ax2 = axes[1, 0]
-        ax2.plot(range(1, len(rel) + 1), rel, color="tab:red")
-        ax2.axhline(0.0, color="k", lw=0.6)
-        ax2.set(ylabel="fp8 vs bf16 (%)")
-        ax2.grid(alpha=0.3)
-    axes[-1, 0].set_xlabel("step")
-    fig.tight_layout()
-    fig.savefig(out_dir / "loss_curve.png", dpi=120)
-    plt.close(fig)
+    plot(payload, out_dir / "loss_curve.png")
 
 
 def main(argv: list[str] | None = None) -> dict:

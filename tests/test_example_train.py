@@ -176,3 +176,20 @@ def test_train_example_bad_arguments_torchrun():
     assert "SIGABRT" not in proc.stderr
     proc = _run_torchrun(2, "--tp", "4", "--heads", "8", "--kv-heads", "4")
     _assert_one_line_error(proc, "world size 2 is not divisible by --tp 4")
+
+
+def test_plot_losses_moving_average_and_saved_run(tmp_path):
+    """examples/plot_losses.py: centred moving average where the window is full; redraws the saved 2xH200 run."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import plot_losses
+
+    xs = [float(i * i % 7) for i in range(20)]
+    steps, ys = plot_losses.moving_average(xs, 5)
+    assert steps == list(range(3, 19))
+    for s, y in zip(steps, ys):
+        assert y == pytest.approx(sum(xs[s - 3:s + 2]) / 5)
+    assert plot_losses.smoothing_window(1200) == 49 and plot_losses.smoothing_window(120) == 5
+    assert plot_losses.smoothing_window(3) == 1
+    payload = json.loads((ROOT / "docs" / "results" / "train_2xh200_losses.json").read_text())
+    png = plot_losses.plot(payload, tmp_path / "loss.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

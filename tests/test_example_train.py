@@ -193,3 +193,24 @@ def test_plot_losses_moving_average_and_saved_run(tmp_path):
     payload = json.loads((ROOT / "docs" / "results" / "train_2xh200_losses.json").read_text())
     png = plot_losses.plot(payload, tmp_path / "loss.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_seed_spread_summary_from_finished_runs(tmp_path, capsys):
+    """examples/seed_spread.py reads finished seeds back (same flags) and compares the gaps with bf16's range."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import seed_spread
+
+    vals = {0: (2.00, 2.01), 1: (2.04, 2.03), 2: (2.02, 2.02)}  # bf16 range 2% of the mean, gaps within
+    for seed, (b, f) in vals.items():
+        out = tmp_path / f"seed{seed}"
+        out.mkdir()
+        argv = ["--steps", "7", "--seed", str(seed), "--out", str(out)]
+        payload = {"argv": argv, "runs": {"bf16": {"val_loss": b}, "fp8": {"val_loss": f}}}
+        (out / "losses.json").write_text(json.dumps(payload))
+    summary = seed_spread.main(["--seeds", "0", "1", "2", "--out", str(tmp_path), "--", "--steps", "7"])
+    assert summary["bf16"]["range_pct"] == pytest.approx(100 * 0.04 / 2.02)
+    gaps = [100 * (f - b) / b for b, f in vals.values()]
+    assert summary["mean_gap_pct"] == pytest.approx(sum(gaps) / 3)
+    assert summary["gap_inside_bf16_range"] is True
+    assert "inside bf16's seed-to-seed range" in capsys.readouterr().out
+    assert json.loads((tmp_path / "spread.json").read_text())["val_loss"]["1"] == {"bf16": 2.04, "fp8": 2.03}

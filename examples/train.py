@@ -27,9 +27,9 @@ text file / directory given by ``--data``; see ``examples/data.py``.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
-import hashlib
 import os
 import platform
 import sys
@@ -430,18 +430,26 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     rank, world, local_world = _launch_env()
     problem = check_args(args, world, local_world)
+    if problem is None and args.mode == "fp8" and fp8_converter() is None:
+        problem = "--mode fp8, but fp8tensor.convert_to_fp8 is not available"
+    if problem is None:  # the corpus is read (identically) on every rank, before the process group exists
+        try:
+            corpus = load_corpus(args.data, max_bytes=args.max_bytes)
+            train_data, val_data = split_corpus(corpus)
+            for split, part in (("training", train_data), ("validation", val_data)):
+                if len(part) < args.seq_len + 1:
+                    raise ValueError(f"the {split} split has {len(part):,} bytes, fewer than --seq-len + 1 = "
+                                     f"{args.seq_len + 1} (raise --max-bytes or lower --seq-len)")
+        except (OSError, ValueError) as e:
+            problem = f"corpus: {e}"
     if problem is not None:  # before any collective: every rank exits, rank 0 says why
         fail(problem, rank)
     device, mesh = setup(args)
     modes = ["bf16", "fp8"] if args.mode == "both" else [args.mode]
     if "fp8" in modes and fp8_converter() is None:
-        if args.mode == "fp8":
-            raise SystemExit("fp8tensor.convert_to_fp8 is not available")
         log("warning: fp8tensor.convert_to_fp8 is not available; running bf16 only")
         modes = ["bf16"]
 
-    corpus = load_corpus(args.data, max_bytes=args.max_bytes)
-    train_data, val_data = split_corpus(corpus)
     dp, tp = mesh["dp"].size(), mesh["tp"].size()
     # The default corpus is this Python's standard library: its fingerprint tells whether two runs saw the same bytes.
     digest = hashlib.sha256(corpus.numpy().tobytes()).hexdigest()[:12]

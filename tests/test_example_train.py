@@ -128,6 +128,14 @@ def test_train_example_steps_zero():
     _assert_one_line_error(_run_plain("--tp", "1", "--steps", "0"), "--steps must be at least 1, got 0")
 
 
+def test_train_example_corpus_too_small(tmp_path):
+    """A corpus whose validation split cannot hold one sequence: one line, before any process group."""
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text("x" * 1000)
+    _assert_one_line_error(_run_plain("--tp", "1", "--data", str(tiny)),
+                           "corpus: the validation split has 50 bytes, fewer than --seq-len + 1 = 129")
+
+
 def _load_train_module():
     import importlib.util
 

@@ -53,7 +53,7 @@ def _q_first_t(t: torch.Tensor):
         if K.kernel_available(t):
             if torch.compiler.is_compiling():
                 return torch.ops.fp8tensor.quantize_dim0_t(t, E4M3)
-            return K.launch_dim0_t(t, E4M3, 1e-12)
+            return K.launch_dim0_t(t, E4M3, torch.finfo(torch.float32).tiny)
     q, s = quantize_rowwise(t.t(), dim=-1, float8_dtype=E4M3)
     return q.contiguous(), s
 

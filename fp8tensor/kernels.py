@@ -15,7 +15,7 @@ the memory-bound time. Here:
 A third kernel quantizes along the last dim (row-wise, contiguous rows) in one launch for eager CUDA callers
 (``quantize_rowwise``, ``ScaledFp8Tensor.from_hp``, FSDP2's pre-all-gather of master weights).
 
-This module is a leaf: it imports nothing from fp8tensor. The numerics' constants (the amax floor; the fp8 max
+This module is a leaf: it imports nothing from fp8tensor. The numerics' constants (the scale floor; the fp8 max
 follows from the fp8 dtype) are passed in by :mod:`fp8tensor.quantize`, which decides when a kernel runs and
 registers the dim-0 kernels as the ``torch.library.triton_op`` ``fp8tensor::quantize_dim0_t`` (``torch.compile`` calls
 the kernels inline from its generated code; eager callers launch them directly with :func:`launch_dim0_t`).
@@ -68,7 +68,7 @@ if _HAS_TRITON:
         offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
         kmask = offs_k < K
         amax = tl.load(amax_ptr + offs_k, mask=kmask, other=1.0)
-        scale = tl.maximum(amax, EPS) / FMAX
+        scale = tl.maximum(amax / FMAX, EPS)  # fp8tensor.quantize.amax_to_scale: max(amax / fmax, floor)
         mask = (offs_m[:, None] < M) & kmask[None, :]
         x = tl.load(x_ptr + offs_m[:, None] * stride_m + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
         y = x / scale[None, :]
@@ -99,7 +99,7 @@ if _HAS_TRITON:
             a = tl.abs(x)
             a = tl.where(a != a, float("inf"), a)  # NaN -> inf: the row's scale becomes inf, output non-finite
             acc = tl.maximum(acc, tl.max(a, axis=1))
-        scale = tl.maximum(acc, EPS) / FMAX  # the dim-0 kernel's expression: equal to the eager CUDA scale
+        scale = tl.maximum(acc / FMAX, EPS)  # the dim-0 kernel's expression: equal to the eager CUDA scale
         tl.store(scale_ptr + offs_m, scale, mask=mmask)
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -136,7 +136,7 @@ if _HAS_TRITON:
             a = tl.abs(x)
             a = tl.where(a != a, float("inf"), a)
             acc = tl.maximum(acc, tl.max(a, axis=1))
-        scale = tl.maximum(acc, EPS) / FMAX
+        scale = tl.maximum(acc / FMAX, EPS)  # as _row_quant_kernel
         tl.store(scale_ptr + offs_m, scale, mask=mmask)
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -193,11 +193,11 @@ def eager_launch_ok(x: torch.Tensor) -> bool:
     )
 
 
-def quantize_last_dim(x: torch.Tensor, float8_dtype: torch.dtype, amax_floor: float, *, checked: bool = False
+def quantize_last_dim(x: torch.Tensor, float8_dtype: torch.dtype, scale_floor: float, *, checked: bool = False
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Row-wise quantization along the last dim in one Triton kernel (eager CUDA; see :func:`row_kernel_available`).
 
-    ``amax_floor``: the smallest amax a scale is built from (``fp8tensor.quantize._AMAX_FLOOR``).
+    ``scale_floor``: the smallest scale (``fp8tensor.quantize.SCALE_FLOOR``): ``scale = max(amax / fmax, floor)``.
     Same contract as the eager ops of ``fp8tensor.quantize.quantize_rowwise(x, dim=-1, float8_dtype)``, meant to
     give the same bits on CUDA (a row holding NaN gets an infinite instead of a NaN scale; it stays non-finite
     either way): returns
@@ -217,7 +217,7 @@ def quantize_last_dim(x: torch.Tensor, float8_dtype: torch.dtype, amax_floor: fl
     c = ROW_CONFIG
     with torch.cuda.device(x.device):  # Triton launches on the current device
         _row_quant_kernel[(triton.cdiv(M, c["block_m"]),)](
-            x, q, scale, M, K, FMAX=torch.finfo(float8_dtype).max, EPS=amax_floor,
+            x, q, scale, M, K, FMAX=torch.finfo(float8_dtype).max, EPS=scale_floor,
             BLOCK_M=c["block_m"], BLOCK_K=c["block_k"], num_warps=c["warps"])
     return q, scale
 
@@ -227,7 +227,7 @@ def _tl_dtype(dtype: torch.dtype):
             torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}[dtype]
 
 
-def quantize_last_dim_group(xs: list, float8_dtype: torch.dtype, amax_floor: float, *, out=None) -> list:
+def quantize_last_dim_group(xs: list, float8_dtype: torch.dtype, scale_floor: float, *, out=None) -> list:
     """:func:`quantize_last_dim` of several tensors in one launch (same bits as one launch each).
 
     ``xs``: tensors for which :func:`row_kernel_available` holds, all of one dtype on one device. Returns one
@@ -272,7 +272,7 @@ def quantize_last_dim_group(xs: list, float8_dtype: torch.dtype, amax_floor: flo
     table = table.pin_memory().to(x0.device, non_blocking=True)  # no host sync (pinned source)
     with torch.cuda.device(x0.device):
         _row_quant_group_kernel[(blocks,)](
-            table, N_T=n, FMAX=torch.finfo(float8_dtype).max, EPS=amax_floor, X_TY=_tl_dtype(x0.dtype),
+            table, N_T=n, FMAX=torch.finfo(float8_dtype).max, EPS=scale_floor, X_TY=_tl_dtype(x0.dtype),
             Q_TY=_tl_dtype(float8_dtype), BLOCK_M=c["block_m"], BLOCK_K=c["block_k"], num_warps=c["warps"])
     return out
 
@@ -289,11 +289,11 @@ def kernel_available(x: torch.Tensor) -> bool:
     )
 
 
-def launch_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype, amax_floor: float, *, traced: bool = False
+def launch_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype, scale_floor: float, *, traced: bool = False
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the dim-0 kernels on ``x`` ``(M, K)`` (check :func:`kernel_available` first): ``(q, scale)``, ``q``
     ``(K, M)`` row-major ``float8_dtype`` holding ``x.T`` quantized row-wise, ``scale`` ``(K, 1)`` float32.
-    ``amax_floor``: the smallest amax a scale is built from. Tiles from :data:`CONFIG` (read at each call).
+    ``scale_floor``: the smallest scale, ``max(amax / fmax, floor)``. Tiles from :data:`CONFIG` (read at each call).
 
     ``traced=False``: an eager launch on ``x``'s device. ``traced=True``: the body of the ``triton_op``
     ``fp8tensor::quantize_dim0_t`` — the kernels go through ``torch.library.wrap_triton`` so that ``torch.compile``
@@ -307,18 +307,18 @@ def launch_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype, amax_floor: float,
         from torch.library import wrap_triton
 
         amax_k, cast_k = wrap_triton(_col_amax_kernel), wrap_triton(_cast_t_kernel)
-        _dim0_t_kernels(amax_k, cast_k, x, amax, q, scale, M, K, torch.finfo(float8_dtype).max, amax_floor, c)
+        _dim0_t_kernels(amax_k, cast_k, x, amax, q, scale, M, K, torch.finfo(float8_dtype).max, scale_floor, c)
     else:
         with torch.cuda.device(x.device):  # Triton launches on the current device
             _dim0_t_kernels(_col_amax_kernel, _cast_t_kernel, x, amax, q, scale, M, K, torch.finfo(float8_dtype).max,
-                            amax_floor, c)
+                            scale_floor, c)
     return q, scale
 
 
-def _dim0_t_kernels(amax_k, cast_k, x, amax, q, scale, M, K, fmax, amax_floor, c) -> None:
+def _dim0_t_kernels(amax_k, cast_k, x, amax, q, scale, M, K, fmax, scale_floor, c) -> None:
     grid = (triton.cdiv(K, c["amax_block_k"]), triton.cdiv(M, c["amax_chunk_m"]))
     amax_k[grid](x, amax, M, K, x.stride(0), CHUNK_M=c["amax_chunk_m"], BLOCK_M=c["amax_block_m"],
                  BLOCK_K=c["amax_block_k"], num_warps=c["amax_warps"])
     grid = (triton.cdiv(M, c["cast_block_m"]), triton.cdiv(K, c["cast_block_k"]))
-    cast_k[grid](x, amax, q, scale, M, K, x.stride(0), FMAX=fmax, EPS=amax_floor, BLOCK_M=c["cast_block_m"],
+    cast_k[grid](x, amax, q, scale, M, K, x.stride(0), FMAX=fmax, EPS=scale_floor, BLOCK_M=c["cast_block_m"],
                  BLOCK_K=c["cast_block_k"], num_warps=c["cast_warps"])

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fp8tensor import kernels
-from fp8tensor.quantize import _AMAX_FLOOR, quantize, quantize_dim0_t, quantize_group
+from fp8tensor.quantize import SCALE_FLOOR, quantize, quantize_dim0_t, quantize_group
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 DEV = "cuda"
@@ -20,7 +20,7 @@ def test_group_kernel_bit_identical_to_one_launch_each(dtype, float8_dtype):
     xs[3][0, 0] = 1e30 if dtype == torch.float32 else 3e38  # saturating
     got = quantize_group(xs, float8_dtype)
     for x, (q, s) in zip(xs, got):
-        qr, sr = kernels.quantize_last_dim(x, float8_dtype, _AMAX_FLOOR)
+        qr, sr = kernels.quantize_last_dim(x, float8_dtype, SCALE_FLOOR)
         assert q.shape == x.shape and q.dtype == float8_dtype and s.shape == (*x.shape[:-1], 1)
         assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
         assert torch.equal(s.nan_to_num(), sr.nan_to_num())

@@ -301,28 +301,6 @@ class ScaledFp8Tensor(torch.Tensor):
         self._scale_writes = scale_writes
 
     # ------------------------------------------------------------------ construction
-    @staticmethod
-    def _make(qdata: torch.Tensor, scale: torch.Tensor, orig_dtype: torch.dtype, fast_accum: bool = True,
-              shares_scale: bool = False, scale_writes: Optional[_ScaleWrites] = None) -> "ScaledFp8Tensor":
-        """Trusted internal constructor for op results: the public constructor without its input checks (the
-        caller built ``qdata``/``scale`` to the class invariants), no ``requires_grad``. One wrapper creation and
-        five attribute stores; op handlers, the GEMM engine, unflatten and the FSDP2 hooks build results with it.
-        Under dynamo (which cannot trace the bare wrapper creation) it is the public constructor."""
-        if torch.compiler.is_compiling():
-            return ScaledFp8Tensor(qdata, scale, orig_dtype, fast_accum, shares_scale=shares_scale,
-                                   scale_writes=scale_writes)
-        t = torch.Tensor._make_wrapper_subclass(
-            ScaledFp8Tensor, qdata.shape, strides=qdata.stride(), storage_offset=qdata.storage_offset(),
-            dtype=orig_dtype, device=qdata.device, layout=qdata.layout,
-        )
-        t.qdata = qdata
-        t.scale = scale
-        t.orig_dtype = orig_dtype
-        t.fast_accum = fast_accum
-        t.shares_scale = shares_scale
-        t._scale_writes = scale_writes
-        return t
-
     @classmethod
     def from_hp(
         cls, t: torch.Tensor, float8_dtype: torch.dtype = E4M3, *, fast_accum: bool = True

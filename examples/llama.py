@@ -79,8 +79,8 @@ class ModelArgs:
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm: ``x / rms(x) * weight`` over the last dim.
 
-    The statistics are computed in float32 and the result is cast back to the
-    input dtype. Input and output: ``[..., dim]``.
+    The statistics are computed in float32 (float64 for float64 inputs) and the
+    result is cast back to the input dtype. Input and output: ``[..., dim]``.
     """
 
     def __init__(self, dim: int, eps: float = 1e-5):
@@ -89,7 +89,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        xf = x.float() if x.dtype != torch.float64 else x
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return xf.type_as(x) * self.weight
 
@@ -126,7 +126,8 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
 class Attention(nn.Module):
     """Causal grouped-query self-attention with rotary embeddings.
 
-    Input ``x``: ``[B, T, dim]``; ``rope``: ``[2, >=T, head_dim/2]``.
+    Input ``x``: ``[B, T, dim]``; ``rope``: ``[2, >=T, head_dim/2]`` (``None``: no
+    rotary embedding).
     Output: ``[B, T, dim]``. Head counts are inferred from the projection
     outputs, so under tensor parallelism (column-sharded ``wq/wk/wv``) each
     rank attends over its local heads only.
@@ -142,13 +143,14 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         # -1 = local number of heads (all heads unsharded, heads/tp under TP).
         q = self.wq(x).view(B, T, -1, self.head_dim)
         k = self.wk(x).view(B, T, -1, self.head_dim)
         v = self.wv(x).view(B, T, -1, self.head_dim)
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        if rope is not None:
+            q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
         out = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1]

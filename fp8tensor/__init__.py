@@ -13,9 +13,12 @@ Public API:
 """
 from .quantize import E4M3, E5M2, quantize_rowwise
 from .tensor import ScaledFp8Tensor, dequantize
+from . import ops as _ops  # noqa: F401  (registers the non-GEMM op table entries)
 from .gemm import BACKENDS, gemm_backend, get_gemm_backend, set_gemm_backend
-from . import ops as _ops  # noqa: F401  (registers the op table)
-from .training import Fp8MasterWeight, Recipe, RECIPES, fp8_linear
+from .recipes import Recipe, RECIPES
+from .linear import fp8_linear
+from .master import Fp8MasterWeight
+from . import fsdp_state as _fsdp_state  # noqa: F401  (drops FSDP2's flat copy of fp8 shards)
 from . import collectives as _collectives  # noqa: F401  (fp8 collectives for DTensor / TP)
 from .convert import convert_to_fp8, quantize_weights
 

@@ -32,11 +32,11 @@ with different scales is not an fp8 tensor with a scale of this layout); they ke
 ``NotImplementedError`` from the op table's fallback. DTensor never needs them for fp8 tensors: GEMM outputs,
 including the Partial outputs of row-wise parallel layers, are high-precision tensors.
 
-:class:`~fp8tensor.training.Fp8MasterWeight` needs no handlers (it runs every op on its high-precision data);
+:class:`~fp8tensor.master.Fp8MasterWeight` needs no handlers (it runs every op on its high-precision data);
 this module only adds the collective and padding ops to the set of ops whose results stay master weights, so a
 redistributed or unevenly sharded master is still a master.
 
-The handlers are registered into :data:`fp8tensor.ops.OP_TABLE` when this module is imported (by
+The handlers are registered into :data:`fp8tensor.tensor.OP_TABLE` when this module is imported (by
 ``fp8tensor/__init__.py``).
 """
 from __future__ import annotations
@@ -46,8 +46,9 @@ from typing import Any
 
 import torch
 
-from .ops import _scale_fits, implements
-from .tensor import ScaledFp8Tensor
+from .master import keep_master_through
+from .ops import _scale_fits
+from .tensor import ScaledFp8Tensor, implements
 
 __all__: list[str] = []
 
@@ -284,18 +285,17 @@ def _pad_data_with_zeros_scale_with_ones(func, args, kwargs):
 
 
 # --------------------------------------------------------------------------------------------- master weights
-def _keep_master_through_collectives() -> None:
-    from .training import _PRESERVE
-
-    _PRESERVE.add(aten.constant_pad_nd.default)
-    for name in (
-        "_c10d_functional.all_gather_into_tensor.default",
-        "_c10d_functional.wait_tensor.default",
-        "_c10d_functional._wrap_tensor_autograd.default",
-        "_c10d_functional.all_to_all_single.default",
-        "_dtensor.shard_dim_alltoall.default",
-    ):
-        _PRESERVE.update(_dist_op(name))
-
-
-_keep_master_through_collectives()
+keep_master_through(
+    [aten.constant_pad_nd.default]
+    + [
+        op
+        for name in (
+            "_c10d_functional.all_gather_into_tensor.default",
+            "_c10d_functional.wait_tensor.default",
+            "_c10d_functional._wrap_tensor_autograd.default",
+            "_c10d_functional.all_to_all_single.default",
+            "_dtensor.shard_dim_alltoall.default",
+        )
+        for op in _dist_op(name)
+    ]
+)

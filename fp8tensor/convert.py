@@ -13,9 +13,12 @@ import torch
 import torch.nn as nn
 
 from .quantize import E4M3, check_float8_dtype
+from .fsdp_state import check_fsdp_sharded as _check_fsdp_sharded
+from .fsdp_state import refresh_fsdp_param
+from .linear import fp8_linear
+from .master import Fp8MasterWeight
+from .recipes import get_recipe
 from .tensor import ScaledFp8Tensor, _is_dtensor, map_shard
-from .training import Fp8MasterWeight, fp8_linear, get_recipe
-from .fsdp import check_fsdp_sharded as _check_fsdp_sharded
 
 __all__ = ["convert_to_fp8", "quantize_weights", "fp8_linear_forward", "Fp8Linear", "Fp8LinearMixin"]
 
@@ -77,18 +80,14 @@ def _own_forward(lin: nn.Module) -> Optional[str]:
 
     if parametrize.is_parametrized(lin, "weight"):
         return "weight is parametrized"
-    f = lin.__dict__.get("forward")
-    if f is not None:
-        legacy = getattr(f, "func", None) is fp8_linear_forward  # set by fp8tensor before class conversion
-        if not legacy:
-            return "a forward set on the instance"
+    if lin.__dict__.get("forward") is not None:
+        return "a forward set on the instance"
     if type(lin).forward is not nn.Linear.forward and not isinstance(lin, Fp8LinearMixin):
         return f"{type(lin).__name__}.forward overrides nn.Linear.forward"
     return None
 
 
 def _install_fp8_forward(lin: nn.Linear, cls: type) -> None:
-    lin.__dict__.pop("forward", None)  # only fp8tensor's own legacy per-instance forward gets here
     lin.__class__ = cls
 
 
@@ -133,8 +132,6 @@ def _swap_local(param: torch.Tensor, fn) -> Optional[nn.Parameter]:
     """
     if _is_dtensor(param):
         param._local_tensor = map_shard(param._local_tensor, fn)
-        from .fsdp import refresh_fsdp_param
-
         refresh_fsdp_param(param)
         return None
     return nn.Parameter(fn(param.data), requires_grad=param.requires_grad)
@@ -174,7 +171,7 @@ def convert_to_fp8(
 ) -> nn.Module:
     """Convert every ``nn.Linear`` of ``module`` (in place) to fp8 training with high-precision master weights.
 
-    Each selected Linear's weight is wrapped in :class:`~fp8tensor.training.Fp8MasterWeight` (quantized on use;
+    Each selected Linear's weight is wrapped in :class:`~fp8tensor.master.Fp8MasterWeight` (quantized on use;
     the optimizer still updates the high-precision values) and its ``forward`` becomes
     :func:`~fp8tensor.fp8_linear` with ``recipe`` (the module's class becomes a subclass of its class and of
     :class:`Fp8LinearMixin`: ``nn.Linear`` -> :class:`Fp8Linear`). Callable before or after ``parallelize_module`` and
@@ -268,18 +265,14 @@ def quantize_weights(
         local = w._local_tensor if _is_dtensor(w) else w
         if isinstance(local, ScaledFp8Tensor):
             continue
-        if isinstance(local, Fp8MasterWeight):
-            local = local._data
 
-        def q(lt, _local=local):
+        def q(lt):
             hp = lt._data if isinstance(lt, Fp8MasterWeight) else lt
             return ScaledFp8Tensor.from_hp(hp.detach(), float8_dtype)
 
         if _is_dtensor(w):
             w.requires_grad_(False)
             w._local_tensor = map_shard(w._local_tensor, q)
-            from .fsdp import refresh_fsdp_param
-
             refresh_fsdp_param(w)
         else:
             lin.weight = nn.Parameter(q(w.data), requires_grad=False)

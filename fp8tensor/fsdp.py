@@ -1,4 +1,5 @@
-"""FSDP2 fp8 all-gather: gather row-wise fp8 data plus row scales instead of high-precision weights.
+"""FSDP2 fp8 all-gather payload: what goes on the wire (row-wise fp8 data plus row scales instead of high-precision
+weights), computed on plain ``qdata`` / ``scale`` tensors.
 
 FSDP2 (``torch.distributed.fsdp.fully_shard``) shards every parameter on dim 0, i.e. by whole rows. A row-wise scale
 (one float32 per row, the amax taken over the last dim) computed on a rank's shard is therefore *the* global row
@@ -10,13 +11,18 @@ The hooks are FSDP2's all-gather extension protocol (see ``torch/distributed/fsd
 "[Note: FSDP tensors]"): ``fsdp_pre_all_gather`` on the *sharded local tensor* returns the all-gather inputs plus
 metadata, ``fsdp_post_all_gather`` turns the all-gather outputs into the unsharded tensor the forward sees.
 
-* :class:`~fp8tensor.training.Fp8MasterWeight` (training): quantizes its local high-precision rows
+The hook methods live on the classes and call the functions here (this module sits below both classes and builds
+no subclass; the class wraps what it returns):
+
+* :class:`~fp8tensor.master.Fp8MasterWeight` (training): quantizes its local high-precision rows
   (:func:`master_pre_all_gather`); the forward receives a :class:`~fp8tensor.tensor.ScaledFp8Tensor` whose logical
   dtype is the mixed-precision ``param_dtype``; ``fp8_linear`` then uses it as is (scale folding for grad_input),
   and the weight gradient (a plain high-precision tensor) is reduce-scattered by FSDP2 in ``reduce_dtype`` into the
   high-precision master shard.
 * :class:`~fp8tensor.tensor.ScaledFp8Tensor` (frozen fp8 weights): gathers its data and scales as they are
   (:func:`scaled_pre_all_gather`).
+* both: :func:`gathered` / :func:`refill` / :func:`unsharded_buffers` turn the all-gather outputs into the unsharded
+  data and scales (``ScaledFp8Tensor.fsdp_post_all_gather`` wraps them).
 
 How the bytes travel (all ranks make the same choice, it depends only on the global shape and the mesh size):
 
@@ -39,30 +45,24 @@ On later iterations FSDP2 calls ``fsdp_post_all_gather(..., out=unsharded_param)
 returned as inner tensors the first time; the unsharded :class:`ScaledFp8Tensor` views those storages, so only the
 scales of the ``padded``/``local`` modes need a copy.
 
-:func:`refresh_fsdp_param` lets :func:`fp8tensor.convert_to_fp8` / :func:`fp8tensor.quantize_weights` run after
-``fully_shard``: it finds the ``FSDPParam`` that owns the swapped parameter and resets its extension state and cached
-all-gather buffers; :func:`check_fsdp_sharded` refuses, before anything changes, to convert parameters that FSDP2
-currently holds unsharded.
+Editing FSDP2's private state (conversion after ``fully_shard``, dropping FSDP2's flat copy of an fp8 shard) is
+:mod:`fp8tensor.fsdp_state`.
 """
 from __future__ import annotations
 
-import weakref
 from typing import NamedTuple, Optional
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
-from .quantize import E4M3, quantize_rowwise
-from .tensor import ScaledFp8Tensor, _is_dtensor
+from .quantize import E4M3, quantize
 
 __all__ = [
     "master_pre_all_gather",
     "scaled_pre_all_gather",
-    "post_all_gather",
-    "refresh_fsdp_param",
-    "refresh_fsdp_module",
-    "find_fsdp_param",
-    "check_fsdp_sharded",
+    "all_gather_inputs",
+    "gathered",
+    "refill",
+    "unsharded_buffers",
     "gather_scales",
     "FUSED",
     "PADDED",
@@ -99,7 +99,7 @@ def _pad_rows(t: torch.Tensor, rows: int, fill) -> torch.Tensor:
     return out
 
 
-def _all_gather_inputs(qdata: torch.Tensor, scale: torch.Tensor, mesh, outer_size, fast_accum: bool):
+def all_gather_inputs(qdata: torch.Tensor, scale: torch.Tensor, mesh, outer_size, fast_accum: bool):
     """Pad the local fp8 rows and row scales and choose how they travel (see the module docstring).
 
     Args:
@@ -120,9 +120,9 @@ def _all_gather_inputs(qdata: torch.Tensor, scale: torch.Tensor, mesh, outer_siz
         return (data,), _Meta(LOCAL, qdata.dtype, rows, fast_accum, scale)
     if rows % world_size == 0:
         return (data, scale), _Meta(FUSED, qdata.dtype, rows, fast_accum, None)
-    gathered = torch.empty((prow * world_size, *scale.shape[1:]), dtype=scale.dtype, device=scale.device)
-    gather_scales(gathered, scale, mesh.get_group())
-    return (data,), _Meta(PADDED, qdata.dtype, rows, fast_accum, gathered)
+    gathered_scales = torch.empty((prow * world_size, *scale.shape[1:]), dtype=scale.dtype, device=scale.device)
+    gather_scales(gathered_scales, scale, mesh.get_group())
+    return (data,), _Meta(PADDED, qdata.dtype, rows, fast_accum, gathered_scales)
 
 
 def gather_scales(out: torch.Tensor, scale: torch.Tensor, group) -> None:
@@ -138,7 +138,8 @@ def gather_scales(out: torch.Tensor, scale: torch.Tensor, group) -> None:
     gather(out, scale, group=group)
 
 
-def _check_rowwise_input(t: torch.Tensor, op: str) -> None:
+def check_rowwise_input(t: torch.Tensor, op: str) -> None:
+    """Raise ``NotImplementedError`` naming ``op`` unless ``t`` has at least 2 dims (FSDP2 fp8 all-gather)."""
     if t.ndim < 2:
         raise NotImplementedError(
             f"{op}: FSDP2 fp8 all-gather needs a weight with at least 2 dims (rows x columns), got shape "
@@ -155,7 +156,8 @@ def master_pre_all_gather(master, mesh, outer_size, outer_stride, module, mp_pol
     ``mp_policy.param_dtype``). Empty shards quantize nothing (no reduction over an empty tensor).
 
     Args:
-        master: the local :class:`~fp8tensor.training.Fp8MasterWeight` shard, shape ``(r, *rest)``.
+        master: the local :class:`~fp8tensor.master.Fp8MasterWeight` shard, shape ``(r, *rest)``; only its
+            high-precision ``_data`` and ``recipe.float8_dtype`` are read.
         mesh: FSDP2's shard mesh (1-D). outer_size / outer_stride: the unsharded size and contiguous stride.
         module, mp_policy: unused (part of FSDP2's signature).
 
@@ -167,42 +169,18 @@ def master_pre_all_gather(master, mesh, outer_size, outer_stride, module, mp_pol
         NotImplementedError: the weight has fewer than 2 dims.
     """
     data = master._data
-    _check_rowwise_input(data, "Fp8MasterWeight.fsdp_pre_all_gather")
+    check_rowwise_input(data, "Fp8MasterWeight.fsdp_pre_all_gather")
     float8_dtype = getattr(master.recipe, "float8_dtype", E4M3)
     if data.numel() > 0:
-        q, s = quantize_rowwise(data, dim=-1, float8_dtype=float8_dtype)
+        q, s = quantize(data, -1, float8_dtype)
     else:
         q = torch.empty(data.shape, dtype=float8_dtype, device=data.device)
         s = torch.empty((*data.shape[:-1], 1), dtype=torch.float32, device=data.device)
-    return _all_gather_inputs(q, s, mesh, outer_size, fast_accum=True)
-
-
-# Keyed by tensor identity (a WeakKeyDictionary would compare colliding tensor keys with ``==``).
-_FSDP_PARAM_OF = WeakIdKeyDictionary()
-
-
-def _drop_flat_copy(local: ScaledFp8Tensor) -> None:
-    """Free the flat copy FSDP2 keeps of a ScaledFp8Tensor shard.
-
-    FSDP2 stores ``_sharded_param_data = local.view(-1)`` (at ``fully_shard``, lazy init and after
-    ``load_state_dict``); it is the all-gather input of the default path only, which an extension never takes. For a
-    ScaledFp8Tensor a 1-D view needs one scale per *element* (4 bytes each, on top of the 1-byte data), so the copy
-    would cost 5x the fp8 shard. It is replaced by the shard itself (same storage, nothing extra). The owning
-    ``FSDPParam`` is looked up once per local tensor.
-    """
-    ref = _FSDP_PARAM_OF.get(local)
-    fp = ref() if ref is not None else None
-    if fp is None:
-        fp = next((f for f in _fsdp_params() if f._sharded_local_tensor is local), None)
-        if fp is None:
-            return
-        _FSDP_PARAM_OF[local] = weakref.ref(fp)  # weak both ways: the FSDPParam holds the local tensor
-    if fp._sharded_param_data is not local:
-        fp._sharded_param_data = local
+    return all_gather_inputs(q, s, mesh, outer_size, fast_accum=True)
 
 
 @torch.no_grad()
-def scaled_pre_all_gather(t: ScaledFp8Tensor, mesh, outer_size, outer_stride, module, mp_policy):
+def scaled_pre_all_gather(qdata: torch.Tensor, scale: torch.Tensor, fast_accum: bool, mesh, outer_size):
     """``ScaledFp8Tensor.fsdp_pre_all_gather``: gather the stored fp8 rows and their scales unchanged.
 
     A scale that is not per-row (size 1 on dim 0, e.g. one per column) is expanded to one per row before the
@@ -210,196 +188,46 @@ def scaled_pre_all_gather(t: ScaledFp8Tensor, mesh, outer_size, outer_stride, mo
 
     Returns:
         ``(all_gather_inputs, metadata)``, as :func:`master_pre_all_gather`.
-
-    Raises:
-        NotImplementedError: the tensor has fewer than 2 dims.
     """
-    _check_rowwise_input(t, "ScaledFp8Tensor.fsdp_pre_all_gather")
-    _drop_flat_copy(t)
-    scale = t.scale
-    if scale.shape[0] != t.shape[0]:
-        scale = scale.expand(t.shape[0], *scale.shape[1:])
-    return _all_gather_inputs(t.qdata, scale, mesh, outer_size, fast_accum=t.fast_accum)
+    if scale.shape[0] != qdata.shape[0]:
+        scale = scale.expand(qdata.shape[0], *scale.shape[1:])
+    return all_gather_inputs(qdata, scale, mesh, outer_size, fast_accum=fast_accum)
+
+
+def gathered(all_gather_outputs, metadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unsharded ``(qdata, scale)``, views of the all-gather outputs (padding rows dropped).
+
+    Args:
+        all_gather_outputs: ``(data,)`` or ``(data, scale)``; ``data`` is ``(world * padded_rows, *rest)`` uint8.
+        metadata: what ``fsdp_pre_all_gather`` returned.
+    """
+    meta: _Meta = metadata
+    scale_full = all_gather_outputs[1] if meta.mode == FUSED else meta.scale
+    return all_gather_outputs[0].view(meta.float8_dtype)[: meta.rows], scale_full[: meta.rows]
 
 
 @torch.no_grad()
-def post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
-    """``fsdp_post_all_gather`` of both subclasses: build (or refill) the unsharded :class:`ScaledFp8Tensor`.
+def refill(dst_qdata: torch.Tensor, dst_scale: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> None:
+    """Copy gathered ``qdata`` / ``scale`` into the unsharded tensor's own ones (iterations after the first).
 
-    Args:
-        self: the sharded local tensor (unused apart from FSDP2 calling the method on it).
-        all_gather_outputs: ``(data,)`` or ``(data, scale)``; ``data`` is ``(world * padded_rows, *rest)`` uint8.
-        metadata: what ``fsdp_pre_all_gather`` returned.
-        param_dtype: logical dtype of the result (``MixedPrecisionPolicy.param_dtype`` or the master dtype).
-        out: on iterations after the first, the unsharded parameter built the first time (a ScaledFp8Tensor, or
-            a DTensor of one with tensor parallelism); it is refilled in place and ``None`` is returned.
+    Refills without bumping the version counters: the forward may have saved this weight for backward
+    (torch.compile saves qdata and scale themselves), and the re-gather before backward writes the same
+    values. FSDP2 does the same for the all-gather outputs it copies into."""
+    for dst, src in ((dst_qdata, qdata), (dst_scale, scale)):
+        if dst.data_ptr() != src.data_ptr():
+            with torch.autograd._unsafe_preserve_version_counter(dst):
+                dst.copy_(src)
 
-    Returns:
-        First call: ``(ScaledFp8Tensor of shape (rows, *rest), inner_tensors)``; FSDP2 frees and re-allocates
-        ``inner_tensors`` between iterations. With ``out``: ``None``.
 
-    Raises:
-        RuntimeError: ``out`` is not a ScaledFp8Tensor of the gathered shape.
-    """
+@torch.no_grad()
+def unsharded_buffers(all_gather_outputs, metadata):
+    """First ``fsdp_post_all_gather``: ``(qdata, scale, inner_tensors)`` of the unsharded tensor.
+
+    ``inner_tensors`` are the buffers FSDP2 frees on reshard and re-allocates before the next ``out=`` call; in the
+    ``padded`` / ``local`` modes the scales are copied into such a buffer of their own."""
     meta: _Meta = metadata
     data_u8 = all_gather_outputs[0]
     scale_full = all_gather_outputs[1] if meta.mode == FUSED else meta.scale
-    rows = meta.rows
-    qdata = data_u8.view(meta.float8_dtype)[:rows]
-    scale = scale_full[:rows]
-    if out is not None:
-        target = out._local_tensor if _is_dtensor(out) else out
-        if not isinstance(target, ScaledFp8Tensor) or tuple(target.shape) != tuple(qdata.shape):
-            raise RuntimeError(
-                f"fp8tensor fsdp_post_all_gather: out= must be the ScaledFp8Tensor of shape {tuple(qdata.shape)} "
-                f"built on the first all-gather, got {type(target).__name__} of shape {tuple(target.shape)}"
-            )
-        # Refill without bumping the version counters: the forward may have saved this weight for backward
-        # (torch.compile saves qdata and scale themselves), and the re-gather before backward writes the same
-        # values. FSDP2 does the same for the all-gather outputs it copies into.
-        for dst, src in ((target.qdata, qdata), (target.scale, scale)):
-            if dst.data_ptr() != src.data_ptr():
-                with torch.autograd._unsafe_preserve_version_counter(dst):
-                    dst.copy_(src)
-        return None
     if meta.mode != FUSED:
-        # Own the scales in a buffer that FSDP2 frees on reshard and re-allocates before the next ``out=`` call.
         scale_full = scale_full.clone()
-        scale = scale_full[:rows]
-    unsharded = ScaledFp8Tensor(qdata, scale, param_dtype, meta.fast_accum)
-    return unsharded, (data_u8, scale_full)
-
-
-# ------------------------------------------------------------------------------------------ conversion after sharding
-def _fsdp_states():
-    """The live FSDP2 states (one per module ``fully_shard`` was applied to)."""
-    try:
-        from torch.distributed._composable_state import _module_state_mapping
-        from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
-    except ImportError:  # pragma: no cover - builds without distributed, very old torch
-        return []
-    states = []
-    for ref in list(_module_state_mapping.values()):
-        state = ref()
-        if isinstance(state, FSDPState) and all(state is not s for s in states):
-            states.append(state)
-    return states
-
-
-def _param_groups(state):
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is None:  # torch < 2.12: a single optional group
-        group = getattr(state, "_fsdp_param_group", None)
-        groups = [group] if group is not None else []
-    return groups
-
-
-def _fsdp_params(module: Optional[torch.nn.Module] = None):
-    """All ``FSDPParam`` s, of the FSDP2 states of ``module``'s submodules or (``None``) of every live state."""
-    from torch.distributed._composable_state import _get_module_state
-
-    if module is None:
-        states = _fsdp_states()
-    else:
-        states = [s for m in module.modules() if (s := _get_module_state(m)) is not None]
-    out = []
-    for state in states:
-        for group in _param_groups(state):
-            out.extend(group.fsdp_params)
-    return out
-
-
-def find_fsdp_param(param: torch.Tensor, module: Optional[torch.nn.Module] = None):
-    """The FSDP2 ``FSDPParam`` whose sharded parameter is ``param`` (searched under ``module`` if given), or None."""
-    for fp in _fsdp_params(module):
-        if fp.sharded_param is param:
-            return fp
-    return None
-
-
-def _refresh(fp) -> None:
-    from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
-
-    from .training import Fp8MasterWeight
-
-    if fp.sharded_state != ShardedState.SHARDED:
-        raise RuntimeError(
-            f"fp8tensor: cannot convert FSDP2 parameter {fp._param_fqn or fp._module_info.param_name!r} while it is "
-            f"unsharded ({fp.sharded_state.name}); call model.reshard() (or convert before the first forward)"
-        )
-    # FSDP2's reset_sharded_param (run at lazy init and after load_state_dict) compares storages of a plain
-    # ``_sharded_param_data`` with the local tensor, which a wrapper subclass has none of: give it the subclass.
-    # The extension path never reads ``_sharded_param_data`` otherwise (it is the default path's all-gather input).
-    local = fp._sharded_local_tensor
-    fp._sharded_param_data = local.view(-1) if isinstance(local, Fp8MasterWeight) else local
-    fp._init_extensions()
-    # Buffers sized and typed for the previous all-gather inputs: rebuild them on the next all-gather.
-    fp.all_gather_outputs = []
-    if hasattr(fp, "_unsharded_param"):
-        del fp._unsharded_param
-    if hasattr(fp, "orig_dtype"):
-        fp.init_dtype_attrs(fp.mp_policy)
-
-
-def refresh_fsdp_param(param: torch.Tensor, module: Optional[torch.nn.Module] = None) -> bool:
-    """Make FSDP2 pick up a swapped local tensor of ``param`` (``param._local_tensor = new`` after ``fully_shard``).
-
-    Finds the ``FSDPParam`` owning ``param`` (among the FSDP2 states under ``module``, or all live ones), re-pads
-    its sharded data, re-initializes its all-gather extension state (``_init_extensions``) and drops the cached
-    all-gather outputs and unsharded parameter, which were typed for the old local tensor. A parameter not managed
-    by FSDP2 is left alone.
-
-    Returns:
-        True if an FSDP2 parameter was refreshed.
-
-    Raises:
-        RuntimeError: the parameter is currently unsharded (between forward and backward, or after a forward with
-            ``reshard_after_forward=False``): reshard first.
-    """
-    if not _is_dtensor(param):
-        return False
-    fp = find_fsdp_param(param, module)
-    if fp is None:
-        return False
-    _refresh(fp)
-    return True
-
-
-def check_fsdp_sharded(params, op: str) -> None:
-    """Raise before a conversion if any of ``params`` is an FSDP2 parameter currently held *unsharded*.
-
-    Between a forward with ``reshard_after_forward=False`` and the backward (or after ``unshard()``), a module's
-    attribute is FSDP2's unsharded parameter, not the sharded one the optimizer holds: swapping it would be lost
-    (or silently bypass FSDP2) at the next reshard. Nothing is changed when this raises.
-
-    Raises:
-        RuntimeError: naming ``op`` and the parameter; call ``model.reshard()`` first.
-    """
-    params = [p for p in params if isinstance(p, torch.Tensor)]
-    if not params:
-        return
-    fps = _fsdp_params()
-    if not fps:
-        return
-    ids = {id(p) for p in params}
-    for fp in fps:
-        unsharded = getattr(fp, "_unsharded_param", None)
-        if unsharded is not None and id(unsharded) in ids and fp.sharded_state.name != "SHARDED":
-            raise RuntimeError(
-                f"{op}: parameter {fp._param_fqn or fp._module_info.param_name!r} is currently unsharded by FSDP2 "
-                f"({fp.sharded_state.name}); call model.reshard() (or convert before the first forward). "
-                "The model was not changed."
-            )
-
-
-def refresh_fsdp_module(module: torch.nn.Module) -> int:
-    """:func:`refresh_fsdp_param` for every FSDP2 parameter under ``module`` whose local tensor is an fp8tensor
-    subclass; returns how many were refreshed."""
-    from .training import Fp8MasterWeight
-
-    n = 0
-    for fp in _fsdp_params(module):
-        if isinstance(fp._sharded_local_tensor, (Fp8MasterWeight, ScaledFp8Tensor)):
-            _refresh(fp)
-            n += 1
-    return n
+    return data_u8.view(meta.float8_dtype)[: meta.rows], scale_full[: meta.rows], (data_u8, scale_full)

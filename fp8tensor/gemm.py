@@ -6,7 +6,8 @@ A GEMM ``out[M, N] = A[M, K] @ B[K, N]`` in fp8 needs each operand scaled along 
 
 Operands arrive as plain high-precision tensors or ScaledFp8Tensors:
 
-* plain: quantized on the fly, row-wise along the contraction dim (:func:`fp8tensor.quantize.quantize_rowwise`);
+* plain: quantized on the fly, row-wise along the contraction dim (:func:`fp8tensor.quantize.quantize` with
+  ``gemm_layout=True``: a fused kernel writes the layout ``torch._scaled_mm`` wants where it applies);
 * fp8 scaled on its outer dim: used as is;
 * fp8 scaled on the contraction dim (``grad_out @ W`` with ``W`` scaled per row): **scale folding**.
   ``A @ (diag(s) W8) = (A diag(s)) @ W8``: A's columns are multiplied by W's row scales, that product is
@@ -25,6 +26,9 @@ Backends (``set_gemm_backend`` / ``gemm_backend``):
 ``torch._scaled_mm`` constraints handled here: A row-major, B column-major (a padded column-major B is kept),
 K and N multiples of 16 on CUDA (zero-padded otherwise), float32 scales of shape (M, 1) / (1, N),
 row-wise outputs bf16 only on CUDA, no e5m2 × e5m2 on CUDA.
+
+This module registers the ``aten.mm`` / ``aten.addmm`` entries of the op table of
+:class:`~fp8tensor.tensor.ScaledFp8Tensor`.
 """
 from __future__ import annotations
 
@@ -35,13 +39,14 @@ from typing import Iterator, Optional
 
 import torch
 
-from .quantize import E4M3, E5M2, quantize_rowwise
-from .tensor import ScaledFp8Tensor
+from .quantize import E4M3, E5M2, quantize
+from .tensor import ScaledFp8Tensor, implements
 
 __all__ = [
     "BACKENDS", "set_gemm_backend", "get_gemm_backend", "gemm_backend", "scaled_mm", "fp8_mm", "choose_backend",
-    "quantize_operand",
 ]
+
+aten = torch.ops.aten
 
 BACKENDS = ("auto", "rowwise", "tensorwise", "emulated")
 _state = threading.local()
@@ -219,25 +224,6 @@ def scaled_mm(
 
 
 # ---------------------------------------------------------------------------------------------- operands
-def quantize_operand(t: torch.Tensor, dim: int, float8_dtype: torch.dtype = E4M3) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize a 2-D GEMM operand along ``dim`` (its contraction dim): ``(q, scale)`` with ``q`` of ``t``'s shape.
-
-    When the reduction runs over the outer dim of a row-major CUDA tensor (``dim=0`` of a row-major ``t``, or
-    ``dim=1`` of a transposed view), the fused kernel of :mod:`fp8tensor.kernels` writes the layout
-    ``torch._scaled_mm`` wants directly (``q`` is then a transposed view of a contiguous tensor); otherwise
-    :func:`fp8tensor.quantize.quantize_rowwise`.
-    """
-    if t.dim() == 2 and t.is_cuda:
-        from .kernels import kernel_available, quantize_dim0_t
-
-        if dim % 2 == 0 and kernel_available(t):
-            q, s = quantize_dim0_t(t, float8_dtype)
-            return q.t(), s.t()
-        if dim % 2 == 1 and kernel_available(t.t()):
-            return quantize_dim0_t(t.t(), float8_dtype)
-    return quantize_rowwise(t, dim=dim, float8_dtype=float8_dtype)
-
-
 def _scale_axes(t: ScaledFp8Tensor) -> tuple[bool, bool]:
     """For a 2-D ScaledFp8Tensor: (varies along dim 0, varies along dim 1)."""
     s = t.scale
@@ -304,11 +290,31 @@ def fp8_mm(
     if isinstance(a, ScaledFp8Tensor):
         a8, sa = a.qdata, a.scale
     else:
-        a8, sa = quantize_operand(a, 1, float8_dtype)
+        a8, sa = quantize(a, 1, float8_dtype, gemm_layout=True)
     if isinstance(b, ScaledFp8Tensor):
         b8, sb = b.qdata, b.scale
     else:
-        b8, sb = quantize_operand(b, 0, float8_dtype)
+        b8, sb = quantize(b, 0, float8_dtype, gemm_layout=True)
     if bias is not None and isinstance(bias, ScaledFp8Tensor):
         bias = bias.to_hp()
     return scaled_mm(a8, sa, b8, sb, out_dtype, bias=bias, use_fast_accum=fast)
+
+
+# ---------------------------------------------------------------------------------------------- op table entries
+@implements([aten.mm.default])
+def _mm(func, args, kwargs):
+    a, b = args[0], args[1]
+    return fp8_mm(a, b, op="aten.mm")
+
+
+@implements([aten.addmm.default])
+def _addmm(func, args, kwargs):
+    bias, a, b = args[0], args[1], args[2]
+    beta = kwargs.get("beta", args[3] if len(args) > 3 else 1)
+    alpha = kwargs.get("alpha", args[4] if len(args) > 4 else 1)
+    if isinstance(bias, ScaledFp8Tensor):
+        bias = bias.to_hp()
+    if beta == 1 and alpha == 1 and bias.dim() == 1:
+        return fp8_mm(a, b, bias, op="aten.addmm")
+    out = fp8_mm(a, b, op="aten.addmm")
+    return (alpha * out.to(torch.float32) + beta * bias.to(torch.float32)).to(out.dtype)

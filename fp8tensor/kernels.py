@@ -15,16 +15,15 @@ the memory-bound time. Here:
 A third kernel quantizes along the last dim (row-wise, contiguous rows) in one launch for eager CUDA callers
 (``quantize_rowwise``, ``ScaledFp8Tensor.from_hp``, FSDP2's pre-all-gather of master weights).
 
-The dim-0 kernel is exposed as the custom op ``fp8tensor::quantize_dim0_t`` (so ``torch.compile`` keeps it as one call), with a
-plain-PyTorch implementation for CPU and for tensors that the kernel does not take.
+This module is a leaf: it imports nothing from fp8tensor. The numerics' constants (the amax floor; the fp8 max
+follows from the fp8 dtype) are passed in by :mod:`fp8tensor.quantize`, which decides when a kernel runs and
+registers the dim-0 kernel as the custom op ``fp8tensor::quantize_dim0_t`` (so ``torch.compile`` keeps it as one call).
 """
 from __future__ import annotations
 
 import torch
 
-from .quantize import _AMAX_FLOOR, quantize_rowwise
-
-__all__ = ["quantize_dim0_t", "kernel_available", "quantize_last_dim", "row_kernel_available"]
+__all__ = ["kernel_available", "launch_dim0_t", "quantize_last_dim", "row_kernel_available"]
 
 try:  # Triton is only present with CUDA builds of torch.
     import triton
@@ -137,9 +136,10 @@ def row_kernel_available(x: torch.Tensor) -> bool:
     )
 
 
-def quantize_last_dim(x: torch.Tensor, float8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_last_dim(x: torch.Tensor, float8_dtype: torch.dtype, amax_floor: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Row-wise quantization along the last dim in one Triton kernel (eager CUDA; see :func:`row_kernel_available`).
 
+    ``amax_floor``: the smallest amax a scale is built from (``fp8tensor.quantize._AMAX_FLOOR``).
     Same contract as the eager ops of ``fp8tensor.quantize.quantize_rowwise(x, dim=-1, float8_dtype)``, meant to
     give the same bits on CUDA (a row holding NaN gets an infinite instead of a NaN scale; it stays non-finite
     either way): returns
@@ -159,7 +159,7 @@ def quantize_last_dim(x: torch.Tensor, float8_dtype: torch.dtype) -> tuple[torch
     c = ROW_CONFIG
     with torch.cuda.device(x.device):  # Triton launches on the current device
         _row_quant_kernel[(triton.cdiv(M, c["block_m"]),)](
-            x, q, scale, M, K, FMAX=torch.finfo(float8_dtype).max, EPS=_AMAX_FLOOR,
+            x, q, scale, M, K, FMAX=torch.finfo(float8_dtype).max, EPS=amax_floor,
             BLOCK_M=c["block_m"], BLOCK_K=c["block_k"], num_warps=c["warps"])
     return q, scale
 
@@ -176,21 +176,10 @@ def kernel_available(x: torch.Tensor) -> bool:
     )
 
 
-def _reference_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype):
-    q, s = quantize_rowwise(x.t(), dim=-1, float8_dtype=float8_dtype)
-    return q.contiguous(), s
-
-
-@torch.library.custom_op("fp8tensor::quantize_dim0_t", mutates_args=())
-def quantize_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize ``x`` ``(M, K)`` along dim 0 and return it transposed.
-
-    Returns:
-        ``(q, scale)``: ``q`` is ``(K, M)`` row-major ``float8_dtype`` holding ``x.T`` quantized row-wise,
-        ``scale`` is ``(K, 1)`` float32 (dequantization multiplier), i.e. ``q.float() * scale ≈ x.T``.
-    """
-    if not kernel_available(x):
-        return _reference_dim0_t(x, float8_dtype)
+def launch_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype, amax_floor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the dim-0 kernels on ``x`` ``(M, K)`` (check :func:`kernel_available` first): ``(q, scale)``, ``q``
+    ``(K, M)`` row-major ``float8_dtype`` holding ``x.T`` quantized row-wise, ``scale`` ``(K, 1)`` float32.
+    ``amax_floor``: the smallest amax a scale is built from. Tiles from :data:`CONFIG` (read at each call)."""
     M, K = x.shape
     amax = torch.zeros(K, dtype=torch.float32, device=x.device)
     q = torch.empty(K, M, dtype=float8_dtype, device=x.device)
@@ -202,12 +191,6 @@ def quantize_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype) -> tuple[torch.T
                                BLOCK_K=c["amax_block_k"], num_warps=c["amax_warps"])
         grid = (triton.cdiv(M, c["cast_block_m"]), triton.cdiv(K, c["cast_block_k"]))
         _cast_t_kernel[grid](x, amax, q, scale, M, K, x.stride(0), FMAX=torch.finfo(float8_dtype).max,
-                             EPS=_AMAX_FLOOR, BLOCK_M=c["cast_block_m"], BLOCK_K=c["cast_block_k"],
+                             EPS=amax_floor, BLOCK_M=c["cast_block_m"], BLOCK_K=c["cast_block_k"],
                              num_warps=c["cast_warps"])
     return q, scale
-
-
-@quantize_dim0_t.register_fake
-def _(x, float8_dtype):
-    M, K = x.shape
-    return x.new_empty(K, M, dtype=float8_dtype), x.new_empty(K, 1, dtype=torch.float32)

@@ -1,46 +1,29 @@
-"""The op table of :class:`~fp8tensor.tensor.ScaledFp8Tensor`: what each aten op does to data and scale.
+"""The non-GEMM entries of the op table of :class:`~fp8tensor.tensor.ScaledFp8Tensor`: what each aten op does to
+data and scale.
 
-One registry (``OP_TABLE``), grouped by family; each handler is short and named after what it does to the
-scale. Scale convention: float32, same ndim as ``qdata``, each dim 1 (not scaled over) or full size.
-
-Ops not in the table:
-
-* out-of-place: run on the dequantized tensors, return plain tensors;
-* in-place or ``out=`` writing into a ScaledFp8Tensor, and collectives: ``NotImplementedError`` naming the op
-  (in-place arithmetic says to train with a high-precision master weight instead).
+Registered with :func:`fp8tensor.tensor.implements` into :data:`fp8tensor.tensor.OP_TABLE`, grouped by family; each
+handler is short and named after what it does to the scale. Scale convention: float32, same ndim as ``qdata``, each
+dim 1 (not scaled over) or full size. GEMMs (``mm``, ``addmm``) are registered by :mod:`fp8tensor.gemm`, collectives
+by :mod:`fp8tensor.collectives`; ops in no table follow the fallback rules of :func:`fp8tensor.tensor._dispatch`.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
-from torch.utils._pytree import tree_map_only
 
-from .gemm import fp8_mm
-from .quantize import cast_to_fp8, amax_to_scale
-from .tensor import ScaledFp8Tensor
+from .quantize import FLOAT8_DTYPES, amax_to_scale, cast_to_fp8
+from .tensor import ScaledFp8Tensor, implements
 
 aten = torch.ops.aten
-OP_TABLE: dict = {}
-
-
-def implements(ops: Sequence) -> Callable:
-    """Register ``fn(func, args, kwargs)`` as the handler of each aten op (overload or overload packet)."""
-
-    def deco(fn):
-        for op in ops:
-            OP_TABLE[op] = fn
-        return fn
-
-    return deco
 
 
 def _wrap(qdata: torch.Tensor, scale: torch.Tensor, like: ScaledFp8Tensor, shares_scale: bool = False):
-    out = ScaledFp8Tensor(qdata, scale, like.orig_dtype, like.fast_accum)
-    if shares_scale or getattr(like, "_shares_scale", False):
-        # A view whose scales also scale data outside it (a column slice of a row-scaled tensor): copy_ refuses.
-        out._shares_scale = True
-    return out
+    """A view of ``like``: ``shares_scale`` marks a view whose scales also scale data outside it (a column slice of a
+    row-scaled tensor), which ``copy_`` guards; views keeping ``like``'s scale tensor share its write bookkeeping."""
+    shares = shares_scale or like.shares_scale
+    writes = like.scale_writes() if shares and scale is like.scale else None
+    return ScaledFp8Tensor(qdata, scale, like.orig_dtype, like.fast_accum, shares_scale=shares, scale_writes=writes)
 
 
 def _norm_dim(d: int, ndim: int) -> int:
@@ -49,61 +32,6 @@ def _norm_dim(d: int, ndim: int) -> int:
 
 def _scaled_along(t: ScaledFp8Tensor, d: int) -> bool:
     return t.scale.shape[d] != 1
-
-
-# --------------------------------------------------------------------------------------------- dispatch
-_COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "fsdp")
-
-
-def _writes_into_fp8(func, args, kwargs) -> bool:
-    schema = func._schema
-    for i, arg in enumerate(schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        val = kwargs.get(arg.name) if arg.kwarg_only or i >= len(args) else args[i]
-        vals = val if isinstance(val, (list, tuple)) else [val]
-        if any(isinstance(v, ScaledFp8Tensor) for v in vals):
-            return True
-    return False
-
-
-def dispatch(func, types, args, kwargs):
-    """``__torch_dispatch__`` of ScaledFp8Tensor: the table, else the fallback rules in the module docstring."""
-    handler = OP_TABLE.get(func) or OP_TABLE.get(func.overloadpacket)
-    if handler is not None:
-        return handler(func, args, kwargs)
-    name = str(func)
-    if func.namespace in _COLLECTIVE_NAMESPACES:
-        raise NotImplementedError(f"ScaledFp8Tensor: collective op {name} is not implemented for fp8 data and scales")
-    if _writes_into_fp8(func, args, kwargs):
-        if any(getattr(a, "is_out", False) for a in func._schema.arguments):
-            raise NotImplementedError(f"ScaledFp8Tensor: out= op {name} into a ScaledFp8Tensor is not supported")
-        raise NotImplementedError(
-            f"ScaledFp8Tensor: in-place op {name} would modify fp8-stored data, which loses updates to rounding. "
-            "Train with a high-precision master weight (fp8tensor.convert_to_fp8) and quantize on use instead."
-        )
-    args, kwargs = tree_map_only(ScaledFp8Tensor, lambda t: t.to_hp(), (args, kwargs))
-    return func(*args, **kwargs)
-
-
-# --------------------------------------------------------------------------------------------- GEMMs
-@implements([aten.mm.default])
-def _mm(func, args, kwargs):
-    a, b = args[0], args[1]
-    return fp8_mm(a, b, op="aten.mm")
-
-
-@implements([aten.addmm.default])
-def _addmm(func, args, kwargs):
-    bias, a, b = args[0], args[1], args[2]
-    beta = kwargs.get("beta", args[3] if len(args) > 3 else 1)
-    alpha = kwargs.get("alpha", args[4] if len(args) > 4 else 1)
-    if isinstance(bias, ScaledFp8Tensor):
-        bias = bias.to_hp()
-    if beta == 1 and alpha == 1 and bias.dim() == 1:
-        return fp8_mm(a, b, bias, op="aten.addmm")
-    out = fp8_mm(a, b, op="aten.addmm")
-    return (alpha * out.to(torch.float32) + beta * bias.to(torch.float32)).to(out.dtype)
 
 
 # --------------------------------------------------------------------------------------------- aliases / copies
@@ -125,7 +53,7 @@ def _to_copy_move_scale(func, args, kwargs):
     t = args[0]
     kwargs = dict(kwargs)
     dtype = kwargs.pop("dtype", None)
-    if dtype is not None and (not dtype.is_floating_point or dtype in (torch.float8_e4m3fn, torch.float8_e5m2)):
+    if dtype is not None and (not dtype.is_floating_point or dtype in FLOAT8_DTYPES):
         return func(t.to_hp(), dtype=dtype, **kwargs)
     kwargs.pop("layout", None)
     qdata = func(t.qdata, **kwargs)
@@ -157,7 +85,7 @@ def _copy_into_data_and_scale(func, args, kwargs):
                 q, s = _quantize_like(src.to_hp(torch.float32), dst)
     else:
         q, s = _quantize_like(src.to(dst.device), dst)
-    if getattr(dst, "_shares_scale", False) and not _shared_scale_write_ok(dst, s):
+    if dst.shares_scale and not _shared_scale_write_ok(dst, s):
         raise NotImplementedError(
             "ScaledFp8Tensor copy_: the destination is a view whose scales are shared with elements outside it "
             f"(e.g. a column slice of a row-scaled tensor: data {tuple(dst.shape)}, scale {tuple(dst.scale.shape)}), "
@@ -173,12 +101,13 @@ def _shared_scale_write_ok(dst: ScaledFp8Tensor, new_scale: torch.Tensor) -> boo
     """Whether ``copy_`` may write ``new_scale`` into a view ``dst`` that shares its scales with sibling views.
 
     Loading a checkpoint chunk by chunk (DCP writes column chunks of a row-scaled weight into slices) is fine as
-    long as all chunks of a row carry the same scale. The shared scale tensor remembers which regions were written
+    long as all chunks of a row carry the same scale. The views sharing a scale tensor share one record
+(``ScaledFp8Tensor.scale_writes``) of which regions were written
     since its values last changed; changing the values from a region not written before, while another region
     was written with the old ones, would silently corrupt that region, so it is refused. Writing an already
     written region with new scales starts over (the next load of a checkpoint)."""
     region = (dst.qdata.storage_offset(), tuple(dst.qdata.shape), tuple(dst.qdata.stride()))
-    written = dst.scale.__dict__.setdefault("_fp8_written_regions", set())
+    written = dst.scale_writes().regions
     same = new_scale.shape == dst.scale.shape and _all_equal([new_scale.contiguous(), dst.scale.contiguous()])
     if not same:
         if written and region not in written:
@@ -190,9 +119,7 @@ def _shared_scale_write_ok(dst: ScaledFp8Tensor, new_scale: torch.Tensor) -> boo
 
 def _scale_fits(src_scale: torch.Tensor, dst_scale: torch.Tensor) -> bool:
     """True if ``src_scale`` can be written into ``dst_scale`` without losing information."""
-    return all(s == d or s == 1 for s, d in zip(src_scale.shape, dst_scale.shape)) and all(
-        not (s != 1 and d == 1) for s, d in zip(src_scale.shape, dst_scale.shape)
-    )
+    return all(s == d or s == 1 for s, d in zip(src_scale.shape, dst_scale.shape))
 
 
 def _quantize_like(x: torch.Tensor, like: ScaledFp8Tensor):

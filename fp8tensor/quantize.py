@@ -1,6 +1,11 @@
 """Row-wise fp8 quantization: amax, scale and the saturating cast.
 
-This module is the only place where fp8 rounding happens.
+This module is the only place where fp8 rounding happens, and :func:`quantize` is the one entry point that decides
+*how* a tensor is quantized: a Triton kernel of :mod:`fp8tensor.kernels` (eager CUDA), the plain ops below (CPU,
+``torch.compile``, tensors the kernels do not take), or the ``fp8tensor::quantize_dim0_t`` custom op (GEMM operands
+reduced over their outer dim, in the transposed layout ``torch._scaled_mm`` wants). ``from_hp``, the GEMM engine's
+operand preparation, training, the FSDP2 pre-all-gather and ``copy_`` all go through it (or, for a scale layout
+given by an existing tensor, through :func:`amax_to_scale` / :func:`cast_to_fp8`).
 
 Scale convention (used everywhere in fp8tensor): ``scale`` is the *dequantization multiplier*, a float32
 tensor with the same number of dims as the data, of size 1 on every dim it does not vary over::
@@ -16,7 +21,11 @@ from __future__ import annotations
 
 import torch
 
+from . import kernels
+
 __all__ = [
+    "quantize",
+    "quantize_dim0_t",
     "FLOAT8_DTYPES",
     "E4M3",
     "E5M2",
@@ -73,10 +82,42 @@ def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, float8_dtype: torch.dtype)
     return torch.clamp(y, min=-fmax, max=fmax).to(float8_dtype)
 
 
+def quantize(
+    x: torch.Tensor, dim: int = -1, float8_dtype: torch.dtype = E4M3, *, gemm_layout: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The quantization entry point: ``(qdata, scale)`` of ``x`` with one scale per slice reduced over ``dim``.
+
+    Which code runs (the values follow the scale convention of this module in every case):
+
+    1. ``gemm_layout=True``, ``x`` a 2-D CUDA tensor whose ``dim`` is its outer (strided) dim — ``dim=0`` of a
+       row-major ``x`` or ``dim=1`` of a transposed view — and :func:`fp8tensor.kernels.kernel_available`: the
+       ``fp8tensor::quantize_dim0_t`` custom op; ``qdata`` is then a transposed view of a contiguous tensor (the
+       column-major layout ``torch._scaled_mm`` wants for its second operand).
+    2. ``dim`` is the last dim and :func:`fp8tensor.kernels.row_kernel_available` (eager, contiguous CUDA): the fused
+       row-wise Triton kernel (same bits as the ops).
+    3. Otherwise (CPU, ``torch.compile``, other layouts): :func:`rowwise_scale` and :func:`cast_to_fp8`.
+
+    Raises:
+        TypeError: ``float8_dtype`` is not one of the supported fp8 formats.
+    """
+    check_float8_dtype(float8_dtype, "quantize_rowwise")
+    if x.is_cuda:
+        if gemm_layout and x.dim() == 2:
+            if dim % 2 == 0 and kernels.kernel_available(x):
+                q, s = quantize_dim0_t(x, float8_dtype)
+                return q.t(), s.t()
+            if dim % 2 == 1 and kernels.kernel_available(x.t()):
+                return quantize_dim0_t(x.t(), float8_dtype)
+        if x.dim() and dim in (-1, x.dim() - 1) and kernels.row_kernel_available(x):
+            return kernels.quantize_last_dim(x, float8_dtype, _AMAX_FLOOR)
+    scale = rowwise_scale(x, dim, float8_dtype)
+    return cast_to_fp8(x, scale, float8_dtype), scale
+
+
 def quantize_rowwise(
     x: torch.Tensor, dim: int = -1, float8_dtype: torch.dtype = E4M3
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize ``x`` with one scale per slice reduced over ``dim``.
+    """Quantize ``x`` with one scale per slice reduced over ``dim`` (:func:`quantize` with ``qdata`` in ``x``'s layout).
 
     Args:
         x: floating-point tensor of any shape (fp32, bf16, fp16, fp64).
@@ -90,11 +131,32 @@ def quantize_rowwise(
     Raises:
         TypeError: ``float8_dtype`` is not one of the supported fp8 formats.
     """
-    check_float8_dtype(float8_dtype, "quantize_rowwise")
-    if x.dim() and dim in (-1, x.dim() - 1) and x.is_cuda:
-        from .kernels import quantize_last_dim, row_kernel_available
+    return quantize(x, dim, float8_dtype)
 
-        if row_kernel_available(x):  # eager CUDA: one fused Triton kernel, same bits as the ops below
-            return quantize_last_dim(x, float8_dtype)
-    scale = rowwise_scale(x, dim, float8_dtype)
-    return cast_to_fp8(x, scale, float8_dtype), scale
+
+# ---------------------------------------------------------------------------------------------- dim-0 custom op
+def _reference_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype):
+    q, s = quantize_rowwise(x.t(), dim=-1, float8_dtype=float8_dtype)
+    return q.contiguous(), s
+
+
+@torch.library.custom_op("fp8tensor::quantize_dim0_t", mutates_args=())
+def quantize_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``x`` ``(M, K)`` along dim 0 and return it transposed.
+
+    The fused Triton kernels of :mod:`fp8tensor.kernels` where they take ``x`` (CUDA, row-major), else the plain
+    ops (:func:`quantize_rowwise` of ``x.T``).
+
+    Returns:
+        ``(q, scale)``: ``q`` is ``(K, M)`` row-major ``float8_dtype`` holding ``x.T`` quantized row-wise,
+        ``scale`` is ``(K, 1)`` float32 (dequantization multiplier), i.e. ``q.float() * scale ≈ x.T``.
+    """
+    if not kernels.kernel_available(x):
+        return _reference_dim0_t(x, float8_dtype)
+    return kernels.launch_dim0_t(x, float8_dtype, _AMAX_FLOOR)
+
+
+@quantize_dim0_t.register_fake
+def _(x, float8_dtype):
+    M, K = x.shape
+    return x.new_empty(K, M, dtype=float8_dtype), x.new_empty(K, 1, dtype=torch.float32)

@@ -1,17 +1,120 @@
 """``ScaledFp8Tensor``: fp8 data plus float32 row-wise scales, as a ``__torch_dispatch__`` wrapper subclass.
 
-What each aten op does to the scale is in :mod:`fp8tensor.ops` (the op table); GEMMs are in
-:mod:`fp8tensor.gemm`; rounding is in :mod:`fp8tensor.quantize`.
+This module holds the class, its op registry (``OP_TABLE`` filled with :func:`implements`) and the dispatcher.
+What each aten op does to the scale is in :mod:`fp8tensor.ops` (the non-GEMM op table entries); GEMMs are in
+:mod:`fp8tensor.gemm`; rounding is in :mod:`fp8tensor.quantize`; the FSDP2 all-gather payload is
+:mod:`fp8tensor.fsdp`.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
+from torch.utils._pytree import tree_map_only
 
-from .quantize import E4M3, FLOAT8_DTYPES, check_float8_dtype, quantize_rowwise
+from . import fsdp as _payload
+from .quantize import E4M3, FLOAT8_DTYPES, check_float8_dtype, quantize
 
-__all__ = ["ScaledFp8Tensor", "dequantize"]
+__all__ = ["ScaledFp8Tensor", "dequantize", "OP_TABLE", "implements", "register_fsdp_pre_all_gather_callback"]
+
+#: The op table: aten op overload -> ``handler(func, args, kwargs)``. Filled by :func:`implements` (in
+#: :mod:`fp8tensor.ops`, :mod:`fp8tensor.gemm`, :mod:`fp8tensor.collectives`).
+OP_TABLE: dict = {}
+
+
+def implements(ops: Sequence) -> Callable:
+    """Register ``fn(func, args, kwargs)`` as the handler of each aten op overload in ``ops``.
+
+    Raises:
+        RuntimeError: an op already has a handler (each op has exactly one, registered once).
+    """
+
+    def deco(fn):
+        for op in ops:
+            prev = OP_TABLE.get(op)
+            if prev is not None:
+                raise RuntimeError(
+                    f"ScaledFp8Tensor op table: {op} already has a handler "
+                    f"({prev.__module__}.{prev.__qualname__}); refusing to register "
+                    f"{fn.__module__}.{fn.__qualname__}"
+                )
+            OP_TABLE[op] = fn
+        return fn
+
+    return deco
+
+
+_COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "fsdp")
+
+
+def _writes_into_fp8(func, args, kwargs) -> bool:
+    schema = func._schema
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        val = kwargs.get(arg.name) if arg.kwarg_only or i >= len(args) else args[i]
+        vals = val if isinstance(val, (list, tuple)) else [val]
+        if any(isinstance(v, ScaledFp8Tensor) for v in vals):
+            return True
+    return False
+
+
+def _dispatch(cls, func, types, args=(), kwargs=None):
+    """``__torch_dispatch__`` of ScaledFp8Tensor: the op table; ops not in it:
+
+    * out-of-place: run on the dequantized tensors, return plain tensors;
+    * in-place or ``out=`` writing into a ScaledFp8Tensor, and collectives: ``NotImplementedError`` naming the op
+      (in-place arithmetic says to train with a high-precision master weight instead).
+    """
+    kwargs = kwargs or {}
+    handler = OP_TABLE.get(func)
+    if handler is not None:
+        return handler(func, args, kwargs)
+    name = str(func)
+    if func.namespace in _COLLECTIVE_NAMESPACES:
+        raise NotImplementedError(f"ScaledFp8Tensor: collective op {name} is not implemented for fp8 data and scales")
+    if _writes_into_fp8(func, args, kwargs):
+        if any(getattr(a, "is_out", False) for a in func._schema.arguments):
+            raise NotImplementedError(f"ScaledFp8Tensor: out= op {name} into a ScaledFp8Tensor is not supported")
+        raise NotImplementedError(
+            f"ScaledFp8Tensor: in-place op {name} would modify fp8-stored data, which loses updates to rounding. "
+            "Train with a high-precision master weight (fp8tensor.convert_to_fp8) and quantize on use instead."
+        )
+    args, kwargs = tree_map_only(ScaledFp8Tensor, lambda t: t.to_hp(), (args, kwargs))
+    return func(*args, **kwargs)
+
+
+_PRE_ALL_GATHER_CALLBACKS: list = []
+
+
+def register_fsdp_pre_all_gather_callback(fn: Callable[["ScaledFp8Tensor"], None]) -> None:
+    """Call ``fn(local)`` at the start of every ``ScaledFp8Tensor.fsdp_pre_all_gather`` (after its input check).
+
+    :mod:`fp8tensor.fsdp_state` registers the drop of FSDP2's flat copy of the shard here (it edits FSDP2's private
+    state, which lives above this module)."""
+    if fn not in _PRE_ALL_GATHER_CALLBACKS:
+        _PRE_ALL_GATHER_CALLBACKS.append(fn)
+
+
+class _ScaleWrites:
+    """Regions of a shared scale written by ``copy_`` since its values last changed (see
+    ``fp8tensor.ops._shared_scale_write_ok``). One object per scale tensor, shared by every view that shares that
+    scale; carried through ``__tensor_flatten__`` (bookkeeping, not metadata: any two compare equal, so it never
+    splits a compiled graph's guards)."""
+
+    __slots__ = ("regions",)
+
+    def __init__(self, regions=()):
+        self.regions = set(regions)
+
+    def __eq__(self, other):
+        return isinstance(other, _ScaleWrites)
+
+    def __hash__(self):
+        return 0
+
+    def __repr__(self):
+        return f"_ScaleWrites({len(self.regions)} regions)"
 
 
 def _is_dtensor(t: Any) -> bool:
@@ -63,6 +166,9 @@ class ScaledFp8Tensor(torch.Tensor):
         orig_dtype: the high-precision dtype (``.dtype`` of this tensor; output dtype of its GEMMs).
         fast_accum: whether GEMMs with this operand may use fp8 fast accumulation (``use_fast_accum`` of
             ``torch._scaled_mm``). Default True (forward); fp8tensor's backward passes build operands with False.
+        shares_scale: whether this is a view whose scales also scale elements outside it (a column slice of a
+            row-scaled tensor); ``copy_`` into it refuses writes that would change those elements. Set by the
+            slicing ops; kept through flatten/unflatten, deepcopy and pickling.
 
     ``shape``, ``stride``, ``device`` and ``dtype`` are the logical ones. Ops not in the op table that are
     out-of-place run on the dequantized tensor and return a plain tensor; in-place, ``out=`` and collective
@@ -77,6 +183,7 @@ class ScaledFp8Tensor(torch.Tensor):
     scale: torch.Tensor
     orig_dtype: torch.dtype
     fast_accum: bool
+    shares_scale: bool
 
     @staticmethod
     def __new__(
@@ -86,6 +193,9 @@ class ScaledFp8Tensor(torch.Tensor):
         orig_dtype: torch.dtype,
         fast_accum: bool = True,
         requires_grad: bool = False,
+        *,
+        shares_scale: bool = False,
+        scale_writes: Optional[_ScaleWrites] = None,
     ):
         return torch.Tensor._make_wrapper_subclass(
             cls,
@@ -105,6 +215,9 @@ class ScaledFp8Tensor(torch.Tensor):
         orig_dtype: torch.dtype,
         fast_accum: bool = True,
         requires_grad: bool = False,
+        *,
+        shares_scale: bool = False,
+        scale_writes: Optional[_ScaleWrites] = None,
     ):
         if qdata.dtype not in FLOAT8_DTYPES:
             raise TypeError(f"ScaledFp8Tensor: qdata must be float8_e4m3fn or float8_e5m2, got {qdata.dtype}")
@@ -121,6 +234,8 @@ class ScaledFp8Tensor(torch.Tensor):
         self.scale = scale
         self.orig_dtype = orig_dtype
         self.fast_accum = bool(fast_accum)
+        self.shares_scale = bool(shares_scale)
+        self._scale_writes = scale_writes
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -161,7 +276,7 @@ class ScaledFp8Tensor(torch.Tensor):
         if t.ndim < 2:
             raise ValueError(f"{op}: expected a tensor with at least 2 dims (rows × columns), got shape {tuple(t.shape)}")
         t = _plain(t).detach()
-        qdata, scale = quantize_rowwise(t, dim=-1, float8_dtype=float8_dtype)
+        qdata, scale = quantize(t, -1, float8_dtype)
         return cls(qdata, scale, t.dtype, fast_accum)
 
     def to_hp(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
@@ -170,7 +285,15 @@ class ScaledFp8Tensor(torch.Tensor):
 
     def with_fast_accum(self, fast_accum: bool) -> "ScaledFp8Tensor":
         """Same data and scale (no copy), with the given fast-accumulation flag."""
-        return ScaledFp8Tensor(self.qdata, self.scale, self.orig_dtype, fast_accum)
+        return ScaledFp8Tensor(self.qdata, self.scale, self.orig_dtype, fast_accum, shares_scale=self.shares_scale,
+                               scale_writes=self._scale_writes)
+
+    def scale_writes(self) -> _ScaleWrites:
+        """The write bookkeeping of this tensor's scale (created on first use; shared with the views that share
+        the scale)."""
+        if self._scale_writes is None:
+            self._scale_writes = _ScaleWrites()
+        return self._scale_writes
 
     @property
     def float8_dtype(self) -> torch.dtype:
@@ -179,18 +302,15 @@ class ScaledFp8Tensor(torch.Tensor):
 
     # ------------------------------------------------------------------ subclass protocol
     def __tensor_flatten__(self):
-        return ["qdata", "scale"], (self.orig_dtype, self.fast_accum)
+        return ["qdata", "scale"], (self.orig_dtype, self.fast_accum, self.shares_scale, self._scale_writes)
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):
-        orig_dtype, fast_accum = ctx
-        return ScaledFp8Tensor(inner_tensors["qdata"], inner_tensors["scale"], orig_dtype, fast_accum)
+        orig_dtype, fast_accum, shares_scale, scale_writes = ctx
+        return ScaledFp8Tensor(inner_tensors["qdata"], inner_tensors["scale"], orig_dtype, fast_accum,
+                               shares_scale=shares_scale, scale_writes=scale_writes)
 
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        from .ops import dispatch
-
-        return dispatch(func, types, args, kwargs or {})
+    __torch_dispatch__ = classmethod(_dispatch)
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -203,17 +323,21 @@ class ScaledFp8Tensor(torch.Tensor):
         )
 
     # ------------------------------------------------------------------ FSDP2 all-gather extension
+    @torch.no_grad()
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        """FSDP2 hook: all-gather the fp8 rows and their scales as stored (see :mod:`fp8tensor.fsdp`)."""
-        from .fsdp import scaled_pre_all_gather
+        """FSDP2 hook: all-gather the fp8 rows and their scales as stored (see :mod:`fp8tensor.fsdp`).
 
-        return scaled_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy)
+        Raises:
+            NotImplementedError: the tensor has fewer than 2 dims.
+        """
+        _payload.check_rowwise_input(self, "ScaledFp8Tensor.fsdp_pre_all_gather")
+        for fn in _PRE_ALL_GATHER_CALLBACKS:
+            fn(self)
+        return _payload.scaled_pre_all_gather(self.qdata, self.scale, self.fast_accum, mesh, outer_size)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         """FSDP2 hook: the unsharded ScaledFp8Tensor from the gathered rows and scales (see :mod:`fp8tensor.fsdp`)."""
-        from .fsdp import post_all_gather
-
-        return post_all_gather(self, all_gather_outputs, metadata, param_dtype, out=out)
+        return fsdp_post_all_gather(all_gather_outputs, metadata, param_dtype, out=out)
 
     # ------------------------------------------------------------------ serialization
     def __reduce_ex__(self, protocol):
@@ -228,6 +352,7 @@ class ScaledFp8Tensor(torch.Tensor):
                 self.requires_grad,
                 bool(getattr(self, "_is_param", False)),
                 self.qdata.dtype,
+                self.shares_scale,
             ),
         )
 
@@ -241,19 +366,56 @@ class ScaledFp8Tensor(torch.Tensor):
             self.fast_accum,
             self.requires_grad,
             bool(getattr(self, "_is_param", False)),
+            shares_scale=self.shares_scale,
         )
+        if self._scale_writes is not None:
+            out._scale_writes = _ScaleWrites(self._scale_writes.regions)
         memo[id(self)] = out
         return out
 
 
-def _rebuild_scaled_fp8(qdata, scale, orig_dtype, fast_accum, requires_grad, is_param=False, float8_dtype=None):
+def _rebuild_scaled_fp8(qdata, scale, orig_dtype, fast_accum, requires_grad, is_param=False, float8_dtype=None,
+                        shares_scale=False):
     """Unpickling hook of :class:`ScaledFp8Tensor` (registered as a safe global for ``weights_only`` loads)."""
     if float8_dtype is not None and qdata.dtype != float8_dtype:
         qdata = qdata.view(float8_dtype)
-    t = ScaledFp8Tensor(qdata, scale, orig_dtype, fast_accum, requires_grad=requires_grad)
+    t = ScaledFp8Tensor(qdata, scale, orig_dtype, fast_accum, requires_grad=requires_grad, shares_scale=shares_scale)
     if is_param:
         t._is_param = True  # what nn.Parameter(subclass) sets
     return t
+
+
+@torch.no_grad()
+def fsdp_post_all_gather(all_gather_outputs, metadata, param_dtype, *, out=None):
+    """``fsdp_post_all_gather`` of both subclasses (ScaledFp8Tensor and ``Fp8MasterWeight``): build (or refill) the
+    unsharded :class:`ScaledFp8Tensor` from the payload of :mod:`fp8tensor.fsdp`.
+
+    Args:
+        all_gather_outputs: ``(data,)`` or ``(data, scale)``; ``data`` is ``(world * padded_rows, *rest)`` uint8.
+        metadata: what ``fsdp_pre_all_gather`` returned.
+        param_dtype: logical dtype of the result (``MixedPrecisionPolicy.param_dtype`` or the master dtype).
+        out: on iterations after the first, the unsharded parameter built the first time (a ScaledFp8Tensor, or
+            a DTensor of one with tensor parallelism); it is refilled in place and ``None`` is returned.
+
+    Returns:
+        First call: ``(ScaledFp8Tensor of shape (rows, *rest), inner_tensors)``; FSDP2 frees and re-allocates
+        ``inner_tensors`` between iterations. With ``out``: ``None``.
+
+    Raises:
+        RuntimeError: ``out`` is not a ScaledFp8Tensor of the gathered shape.
+    """
+    if out is not None:
+        qdata, scale = _payload.gathered(all_gather_outputs, metadata)
+        target = out._local_tensor if _is_dtensor(out) else out
+        if not isinstance(target, ScaledFp8Tensor) or tuple(target.shape) != tuple(qdata.shape):
+            raise RuntimeError(
+                f"fp8tensor fsdp_post_all_gather: out= must be the ScaledFp8Tensor of shape {tuple(qdata.shape)} "
+                f"built on the first all-gather, got {type(target).__name__} of shape {tuple(target.shape)}"
+            )
+        _payload.refill(target.qdata, target.scale, qdata, scale)
+        return None
+    qdata, scale, inner = _payload.unsharded_buffers(all_gather_outputs, metadata)
+    return ScaledFp8Tensor(qdata, scale, param_dtype, metadata.fast_accum), inner
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fp8tensor import E4M3, E5M2, ScaledFp8Tensor
-from fp8tensor.ops import OP_TABLE
+from fp8tensor.tensor import OP_TABLE
 
 from conftest import rel_err, same_bits
 

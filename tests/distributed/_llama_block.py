@@ -1,8 +1,10 @@
-"""A small Llama-style transformer block and its tensor-parallel plans (test helper, not a test module).
+"""The Llama block of ``examples/llama.py`` in the configuration the distributed tests use, and its tensor-parallel
+plans (test helper, not a test module).
 
-The block is the usual pre-norm decoder layer: ``h = x + Attention(RMSNorm(x))``, ``out = h + MLP(RMSNorm(h))``,
-with bias-free ``wq``/``wk``/``wv``/``wo`` projections, causal scaled-dot-product attention and a SwiGLU MLP
-(``w2(silu(w1 x) * w3 x)``). Inputs and outputs are ``[batch, seq, hidden]``.
+:class:`LlamaBlock` is ``llama.TransformerBlock`` (the one definition of the block: pre-norm decoder layer
+``h = x + Attention(RMSNorm(x))``, ``out = h + MLP(RMSNorm(h))``, bias-free ``wq``/``wk``/``wv``/``wo``, causal
+scaled-dot-product attention and a SwiGLU MLP) without rotary embeddings, with as many key/value heads as query
+heads and an initialization that keeps activations O(1). Inputs and outputs are ``[batch, seq, hidden]``.
 
 The attention code reshapes with ``-1`` heads, so it runs unchanged on the local head slice that a column-wise
 sharded ``wq``/``wk``/``wv`` produces (``use_local_output=True``): the tensor-parallel plans below only use
@@ -10,9 +12,15 @@ PyTorch's own parallel styles, nothing of fp8tensor.
 """
 from __future__ import annotations
 
+import os
+import sys
+
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples"))
+
+from llama import Attention, FeedForward, ModelArgs, RMSNorm, TransformerBlock  # noqa: E402
 
 __all__ = ["BlockConfig", "RMSNorm", "Attention", "FeedForward", "LlamaBlock", "tp_plan", "SplitFp8Linear",
            "split_reference"]
@@ -25,72 +33,25 @@ class BlockConfig:
         self.n_heads, self.head_dim, self.ffn, self.eps = n_heads, head_dim, ffn, eps
         self.hidden = n_heads * head_dim
 
+    def model_args(self) -> ModelArgs:
+        """The ``llama.ModelArgs`` of this block (no grouped-query attention)."""
+        return ModelArgs(dim=self.hidden, n_layers=1, n_heads=self.n_heads, n_kv_heads=self.n_heads,
+                         ffn_hidden=self.ffn, norm_eps=self.eps)
+
     def __repr__(self) -> str:
         return f"BlockConfig(hidden={self.hidden}, n_heads={self.n_heads}, head_dim={self.head_dim}, ffn={self.ffn})"
 
 
-class RMSNorm(nn.Module):
-    """``x / sqrt(mean(x**2, -1) + eps) * weight``, computed in float32 (or float64 for float64 inputs)."""
+class LlamaBlock(TransformerBlock):
+    """``llama.TransformerBlock`` without rotary embeddings: ``forward(x)``, ``[batch, seq, hidden]`` in and out.
 
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float() if x.dtype != torch.float64 else x
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return y.type_as(x) * self.weight
-
-
-class Attention(nn.Module):
-    """Multi-head causal self-attention with bias-free ``wq``/``wk``/``wv``/``wo``; works on a local head slice."""
-
-    def __init__(self, cfg: BlockConfig):
-        super().__init__()
-        self.head_dim = cfg.head_dim
-        h = cfg.hidden
-        self.wq = nn.Linear(h, h, bias=False)
-        self.wk = nn.Linear(h, h, bias=False)
-        self.wv = nn.Linear(h, h, bias=False)
-        self.wo = nn.Linear(h, h, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s = x.shape[0], x.shape[1]
-        q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(o.transpose(1, 2).reshape(b, s, -1))
-
-
-class FeedForward(nn.Module):
-    """SwiGLU MLP: ``w2(silu(w1(x)) * w3(x))``, bias-free."""
-
-    def __init__(self, cfg: BlockConfig):
-        super().__init__()
-        self.w1 = nn.Linear(cfg.hidden, cfg.ffn, bias=False)
-        self.w2 = nn.Linear(cfg.ffn, cfg.hidden, bias=False)
-        self.w3 = nn.Linear(cfg.hidden, cfg.ffn, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
-class LlamaBlock(nn.Module):
-    """Pre-norm decoder block: ``h = x + attention(attention_norm(x))``; ``h + feed_forward(ffn_norm(h))``.
-
-    Input and output: ``[batch, seq, hidden]``. Weights are initialized with std ``hidden**-0.5`` (RMSNorm
-    weights around 1), so activations stay O(1) through the block.
+    Weights are initialized with std ``in_features**-0.5`` (RMSNorm weights uniform in [0.5, 1.5]), so activations
+    stay O(1) through the block.
     """
 
     def __init__(self, cfg: BlockConfig):
-        super().__init__()
+        super().__init__(0, cfg.model_args())
         self.cfg = cfg
-        self.attention_norm = RMSNorm(cfg.hidden, cfg.eps)
-        self.attention = Attention(cfg)
-        self.ffn_norm = RMSNorm(cfg.hidden, cfg.eps)
-        self.feed_forward = FeedForward(cfg)
         with torch.no_grad():
             for lin in self.linears():
                 lin.weight.normal_(0.0, lin.in_features**-0.5)
@@ -98,10 +59,11 @@ class LlamaBlock(nn.Module):
                 norm.weight.uniform_(0.5, 1.5)
 
     def linears(self) -> list[nn.Linear]:
-        """The six Linear layers (q, k, v, o, w1, w2, w3 — wo and w2 are row-parallel in the plans)."""
+        """The seven Linear layers (q, k, v, o, w1, w2, w3 — wo and w2 are row-parallel in the plans)."""
         return [m for m in self.modules() if isinstance(m, nn.Linear)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The attention takes one input (no rope table), as the plans' PrepareModuleInput expects.
         h = x + self.attention(self.attention_norm(x))
         return h + self.feed_forward(self.ffn_norm(h))
 

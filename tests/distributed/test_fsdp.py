@@ -269,6 +269,7 @@ def worker_1d(rank: int, world: int, seed: int) -> dict:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     import fp8tensor.fsdp as f8fsdp
+    import fp8tensor.fsdp_state as f8state
     from _llama_block import BlockConfig, LlamaBlock
     from fp8tensor import ScaledFp8Tensor, convert_to_fp8, quantize_weights
 
@@ -362,7 +363,7 @@ def worker_1d(rank: int, world: int, seed: int) -> dict:
     m = shard_block(convert_to_fp8(copy.deepcopy(base)), mesh, reshard=False, mp=mp)
     fwd_w = {}
     handles = capture_forward_weights(m, fwd_w)
-    fp = f8fsdp.find_fsdp_param(m.feed_forward.w2.weight)
+    fp = f8state.find_fsdp_param(m.feed_forward.w2.weight)
     ids, seen, grad_dtypes = [], [], []
 
     def on_step_b(t):
@@ -433,7 +434,7 @@ def worker_1d(rank: int, world: int, seed: int) -> dict:
             h.remove()
         # FSDP2's flat copy of each shard (unused by the fp8 all-gather) must not hold one scale per element
         flat_scale_bytes = max(
-            f._sharded_param_data.scale.numel() * 4 for f in f8fsdp._fsdp_params(mq) if f.sharded_param.dim() == 2)
+            f._sharded_param_data.scale.numel() * 4 for f in f8state._fsdp_params(mq) if f.sharded_param.dim() == 2)
         res[f"D_{order}"] = dict(
             local=local_types(mq),
             flat_scale_bytes=flat_scale_bytes,
@@ -504,7 +505,7 @@ def worker_4(rank: int, world: int, seed: int) -> dict:
     from _llama_block import BlockConfig, LlamaBlock
     from fp8tensor import Fp8MasterWeight, ScaledFp8Tensor, quantize_weights
     from fp8tensor.convert import fp8_linear_forward
-    from fp8tensor.training import get_recipe
+    from fp8tensor.recipes import get_recipe
 
     res: dict = {"seed": seed}
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))

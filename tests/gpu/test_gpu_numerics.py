@@ -77,7 +77,7 @@ def test_training_grads(recipe, compiled):
 @pytest.mark.parametrize("shape", [(1000, 300), (4096, 512), (7, 33)])
 @pytest.mark.parametrize("float8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_quantize_dim0_t_kernel_matches_reference(dtype, shape, float8_dtype):
-    from fp8tensor.kernels import _reference_dim0_t, quantize_dim0_t
+    from fp8tensor.quantize import _reference_dim0_t, quantize_dim0_t
 
     x = torch.randn(*shape, device=DEV, dtype=dtype) * torch.rand(1, shape[1], device=DEV, dtype=dtype) * 10
     x[:, 0] = 0  # an all-zero column
@@ -92,7 +92,7 @@ def test_quantize_dim0_t_kernel_matches_reference(dtype, shape, float8_dtype):
 
 
 def test_quantize_dim0_t_nan_column_stays_nonfinite():
-    from fp8tensor.kernels import quantize_dim0_t
+    from fp8tensor.quantize import quantize_dim0_t
 
     x = torch.randn(256, 64, device=DEV, dtype=torch.bfloat16)
     x[5, 3] = float("nan")
@@ -109,12 +109,13 @@ def test_row_kernel_bit_identical_to_eager_ops(dtype, shape, float8_dtype):
     """The fused last-dim kernel (used by eager quantize_rowwise / from_hp / FSDP2 pre-all-gather on CUDA) gives
     the same fp8 bits and scales as the eager ops, including all-zero rows and saturating values."""
     from fp8tensor.kernels import quantize_last_dim, row_kernel_available
+    from fp8tensor.quantize import _AMAX_FLOOR
     from fp8tensor.quantize import cast_to_fp8, quantize_rowwise, rowwise_scale
 
     x = (torch.randn(*shape, device=DEV) * torch.rand(*shape[:-1], 1, device=DEV) * 100).to(dtype)
     x.view(-1, shape[-1])[0] = 0  # an all-zero row
     assert row_kernel_available(x)
-    q, s = quantize_last_dim(x, float8_dtype)
+    q, s = quantize_last_dim(x, float8_dtype, _AMAX_FLOOR)
     sr = rowwise_scale(x, -1, float8_dtype)
     qr = cast_to_fp8(x, sr, float8_dtype)
     assert q.shape == x.shape and s.shape == (*shape[:-1], 1) and q.dtype == float8_dtype

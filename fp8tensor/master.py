@@ -1,0 +1,183 @@
+"""``Fp8MasterWeight``: a high-precision master weight that is quantized to fp8 on use.
+
+It behaves as the plain tensor it wraps for optimizers, ``state_dict``, initialization and layout ops; ``F.linear``
+on it runs :func:`fp8tensor.linear.fp8_linear`, a bare ``mm`` / ``addmm`` runs an fp8 GEMM, and under FSDP2 it
+quantizes its local rows before the all-gather (payload in :mod:`fp8tensor.fsdp`).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils._pytree import tree_flatten, tree_map_only
+
+from . import fsdp as _payload
+from .gemm import fp8_mm
+from .linear import QuantizeOnUse, _quantize_local, fp8_linear
+from .quantize import FLOAT8_DTYPES
+from .recipes import Recipe, get_recipe
+from .tensor import ScaledFp8Tensor, fsdp_post_all_gather
+
+__all__ = ["Fp8MasterWeight", "keep_master_through"]
+
+
+_PRESERVE = {
+    torch.ops.aten.detach.default,
+    torch.ops.aten.alias.default,
+    torch.ops.aten.clone.default,
+    torch.ops.aten.view.default,
+    torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.reshape.default,
+    torch.ops.aten.as_strided.default,
+    torch.ops.aten.t.default,
+    torch.ops.aten.transpose.int,
+    torch.ops.aten.slice.Tensor,
+    torch.ops.aten.select.int,
+    torch.ops.aten.split.Tensor,
+    torch.ops.aten.split_with_sizes.default,
+    torch.ops.aten.cat.default,
+    torch.ops.aten.new_zeros.default,
+    torch.ops.aten.new_empty.default,
+    torch.ops.aten.empty_like.default,
+    torch.ops.aten._to_copy.default,
+}
+
+
+def keep_master_through(ops) -> None:
+    """Add aten / collective op overloads whose results stay :class:`Fp8MasterWeight` when their input is one
+    (layout-preserving ops such as padding or the collectives DTensor uses to redistribute a master). Other ops on
+    a master return plain tensors."""
+    _PRESERVE.update(ops)
+
+
+class Fp8MasterWeight(torch.Tensor, QuantizeOnUse):
+    """A high-precision master weight that is quantized to fp8 on use.
+
+    For everything except matmuls it behaves as the plain tensor ``_data`` it wraps (same shape, dtype and
+    device): optimizers (SGD, AdamW foreach/fused) update ``_data`` in place, ``torch.nn.init`` functions,
+    ``.to()``, gradient clipping and ``zero_grad`` work; gradients are plain tensors. Layout ops keep the
+    wrapper (so DTensor sharding and FSDP2 keep it as the local tensor); other ops return plain tensors.
+
+    ``F.linear(x, w)`` on a master weight runs :func:`fp8_linear` with the weight's recipe. A module converted
+    with :func:`fp8tensor.convert_to_fp8` always routes through :func:`fp8_linear`, also when the weight is a
+    DTensor. With FSDP2, the master quantizes its local rows before the all-gather (``fsdp_pre_all_gather``), so
+    the forward sees a :class:`ScaledFp8Tensor` (see :mod:`fp8tensor.fsdp`).
+
+    Args:
+        data: the high-precision tensor (fp32/bf16/fp16). Not copied.
+        recipe: recipe name or :class:`Recipe`.
+
+    Raises:
+        TypeError: ``data`` is not a floating-point tensor, or is fp8.
+    """
+
+    _data: torch.Tensor
+    recipe: Recipe
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, recipe="rowwise", requires_grad: bool = False):
+        return torch.Tensor._make_wrapper_subclass(
+            cls,
+            data.shape,
+            strides=data.stride(),
+            storage_offset=data.storage_offset(),
+            dtype=data.dtype,
+            device=data.device,
+            layout=data.layout,
+            requires_grad=requires_grad,
+        )
+
+    def __init__(self, data: torch.Tensor, recipe="rowwise", requires_grad: bool = False):
+        if not isinstance(data, torch.Tensor) or not data.dtype.is_floating_point or data.dtype in FLOAT8_DTYPES:
+            raise TypeError(f"Fp8MasterWeight: expected a high-precision floating-point tensor, got {getattr(data, 'dtype', type(data))}")
+        if isinstance(data, Fp8MasterWeight):
+            data = data._data
+        self._data = data
+        self.recipe = get_recipe(recipe)
+
+    def __tensor_flatten__(self):
+        return ["_data"], (self.recipe,)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
+        return Fp8MasterWeight(inner["_data"], ctx[0])
+
+    def __repr__(self) -> str:
+        return f"Fp8MasterWeight(recipe={self.recipe.name!r}, data={self._data!r})"
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            weight = args[1] if len(args) > 1 else kwargs.get("weight")
+            if isinstance(weight, Fp8MasterWeight):
+                inp = args[0] if args else kwargs["input"]
+                bias = args[2] if len(args) > 2 else kwargs.get("bias")
+                return fp8_linear(inp, weight, bias, recipe=weight.recipe)
+        if func == torch._C.TensorBase.data.__set__ and isinstance(args[0], Fp8MasterWeight):
+            # ``w.data = t`` (also how ``Module.to(dtype)`` converts parameters): replace the wrapped data too,
+            # else the wrapper would report t's dtype while still computing with the old ``_data``.
+            new = args[1] if isinstance(args[1], Fp8MasterWeight) else Fp8MasterWeight(args[1], args[0].recipe)
+            with torch._C.DisableTorchFunctionSubclass():
+                func(args[0], new)
+            args[0]._data = new._data
+            return None
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        masters = [a for a in _flat(args, kwargs) if isinstance(a, Fp8MasterWeight)]
+        recipe = masters[0].recipe
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+            return _master_mm(func, args, kwargs)
+        u_args, u_kwargs = tree_map_only(Fp8MasterWeight, lambda t: t._data, (args, kwargs))
+        out = func(*u_args, **u_kwargs)
+        if func._schema.is_mutable:
+            # In-place / out= ops (optimizer steps, copy_, init): the inner data was updated; return wrappers.
+            inner_to_outer = {id(m._data): m for m in masters}
+            return tree_map_only(torch.Tensor, lambda t: inner_to_outer.get(id(t), t), out)
+        if func in _PRESERVE:
+            return tree_map_only(
+                torch.Tensor,
+                lambda t: Fp8MasterWeight(t, recipe) if t.dtype.is_floating_point and t.dtype == masters[0].dtype else t,
+                out,
+            )
+        return out
+
+    # FSDP2 all-gather extension: quantize local rows, gather fp8 data + row scales.
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        return _payload.master_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy)
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        return fsdp_post_all_gather(all_gather_outputs, metadata, param_dtype, out=out)
+
+    def __reduce_ex__(self, protocol):
+        # Pickles as the plain high-precision tensor: a checkpoint never needs fp8tensor to load.
+        return self._data.__reduce_ex__(protocol)
+
+
+def _flat(args, kwargs):
+    return tree_flatten((args, kwargs))[0]
+
+
+def _master_mm(func, args, kwargs):
+    """A bare ``mm``/``addmm`` on a master weight (outside :func:`fp8_linear`): fp8 forward, quantizing the
+    master along the contraction dim."""
+    if func is torch.ops.aten.addmm.default:
+        bias, a, b = args[0], args[1], args[2]
+    else:
+        bias, a, b = None, args[0], args[1]
+    if isinstance(a, Fp8MasterWeight):
+        a = _quantize_local(a._data, 1, True)
+    if isinstance(b, Fp8MasterWeight):
+        b = _quantize_local(b._data.t(), 1, True).t()
+    if isinstance(bias, Fp8MasterWeight):
+        bias = bias._data
+    if func is torch.ops.aten.addmm.default:
+        beta = kwargs.get("beta", args[3] if len(args) > 3 else 1)
+        alpha = kwargs.get("alpha", args[4] if len(args) > 4 else 1)
+        if not (beta == 1 and alpha == 1):
+            return torch.addmm(bias, (a.to_hp() if isinstance(a, ScaledFp8Tensor) else a),
+                               (b.to_hp() if isinstance(b, ScaledFp8Tensor) else b), beta=beta, alpha=alpha)
+    return fp8_mm(a, b, bias, op=str(func))

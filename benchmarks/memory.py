@@ -1,7 +1,7 @@
 """Where the memory of an fp8 training step goes (issue 15): what backward keeps, and peak memory per phase.
 
-For each variant (``bf16``, ``rowwise``, ``rowwise_gw_hp``; ``--proto`` adds the memory-lean Function of
-``scratch/proto.py`` when present) the script builds the example Llama (``examples/llama.py``), optionally under
+For each variant (``bf16``, ``rowwise``, ``rowwise_gw_hp``; ``@eager`` / ``@compile`` overrides ``--compile``) the
+script builds the example Llama (``examples/llama.py``), optionally under
 FSDP2 over a 1-rank mesh (float32 master weights, ``MixedPrecisionPolicy(bf16, fp32)``, as the e2e benchmark) and
 ``torch.compile`` per block, runs warm-up steps and then one measured step:
 
@@ -14,11 +14,12 @@ FSDP2 over a 1-rank mesh (float32 master weights, ``MixedPrecisionPolicy(bf16, f
   forward, of the backward and of the optimizer step (GiB).
 
 Usage: ``PYTHONPATH=. python benchmarks/memory.py --dim 4096 --ffn 14336 --heads 32 --kv-heads 8 --layers 2
---seq 8192 --fsdp --compile [--variants bf16,rowwise,proto_rowwise] [--json out.json]``. On CPU use small sizes.
+--seq 8192 --fsdp --compile [--variants bf16,rowwise@eager,rowwise_gw_hp] [--history] [--json out.json]``. On CPU use small sizes.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -128,7 +129,7 @@ def build(args, variant: str, device):
     torch.manual_seed(0)
     with torch.device(device):
         model = Llama(margs)
-    recipe = variant.replace("proto_", "")
+    recipe = variant
     if recipe != "bf16":
         import fp8tensor
 
@@ -169,18 +170,9 @@ def run_variant(args, variant: str, device) -> dict:
     elif how == "compile":
         args.compile = True
     torch._dynamo.reset()
-    if variant.startswith("proto_"):
-        sys.path.insert(0, os.path.join(HERE, "..", "scratch"))
-        import proto
-
-        proto.install(True)
-    else:
-        try:
-            import proto
-
-            proto.install(False)
-        except ImportError:
-            pass
+    gc.collect()  # a previous variant's FSDP2 model is only freed by the collector (reference cycles)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     model = build(args, variant, device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     tokens = torch.randint(0, 256, (args.batch, args.seq), device=device)

@@ -80,7 +80,7 @@ def _x_for_grad_weight(x: torch.Tensor, x2: torch.Tensor, recipe: Recipe) -> tor
     fast = recipe.fast_accum_backward
     if _is_fp8(x2):
         return _quantize(x2, 0, fast)
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or x.is_inference():  # (inference tensors have no version counter)
         return _quantize(x2, 0, fast, recipe.float8_dtype)
     key = (x._version, recipe.float8_dtype, fast)
     entries = _GRAD_WEIGHT_INPUTS.get(x)
@@ -111,13 +111,31 @@ def _(q, after):
     return q.new_empty((q.shape[1], q.shape[0]))
 
 
+@torch.library.custom_op("fp8tensor::quantize_columns_after", mutates_args=())
+def _quantize_columns_after(
+    w: torch.Tensor, after: torch.Tensor, float8_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` ``(N, K)`` quantized per column (over N) by :func:`fp8tensor.quantize.quantize`, returned transposed —
+    ``(K, N)`` row-major fp8 and ``(K, 1)`` scales — and ordered after ``after`` (not read), for the same reason as
+    :func:`_transpose_after`: otherwise the compiled forward computes and keeps an fp8 copy of every master weight."""
+    q, s = quantize(w, 0, float8_dtype, gemm_layout=True)
+    return q.t().contiguous(), s.t().contiguous()
+
+
+@_quantize_columns_after.register_fake
+def _(w, after, float8_dtype):
+    N, K = w.shape
+    return w.new_empty((K, N), dtype=float8_dtype), w.new_empty((K, 1), dtype=torch.float32)
+
+
 def _weight_for_grad_input(weight: torch.Tensor, g2: torch.Tensor, fast: bool, recipe: Recipe) -> torch.Tensor:
-    """The weight operand of ``grad_x = gy @ W``.
+    """The weight operand of ``grad_x = gy @ W``, made in backward after ``gy`` exists (plain tensors; DTensor
+    shards are prepared as they come).
 
     * fp8 weight scaled per row (the FSDP2-gathered weight, a frozen fp8 weight): scale folding, ``fp8_mm`` folds the
-      row scales (on the contraction dim N) into ``gy``. A plain row-major one gets its column-major copy here, after
-      ``gy`` exists (see :func:`_transpose_after`); DTensor shards take the copy inside the GEMM.
-    * a master / high-precision weight: re-quantized along N (per input column)."""
+      row scales (on the contraction dim N) into ``gy``; the weight's column-major copy is made by
+      :func:`_transpose_after`.
+    * a master / high-precision weight: re-quantized along N (per input column), :func:`_quantize_columns_after`."""
     if _is_fp8(weight):
         if (
             isinstance(weight, ScaledFp8Tensor)
@@ -129,6 +147,11 @@ def _weight_for_grad_input(weight: torch.Tensor, g2: torch.Tensor, fast: bool, r
             qt = _transpose_after(weight.qdata, g2)
             return ScaledFp8Tensor(qt.t(), weight.scale, weight.orig_dtype, fast)
         return _quantize(weight, -1, fast)
+    if not _is_dtensor(weight) and not _is_dtensor(g2):
+        w = weight._data if isinstance(weight, QuantizeOnUse) else weight
+        if w.dim() == 2 and w.dtype.is_floating_point:
+            qt, st = _quantize_columns_after(w, g2, recipe.float8_dtype)
+            return ScaledFp8Tensor(qt.t(), st.t(), w.dtype, fast)
     return _quantize(weight, 0, fast, recipe.float8_dtype)
 
 

@@ -348,11 +348,13 @@ def test_compiled_bit_identical_to_today_compiled(recipe, backend, today):
         _assert_same(a, b, "compiled grad")
 
 
-def test_compiled_graph_keeps_no_copy_of_the_fp8_weight():
-    """A frozen fp8 weight (as the weight FSDP2 gathers): the compiled forward must not save a transposed copy."""
+@pytest.mark.parametrize("weights", ["master", "fp8"])
+def test_compiled_graph_keeps_no_copy_of_the_weight(weights):
+    """The compiled forward must not compute and save the backward's weight operand — a transposed copy of an fp8
+    weight (as the weight FSDP2 gathers) or the per-column re-quantization of a master — next to the weight."""
     torch._dynamo.reset()
     M, K, N = 32, 64, 96
-    m = quantize_weights(TwoHeads(K, N))
+    m = quantize_weights(TwoHeads(K, N)) if weights == "fp8" else convert_to_fp8(TwoHeads(K, N))
     mc = torch.compile(m, backend="aot_eager", fullgraph=True)
     x = torch.randn(M, K, requires_grad=True)
     mc(x).sum().backward()  # compile fwd + bwd

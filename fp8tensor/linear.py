@@ -103,7 +103,7 @@ def _transpose_after(q: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
     compiled partitioner would hoist that copy into the forward graph and keep it until backward — a second fp8 copy
     of every weight next to the one FSDP2 holds. Taking ``grad_out`` as an (unread) input pins the copy to the
     backward, right before its GEMM, and it dies with the GEMM."""
-    return q.t().contiguous()
+    return q.t().clone(memory_format=torch.contiguous_format)  # always a copy (a custom op may not alias its input)
 
 
 @_transpose_after.register_fake

@@ -426,6 +426,14 @@ def test_dtensor_saves_fp8_shards_and_is_bit_identical(recipe, mesh2, today):
         if recipe == "rowwise":
             assert inputs and kinds == {"ScaledFp8Tensor"}, kinds  # fp8 per rank, never the high-precision x
             assert all(loc.scale.shape[0] == 1 for t in inputs for loc in per_rank(t))  # scaled over the tokens
+            for t in inputs:  # bytes per rank: one fp8 byte per element of the rank's shard + 4 per feature
+                for r, loc in enumerate(per_rank(t)):
+                    q, sc = loc.qdata, loc.scale
+                    q = per_rank(q)[r] if hasattr(q, "_local_tensors") else q
+                    sc = per_rank(sc)[r] if hasattr(sc, "_local_tensors") else sc
+                    m_r, k_r = q.shape
+                    assert q.dtype == torch.float8_e4m3fn and q.untyped_storage().nbytes() == m_r * k_r
+                    assert sc.dtype == torch.float32 and sc.numel() == k_r
         else:
             assert inputs and "ScaledFp8Tensor" not in kinds, kinds  # x in high precision
         y.backward(g0)

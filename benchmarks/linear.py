@@ -1,6 +1,6 @@
 """Per-layer forward+backward time: bf16 vs fp8tensor recipes vs torchao float8 recipes (if importable).
 
-Method (same as docs/benchmarks.md anchors): ``nn.Linear(K, N, bias=False, dtype=bf16)`` converted, compiled
+Method (same as docs/benchmarks.md): ``nn.Linear(K, N, bias=False, dtype=bf16)`` converted, compiled
 with ``torch.compile``; ``x`` of shape ``[M, K]`` requires grad; one step = forward + backward with a fixed
 grad_output; median time (triton do_bench). Usage: ``PYTHONPATH=. python benchmarks/linear.py [--profile]``.
 """

@@ -13,7 +13,7 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from _util import bench_ms, env_line  # noqa: E402
 
 from fp8tensor import kernels  # noqa: E402
-from fp8tensor.quantize import _AMAX_FLOOR, quantize_dim0_t, quantize_rowwise  # noqa: E402
+from fp8tensor.quantize import SCALE_FLOOR, quantize_dim0_t, quantize_rowwise  # noqa: E402
 
 
 def main() -> None:
@@ -76,7 +76,7 @@ def main() -> None:
             s = rowwise_scale(w, -1, f8)
             return cast_to_fp8(w, s, f8), s
 
-        for name, fn in (("eager ops", eager_ops), ("fused Triton kernel", lambda w=w: kernels.quantize_last_dim(w, f8, _AMAX_FLOOR))):
+        for name, fn in (("eager ops", eager_ops), ("fused Triton kernel", lambda w=w: kernels.quantize_last_dim(w, f8, SCALE_FLOOR))):
             ms = bench_ms(fn)
             print(f"| {name} | {shape[0]}×{shape[1]} | {str(dtype)[6:]} | {ms * 1e3:.1f} | {nb / (ms * 1e-3) / 1e9:.0f} |")
 

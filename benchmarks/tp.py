@@ -1,7 +1,7 @@
 """Tensor-parallel Llama block training step: bf16 vs fp8tensor recipes, with and without fp8 sequence-parallel
 communication.
 
-Setup (the anchors' method, docs/benchmarks.md): one Llama3-8B-sized block (hidden 4096, 32 query / 8 kv heads,
+Setup (the method of docs/benchmarks.md): one Llama3-8B-sized block (hidden 4096, 32 query / 8 kv heads,
 FFN 14336), sequence 8192, batch 1, TP=2 with sequence parallelism via PyTorch's own parallel styles
 (``examples/llama.py``'s block plan), block compiled with ``torch.compile``, step = forward + backward with a fixed
 grad_output, median of 20 timed steps after warm-up.

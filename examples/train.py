@@ -16,7 +16,9 @@ line printed is::
 
     final val loss: bf16 X.XXXX  fp8 Y.YYYY  gap Z.ZZ%
 
-where the gap is ``(fp8 - bf16) / bf16`` in percent.
+where the gap is ``(fp8 - bf16) / bf16`` in percent. One run cannot tell whether a gap is larger than
+bf16's own seed-to-seed noise: ``examples/seed_spread.py`` runs several seeds and says (for the default
+run, the gaps of seeds 0-2 lie inside bf16's range; see the README).
 
 Data: bytes of the Python standard library sources (no download), or any
 text file / directory given by ``--data``; see ``examples/data.py``.
@@ -25,9 +27,11 @@ text file / directory given by ``--data``; see ``examples/data.py``.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
+import platform
 import sys
 import time
 import warnings
@@ -46,48 +50,150 @@ from data import DEFAULT_MAX_BYTES, RandomWindows, fixed_windows, load_corpus, s
 from llama import Llama, ModelArgs, fp8_module_filter, parallelize_llama  # noqa: E402
 
 RECIPES = ("rowwise", "rowwise_gw_hp")
+VAL_SEED = 1  # the held-out windows do not depend on --seed, so runs with different seeds compare
 
 # FSDP2 warns that the root module returns a view (the logits come out of
 # DTensor.to_local()); the training loop never modifies them in place.
 warnings.filterwarnings("ignore", message=r".*returned a view tensor.*")
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Appends ``(default: X)`` to every option that takes a value, unless its help already says the default.
+
+    On/off flags (``store_true`` / ``store_false``) show no default: they are off unless given.
+    """
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))
+                or "default" in text or action.default in (None, argparse.SUPPRESS)):
+            return text
+        return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
+
+
+_USAGE_NOTE = """\
+Launch with torchrun, one process per rank; the ranks form a dp x tp mesh (dp = ranks / --tp):
+
+  torchrun --nproc-per-node 4 examples/train.py                        # CPU (gloo): dp=2 x tp=2
+  torchrun --nproc-per-node 8 examples/train.py --tp 4 --device cuda   # 8 GPUs (NCCL): dp=2 x tp=4
+  python examples/train.py --tp 1                                      # one process, no tensor parallelism
+
+The last line printed is `final val loss: bf16 X  fp8 Y  gap Z%` (gap = (fp8 - bf16) / bf16).
+"""
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options (see ``--help``); defaults target a 2-core CPU, 4 ranks."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(prog="examples/train.py", description=__doc__.split("\n\n")[0],
+                                epilog=_USAGE_NOTE, formatter_class=_HelpFormatter)
     p.add_argument("--mode", choices=("both", "bf16", "fp8"), default="both",
                    help="which precision(s) to train")
     p.add_argument("--recipe", choices=RECIPES, default="rowwise",
                    help="fp8tensor recipe for the fp8 run")
-    p.add_argument("--tp", type=int, default=2, help="tensor-parallel degree")
-    p.add_argument("--no-sequence-parallel", dest="sequence_parallel",
-                   action="store_false", help="replicate the residual stream over TP ranks")
+    p.add_argument("--tp", type=int, default=2,
+                   help="tensor-parallel degree; must divide the number of ranks")
+    p.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
+                   help="replicate the residual stream over the TP ranks (without this flag it is sharded "
+                        "along the sequence: sequence parallelism is on by default)")
     p.add_argument("--sp-fp8-comm", action="store_true",
                    help="fp8 run: all-gather sequence-parallel activations in fp8 "
                         "(fp8tensor.Fp8PrepareModuleInput)")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto: cuda if available, else cpu")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile each block (faster steps; ~1 min of compile per run on CPU)")
-    p.add_argument("--steps", type=int, default=120)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--batch-size", type=int, default=8, help="per data-parallel rank")
-    p.add_argument("--dim", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--steps", type=int, default=120, help="training steps per run")
+    p.add_argument("--seq-len", type=int, default=128,
+                   help="tokens (bytes) per sequence; with sequence parallelism a multiple of --tp")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per step and data-parallel rank")
+    p.add_argument("--dim", type=int, default=256, help="model width")
+    p.add_argument("--layers", type=int, default=4, help="transformer blocks")
+    p.add_argument("--heads", type=int, default=8, help="attention heads")
+    p.add_argument("--kv-heads", type=int, default=4, help="key/value heads (grouped-query attention)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default steps/10)")
-    p.add_argument("--grad-clip", type=float, default=1.0, help="0 disables clipping")
-    p.add_argument("--val-batches", type=int, default=8, help="validation batches per dp rank")
+    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay of the matrices")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="linear warm-up steps, then cosine decay to 10%% of --lr (default: steps/10, at least 1)")
+    p.add_argument("--grad-clip", type=float, default=1.0, help="gradient-norm clipping; 0 disables it")
+    p.add_argument("--val-batches", type=int, default=8, help="validation batches per data-parallel rank")
     p.add_argument("--data", default=None,
-                   help="text file or directory (default: the Python stdlib sources)")
+                   help="text file or directory (default: the Python standard library's sources)")
     p.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_BYTES,
                    help="read at most this many bytes of the corpus")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="out/example", help="output directory")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the initial weights and of the training batches (the validation batches "
+                        "are the same for every seed)")
+    p.add_argument("--out", default="out/example", help="output directory (losses.json, loss_curve.png)")
     return p.parse_args(argv)
+
+
+def _launch_env() -> tuple[int, int, int]:
+    """``(rank, world_size, local_world_size)`` as set by torchrun; ``(0, 1, 1)`` for a plain ``python`` run."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    return int(os.environ.get("RANK", 0)), world, int(os.environ.get("LOCAL_WORLD_SIZE", world))
+
+
+def check_args(args: argparse.Namespace, world: int, local_world: int) -> str | None:
+    """Return what is wrong with the arguments for a run on ``world`` ranks, or ``None``.
+
+    Everything that would otherwise fail later inside a collective (and then hang or abort every rank) is
+    checked here, before the process group exists.
+    """
+    launched = "WORLD_SIZE" in os.environ
+    for flag, value, low in (("--tp", args.tp, 1), ("--steps", args.steps, 1), ("--seq-len", args.seq_len, 1),
+                             ("--batch-size", args.batch_size, 1), ("--dim", args.dim, 1),
+                             ("--layers", args.layers, 1), ("--heads", args.heads, 1),
+                             ("--kv-heads", args.kv_heads, 1), ("--val-batches", args.val_batches, 1),
+                             ("--warmup", 0 if args.warmup is None else args.warmup, 0)):
+        if value < low:
+            return f"{flag} must be at least {low}, got {value}"
+    if not args.lr > 0 or not math.isfinite(args.lr):
+        return f"--lr must be a positive number, got {args.lr}"
+    if not args.grad_clip >= 0:
+        return f"--grad-clip must be >= 0 (0 disables clipping), got {args.grad_clip}"
+    if world % args.tp:
+        hint = (f"launch with torchrun, e.g. `torchrun --nproc-per-node {max(args.tp, 2 * args.tp)} "
+                f"examples/train.py --tp {args.tp}`, or run one process with --tp 1")
+        where = " (not launched by torchrun)" if world == 1 and not launched else ""
+        return f"world size {world}{where} is not divisible by --tp {args.tp}: {hint}"
+    if args.sp_fp8_comm and not args.sequence_parallel:
+        return "--sp-fp8-comm needs sequence parallelism (drop --no-sequence-parallel)"
+    if args.dim % args.heads:
+        return f"--dim {args.dim} is not divisible by --heads {args.heads}"
+    if args.heads % args.kv_heads:
+        return f"--heads {args.heads} is not divisible by --kv-heads {args.kv_heads}"
+    if (args.dim // args.heads) % 2:
+        return f"head dim --dim / --heads = {args.dim // args.heads} must be even (rotary embedding)"
+    if args.tp > 1:
+        margs = ModelArgs(dim=args.dim, n_layers=args.layers, n_heads=args.heads, n_kv_heads=args.kv_heads)
+        for flag, n in (("--heads", args.heads), ("--kv-heads", args.kv_heads),
+                        ("the FFN hidden dim (from --dim)", margs.hidden_dim)):
+            if n % args.tp:
+                return f"{flag} = {n} is not divisible by --tp {args.tp}"
+        if args.sequence_parallel and args.seq_len % args.tp:
+            return (f"--seq-len {args.seq_len} is not divisible by --tp {args.tp}: sequence parallelism shards "
+                    f"the sequence over the TP ranks (pick a multiple of {args.tp} or pass --no-sequence-parallel)")
+    if args.data is not None and not Path(args.data).exists():
+        return f"--data path does not exist: {args.data}"
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            return "--device cuda, but CUDA is not available (use --device cpu)"
+        if local_world > torch.cuda.device_count():
+            return (f"{local_world} ranks on this node but only {torch.cuda.device_count()} CUDA device(s): "
+                    f"pass --nproc-per-node {torch.cuda.device_count()} or fewer to torchrun")
+    return None
+
+
+def fail(message: str, rank: int) -> None:
+    """Stop before any collective: rank 0 prints ``message`` as one line on stderr and exits with status 2.
+
+    The other ranks exit quietly with status 0: a launcher such as torchrun stops the remaining ranks as soon as
+    one fails, and must not stop rank 0 before it has printed. The launcher's own exit status is non-zero.
+    """
+    if rank == 0:
+        print(f"examples/train.py: error: {message}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+    raise SystemExit(0)
 
 
 def log(*a) -> None:
@@ -126,8 +232,6 @@ def setup(args) -> tuple[torch.device, object]:
         else:  # plain `python train.py --tp 1`: a single-process group
             dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
     world = dist.get_world_size()
-    if args.tp < 1 or world % args.tp:
-        raise SystemExit(f"world size {world} is not divisible by --tp {args.tp}")
     mesh = init_device_mesh(dev_type, (world // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
     return device, mesh
 
@@ -281,7 +385,7 @@ def train_one(name: str, args, train_data, val_data, device, mesh) -> dict:
     val_loss = evaluate(
         model,
         fixed_windows(val_data, args.val_batches, args.batch_size, args.seq_len,
-                      seed=args.seed + 1, shard=dp_rank, num_shards=dp_size),
+                      seed=VAL_SEED, shard=dp_rank, num_shards=dp_size),
         device, mesh,
     )
     result = {
@@ -299,90 +403,59 @@ def train_one(name: str, args, train_data, val_data, device, mesh) -> dict:
     return result
 
 
-def smooth(xs: list[float], window: int) -> list[float]:
-    """Trailing moving average over ``window`` steps (shorter at the start), for plotting."""
-    out, acc = [], 0.0
-    for i, x in enumerate(xs):
-        acc += x - (xs[i - window] if i >= window else 0.0)
-        out.append(acc / min(i + 1, window))
-    return out
-
-
 def save_outputs(out_dir: Path, args, results: dict, gap_pct: float | None) -> None:
-    """Write ``losses.json`` and ``loss_curve.png`` into ``out_dir``.
+    """Write ``losses.json`` and ``loss_curve.png`` (drawn by ``examples/plot_losses.py``) into ``out_dir``.
 
-    The plot shows the per-step training loss (averaged over data-parallel
-    ranks) of each run with its final validation loss and, when both runs
-    exist, a lower panel with the relative difference fp8 vs bf16 of the
-    smoothed training losses.
+    The plot shows each run's per-step training loss (averaged over data-parallel ranks), its moving average and
+    final validation loss and, when both runs exist, a lower panel with the relative difference fp8 vs bf16 of
+    the smoothed training losses.
     """
+    from plot_losses import plot
+
     out_dir.mkdir(parents=True, exist_ok=True)
     payload = {
+        "argv": sys.argv[1:],
+        "versions": {"python": platform.python_version(), "torch": torch.__version__},
         "config": dict(vars(args)),
         "world_size": dist.get_world_size(),
         "runs": results,
         "val_gap_pct": gap_pct,
     }
     (out_dir / "losses.json").write_text(json.dumps(payload, indent=1))
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    both = "bf16" in results and "fp8" in results
-    fig, axes = plt.subplots(2 if both else 1, 1, figsize=(7, 6.5 if both else 4.5), sharex=True,
-                             squeeze=False, gridspec_kw={"height_ratios": [3, 1.3] if both else [1]})
-    ax = axes[0, 0]
-    style = {"bf16": ("tab:blue", "-"), "fp8": ("tab:orange", "--")}
-    n_steps = max(len(r["train_loss"]) for r in results.values())
-    window = max(1, n_steps // 25)
-    for name, r in results.items():
-        color, ls = style.get(name, (None, "-"))
-        steps = range(1, len(r["train_loss"]) + 1)
-        ax.plot(steps, r["train_loss"], color=color, alpha=0.25, lw=0.7)
-        ax.plot(steps, smooth(r["train_loss"], window), color=color, ls=ls,
-                label=f"{name}: train (mean of {window}), final val {r['val_loss']:.4f}")
-    dp = dist.get_world_size() // args.tp
-    title = f"byte-level Llama {args.dim}d x {args.layers}L, dp={dp} x tp={args.tp}"
-    if gap_pct is not None:
-        title += f"\nfp8 ({args.recipe}) val loss gap {gap_pct:+.2f}%"
-    ax.set(ylabel="cross-entropy (nats/byte)", title=title)
-    ax.legend()
-    ax.grid(alpha=0.3)
-    if both:
-        b = smooth(results["bf16"]["train_loss"], window)
-        f = smooth(results["fp8"]["train_loss"], window)
-        rel = [100.0 * (fv - bv) / bv for bv, fv in zip(b, f)]
-        ax2 = axes[1, 0]
-        ax2.plot(range(1, len(rel) + 1), rel, color="tab:red")
-        ax2.axhline(0.0, color="k", lw=0.6)
-        ax2.set(ylabel="fp8 vs bf16 (%)")
-        ax2.grid(alpha=0.3)
-    axes[-1, 0].set_xlabel("step")
-    fig.tight_layout()
-    fig.savefig(out_dir / "loss_curve.png", dpi=120)
-    plt.close(fig)
+    plot(payload, out_dir / "loss_curve.png")
 
 
 def main(argv: list[str] | None = None) -> dict:
     """Entry point; returns the per-run results (on every rank)."""
     args = parse_args(argv)
-    if args.sp_fp8_comm and not args.sequence_parallel:
-        raise SystemExit("--sp-fp8-comm needs sequence parallelism (drop --no-sequence-parallel)")
+    rank, world, local_world = _launch_env()
+    problem = check_args(args, world, local_world)
+    if problem is None and args.mode == "fp8" and fp8_converter() is None:
+        problem = "--mode fp8, but fp8tensor.convert_to_fp8 is not available"
+    if problem is None:  # the corpus is read (identically) on every rank, before the process group exists
+        try:
+            corpus = load_corpus(args.data, max_bytes=args.max_bytes)
+            train_data, val_data = split_corpus(corpus)
+            for split, part in (("training", train_data), ("validation", val_data)):
+                if len(part) < args.seq_len + 1:
+                    raise ValueError(f"the {split} split has {len(part):,} bytes, fewer than --seq-len + 1 = "
+                                     f"{args.seq_len + 1} (raise --max-bytes or lower --seq-len)")
+        except (OSError, ValueError) as e:
+            problem = f"corpus: {e}"
+    if problem is not None:  # before any collective: every rank exits, rank 0 says why
+        fail(problem, rank)
     device, mesh = setup(args)
     modes = ["bf16", "fp8"] if args.mode == "both" else [args.mode]
     if "fp8" in modes and fp8_converter() is None:
-        if args.mode == "fp8":
-            raise SystemExit("fp8tensor.convert_to_fp8 is not available")
         log("warning: fp8tensor.convert_to_fp8 is not available; running bf16 only")
         modes = ["bf16"]
 
-    corpus = load_corpus(args.data, max_bytes=args.max_bytes)
-    train_data, val_data = split_corpus(corpus)
     dp, tp = mesh["dp"].size(), mesh["tp"].size()
+    # The default corpus is this Python's standard library: its fingerprint tells whether two runs saw the same bytes.
+    digest = hashlib.sha256(corpus.numpy().tobytes()).hexdigest()[:12]
+    log(f"Python {platform.python_version()}, torch {torch.__version__}")
     log(f"world {dist.get_world_size()} = dp {dp} x tp {tp} on {device.type} | corpus "
-        f"{len(corpus):,} bytes ({len(train_data):,} train / {len(val_data):,} val) | "
+        f"{len(corpus):,} bytes, sha256 {digest} ({len(train_data):,} train / {len(val_data):,} val) | "
         f"dim {args.dim} layers {args.layers} heads {args.heads}/{args.kv_heads} "
         f"seq {args.seq_len} batch {args.batch_size}x{dp} steps {args.steps}")
 

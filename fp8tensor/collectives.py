@@ -48,7 +48,7 @@ import torch
 
 from .master import keep_master_through
 from .ops import _scale_fits
-from .tensor import ScaledFp8Tensor, implements
+from .tensor import ScaledFp8Tensor, implements, make_scaled
 
 __all__: list[str] = []
 
@@ -87,8 +87,10 @@ def _bytes(q: torch.Tensor) -> torch.Tensor:
     return q.contiguous().view(torch.uint8)
 
 
-def _like(t: ScaledFp8Tensor, qbytes: torch.Tensor, scale: torch.Tensor) -> ScaledFp8Tensor:
-    return ScaledFp8Tensor(qbytes.view(t.qdata.dtype), scale, t.orig_dtype, t.fast_accum)
+def _like(t: ScaledFp8Tensor, qbytes: torch.Tensor, scale: torch.Tensor, dims=None) -> ScaledFp8Tensor:
+    """A collective's result from ``t``: its dtypes and flags; ``dims`` its ``scaled_dims`` (default ``t``'s)."""
+    dims = t.scaled_dims if dims is None else dims
+    return make_scaled(qbytes.view(t.qdata.dtype), scale, t.orig_dtype, t.fast_accum, dims)
 
 
 def _group_size(group_name) -> int:
@@ -109,21 +111,23 @@ def _unbox_wait(work) -> None:
 def _all_gather_data_and_scales(func, args, kwargs):
     """Concatenate every rank's data along dim 0, and their scales along dim 0.
 
-    A scale compact on dim 0 (one value for all local rows, but different per rank) is gathered compactly and
+    A scale shared along dim 0 (one value for all local rows, but different per rank) is gathered compactly and
     then repeated over each rank's rows. That one, and the scale of a local tensor with a single row (which a
     later ``view`` of the gathered tensor may have to materialize, see ``torch._utils._maybe_view_chunk_cat``),
-    is waited on right away, so no op ever reads a scale still in flight.
+    is waited on right away, so no op ever reads a scale still in flight. Whether the scale is per row is the
+    declared layout (``scaled_dims``, the same on every rank), never the local size: a rank holding one row (scale
+    ``[1, 1]``) or none sends what the other ranks send.
     """
     b = _bind(func, args, kwargs)
     t, group_size, group = b["input"], b["group_size"], b["group_name"]
     rows = t.shape[0]
     q = func(_bytes(t.qdata), group_size, group)
     s = func(t.scale.contiguous(), group_size, group)
-    if t.scale.shape[0] == 1 and rows != 1:
+    if not t.scaled_dims[0] and rows != 1:
         s = _funcol.wait_tensor.default(s).repeat_interleave(rows, dim=0)
     elif rows == 1:
         s = _funcol.wait_tensor.default(s)
-    return _like(t, q, s)
+    return _like(t, q, s, (True, *t.scaled_dims[1:]))
 
 
 @implements(_dist_op("_c10d_functional._wrap_tensor_autograd.default"))
@@ -139,7 +143,7 @@ def _wrap_async(func, args, kwargs):
 def _wait_data_and_scale(func, args, kwargs):
     """Wait on the data and on the scale (both came from the collective that produced this tensor)."""
     t = args[0]
-    return ScaledFp8Tensor(func(t.qdata), func(t.scale), t.orig_dtype, t.fast_accum)
+    return make_scaled(func(t.qdata), func(t.scale), t.orig_dtype, t.fast_accum, t.scaled_dims)
 
 
 @implements(_dist_op("_c10d_functional.all_to_all_single.default"))
@@ -148,11 +152,11 @@ def _all_to_all_data_and_scales(func, args, kwargs):
     b = _bind(func, args, kwargs)
     t, out_splits, in_splits, group = b["input"], b["output_split_sizes"], b["input_split_sizes"], b["group_name"]
     s = t.scale
-    if s.shape[0] != t.shape[0]:
+    if not t.scaled_dims[0]:
         s = s.expand(t.shape[0], *s.shape[1:])
     q = func(_bytes(t.qdata), out_splits, in_splits, group)
     s = func(s.contiguous(), out_splits, in_splits, group)
-    return _like(t, q, s)
+    return _like(t, q, s, (True, *t.scaled_dims[1:]))
 
 
 @implements(_dist_op("_dtensor.shard_dim_alltoall.default"))
@@ -166,14 +170,14 @@ def _shard_dim_alltoall_data_and_scales(func, args, kwargs):
     b = _bind(func, args, kwargs)
     t, gd, sd, group = b["input"], b["gather_dim"], b["shard_dim"], b["group_name"]
     gd, sd = gd % t.dim(), sd % t.dim()
-    shape = list(t.scale.shape)
-    if shape[gd] != t.shape[gd]:
-        shape[gd] = t.shape[gd]
-    if shape[sd] == 1:
+    shape, dims = list(t.scale.shape), list(t.scaled_dims)
+    if not dims[gd]:
+        shape[gd], dims[gd] = t.shape[gd], True
+    if not dims[sd]:
         shape[sd] = _group_size(group)
     q = func(_bytes(t.qdata), gd, sd, group)
     s = func(t.scale.expand(shape).contiguous(), gd, sd, group)
-    return _like(t, q, s)
+    return _like(t, q, s, tuple(dims))
 
 
 # --------------------------------------------------------------------------------------------- c10d (in place)
@@ -278,7 +282,8 @@ def _pad_data_with_zeros_scale_with_ones(func, args, kwargs):
     spad = []
     for i in range(len(pad) // 2):
         d = t.dim() - 1 - i
-        spad += pad[2 * i : 2 * i + 2] if t.scale.shape[d] != 1 else [0, 0]
+        # the declared layout, not the size: a one-row shard's per-row [1, 1] scale is padded like the others
+        spad += pad[2 * i : 2 * i + 2] if t.scaled_dims[d] else [0, 0]
     q = func(t.qdata.view(torch.uint8), pad, 0)
     s = func(t.scale, spad, 1.0) if any(spad) else t.scale
     return _like(t, q, s)

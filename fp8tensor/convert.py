@@ -2,10 +2,13 @@
 
 Both work on plain modules and on modules already passed through ``parallelize_module`` (DTensor weights) or
 ``fully_shard`` (FSDP2): a DTensor weight keeps its Parameter object and placements, only its local tensor is
-swapped, so optimizers and FSDP2 keep their references.
+swapped, so optimizers and FSDP2 keep their references. A ``forward`` that a framework set on a Linear instance
+(torchtitan's TP wraps the bound ``forward`` it captured) is pointed at the fp8 forward (:class:`_Redirect`).
 """
 from __future__ import annotations
 
+import functools
+import types
 import warnings
 from typing import Callable, Optional
 
@@ -74,21 +77,144 @@ def _new_converted(base: type):
 
 
 def _own_forward(lin: nn.Module) -> Optional[str]:
-    """Why ``lin`` cannot be converted without changing what it computes: a forward of its own that conversion
-    would drop, or a parametrized weight (e.g. weight norm) that has no single tensor to swap. None when it can."""
+    """Why ``lin`` cannot be converted without changing what it computes: a class forward of its own that
+    conversion would drop, or a parametrized weight (e.g. weight norm) that has no single tensor to swap. None when
+    it can. (A forward set on the instance is judged by :func:`_instance_forward`.)"""
     from torch.nn.utils import parametrize
 
     if parametrize.is_parametrized(lin, "weight"):
         return "weight is parametrized"
-    if lin.__dict__.get("forward") is not None:
-        return "a forward set on the instance"
     if type(lin).forward is not nn.Linear.forward and not isinstance(lin, Fp8LinearMixin):
         return f"{type(lin).__name__}.forward overrides nn.Linear.forward"
     return None
 
 
-def _install_fp8_forward(lin: nn.Linear, cls: type) -> None:
+_MAX_DEPTH = 8
+_LINEAR_FORWARDS = (nn.Linear.forward, fp8_linear_forward)
+
+
+class _Redirect:
+    """Where a ``forward`` set on Linear ``lin``'s instance holds ``lin``'s own bound forward (``nn.Linear.forward``
+    or the fp8 forward, bound to ``lin``), and the edits that point each of those references at the fp8 forward.
+
+    Frameworks wrap a module's forward on the instance: torchtitan's ``Module.parallelize`` sets
+    ``lin.forward = forward_with_redistribution``, a closure that redistributes the inputs and calls the bound
+    ``lin.forward`` it captured (through ``local_map``'s ``functools.partial`` when one applies). Such a wrapper
+    ends in the Linear's own computation; the user's own forward (e.g. ``F.linear(x, lin.weight) * 2``) does not
+    hold the bound method and is not touched. The scan follows closure cells, default arguments, partials, lists,
+    tuples, dicts, bound methods of other objects and attributes of callable wrapper objects (not modules or
+    tensors), up to depth 8. Cells, defaults, lists, dicts and attributes are edited in place; partials and plain
+    tuples are rebuilt and replaced in their parent; a reference held where neither works (e.g. a named tuple) is
+    ``blocked``. Nothing is edited before :meth:`apply`.
+    """
+
+    def __init__(self, lin: nn.Module):
+        self.lin = lin
+        self.found: list = []
+        self.blocked: list = []
+        self._edits: list = []
+        self._memo: dict = {}
+
+    def apply(self) -> None:
+        """Point every found reference at ``lin``'s fp8 forward (call after ``lin``'s class was converted)."""
+        for edit in self._edits:
+            edit()
+
+    def scan_instance_forward(self) -> None:
+        f = self.lin.__dict__["forward"]
+        new = self._scan(f, "forward", 0)
+        if new is not f:
+            self._edits.append(functools.partial(self.lin.__dict__.__setitem__, "forward", new))
+
+    def _scan(self, obj, path: str, depth: int):
+        """The object that should replace ``obj`` (``obj`` itself when nothing needs replacing)."""
+        if isinstance(obj, types.MethodType) and obj.__self__ is self.lin and obj.__func__ in _LINEAR_FORWARDS:
+            self.found.append(path)
+            return types.MethodType(fp8_linear_forward, self.lin)
+        if depth > _MAX_DEPTH or isinstance(obj, (nn.Module, torch.Tensor, type)):
+            return obj
+        if id(obj) in self._memo:
+            return self._memo[id(obj)][1]
+        self._memo[id(obj)] = (obj, obj)  # a cycle back to an object being scanned keeps it
+        new = self._scan_children(obj, path, depth + 1)
+        self._memo[id(obj)] = (obj, new)  # holds obj: its id is not reused during the scan
+        return new
+
+    def _scan_children(self, obj, path: str, depth: int):
+        def sub(child, where):
+            return self._scan(child, path + where, depth)
+
+        def edit_items(container, items):
+            for key, value in items:
+                new = sub(value, f"[{key!r}]")
+                if new is not value:
+                    self._edits.append(functools.partial(container.__setitem__, key, new))
+
+        if isinstance(obj, functools.partial):
+            func = sub(obj.func, ".func")
+            args = tuple(sub(a, f".args[{i}]") for i, a in enumerate(obj.args))
+            kw = {k: sub(v, f".keywords[{k!r}]") for k, v in obj.keywords.items()}
+            if func is obj.func and _same(args, obj.args) and _same(kw.values(), obj.keywords.values()):
+                return obj
+            if type(obj) is not functools.partial:
+                return self._block(obj, path)
+            return functools.partial(func, *args, **kw)
+        if isinstance(obj, tuple):
+            items = tuple(sub(v, f"[{i}]") for i, v in enumerate(obj))
+            if _same(items, obj):
+                return obj
+            return tuple(items) if type(obj) is tuple else self._block(obj, path)
+        if isinstance(obj, list):
+            edit_items(obj, list(enumerate(obj)))
+        elif isinstance(obj, dict):
+            edit_items(obj, list(obj.items()))
+        elif isinstance(obj, types.MethodType):  # a bound method of another object
+            sub(obj.__func__, ".__func__")
+            sub(obj.__self__, ".__self__")
+        elif isinstance(obj, types.FunctionType):
+            for name, cell in zip(obj.__code__.co_freevars, obj.__closure__ or ()):
+                try:
+                    value = cell.cell_contents
+                except ValueError:  # an empty cell
+                    continue
+                new = sub(value, f"<closure {name}>")
+                if new is not value:
+                    self._edits.append(functools.partial(setattr, cell, "cell_contents", new))
+            if obj.__defaults__:
+                defaults = tuple(sub(d, f"<default {i}>") for i, d in enumerate(obj.__defaults__))
+                if not _same(defaults, obj.__defaults__):
+                    self._edits.append(functools.partial(setattr, obj, "__defaults__", defaults))
+            if obj.__kwdefaults__:
+                edit_items(obj.__kwdefaults__, list(obj.__kwdefaults__.items()))
+        elif callable(obj) and isinstance(getattr(obj, "__dict__", None), dict):  # a callable wrapper object
+            for key, value in list(vars(obj).items()):
+                new = sub(value, f".{key}")
+                if new is not value:
+                    self._edits.append(functools.partial(setattr, obj, key, new))
+        return obj
+
+    def _block(self, obj, path: str):
+        self.blocked.append(f"{path} ({type(obj).__name__})")
+        return obj
+
+
+def _same(a, b) -> bool:
+    return all(x is y for x, y in zip(a, b))
+
+
+def _instance_forward(lin: nn.Module) -> Optional[_Redirect]:
+    """The redirect plan of a forward set on ``lin``'s instance; None when there is none."""
+    if lin.__dict__.get("forward") is None:
+        return None
+    plan = _Redirect(lin)
+    plan.scan_instance_forward()
+    return plan
+
+
+def _install_fp8_forward(lin: nn.Linear, cls: type, redirect: Optional[_Redirect]) -> None:
     lin.__class__ = cls
+    if redirect is not None:
+        redirect.apply()
 
 
 def _select_linears(module: nn.Module, module_filter_fn: Optional[FilterFn], op: str):
@@ -111,17 +237,41 @@ def _select_linears(module: nn.Module, module_filter_fn: Optional[FilterFn], op:
     return chosen
 
 
-def _drop_custom_forwards(chosen):
+def _drop_custom_forwards(chosen, op: str):
     """Split off Linears whose own ``forward`` conversion would silently replace (e.g. a LoRA Linear adding a
-    low-rank path): they stay in high precision and are reported."""
-    keep, skipped = [], []
+    low-rank path, or a forward set on the instance that never calls the Linear's forward): they stay in high
+    precision and are reported. Returns ``(keep, skipped, redirects)``; ``redirects[fqn]`` points a framework's
+    instance-level wrapper at the fp8 forward once the module is converted.
+
+    Raises:
+        RuntimeError: an instance-level forward holds the Linear's bound forward where it cannot be redirected
+            (nothing has been changed yet).
+    """
+    keep, skipped, redirects, blocked = [], [], {}, []
     for fqn, lin in chosen:
+        name = fqn or "<root>"
         why = _own_forward(lin)
-        if why is None:
-            keep.append((fqn, lin))
-        else:
-            skipped.append(f"{fqn or '<root>'} ({why})")
-    return keep, skipped
+        if why is not None:
+            skipped.append(f"{name} ({why})")
+            continue
+        plan = _instance_forward(lin)
+        if plan is not None and plan.blocked:
+            blocked.append(f"{name!r} ({', '.join(plan.blocked)})")
+            continue
+        if plan is not None and not plan.found:
+            skipped.append(f"{name} (a forward set on the instance)")
+            continue
+        keep.append((fqn, lin))
+        redirects[fqn] = plan
+    if blocked:
+        raise RuntimeError(
+            f"{op}: the forward set on Linear {', '.join(blocked)} calls the Linear's own forward through an object "
+            "fp8tensor cannot edit, so converting would leave that Linear in high precision. Convert before "
+            "parallelizing (convert_to_fp8 before parallelize_module / torchtitan's Module.parallelize, or "
+            "fp8tensor.torchtitan's converter), or keep the bound forward in a closure, partial, list or attribute. "
+            "The model was not changed."
+        )
+    return keep, skipped, redirects
 
 
 def _swap_local(param: torch.Tensor, fn) -> Optional[nn.Parameter]:
@@ -174,14 +324,20 @@ def convert_to_fp8(
     Each selected Linear's weight is wrapped in :class:`~fp8tensor.master.Fp8MasterWeight` (quantized on use;
     the optimizer still updates the high-precision values) and its ``forward`` becomes
     :func:`~fp8tensor.fp8_linear` with ``recipe`` (the module's class becomes a subclass of its class and of
-    :class:`Fp8LinearMixin`: ``nn.Linear`` -> :class:`Fp8Linear`). Callable before or after ``parallelize_module`` and
-    ``fully_shard``. ``state_dict()`` of the converted module holds plain high-precision tensors.
+    :class:`Fp8LinearMixin`: ``nn.Linear`` -> :class:`Fp8Linear`). Callable before or after ``parallelize_module``,
+    torchtitan's TP and ``fully_shard``. ``state_dict()`` of the converted module holds plain high-precision tensors.
+
+    A ``forward`` that a framework set on the instance and that calls the Linear's own bound forward it captured
+    (torchtitan's ``Module.parallelize``: ``lin.forward = wrapper`` around the bound ``nn.Linear.forward``) is kept
+    and pointed at the fp8 forward, so the Linear still runs all of the recipe's fp8 GEMMs (see :class:`_Redirect`).
 
     Layers with ``in_features`` or ``out_features`` not a multiple of 16 (fp8 GEMMs need it; padding every call
     would cost more than it saves), and Linears with a ``forward`` of their own (a subclass overriding it, or one
-    set on the instance, e.g. a LoRA-style Linear: conversion would silently replace it) are left in high
-    precision, and a warning lists them; they are also listed in ``module.fp8_skipped``. So are Linears whose
-    weight is parametrized (e.g. weight norm). Converting a converted model again switches its recipe.
+    set on the instance that never calls the Linear's forward, e.g. a LoRA-style Linear: conversion would silently
+    replace it) are left in high precision, and a warning lists them; they are also listed in
+    ``module.fp8_skipped``. So are Linears whose weight is parametrized (e.g. weight norm). Converting a converted
+    model again switches its recipe; a Linear whose weight is already an :class:`Fp8MasterWeight` (swapped in by
+    hand) gets the fp8 forward.
 
     Args:
         module: the model.
@@ -194,33 +350,38 @@ def convert_to_fp8(
     Raises:
         TypeError: ``module`` is not an ``nn.Module``, or the filter is not callable.
         ValueError: unknown recipe.
-        RuntimeError: ``module_filter_fn`` raised (the model is left unchanged).
+        RuntimeError: ``module_filter_fn`` raised, a Linear is currently unsharded by FSDP2, or a forward set on a
+            Linear instance holds the Linear's bound forward where it cannot be redirected (e.g. in a named tuple;
+            convert before parallelizing). The model is left unchanged.
     """
     op = "convert_to_fp8"
     r = get_recipe(recipe)
     chosen = _select_linears(module, module_filter_fn, op)
     _check_fsdp_sharded([lin.weight for _, lin in chosen], op)
-    chosen, skipped = _drop_custom_forwards(chosen)
+    chosen, skipped, redirects = _drop_custom_forwards(chosen, op)
     classes = {fqn: _fp8_class(type(lin)) for fqn, lin in chosen}  # before any change: a failure leaves no trace
     for fqn, lin in chosen:
         w = lin.weight
         local = w._local_tensor if _is_dtensor(w) else w
-        if isinstance(local, Fp8MasterWeight):  # already converted: only the recipe may change
+        if isinstance(local, Fp8MasterWeight):
+            # Converted before (only the recipe may change), or a master swapped in by hand: the module's forward
+            # becomes fp8_linear too (a bare F.linear on a DTensor master runs grad_weight in high precision).
             local.recipe = r
-            lin.fp8_recipe = r
-            continue
-        if isinstance(local, ScaledFp8Tensor):
+        elif isinstance(local, ScaledFp8Tensor):
             continue  # stored in fp8 by quantize_weights: nothing to train
-        if lin.in_features % 16 or lin.out_features % 16 or not w.dtype.is_floating_point:
+        elif lin.in_features % 16 or lin.out_features % 16 or not w.dtype.is_floating_point:
             skipped.append(f"{fqn or '<root>'} ({lin.in_features}->{lin.out_features})")
             continue
-        new = _swap_local(w, lambda lt: Fp8MasterWeight(lt, r))
-        if new is not None:
-            lin.weight = new
+        else:
+            new = _swap_local(w, lambda lt: Fp8MasterWeight(lt, r))
+            if new is not None:
+                lin.weight = new
+        if not getattr(lin, "_fp8_hooks", False):  # state-dict hooks once per module
+            lin._register_state_dict_hook(_plain_state_dict_hook)
+            lin.register_load_state_dict_post_hook(_rewrap_after_load)
+            lin._fp8_hooks = True
         lin.fp8_recipe = r
-        _install_fp8_forward(lin, classes[fqn])
-        lin._register_state_dict_hook(_plain_state_dict_hook)
-        lin.register_load_state_dict_post_hook(_rewrap_after_load)
+        _install_fp8_forward(lin, classes[fqn], redirects[fqn])
     module.fp8_skipped = skipped
     if skipped:
         warnings.warn(
@@ -237,8 +398,9 @@ def quantize_weights(
     For inference and frozen (e.g. LoRA base) weights: ``weight = ScaledFp8Tensor.from_hp(weight)`` with
     ``requires_grad=False``; the Linear's ``forward`` becomes :func:`~fp8tensor.fp8_linear`, so gradients still
     flow to the input, in fp8, through scale folding (the fp8 weight is never re-quantized). Works before or
-    after ``parallelize_module`` (each shard is quantized on its own). Linears with a ``forward`` of their own are
-    left unchanged, with a warning (as in :func:`convert_to_fp8`).
+    after ``parallelize_module`` or torchtitan's TP (each shard is quantized on its own; a framework's wrapper of the
+    forward is redirected as in :func:`convert_to_fp8`). Linears with a ``forward`` of their own are left
+    unchanged, with a warning (as in :func:`convert_to_fp8`).
 
     Args:
         module: the model.
@@ -250,13 +412,14 @@ def quantize_weights(
 
     Raises:
         TypeError: not an ``nn.Module``, filter not callable, or unsupported ``float8_dtype``.
-        RuntimeError: ``module_filter_fn`` raised (the model is left unchanged).
+        RuntimeError: ``module_filter_fn`` raised, or a forward wrapper cannot be redirected (as in
+            :func:`convert_to_fp8`); the model is left unchanged.
     """
     op = "quantize_weights"
     check_float8_dtype(float8_dtype, op)
     chosen = _select_linears(module, module_filter_fn, op)
     _check_fsdp_sharded([lin.weight for _, lin in chosen], op)
-    chosen, skipped = _drop_custom_forwards(chosen)
+    chosen, skipped, redirects = _drop_custom_forwards(chosen, op)
     if skipped:
         warnings.warn(f"{op}: left in high precision: {', '.join(skipped)}", stacklevel=2)
     classes = {fqn: _fp8_class(type(lin)) for fqn, lin in chosen}  # before any change: a failure leaves no trace
@@ -277,5 +440,5 @@ def quantize_weights(
         else:
             lin.weight = nn.Parameter(q(w.data), requires_grad=False)
         lin.fp8_recipe = get_recipe("rowwise")
-        _install_fp8_forward(lin, classes[fqn])
+        _install_fp8_forward(lin, classes[fqn], redirects[fqn])
     return module

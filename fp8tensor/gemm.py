@@ -40,7 +40,7 @@ from typing import Iterator, Optional
 import torch
 
 from .quantize import E4M3, E5M2, quantize
-from .tensor import ScaledFp8Tensor, implements
+from .tensor import ScaledFp8Tensor, implements, make_scaled
 
 __all__ = [
     "BACKENDS", "set_gemm_backend", "get_gemm_backend", "gemm_backend", "scaled_mm", "fp8_mm", "choose_backend",
@@ -167,6 +167,13 @@ def scaled_mm(
     """
     M, K = a8.shape
     N = b8.shape[1]
+    if M == 0 or N == 0 or K == 0:
+        # No tokens, no outputs, or an empty contraction (all zeros): what the dense matmul gives
+        # (torch._scaled_mm rejects the strides of empty scales).
+        out = torch.zeros((M, N), dtype=torch.float32, device=a8.device)
+        if bias is not None:
+            out = out + bias.to(torch.float32)
+        return out.to(out_dtype)
     name = choose_backend(a8.device, a8.dtype, b8.dtype, out_dtype, _check_backend(backend or get_gemm_backend()))
     if name == "emulated":
         out = (a8.to(torch.float32) * sa) @ (b8.to(torch.float32) * sb)
@@ -274,7 +281,7 @@ def fp8_mm(
             if not rows and not isinstance(b, ScaledFp8Tensor):
                 # A = A8 diag(s)  =>  A @ B = A8 @ (diag(s) B): fold into B, use A8 with unit row scales.
                 b = b.to(torch.float32) * a.scale.reshape(-1, 1)
-                a = ScaledFp8Tensor(a.qdata, a.scale.new_ones(a.shape[0], 1), a.orig_dtype, a.fast_accum)
+                a = make_scaled(a.qdata, a.scale.new_ones(a.shape[0], 1), a.orig_dtype, a.fast_accum, (True, False))
             else:
                 a = a.to_hp(torch.float32)
     if isinstance(b, ScaledFp8Tensor):
@@ -283,7 +290,7 @@ def fp8_mm(
             if not cols and not isinstance(a, ScaledFp8Tensor):
                 # B = diag(s) B8  =>  A @ B = (A diag(s)) @ B8: fold into A.
                 a = a.to(torch.float32) * b.scale.reshape(1, -1)
-                b = ScaledFp8Tensor(b.qdata, b.scale.new_ones(1, b.shape[1]), b.orig_dtype, b.fast_accum)
+                b = make_scaled(b.qdata, b.scale.new_ones(1, b.shape[1]), b.orig_dtype, b.fast_accum, (False, True))
             else:
                 b = b.to_hp(torch.float32)
 

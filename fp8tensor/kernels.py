@@ -15,7 +15,7 @@ the memory-bound time. Here:
 A third kernel quantizes along the last dim (row-wise, contiguous rows) in one launch for eager CUDA callers
 (``quantize_rowwise``, ``ScaledFp8Tensor.from_hp``, FSDP2's pre-all-gather of master weights).
 
-This module is a leaf: it imports nothing from fp8tensor. The numerics' constants (the amax floor; the fp8 max
+This module is a leaf: it imports nothing from fp8tensor. The numerics' constants (the scale floor; the fp8 max
 follows from the fp8 dtype) are passed in by :mod:`fp8tensor.quantize`, which decides when a kernel runs and
 registers the dim-0 kernel as the custom op ``fp8tensor::quantize_dim0_t`` (so ``torch.compile`` keeps it as one call).
 """
@@ -61,7 +61,7 @@ if _HAS_TRITON:
         offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
         kmask = offs_k < K
         amax = tl.load(amax_ptr + offs_k, mask=kmask, other=1.0)
-        scale = tl.maximum(amax, EPS) / FMAX
+        scale = tl.maximum(amax / FMAX, EPS)  # fp8tensor.quantize.amax_to_scale: max(amax / fmax, floor)
         mask = (offs_m[:, None] < M) & kmask[None, :]
         x = tl.load(x_ptr + offs_m[:, None] * stride_m + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
         y = x / scale[None, :]
@@ -92,7 +92,7 @@ if _HAS_TRITON:
             a = tl.abs(x)
             a = tl.where(a != a, float("inf"), a)  # NaN -> inf: the row's scale becomes inf, output non-finite
             acc = tl.maximum(acc, tl.max(a, axis=1))
-        scale = tl.maximum(acc, EPS) / FMAX  # the dim-0 kernel's expression: equal to the eager CUDA scale
+        scale = tl.maximum(acc / FMAX, EPS)  # the dim-0 kernel's expression: equal to the eager CUDA scale
         tl.store(scale_ptr + offs_m, scale, mask=mmask)
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -136,10 +136,10 @@ def row_kernel_available(x: torch.Tensor) -> bool:
     )
 
 
-def quantize_last_dim(x: torch.Tensor, float8_dtype: torch.dtype, amax_floor: float) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_last_dim(x: torch.Tensor, float8_dtype: torch.dtype, scale_floor: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Row-wise quantization along the last dim in one Triton kernel (eager CUDA; see :func:`row_kernel_available`).
 
-    ``amax_floor``: the smallest amax a scale is built from (``fp8tensor.quantize._AMAX_FLOOR``).
+    ``scale_floor``: the smallest scale (``fp8tensor.quantize.SCALE_FLOOR``): ``scale = max(amax / fmax, floor)``.
     Same contract as the eager ops of ``fp8tensor.quantize.quantize_rowwise(x, dim=-1, float8_dtype)``, meant to
     give the same bits on CUDA (a row holding NaN gets an infinite instead of a NaN scale; it stays non-finite
     either way): returns
@@ -159,7 +159,7 @@ def quantize_last_dim(x: torch.Tensor, float8_dtype: torch.dtype, amax_floor: fl
     c = ROW_CONFIG
     with torch.cuda.device(x.device):  # Triton launches on the current device
         _row_quant_kernel[(triton.cdiv(M, c["block_m"]),)](
-            x, q, scale, M, K, FMAX=torch.finfo(float8_dtype).max, EPS=amax_floor,
+            x, q, scale, M, K, FMAX=torch.finfo(float8_dtype).max, EPS=scale_floor,
             BLOCK_M=c["block_m"], BLOCK_K=c["block_k"], num_warps=c["warps"])
     return q, scale
 
@@ -176,10 +176,10 @@ def kernel_available(x: torch.Tensor) -> bool:
     )
 
 
-def launch_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype, amax_floor: float) -> tuple[torch.Tensor, torch.Tensor]:
+def launch_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype, scale_floor: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the dim-0 kernels on ``x`` ``(M, K)`` (check :func:`kernel_available` first): ``(q, scale)``, ``q``
     ``(K, M)`` row-major ``float8_dtype`` holding ``x.T`` quantized row-wise, ``scale`` ``(K, 1)`` float32.
-    ``amax_floor``: the smallest amax a scale is built from. Tiles from :data:`CONFIG` (read at each call)."""
+    ``scale_floor``: the smallest scale, ``max(amax / fmax, floor)``. Tiles from :data:`CONFIG` (read at each call)."""
     M, K = x.shape
     amax = torch.zeros(K, dtype=torch.float32, device=x.device)
     q = torch.empty(K, M, dtype=float8_dtype, device=x.device)
@@ -191,6 +191,6 @@ def launch_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype, amax_floor: float)
                                BLOCK_K=c["amax_block_k"], num_warps=c["amax_warps"])
         grid = (triton.cdiv(M, c["cast_block_m"]), triton.cdiv(K, c["cast_block_k"]))
         _cast_t_kernel[grid](x, amax, q, scale, M, K, x.stride(0), FMAX=torch.finfo(float8_dtype).max,
-                             EPS=amax_floor, BLOCK_M=c["cast_block_m"], BLOCK_K=c["cast_block_k"],
+                             EPS=scale_floor, BLOCK_M=c["cast_block_m"], BLOCK_K=c["cast_block_k"],
                              num_warps=c["cast_warps"])
     return q, scale

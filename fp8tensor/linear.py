@@ -19,7 +19,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .quantize import E4M3, quantize
 from .recipes import Recipe, get_recipe
-from .tensor import ScaledFp8Tensor, _is_dtensor, map_local
+from .tensor import ScaledFp8Tensor, _is_dtensor, make_scaled, map_local, rowwise_dims
 
 __all__ = ["QuantizeOnUse", "fp8_linear"]
 
@@ -42,7 +42,7 @@ def _quantize_local(t: torch.Tensor, dim: int, fast_accum: bool, float8_dtype=E4
     if isinstance(t, QuantizeOnUse):
         t = t._data
     q, s = quantize(t, dim, float8_dtype, gemm_layout=True)  # fused kernel + GEMM layout where it applies
-    return ScaledFp8Tensor(q, s, t.dtype, fast_accum)
+    return make_scaled(q, s, t.dtype, fast_accum, rowwise_dims(t.dim(), dim))
 
 
 def _quantize(t: torch.Tensor, dim: int, fast_accum: bool, float8_dtype=E4M3) -> torch.Tensor:

@@ -6,6 +6,8 @@ quantizes its local rows before the all-gather (payload in :mod:`fp8tensor.fsdp`
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_flatten, tree_map_only
@@ -57,9 +59,11 @@ class Fp8MasterWeight(torch.Tensor, QuantizeOnUse):
     ``.to()``, gradient clipping and ``zero_grad`` work; gradients are plain tensors. Layout ops keep the
     wrapper (so DTensor sharding and FSDP2 keep it as the local tensor); other ops return plain tensors.
 
-    ``F.linear(x, w)`` on a master weight runs :func:`fp8_linear` with the weight's recipe. A module converted
-    with :func:`fp8tensor.convert_to_fp8` always routes through :func:`fp8_linear`, also when the weight is a
-    DTensor. With FSDP2, the master quantizes its local rows before the all-gather (``fsdp_pre_all_gather``), so
+    ``F.linear(x, w)`` on a master weight runs :func:`fp8_linear` with the weight's recipe (three fp8 GEMMs). On a
+    *DTensor* whose local tensor is a master, ``F.linear`` decomposes above autograd (DTensor disables
+    ``__torch_function__``): forward and grad_input run in fp8, grad_weight in high precision, with a warning. A
+    module converted with :func:`fp8tensor.convert_to_fp8` always routes through :func:`fp8_linear`, also when the
+    weight is a DTensor. With FSDP2, the master quantizes its local rows before the all-gather (``fsdp_pre_all_gather``), so
     the forward sees a :class:`ScaledFp8Tensor` (see :mod:`fp8tensor.fsdp`).
 
     Args:
@@ -161,9 +165,25 @@ def _flat(args, kwargs):
     return tree_flatten((args, kwargs))[0]
 
 
+_PARTIAL_RECIPE = (
+    "fp8tensor: a matmul on an Fp8MasterWeight outside fp8_linear (F.linear on a DTensor whose local tensor is a "
+    "master, e.g. a weight swapped in without convert_to_fp8, or torch.mm / @ on a master) runs its forward and "
+    "grad_input GEMMs in fp8, but autograd computes the weight gradient from plain tensors: grad_weight in high "
+    "precision. convert_to_fp8(model) (before or after parallelizing) runs all three GEMMs in fp8."
+)
+
+
 def _master_mm(func, args, kwargs):
     """A bare ``mm``/``addmm`` on a master weight (outside :func:`fp8_linear`): fp8 forward, quantizing the
-    master along the contraction dim."""
+    master along the contraction dim.
+
+    Reached when autograd sees a plain ``mm`` rather than :func:`fp8_linear`: ``F.linear`` on a DTensor of a master
+    (DTensor disables ``__torch_function__``, so the master never sees ``F.linear``), or ``torch.mm`` / ``@``. The
+    output and the input gradient (``gy @ W``, another bare ``mm`` on the master) run in fp8; the weight gradient
+    ``x^T gy`` involves no master and runs in high precision. With gradients enabled this warns
+    (:data:`_PARTIAL_RECIPE`), so a partial recipe never runs silently."""
+    if torch.is_grad_enabled():  # a forward that records autograd (the backward's own mm runs without grad mode)
+        warnings.warn(_PARTIAL_RECIPE, stacklevel=2)
     if func is torch.ops.aten.addmm.default:
         bias, a, b = args[0], args[1], args[2]
     else:

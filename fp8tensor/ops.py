@@ -13,17 +13,26 @@ from typing import Sequence
 import torch
 
 from .quantize import FLOAT8_DTYPES, amax_to_scale, cast_to_fp8
-from .tensor import ScaledFp8Tensor, implements
+from .tensor import ScaledFp8Tensor, implements, make_scaled
 
 aten = torch.ops.aten
 
 
-def _wrap(qdata: torch.Tensor, scale: torch.Tensor, like: ScaledFp8Tensor, shares_scale: bool = False):
+def _wrap(qdata: torch.Tensor, scale: torch.Tensor, like: ScaledFp8Tensor, shares_scale: bool = False, dims=None):
     """A view of ``like``: ``shares_scale`` marks a view whose scales also scale data outside it (a column slice of a
-    row-scaled tensor), which ``copy_`` guards; views keeping ``like``'s scale tensor share its write bookkeeping."""
+    row-scaled tensor), which ``copy_`` guards; views keeping ``like``'s scale tensor share its write bookkeeping.
+    ``dims``: the view's ``scaled_dims`` (default ``like``'s, for views that keep the dims in place).
+
+    Under ``torch.inference_mode`` a view of a tensor created outside it is built outside it too: autograd makes
+    the result a view of a normal tensor, which an inference tensor cannot be."""
     shares = shares_scale or like.shares_scale
     writes = like.scale_writes() if shares and scale is like.scale else None
-    return ScaledFp8Tensor(qdata, scale, like.orig_dtype, like.fast_accum, shares_scale=shares, scale_writes=writes)
+    dims = like.scaled_dims if dims is None else dims
+    if torch.is_inference_mode_enabled() and not like.is_inference():
+        with torch.inference_mode(False):
+            return make_scaled(qdata, scale, like.orig_dtype, like.fast_accum, dims, shares_scale=shares,
+                               scale_writes=writes)
+    return make_scaled(qdata, scale, like.orig_dtype, like.fast_accum, dims, shares_scale=shares, scale_writes=writes)
 
 
 def _norm_dim(d: int, ndim: int) -> int:
@@ -31,7 +40,8 @@ def _norm_dim(d: int, ndim: int) -> int:
 
 
 def _scaled_along(t: ScaledFp8Tensor, d: int) -> bool:
-    return t.scale.shape[d] != 1
+    """Whether ``t`` declares one scale per index of dim ``d`` (``scaled_dims``; never read from sizes)."""
+    return t.scaled_dims[d]
 
 
 # --------------------------------------------------------------------------------------------- aliases / copies
@@ -49,17 +59,25 @@ def _clone_both(func, args, kwargs):
 
 @implements([aten._to_copy.default])
 def _to_copy_move_scale(func, args, kwargs):
-    """Device moves move data and scale; a float dtype changes the logical (output) dtype, data stays fp8."""
+    """Device moves move data and scale; a float dtype changes the logical (output) dtype, data stays fp8; other
+    dtypes dequantize. An fp8 dtype raises ``TypeError``: a plain fp8 tensor cannot hold the scale, so the values
+    would silently change (3394 saturating to 448, 1e-4 flushing to 0)."""
     t = args[0]
     kwargs = dict(kwargs)
     dtype = kwargs.pop("dtype", None)
-    if dtype is not None and (not dtype.is_floating_point or dtype in FLOAT8_DTYPES):
+    if dtype in FLOAT8_DTYPES:
+        raise TypeError(
+            f"ScaledFp8Tensor.to({dtype}): a plain float8 tensor cannot hold the scale, so converting would silently "
+            "change the values (saturate large rows, flush small ones). Use .qdata (the fp8 data) with .scale, or "
+            ".to_hp() and quantize the values yourself."
+        )
+    if dtype is not None and not dtype.is_floating_point:
         return func(t.to_hp(), dtype=dtype, **kwargs)
     kwargs.pop("layout", None)
     qdata = func(t.qdata, **kwargs)
     scale_kwargs = {k: v for k, v in kwargs.items() if k in ("device", "non_blocking", "pin_memory")}
     scale = func(t.scale, **scale_kwargs)
-    return ScaledFp8Tensor(qdata, scale, dtype or t.orig_dtype, t.fast_accum)
+    return make_scaled(qdata, scale, dtype or t.orig_dtype, t.fast_accum, t.scaled_dims)
 
 
 @implements([aten.copy_.default])
@@ -123,21 +141,26 @@ def _scale_fits(src_scale: torch.Tensor, dst_scale: torch.Tensor) -> bool:
 
 
 def _quantize_like(x: torch.Tensor, like: ScaledFp8Tensor):
-    """Quantize ``x`` with ``like``'s fp8 dtype, reducing amax over the dims ``like.scale`` has size 1 on."""
-    dims = [d for d in range(x.ndim) if like.scale.shape[d] == 1]
-    amax = x.abs().amax(dim=dims, keepdim=True) if dims else x.abs()
+    """Quantize ``x`` with ``like``'s fp8 dtype, reducing amax over the dims ``like`` shares its scale along."""
+    dims = [d for d in range(x.ndim) if not like.scaled_dims[d]]
+    if not dims:
+        amax = x.abs()
+    elif any(x.shape[d] == 0 for d in dims):  # an empty reduction: amax 0, as for an all-zero row
+        amax = x.new_zeros([1 if d in dims else n for d, n in enumerate(x.shape)])
+    else:
+        amax = x.abs().amax(dim=dims, keepdim=True)
     scale = amax_to_scale(amax, like.qdata.dtype)
     return cast_to_fp8(x, scale, like.qdata.dtype), scale
 
 
 # --------------------------------------------------------------------------------------------- factories
-def _factory_scale(t: ScaledFp8Tensor, size, device) -> torch.Tensor:
+def _factory_scale(t: ScaledFp8Tensor, size, device):
+    """Unit scales and ``scaled_dims`` of a new tensor of ``size`` made from ``t`` (``t``'s layout if the ndim
+    matches, else one shared scale)."""
     size = list(size)
-    if len(size) == t.scale.ndim:
-        shape = [n if t.scale.shape[d] != 1 else 1 for d, n in enumerate(size)]
-    else:
-        shape = [1] * len(size)
-    return torch.ones(shape, dtype=torch.float32, device=device)
+    dims = t.scaled_dims if len(size) == t.scale.ndim else (False,) * len(size)
+    shape = [n if b else 1 for b, n in zip(dims, size)]
+    return torch.ones(shape, dtype=torch.float32, device=device), dims
 
 
 @implements([aten.empty_like.default, aten.zeros_like.default])
@@ -151,7 +174,8 @@ def _like_with_unit_scale(func, args, kwargs):
     q = func(t.qdata, **kwargs)
     if func is aten.empty_like.default:
         q.zero_()  # fp8 garbage could be NaN; a fresh tensor reads as zeros
-    return ScaledFp8Tensor(q, _factory_scale(t, t.shape, device), t.orig_dtype, t.fast_accum)
+    s, dims = _factory_scale(t, t.shape, device)
+    return make_scaled(q, s, t.orig_dtype, t.fast_accum, dims)
 
 
 @implements([aten.new_zeros.default, aten.new_empty.default, aten.new_ones.default])
@@ -166,32 +190,37 @@ def _new_with_unit_scale(func, args, kwargs):
         q = torch.ones(size, dtype=t.qdata.dtype, device=device)
     else:
         q = torch.zeros(size, dtype=t.qdata.dtype, device=device)
-    return ScaledFp8Tensor(q, _factory_scale(t, size, device), t.orig_dtype, t.fast_accum)
+    s, dims = _factory_scale(t, size, device)
+    return make_scaled(q, s, t.orig_dtype, t.fast_accum, dims)
 
 
 # --------------------------------------------------------------------------------------------- layout: permutations
 @implements([aten.t.default])
 def _t_scale(func, args, kwargs):
     t = args[0]
-    return _wrap(t.qdata.t(), t.scale.t(), t)
+    return _wrap(t.qdata.t(), t.scale.t(), t, dims=t.scaled_dims[::-1])
 
 
 @implements([aten.transpose.int])
 def _transpose_scale(func, args, kwargs):
-    t, d0, d1 = args[0], args[1], args[2]
-    return _wrap(t.qdata.transpose(d0, d1), t.scale.transpose(d0, d1), t)
+    t, d0, d1 = args[0], _norm_dim(args[1], args[0].dim()), _norm_dim(args[2], args[0].dim())
+    dims = list(t.scaled_dims)
+    dims[d0], dims[d1] = dims[d1], dims[d0]
+    return _wrap(t.qdata.transpose(d0, d1), t.scale.transpose(d0, d1), t, dims=tuple(dims))
 
 
 @implements([aten.permute.default])
 def _permute_scale(func, args, kwargs):
     t, dims = args[0], args[1]
-    return _wrap(t.qdata.permute(dims), t.scale.permute(dims), t)
+    new = tuple(t.scaled_dims[_norm_dim(d, t.dim())] for d in dims)
+    return _wrap(t.qdata.permute(dims), t.scale.permute(dims), t, dims=new)
 
 
 @implements([aten.unsqueeze.default])
 def _unsqueeze_scale(func, args, kwargs):
-    t, d = args[0], args[1]
-    return _wrap(t.qdata.unsqueeze(d), t.scale.unsqueeze(d), t)
+    t, d = args[0], _norm_dim(args[1], args[0].dim() + 1)
+    dims = t.scaled_dims[:d] + (False,) + t.scaled_dims[d:]
+    return _wrap(t.qdata.unsqueeze(d), t.scale.unsqueeze(d), t, dims=dims)
 
 
 @implements([aten.as_strided.default])
@@ -235,23 +264,32 @@ def _view_groups(old: Sequence[int], new: Sequence[int]):
     return groups
 
 
-def _view_scale(scale: torch.Tensor, old: Sequence[int], new: Sequence[int]) -> torch.Tensor:
-    """The scale of a ``view(new)`` of data of shape ``old``.
+def _view_scale(scale: torch.Tensor, old: Sequence[int], new: Sequence[int], dims: Sequence[bool]):
+    """The scale and ``scaled_dims`` of a ``view(new)`` of data of shape ``old`` declared ``dims``.
 
-    Per run of dims that reshape into each other: all-unscaled stays unscaled (size 1), all-scaled is
-    reshaped with the data, mixed is materialized (expanded) first, which is exact but costs memory.
+    The same shape keeps scale and layout (also for empty and one-row tensors: an empty ``[0, 7]`` tensor keeps its
+    ``[0, 1]`` scale). Otherwise, per run of dims that reshape into each other: a run scaled on some dim of size > 1
+    is reshaped with the data (materialized first where it mixes shared and scaled dims: exact, more memory) and is
+    scaled on every new dim; a run shared on all its dims stays shared; a run of size-1 dims keeps its flag.
     """
-    if len(old) == 0 or len(new) == 0 or 0 in old:
-        return scale.expand(old).reshape(new) if len(new) else scale.reshape(())
-    inter, target = [], []
-    for odims, ndims in _view_groups(list(old), list(new)):
-        if all(scale.shape[d] == 1 for d in odims):
-            inter += [1] * len(odims)
-            target += [1] * len(ndims)
+    old, new = list(old), list(new)
+    if old == new:
+        return scale, tuple(dims)
+    if len(new) == 0:
+        return scale.reshape(()), ()
+    if len(old) == 0 or 0 in old:  # no elements to share a scale (or a 0-d tensor): one scale per element
+        return scale.expand(old).reshape(new), (True,) * len(new)
+    inter, target, new_dims = [], [], [False] * len(new)
+    for odims, ndims in _view_groups(old, new):
+        if all(old[d] == 1 for d in odims) and all(new[d] == 1 for d in ndims):
+            flag, keep = any(dims[d] for d in odims), False
         else:
-            inter += [old[d] for d in odims]
-            target += [new[d] for d in ndims]
-    return scale.expand(inter).reshape(target)
+            flag = keep = any(dims[d] and old[d] != 1 for d in odims)
+        inter += [old[d] for d in odims] if keep else [1] * len(odims)
+        target += [new[d] for d in ndims] if keep else [1] * len(ndims)
+        for d in ndims:
+            new_dims[d] = flag
+    return scale.expand(inter).reshape(target), tuple(new_dims)
 
 
 @implements([aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten._reshape_alias.default])
@@ -263,14 +301,16 @@ def _view_scale_with_data(func, args, kwargs):
         q = func(t.qdata, size)
     else:  # view, _reshape_alias (its stride argument is the view's own)
         q = aten.view.default(t.qdata, size)
-    return _wrap(q, _view_scale(t.scale, t.shape, q.shape), t)
+    scale, dims = _view_scale(t.scale, t.shape, q.shape, t.scaled_dims)
+    return _wrap(q, scale, t, dims=dims)
 
 
 @implements([aten.squeeze.dim, aten.squeeze.default, aten.squeeze.dims])
 def _squeeze_scale(func, args, kwargs):
     t = args[0]
     q = func(t.qdata, *args[1:], **kwargs)
-    return _wrap(q, _view_scale(t.scale, t.shape, q.shape), t)
+    scale, dims = _view_scale(t.scale, t.shape, q.shape, t.scaled_dims)
+    return _wrap(q, scale, t, dims=dims)
 
 
 # --------------------------------------------------------------------------------------------- layout: slicing
@@ -292,7 +332,8 @@ def _select_scale(func, args, kwargs):
     t, dim, index = args[0], _norm_dim(args[1], args[0].dim()), args[2]
     q = t.qdata.select(dim, index)
     s = t.scale.select(dim, index if _scaled_along(t, dim) else 0)
-    return _wrap(q, s, t, shares_scale=not _scaled_along(t, dim) and t.shape[dim] > 1)
+    dims = t.scaled_dims[:dim] + t.scaled_dims[dim + 1 :]
+    return _wrap(q, s, t, shares_scale=not _scaled_along(t, dim) and t.shape[dim] > 1, dims=dims)
 
 
 @implements([aten.split.Tensor, aten.split_with_sizes.default])
@@ -336,23 +377,25 @@ def _cat_scales(func, args, kwargs):
     first = fp8[0]
     dim = _norm_dim(dim, first.dim())
     q = torch.cat([t.qdata for t in fp8], dim)
-    # Off the cat dim, scales must share a pattern: expand where they differ.
-    shape = [max(t.scale.shape[d] for t in fp8) if d != dim else None for d in range(first.dim())]
-    scales = []
-    for t in fp8:
-        target = [shape[d] if d != dim else t.scale.shape[d] for d in range(first.dim())]
-        target = [t.shape[d] if (d != dim and target[d] != 1) else target[d] for d in range(first.dim())]
-        scales.append(t.scale.expand(target))
-    if all(_scaled_along(t, dim) for t in fp8) or all(t.shape[dim] == 1 for t in fp8):
-        s = torch.cat(scales, dim)
-    elif all(s.shape[dim] == 1 for s in scales) and _all_equal([s.contiguous() for s in scales]):
-        s = scales[0]
+    # Off the cat dim, scales must share a layout: scaled where any input is (expanded where one was shared).
+    nd = first.dim()
+    off = [any(t.scaled_dims[d] for t in fp8) for d in range(nd)]
+    scales = [
+        t.scale.expand([t.scale.shape[d] if d == dim else (t.shape[d] if off[d] else 1) for d in range(nd)])
+        for t in fp8
+    ]
+    if all(_scaled_along(t, dim) for t in fp8):
+        s, along = torch.cat(scales, dim), True
+    elif not any(_scaled_along(t, dim) for t in fp8) and _all_equal([s.contiguous() for s in scales]):
+        s, along = scales[0], False
     else:
         s = torch.cat(
-            [sc.expand([t.shape[d] if d == dim else sc.shape[d] for d in range(t.dim())]) for sc, t in zip(scales, fp8)],
+            [sc.expand([t.shape[d] if d == dim else sc.shape[d] for d in range(nd)]) for sc, t in zip(scales, fp8)],
             dim,
         )
-    return ScaledFp8Tensor(q, s.contiguous(), first.orig_dtype, all(t.fast_accum for t in fp8))
+        along = True
+    dims = tuple(along if d == dim else off[d] for d in range(nd))
+    return make_scaled(q, s.contiguous(), first.orig_dtype, all(t.fast_accum for t in fp8), dims)
 
 
 # --------------------------------------------------------------------------------------------- metadata-only

@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInput, PrepareModuleInputOutput
 
 from .quantize import E4M3, FLOAT8_DTYPES, check_float8_dtype, quantize_rowwise
-from .tensor import ScaledFp8Tensor
+from .tensor import ScaledFp8Tensor, make_scaled, rowwise_dims
 
 __all__ = ["Fp8PrepareModuleInput", "fp8_sequence_parallel_plan", "fp8_sequence_all_gather"]
 
@@ -83,7 +83,7 @@ class _Fp8SequenceAllGather(torch.autograd.Function):
         local = x.to_local()
         qdata, scale = quantize_rowwise(local, dim=-1, float8_dtype=float8_dtype)
         q_full, s_full = _gather_payload(qdata, scale, dim, mesh)
-        y = ScaledFp8Tensor(q_full, s_full, x.dtype, fast_accum=True)
+        y = make_scaled(q_full, s_full, x.dtype, True, rowwise_dims(q_full.dim(), -1))
         return DTensor.from_local(y, mesh, (Replicate(),), run_check=False, shape=x.shape, stride=x.stride())
 
     @staticmethod

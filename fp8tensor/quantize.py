@@ -41,9 +41,17 @@ E5M2 = torch.float8_e5m2
 #: The fp8 formats supported for storage and GEMMs (OCP e4m3fn and e5m2).
 FLOAT8_DTYPES = (E4M3, E5M2)
 
-# Smallest amax used to build a scale. An all-zero row gets this amax, so its scale is finite and positive
-# and the row dequantizes to exact zeros. 1e-12 / 448 is ~2e-15, far above fp32's smallest normal.
-_AMAX_FLOOR = 1e-12
+#: Smallest scale: float32's smallest normal number, 2^-126. ``scale = max(amax / fp8_max, SCALE_FLOOR)``.
+#: An all-zero (or empty) row gets this scale, so its scale is finite and positive and the row dequantizes to exact
+#: zeros. Any row with ``amax >= fp8_max * 2^-126`` (about 5.3e-36 for e4m3, 6.7e-34 for e5m2) gets exactly
+#: ``amax / fp8_max`` and keeps fp8's relative precision. **Limit:** rows below that keep the floor scale, so their
+#: values sit on a fixed absolute grid (2^-126 times the fp8 grid): they lose relative precision gradually and the
+#: smallest flush to zero. A smaller (subnormal) float32 scale would itself carry fewer significant bits, and
+#: ``x / scale`` could overflow; float32 inputs that small are themselves subnormal. (The floor used to be an
+#: *amax* of 1e-12, which clamped every row below ~1e-12 and turned rows below ~1e-18 into zeros.) Traced code reads
+#: it as ``torch.finfo(torch.float32).tiny``, a constant to ``torch.compile``: a module-level Python float would
+#: become a symbolic input under ``dynamic=True``, which trips a dynamo bug (docs/pytorch_issues.md).
+SCALE_FLOOR = torch.finfo(torch.float32).tiny
 
 
 def check_float8_dtype(float8_dtype: torch.dtype, op: str) -> None:
@@ -57,16 +65,23 @@ def check_float8_dtype(float8_dtype: torch.dtype, op: str) -> None:
 def amax_to_scale(amax: torch.Tensor, float8_dtype: torch.dtype) -> torch.Tensor:
     """Turn an amax tensor (any shape, any float dtype) into a float32 dequantization scale.
 
-    ``scale = max(amax, 1e-12) / finfo(float8_dtype).max``, computed in float32 so that tiny fp16/bf16
-    inputs never overflow a reciprocal. NaN/inf amax propagate into the scale (the row stays non-finite).
+    ``scale = max(amax / finfo(float8_dtype).max, 2^-126)``, computed in float32 (:data:`SCALE_FLOOR`: the floor,
+    and the limit for tiny rows). For every amax above the floor this is the division it always was, so ordinary
+    rows quantize bit-identically. NaN/inf amax propagate into the scale (the row stays non-finite).
     """
     amax = amax.to(torch.float32)
     # clamp keeps NaN as NaN (torch.clamp propagates NaN), so a NaN row stays visibly NaN.
-    return torch.clamp(amax, min=_AMAX_FLOOR) / torch.finfo(float8_dtype).max
+    return torch.clamp(amax / torch.finfo(float8_dtype).max, min=torch.finfo(torch.float32).tiny)
 
 
 def rowwise_scale(x: torch.Tensor, dim: int, float8_dtype: torch.dtype) -> torch.Tensor:
-    """Float32 scale of ``x`` reduced over ``dim`` (kept with size 1): ``amax(|x|, dim) / fp8_max``."""
+    """Float32 scale of ``x`` reduced over ``dim`` (kept with size 1): ``amax(|x|, dim) / fp8_max``.
+
+    An empty ``dim`` (a ``[7, 0]`` tensor) has amax 0, as an all-zero row: the floor scale."""
+    if x.shape[dim] == 0:
+        shape = list(x.shape)
+        shape[dim] = 1
+        return amax_to_scale(x.new_zeros(shape, dtype=torch.float32), float8_dtype)
     amax = torch.amax(torch.abs(x), dim=dim, keepdim=True)
     return amax_to_scale(amax, float8_dtype)
 
@@ -109,7 +124,7 @@ def quantize(
             if dim % 2 == 1 and kernels.kernel_available(x.t()):
                 return quantize_dim0_t(x.t(), float8_dtype)
         if x.dim() and dim in (-1, x.dim() - 1) and kernels.row_kernel_available(x):
-            return kernels.quantize_last_dim(x, float8_dtype, _AMAX_FLOOR)
+            return kernels.quantize_last_dim(x, float8_dtype, SCALE_FLOOR)
     scale = rowwise_scale(x, dim, float8_dtype)
     return cast_to_fp8(x, scale, float8_dtype), scale
 
@@ -153,7 +168,7 @@ def quantize_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype) -> tuple[torch.T
     """
     if not kernels.kernel_available(x):
         return _reference_dim0_t(x, float8_dtype)
-    return kernels.launch_dim0_t(x, float8_dtype, _AMAX_FLOOR)
+    return kernels.launch_dim0_t(x, float8_dtype, SCALE_FLOOR)
 
 
 @quantize_dim0_t.register_fake

@@ -15,7 +15,16 @@ from torch.utils._pytree import tree_map_only
 from . import fsdp as _payload
 from .quantize import E4M3, FLOAT8_DTYPES, check_float8_dtype, quantize
 
-__all__ = ["ScaledFp8Tensor", "dequantize", "OP_TABLE", "implements", "register_fsdp_pre_all_gather_callback"]
+__all__ = [
+    "ScaledFp8Tensor",
+    "dequantize",
+    "OP_TABLE",
+    "implements",
+    "register_fsdp_pre_all_gather_callback",
+    "validate_parts",
+    "make_scaled",
+    "rowwise_dims",
+]
 
 #: The op table: aten op overload -> ``handler(func, args, kwargs)``. Filled by :func:`implements` (in
 #: :mod:`fp8tensor.ops`, :mod:`fp8tensor.gemm`, :mod:`fp8tensor.collectives`).
@@ -126,6 +135,18 @@ def _is_dtensor(t: Any) -> bool:
     return isinstance(t, DTensor)
 
 
+def _is_local_tensor(t: Any) -> bool:
+    """Whether ``t`` is a ``torch.distributed._local_tensor.LocalTensor`` (one tensor per simulated rank)."""
+    cls = type(t)
+    if cls is torch.Tensor or cls.__name__ != "LocalTensor":
+        return False
+    try:
+        from torch.distributed._local_tensor import LocalTensor
+    except Exception:  # pragma: no cover - builds without distributed
+        return False
+    return isinstance(t, LocalTensor)
+
+
 def map_local(t: Any, fn):
     """Apply ``fn`` to a tensor, or to the local tensor of a DTensor, keeping mesh, placements, shape and stride.
 
@@ -138,6 +159,8 @@ def map_local(t: Any, fn):
         return DTensor.from_local(
             map_shard(t.to_local(), fn), t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
         )
+    if _is_local_tensor(t):
+        return map_shard(t, fn)
     return fn(t)
 
 
@@ -169,14 +192,31 @@ class ScaledFp8Tensor(torch.Tensor):
         shares_scale: whether this is a view whose scales also scale elements outside it (a column slice of a
             row-scaled tensor); ``copy_`` into it refuses writes that would change those elements. Set by the
             slicing ops; kept through flatten/unflatten, deepcopy and pickling.
+        scaled_dims: tuple of bools, one per dim: True where there is one scale per index of that dim (the scale
+            has the data's size there), False where one scale is shared along it (size 1). This is the *declared*
+            layout: on a dim of size 1 both read the same from the shapes, and the collectives of a rank holding
+            one row (or none) must send what the other ranks send, so every op decides from ``scaled_dims``, never
+            from sizes. :meth:`from_hp` declares ``(True, ..., True, False)``; ops derive it from their inputs'.
+            When not given it is read from the shapes: a dim whose scale is not 1 is scaled; a dim of size 1 is
+            scaled if another dim is unambiguously shared (scale 1, data not 1), else shared.
 
     ``shape``, ``stride``, ``device`` and ``dtype`` are the logical ones. Ops not in the op table that are
     out-of-place run on the dequantized tensor and return a plain tensor; in-place, ``out=`` and collective
     ops not in the table raise ``NotImplementedError``.
+    ``.to(float dtype)`` changes the logical dtype (data stays fp8); ``.to(torch.float8_e4m3fn / float8_e5m2)``
+    raises ``TypeError``: a plain fp8 tensor cannot hold the scale, and dropping it would silently change values
+    (use ``.qdata`` and ``.scale``, or ``.to_hp()``). Views work under ``torch.inference_mode()`` on tensors
+    created outside it.
+
+    The public constructor checks its arguments with :func:`validate_parts`, including the scale *values* (one
+    reduction over the scale: a device sync on CUDA; skipped while tracing). Results of ops are built without these
+    checks (:func:`make_scaled`): a row holding NaN or inf legitimately gets a non-finite scale from :meth:`from_hp`.
 
     Raises:
         TypeError: ``qdata`` is not an fp8 tensor, ``scale`` is not float32, or ``orig_dtype`` is not floating point.
-        ValueError: ``scale`` does not have ``qdata``'s ndim, or a scale dim is neither 1 nor ``qdata``'s size.
+        ValueError: ``scale`` does not have ``qdata``'s ndim, a scale dim is neither 1 nor ``qdata``'s size, a scale
+            is negative, zero, NaN or infinite, or ``scaled_dims`` does not match the shapes (the message names the
+            op, the first bad value and its index).
     """
 
     qdata: torch.Tensor
@@ -184,6 +224,7 @@ class ScaledFp8Tensor(torch.Tensor):
     orig_dtype: torch.dtype
     fast_accum: bool
     shares_scale: bool
+    scaled_dims: tuple
 
     @staticmethod
     def __new__(
@@ -196,6 +237,8 @@ class ScaledFp8Tensor(torch.Tensor):
         *,
         shares_scale: bool = False,
         scale_writes: Optional[_ScaleWrites] = None,
+        scaled_dims: Optional[Sequence[bool]] = None,
+        _trusted: bool = False,
     ):
         return torch.Tensor._make_wrapper_subclass(
             cls,
@@ -218,18 +261,14 @@ class ScaledFp8Tensor(torch.Tensor):
         *,
         shares_scale: bool = False,
         scale_writes: Optional[_ScaleWrites] = None,
+        scaled_dims: Optional[Sequence[bool]] = None,
+        _trusted: bool = False,
     ):
-        if qdata.dtype not in FLOAT8_DTYPES:
-            raise TypeError(f"ScaledFp8Tensor: qdata must be float8_e4m3fn or float8_e5m2, got {qdata.dtype}")
-        if scale.dtype != torch.float32:
-            raise TypeError(f"ScaledFp8Tensor: scale must be float32, got {scale.dtype}")
-        if not orig_dtype.is_floating_point or orig_dtype in FLOAT8_DTYPES:
-            raise TypeError(f"ScaledFp8Tensor: orig_dtype must be a high-precision float dtype, got {orig_dtype}")
-        if scale.ndim != qdata.ndim or any(s != 1 and s != d for s, d in zip(scale.shape, qdata.shape)):
-            raise ValueError(
-                f"ScaledFp8Tensor: scale of shape {tuple(scale.shape)} does not broadcast per-dim to qdata of "
-                f"shape {tuple(qdata.shape)} (each scale dim must be 1 or the data's size)"
-            )
+        if not _trusted:  # the public constructor; op results come through make_scaled (no checks)
+            scaled_dims = validate_parts(qdata, scale, orig_dtype, scaled_dims, "ScaledFp8Tensor")
+        elif scaled_dims is None:
+            scaled_dims = _shape_dims(qdata.shape, scale.shape)
+        self.scaled_dims = tuple(scaled_dims)
         self.qdata = qdata
         self.scale = scale
         self.orig_dtype = orig_dtype
@@ -251,12 +290,16 @@ class ScaledFp8Tensor(torch.Tensor):
         Args:
             t: floating-point tensor with at least 2 dims (fp32, bf16, fp16, fp64), or a DTensor of one: then
                 each local shard is quantized on its own and a DTensor with the same mesh, placements, shape
-                and stride is returned whose local tensor is a ScaledFp8Tensor.
+                and stride is returned whose local tensor is a ScaledFp8Tensor. A ``LocalTensor`` (PyTorch's
+                single-process simulation of ranks) gives a LocalTensor of per-rank ScaledFp8Tensors. Any dim may
+                be empty (a ``[7, 0]`` tensor gets seven finite scales: an empty row is an all-zero row).
             float8_dtype: ``torch.float8_e4m3fn`` (default) or ``torch.float8_e5m2``.
             fast_accum: stored on the result; see the class docstring.
 
         Returns:
-            ScaledFp8Tensor with ``qdata`` of ``t``'s shape and ``scale`` of shape ``(*t.shape[:-1], 1)``.
+            ScaledFp8Tensor with ``qdata`` of ``t``'s shape and ``scale`` of shape ``(*t.shape[:-1], 1)``;
+            ``scaled_dims == (True, ..., True, False)``. Scales follow :func:`fp8tensor.quantize.amax_to_scale`
+            (floor at float32's smallest normal; see :data:`fp8tensor.quantize.SCALE_FLOOR` for the tiny-row limit).
 
         Raises:
             TypeError: ``t`` is not a tensor, is not floating point, is already fp8, or ``float8_dtype`` is
@@ -269,7 +312,9 @@ class ScaledFp8Tensor(torch.Tensor):
             raise TypeError(f"{op}: expected a torch.Tensor, got {type(t).__name__}")
         if isinstance(t, ScaledFp8Tensor):
             raise TypeError(f"{op}: input is already a ScaledFp8Tensor; call .to_hp() first to re-quantize")
-        if _is_dtensor(t):
+        if _is_dtensor(t) or _is_local_tensor(t):
+            # DTensor: each local shard; LocalTensor (simulated ranks): each rank's tensor, so that the result is a
+            # LocalTensor *of* ScaledFp8Tensors, the nesting DTensor shards get.
             return map_local(t, lambda lt: cls.from_hp(lt, float8_dtype, fast_accum=fast_accum))
         if t.dtype in FLOAT8_DTYPES or not t.dtype.is_floating_point:
             raise TypeError(f"{op}: expected a high-precision floating-point tensor, got dtype {t.dtype}")
@@ -277,7 +322,7 @@ class ScaledFp8Tensor(torch.Tensor):
             raise ValueError(f"{op}: expected a tensor with at least 2 dims (rows × columns), got shape {tuple(t.shape)}")
         t = _plain(t).detach()
         qdata, scale = quantize(t, -1, float8_dtype)
-        return cls(qdata, scale, t.dtype, fast_accum)
+        return make_scaled(qdata, scale, t.dtype, fast_accum, rowwise_dims(t.ndim, -1))
 
     def to_hp(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """Dequantize: ``(qdata.float() * scale).to(dtype or orig_dtype)``; a plain tensor of the logical shape."""
@@ -285,8 +330,8 @@ class ScaledFp8Tensor(torch.Tensor):
 
     def with_fast_accum(self, fast_accum: bool) -> "ScaledFp8Tensor":
         """Same data and scale (no copy), with the given fast-accumulation flag."""
-        return ScaledFp8Tensor(self.qdata, self.scale, self.orig_dtype, fast_accum, shares_scale=self.shares_scale,
-                               scale_writes=self._scale_writes)
+        return make_scaled(self.qdata, self.scale, self.orig_dtype, fast_accum, self.scaled_dims,
+                           shares_scale=self.shares_scale, scale_writes=self._scale_writes)
 
     def scale_writes(self) -> _ScaleWrites:
         """The write bookkeeping of this tensor's scale (created on first use; shared with the views that share
@@ -302,13 +347,14 @@ class ScaledFp8Tensor(torch.Tensor):
 
     # ------------------------------------------------------------------ subclass protocol
     def __tensor_flatten__(self):
-        return ["qdata", "scale"], (self.orig_dtype, self.fast_accum, self.shares_scale, self._scale_writes)
+        ctx = (self.orig_dtype, self.fast_accum, self.shares_scale, self._scale_writes, self.scaled_dims)
+        return ["qdata", "scale"], ctx
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):
-        orig_dtype, fast_accum, shares_scale, scale_writes = ctx
-        return ScaledFp8Tensor(inner_tensors["qdata"], inner_tensors["scale"], orig_dtype, fast_accum,
-                               shares_scale=shares_scale, scale_writes=scale_writes)
+        orig_dtype, fast_accum, shares_scale, scale_writes, scaled_dims = ctx
+        return make_scaled(inner_tensors["qdata"], inner_tensors["scale"], orig_dtype, fast_accum, scaled_dims,
+                           shares_scale=shares_scale, scale_writes=scale_writes)
 
     __torch_dispatch__ = classmethod(_dispatch)
 
@@ -353,6 +399,7 @@ class ScaledFp8Tensor(torch.Tensor):
                 bool(getattr(self, "_is_param", False)),
                 self.qdata.dtype,
                 self.shares_scale,
+                self.scaled_dims,
             ),
         )
 
@@ -367,6 +414,7 @@ class ScaledFp8Tensor(torch.Tensor):
             self.requires_grad,
             bool(getattr(self, "_is_param", False)),
             shares_scale=self.shares_scale,
+            scaled_dims=self.scaled_dims,
         )
         if self._scale_writes is not None:
             out._scale_writes = _ScaleWrites(self._scale_writes.regions)
@@ -374,12 +422,105 @@ class ScaledFp8Tensor(torch.Tensor):
         return out
 
 
+# ---------------------------------------------------------------------------------------------- layout and checks
+def rowwise_dims(ndim: int, dim: int) -> tuple:
+    """``scaled_dims`` of a quantization reduced over ``dim``: one scale per index of every other dim."""
+    dim = dim % ndim if ndim else 0
+    return tuple(d != dim for d in range(ndim))
+
+
+def _shape_dims(qshape, sshape) -> tuple:
+    """``scaled_dims`` read from the shapes (see the class docstring): scaled where the scale is not 1; a dim of
+    size 1 is scaled when another dim is unambiguously shared (the row-wise layout, reduced over one dim)."""
+    shared = any(s == 1 and d != 1 for s, d in zip(sshape, qshape))
+    return tuple(s != 1 or (d == 1 and shared) for s, d in zip(sshape, qshape))
+
+
+def _check_layout(qdata, scale, orig_dtype, scaled_dims, op: str) -> tuple:
+    """Types, dims and shapes of the parts (not the values); returns the ``scaled_dims`` to use."""
+    if not isinstance(qdata, torch.Tensor) or qdata.dtype not in FLOAT8_DTYPES:
+        raise TypeError(f"{op}: qdata must be float8_e4m3fn or float8_e5m2, got {getattr(qdata, 'dtype', type(qdata))}")
+    if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32:
+        raise TypeError(f"{op}: scale must be float32, got {getattr(scale, 'dtype', type(scale))}")
+    if not isinstance(orig_dtype, torch.dtype) or not orig_dtype.is_floating_point or orig_dtype in FLOAT8_DTYPES:
+        raise TypeError(f"{op}: orig_dtype must be a high-precision float dtype, got {orig_dtype}")
+    if scale.ndim != qdata.ndim or any(s != 1 and s != d for s, d in zip(scale.shape, qdata.shape)):
+        raise ValueError(
+            f"{op}: scale of shape {tuple(scale.shape)} does not broadcast per-dim to qdata of "
+            f"shape {tuple(qdata.shape)} (each scale dim must be 1 or the data's size)"
+        )
+    if scaled_dims is None:
+        return _shape_dims(qdata.shape, scale.shape)
+    dims = tuple(bool(b) for b in scaled_dims)
+    if len(dims) != qdata.ndim or any((s != d) if b else (s != 1) for b, s, d in zip(dims, scale.shape, qdata.shape)):
+        raise ValueError(
+            f"{op}: scaled_dims {dims} does not match scale {tuple(scale.shape)} and qdata {tuple(qdata.shape)} "
+            "(a scaled dim needs the data's size in the scale, a shared one size 1)"
+        )
+    return dims
+
+
+def _values_checkable(scale: torch.Tensor) -> bool:
+    """Whether the scale's values can be read here: a plain tensor, not meta, not while tracing."""
+    return (
+        type(scale) is torch.Tensor
+        and not scale.is_meta
+        and not torch.compiler.is_compiling()
+        and torch._C._len_torch_dispatch_stack() == 0
+    )
+
+
+def validate_parts(qdata, scale, orig_dtype, scaled_dims=None, op: str = "ScaledFp8Tensor") -> tuple:
+    """All checks of the public :class:`ScaledFp8Tensor` constructor; returns the ``scaled_dims`` to use.
+
+    Types, dims and shapes (see the class docstring), and the scale values: every scale must be finite and
+    positive (a scale is a dequantization multiplier: zero erases the data, a negative one flips its sign, NaN/inf
+    make it non-finite). The value check reads the scale (one reduction; a device sync on CUDA) and is skipped while
+    tracing and on meta / fake tensors. Op results never come through here (:func:`make_scaled`).
+
+    Raises:
+        TypeError / ValueError: naming ``op``, what was expected and what was given (the first bad scale, its index).
+    """
+    dims = _check_layout(qdata, scale, orig_dtype, scaled_dims, op)
+    if scale.numel() and _values_checkable(scale):
+        bad = ~(torch.isfinite(scale) & (scale > 0))
+        if bool(bad.any()):
+            idx = tuple(int(i) for i in bad.nonzero()[0])
+            raise ValueError(
+                f"{op}: scale must be finite and positive (it multiplies the fp8 data), got {float(scale[idx])} "
+                f"at index {idx} ({int(bad.sum())} bad of {scale.numel()})"
+            )
+    return dims
+
+
+def make_scaled(
+    qdata: torch.Tensor,
+    scale: torch.Tensor,
+    orig_dtype: torch.dtype,
+    fast_accum: bool = True,
+    scaled_dims: Optional[Sequence[bool]] = None,
+    *,
+    requires_grad: bool = False,
+    shares_scale: bool = False,
+    scale_writes: Optional[_ScaleWrites] = None,
+) -> "ScaledFp8Tensor":
+    """A ScaledFp8Tensor from trusted parts (op results, collectives, flatten/unflatten): no checks, no value reads.
+
+    ``scaled_dims`` None reads it from the shapes (see the class docstring). Goes through the class itself, which is
+    how ``torch.compile`` traces the construction of a subclass."""
+    return ScaledFp8Tensor(qdata, scale, orig_dtype, fast_accum, requires_grad, shares_scale=shares_scale,
+                           scale_writes=scale_writes, scaled_dims=scaled_dims, _trusted=True)
+
+
 def _rebuild_scaled_fp8(qdata, scale, orig_dtype, fast_accum, requires_grad, is_param=False, float8_dtype=None,
-                        shares_scale=False):
-    """Unpickling hook of :class:`ScaledFp8Tensor` (registered as a safe global for ``weights_only`` loads)."""
+                        shares_scale=False, scaled_dims=None):
+    """Unpickling hook of :class:`ScaledFp8Tensor` (registered as a safe global for ``weights_only`` loads).
+
+    Checks types and shapes, not scale values: a checkpoint may hold rows with non-finite scales (NaN/inf inputs)."""
     if float8_dtype is not None and qdata.dtype != float8_dtype:
         qdata = qdata.view(float8_dtype)
-    t = ScaledFp8Tensor(qdata, scale, orig_dtype, fast_accum, requires_grad=requires_grad, shares_scale=shares_scale)
+    dims = _check_layout(qdata, scale, orig_dtype, scaled_dims, "ScaledFp8Tensor (unpickling)")
+    t = make_scaled(qdata, scale, orig_dtype, fast_accum, dims, requires_grad=requires_grad, shares_scale=shares_scale)
     if is_param:
         t._is_param = True  # what nn.Parameter(subclass) sets
     return t
@@ -415,7 +556,9 @@ def fsdp_post_all_gather(all_gather_outputs, metadata, param_dtype, *, out=None)
         _payload.refill(target.qdata, target.scale, qdata, scale)
         return None
     qdata, scale, inner = _payload.unsharded_buffers(all_gather_outputs, metadata)
-    return ScaledFp8Tensor(qdata, scale, param_dtype, metadata.fast_accum), inner
+    # one scale per row (both pre-all-gather hooks gather per-row scales), declared so for one-row weights too
+    dims = (True, *(s != 1 for s in scale.shape[1:]))
+    return make_scaled(qdata, scale, param_dtype, metadata.fast_accum, dims), inner
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:

@@ -84,3 +84,141 @@ def test_train_example_compiled_tp(tmp_path):
         losses = r["train_loss"]
         assert all(math.isfinite(x) for x in losses) and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.5, name
     assert abs(gap) < 5.0
+
+
+# ------------------------------------------------------------------------------------------------ bad inputs
+# Arguments are checked before the process group exists: rank 0 prints one line, the launcher exits non-zero,
+# and no rank prints a traceback of the script (torchrun's own ChildFailedError report is not the script's).
+ERROR_PREFIX = "examples/train.py: error: "
+
+
+def _assert_one_line_error(proc: subprocess.CompletedProcess, *fragments: str) -> None:
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    lines = [ln for ln in out.splitlines() if ln.startswith(ERROR_PREFIX)]
+    assert len(lines) == 1, out[-3000:]
+    for frag in fragments:
+        assert frag in lines[0], (frag, lines[0])
+    assert 'examples/train.py", line' not in out, out[-3000:]  # no traceback through the script
+    assert "final val loss" not in out
+
+
+def _run_plain(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, str(TRAIN), *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def _run_torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           str(TRAIN), "--device", "cpu", *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+
+
+def test_train_example_without_torchrun_hints_at_torchrun():
+    """``python examples/train.py`` (world size 1, default --tp 2): one line naming torchrun, exit status 2."""
+    proc = _run_plain()
+    _assert_one_line_error(proc, "world size 1", "--tp 2", "torchrun --nproc-per-node")
+    assert proc.returncode == 2
+
+
+def test_train_example_steps_zero():
+    _assert_one_line_error(_run_plain("--tp", "1", "--steps", "0"), "--steps must be at least 1, got 0")
+
+
+def test_train_example_corpus_too_small(tmp_path):
+    """A corpus whose validation split cannot hold one sequence: one line, before any process group."""
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text("x" * 1000)
+    _assert_one_line_error(_run_plain("--tp", "1", "--data", str(tiny)),
+                           "corpus: the validation split has 50 bytes, fewer than --seq-len + 1 = 129")
+
+
+def _load_train_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_example_train", TRAIN)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("args, world, fragment", [
+    (("--tp", "0"), 1, "--tp must be at least 1, got 0"),
+    (("--batch-size", "0"), 2, "--batch-size must be at least 1"),
+    (("--val-batches", "0"), 2, "--val-batches must be at least 1"),
+    (("--warmup", "-1"), 2, "--warmup must be at least 0"),
+    (("--lr", "0"), 2, "--lr must be a positive number"),
+    (("--lr", "nan"), 2, "--lr must be a positive number"),
+    (("--tp", "3"), 4, "world size 4 is not divisible by --tp 3"),
+    (("--dim", "100"), 2, "--dim 100 is not divisible by --heads 8"),
+    (("--kv-heads", "3"), 2, "--heads 8 is not divisible by --kv-heads 3"),
+    (("--dim", "24"), 2, "head dim --dim / --heads = 3 must be even"),
+    (("--tp", "4", "--kv-heads", "2"), 4, "--kv-heads = 2 is not divisible by --tp 4"),
+    (("--seq-len", "127"), 2, "--seq-len 127 is not divisible by --tp 2"),
+    (("--no-sequence-parallel", "--sp-fp8-comm"), 2, "--sp-fp8-comm needs sequence parallelism"),
+    (("--data", "/nonexistent/corpus.txt"), 2, "--data path does not exist"),
+])
+def test_train_example_check_args(args, world, fragment):
+    """Each bad combination is named by ``check_args`` (run before any collective); good ones pass."""
+    train = _load_train_module()
+    problem = train.check_args(train.parse_args(list(args)), world, world)
+    assert problem is not None and fragment in problem, problem
+    assert "\n" not in problem
+
+
+def test_train_example_check_args_accepts_good_runs():
+    train = _load_train_module()
+    for args, world in ((["--seq-len", "127", "--no-sequence-parallel"], 2), ([], 4), (["--tp", "1"], 1),
+                        (["--tp", "4", "--heads", "8", "--kv-heads", "4"], 8), (["--warmup", "0"], 2)):
+        assert train.check_args(train.parse_args(args), world, world) is None, args
+
+
+def test_train_example_bad_arguments_torchrun():
+    """Under torchrun (2 gloo ranks): a sequence length that sequence parallelism cannot split, and a --tp that
+    does not divide the world, each fail up front with one line from rank 0 (not a gloo abort on every rank)."""
+    proc = _run_torchrun(2, "--seq-len", "127")
+    _assert_one_line_error(proc, "--seq-len 127 is not divisible by --tp 2", "--no-sequence-parallel")
+    assert "SIGABRT" not in proc.stderr
+    proc = _run_torchrun(2, "--tp", "4", "--heads", "8", "--kv-heads", "4")
+    _assert_one_line_error(proc, "world size 2 is not divisible by --tp 4")
+
+
+def test_plot_losses_moving_average_and_saved_run(tmp_path):
+    """examples/plot_losses.py: centred moving average where the window is full; redraws the saved 2xH200 run."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import plot_losses
+
+    xs = [float(i * i % 7) for i in range(20)]
+    steps, ys = plot_losses.moving_average(xs, 5)
+    assert steps == list(range(3, 19))
+    for s, y in zip(steps, ys):
+        assert y == pytest.approx(sum(xs[s - 3:s + 2]) / 5)
+    assert plot_losses.smoothing_window(1200) == 49 and plot_losses.smoothing_window(120) == 5
+    assert plot_losses.smoothing_window(3) == 1
+    payload = json.loads((ROOT / "docs" / "results" / "train_2xh200_losses.json").read_text())
+    png = plot_losses.plot(payload, tmp_path / "loss.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_seed_spread_summary_from_finished_runs(tmp_path, capsys):
+    """examples/seed_spread.py reads finished seeds back (same flags) and compares the gaps with bf16's range."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import seed_spread
+
+    vals = {0: (2.00, 2.01), 1: (2.04, 2.03), 2: (2.02, 2.02)}  # bf16 range 2% of the mean, gaps within
+    for seed, (b, f) in vals.items():
+        out = tmp_path / f"seed{seed}"
+        out.mkdir()
+        argv = ["--steps", "7", "--seed", str(seed), "--out", str(out)]
+        payload = {"argv": argv, "runs": {"bf16": {"val_loss": b}, "fp8": {"val_loss": f}}}
+        (out / "losses.json").write_text(json.dumps(payload))
+    summary = seed_spread.main(["--seeds", "0", "1", "2", "--out", str(tmp_path), "--", "--steps", "7"])
+    assert summary["bf16"]["range_pct"] == pytest.approx(100 * 0.04 / 2.02)
+    gaps = [100 * (f - b) / b for b, f in vals.values()]
+    assert summary["mean_gap_pct"] == pytest.approx(sum(gaps) / 3)
+    assert summary["gap_inside_bf16_range"] is True
+    assert "inside bf16's seed-to-seed range" in capsys.readouterr().out
+    assert json.loads((tmp_path / "spread.json").read_text())["val_loss"]["1"] == {"bf16": 2.04, "fp8": 2.03}

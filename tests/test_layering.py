@@ -30,6 +30,7 @@ LAYERS = [
     ["fsdp_state", "collectives", "parallel"],
     ["convert"],
     ["__init__"],
+    ["torchtitan"],  # optional integration (imports torchtitan when present); nothing in the package imports it
 ]
 LAYER_OF = {m: i for i, layer in enumerate(LAYERS) for m in layer}
 

@@ -80,9 +80,10 @@ def test_quantize_rowwise_error_bound_and_scale(case):
     assert list(s.shape) == expect_shape
     assert torch.isfinite(s).all() and (s > 0).all()
 
-    # scale = max(amax, 1e-12) / fp8_max (float64 reference; float32 rounding of amax and of the division)
+    # scale = max(amax / fp8_max, 2^-126) (float64 reference; float32 rounding of amax and of the division)
     amax = x.to(torch.float64).abs().amax(dim=dim, keepdim=True)
-    ref_scale = amax.clamp(min=1e-12) / torch.finfo(f8).max
+    tiny = torch.finfo(torch.float32).tiny
+    ref_scale = (amax / torch.finfo(f8).max).clamp(min=tiny)
     assert ((s.double() - ref_scale).abs() <= 2.0**-22 * ref_scale).all()
 
     deq = q.to(torch.float64) * s.to(torch.float64)
@@ -90,7 +91,7 @@ def test_quantize_rowwise_error_bound_and_scale(case):
 
     # the largest element of every (non-floored) row lands on the top of the fp8 range
     qmax = q.to(torch.float32).abs().amax(dim=dim, keepdim=True)
-    big = amax > 1e-11
+    big = amax > torch.finfo(f8).max * tiny * 2
     assert torch.equal(qmax[big], torch.full_like(qmax[big], torch.finfo(f8).max))
 
 
@@ -180,12 +181,15 @@ def test_cast_saturates_instead_of_overflowing(f8):
 
 
 def test_amax_to_scale_floor_and_nan():
-    amax = torch.tensor([0.0, 1e-30, 448.0, float("nan"), float("inf")], dtype=torch.float64)
+    """Floor at float32's smallest normal (zero rows, rows below 448 * 2^-126); tiny rows above it are not
+    clamped (1e-30 used to be floored to 1e-12 / 448); NaN / inf propagate."""
+    tiny = torch.finfo(torch.float32).tiny
+    amax = torch.tensor([0.0, 1e-30, 448.0, float("nan"), float("inf"), 1e-40, 448 * tiny], dtype=torch.float64)
     s = amax_to_scale(amax, E4M3)
     assert s.dtype == torch.float32
-    floor = torch.tensor(1e-12, dtype=torch.float32) / 448.0
-    assert s[0].item() == floor.item() and s[1].item() == floor.item()
-    assert s[2].item() == 1.0
+    assert s[0].item() == tiny and s[5].item() == tiny
+    assert s[1].item() == (torch.tensor(1e-30, dtype=torch.float32) / 448.0).item()
+    assert s[2].item() == 1.0 and s[6].item() == tiny
     assert s[3].isnan() and s[4].isinf()
 
 

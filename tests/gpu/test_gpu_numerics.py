@@ -81,6 +81,8 @@ def test_quantize_dim0_t_kernel_matches_reference(dtype, shape, float8_dtype):
 
     x = torch.randn(*shape, device=DEV, dtype=dtype) * torch.rand(1, shape[1], device=DEV, dtype=dtype) * 10
     x[:, 0] = 0  # an all-zero column
+    x[:, 1] *= 1e-30  # tiny columns: scale amax / fmax, not floored (the floor is float32's smallest normal)
+    x[:, 2] *= 1e-37  # below fmax * 2^-126: the floor scale
     q, s = quantize_dim0_t(x, float8_dtype)
     qr, sr = _reference_dim0_t(x, float8_dtype)
     assert q.shape == (shape[1], shape[0]) and q.is_contiguous() and s.shape == (shape[1], 1)
@@ -107,15 +109,19 @@ def test_quantize_dim0_t_nan_column_stays_nonfinite():
 @pytest.mark.parametrize("float8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_row_kernel_bit_identical_to_eager_ops(dtype, shape, float8_dtype):
     """The fused last-dim kernel (used by eager quantize_rowwise / from_hp / FSDP2 pre-all-gather on CUDA) gives
-    the same fp8 bits and scales as the eager ops, including all-zero rows and saturating values."""
+    the same fp8 bits and scales as the eager ops, including all-zero rows, tiny rows (scale floor 2^-126) and
+    saturating values."""
     from fp8tensor.kernels import quantize_last_dim, row_kernel_available
-    from fp8tensor.quantize import _AMAX_FLOOR
+    from fp8tensor.quantize import SCALE_FLOOR
     from fp8tensor.quantize import cast_to_fp8, quantize_rowwise, rowwise_scale
 
     x = (torch.randn(*shape, device=DEV) * torch.rand(*shape[:-1], 1, device=DEV) * 100).to(dtype)
     x.view(-1, shape[-1])[0] = 0  # an all-zero row
+    if dtype != torch.float16:  # tiny rows (fp16 cannot hold them): amax / fmax, and below the floor
+        x.view(-1, shape[-1])[1] *= 1e-30
+        x.view(-1, shape[-1])[2] *= 1e-37
     assert row_kernel_available(x)
-    q, s = quantize_last_dim(x, float8_dtype, _AMAX_FLOOR)
+    q, s = quantize_last_dim(x, float8_dtype, SCALE_FLOOR)
     sr = rowwise_scale(x, -1, float8_dtype)
     qr = cast_to_fp8(x, sr, float8_dtype)
     assert q.shape == x.shape and s.shape == (*shape[:-1], 1) and q.dtype == float8_dtype

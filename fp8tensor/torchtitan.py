@@ -1,0 +1,190 @@
+"""torchtitan integration: fp8tensor's row-wise fp8 training as a torchtitan model converter (torchtitan 0.3.0).
+
+torchtitan 0.3.0 converts models on their *config tree*, before the model is built, parallelized (TP / FSDP2)
+and initialized; torchao's float8 converter (``torchtitan.components.quantization.Float8LinearConverter``) swaps
+each selected ``Linear.Config`` for a ``Float8Linear.Config``. This module does the same with fp8tensor:
+
+* :class:`Fp8TensorLinear` — torchtitan's ``Linear`` converted by :func:`fp8tensor.convert_to_fp8` when built: its
+  weight is an :class:`~fp8tensor.Fp8MasterWeight` (high-precision master, quantized on use) and its forward is
+  :func:`fp8tensor.fp8_linear`, so forward, grad_input and grad_weight run in fp8 per the recipe. torchtitan's TP
+  then shards the master (DTensor), FSDP2 all-gathers it in fp8, and its ``init_weights`` initializes the master.
+* :class:`Fp8TensorConverter` — a ``ModelConfigConverter`` (the protocol of torchtitan's quantization
+  converters) with the options ``recipe`` and ``filter_fqns``; list its ``Config`` in
+  ``model_registry(..., converters=[...])`` of a config function.
+* :func:`llama3_debugmodel_fp8tensor` — torchtitan's Llama3 debug config with the converter, runnable as
+  ``--module fp8tensor.torchtitan --config llama3_debugmodel_fp8tensor``.
+* ``--override.imports fp8tensor.torchtitan.fp8tensor_linear`` (every Linear) or
+  ``fp8tensor.torchtitan.fp8tensor_linear_layers`` (the transformer blocks' Linears, not ``lm_head``): the same
+  conversion from the command line of any config, through torchtitan's override registry; a JSON object after
+  ``=`` passes options (``'fp8tensor.torchtitan.fp8tensor_linear_layers={"recipe": "rowwise_gw_hp"}'``).
+
+See ``docs/torchtitan.md``. This module imports without torchtitan; its torchtitan classes raise ``ImportError``
+when used without it.
+"""
+from __future__ import annotations
+
+from dataclasses import field, fields
+from typing import Any
+
+from .convert import Fp8LinearMixin, convert_to_fp8
+from .recipes import get_recipe
+
+__all__ = [
+    "Fp8TensorLinear",
+    "Fp8TensorConverter",
+    "convert_model_config",
+    "llama3_debugmodel_fp8tensor",
+    "fp8tensor_linear",
+    "fp8tensor_linear_layers",
+]
+
+TORCHTITAN_VERSION = "0.3.0"  # the version this module is written and tested against
+
+try:
+    from dataclasses import dataclass
+
+    from torchtitan.components.quantization import QuantizationConverter
+    from torchtitan.config.override import derive, override
+    from torchtitan.models.common.linear import Linear
+except ImportError as e:  # torchtitan (or one of its import-time dependencies) missing
+    _IMPORT_ERROR: ImportError | None = e
+else:
+    _IMPORT_ERROR = None
+
+
+def _missing(name: str):
+    raise ImportError(
+        f"fp8tensor.torchtitan.{name} needs torchtitan {TORCHTITAN_VERSION} importable "
+        f"({type(_IMPORT_ERROR).__name__}: {_IMPORT_ERROR}). Install it with "
+        f"`pip install torchtitan=={TORCHTITAN_VERSION}` (docs/torchtitan.md lists the minimal set of "
+        "dependencies); fp8tensor.convert_to_fp8 works without it."
+    ) from _IMPORT_ERROR
+
+
+def _selected(config: Any, fqn: str, filter_fqns: list[str]) -> bool:
+    """A plain ``Linear.Config`` whose dims are multiples of 16 (fp8 GEMM constraint) and whose FQN contains
+    none of ``filter_fqns``. Subclasses of ``Linear.Config`` (their own forward, e.g. torchtitan's
+    ``ScaledBiasRowwiseLinear``, or another quantization) are left alone."""
+    return (
+        type(config) is Linear.Config
+        and config.in_features % 16 == 0
+        and config.out_features % 16 == 0
+        and not any(f in fqn for f in filter_fqns)
+    )
+
+
+if _IMPORT_ERROR is None:
+
+    class Fp8TensorLinear(Fp8LinearMixin, Linear):
+        """torchtitan ``Linear`` trained in fp8 by fp8tensor (built from :class:`Fp8TensorLinear.Config`).
+
+        ``weight``: ``(out_features, in_features)`` :class:`~fp8tensor.Fp8MasterWeight` of the model dtype (a
+        DTensor of one after torchtitan's TP / FSDP2); ``forward(input)``: ``(*, in_features)`` ->
+        ``(*, out_features)`` through :func:`fp8tensor.fp8_linear` with ``config.recipe``. ``state_dict()``
+        holds the plain high-precision weight (DCP checkpoints load into a non-converted model).
+
+        Raises:
+            ValueError: ``in_features`` or ``out_features`` not a multiple of 16; unknown ``recipe``.
+        """
+
+        _fp8_base = Linear
+
+        @dataclass(kw_only=True, slots=True)
+        class Config(Linear.Config):
+            recipe: str = "rowwise"
+            """fp8tensor recipe: ``"rowwise"`` (3 fp8 GEMMs) or ``"rowwise_gw_hp"`` (grad_weight high precision)."""
+
+        def __init__(self, config: Config):
+            if config.in_features % 16 or config.out_features % 16:
+                raise ValueError(
+                    f"Fp8TensorLinear: in_features and out_features must be multiples of 16 (fp8 GEMMs), got "
+                    f"{config.in_features} -> {config.out_features}; keep this Linear a Linear.Config"
+                )
+            Linear.__init__(self, config)
+            convert_to_fp8(self, recipe=config.recipe)
+
+    class Fp8TensorConverter(QuantizationConverter):
+        """Swap every selected ``Linear.Config`` of a torchtitan model config for :class:`Fp8TensorLinear.Config`.
+
+        Selected: plain ``Linear.Config`` nodes with ``in_features`` and ``out_features`` multiples of 16 whose
+        FQN contains none of ``filter_fqns`` (substring match, as torchao's float8 converter).
+
+        Raises:
+            ValueError: unknown ``recipe`` (when the converter is built).
+        """
+
+        @dataclass(kw_only=True, slots=True)
+        class Config(QuantizationConverter.Config):
+            recipe: str = "rowwise"
+            """``"rowwise"`` (forward, grad_input and grad_weight in fp8) or ``"rowwise_gw_hp"``."""
+
+            filter_fqns: list[str] = field(default_factory=list)
+            """Linears whose FQN contains one of these strings stay in high precision (e.g. ``["lm_head"]``)."""
+
+        def __init__(self, config: Config):
+            get_recipe(config.recipe)  # ValueError naming the known recipes
+            self.config = config
+
+        def convert(self, model_config):
+            return convert_model_config(
+                model_config, recipe=self.config.recipe, filter_fqns=self.config.filter_fqns
+            )
+
+    def convert_model_config(model_config, *, recipe: str = "rowwise", filter_fqns: list[str] | None = None):
+        """Replace the selected ``Linear.Config`` nodes of ``model_config`` (in place) by
+        :class:`Fp8TensorLinear.Config`; returns the (possibly replaced) root config."""
+        get_recipe(recipe)
+        filter_fqns = list(filter_fqns or [])
+        for fqn, cfg, parent, attr in list(model_config.traverse(Linear.Config)):
+            if not _selected(cfg, fqn, filter_fqns):
+                continue
+            new = derive(cfg, Fp8TensorLinear.Config, recipe=recipe)
+            if parent is None:
+                model_config = new
+            elif isinstance(parent, list):
+                parent[attr] = new
+            else:
+                setattr(parent, attr, new)
+        return model_config
+
+    def _override_factory(cfg, *, recipe: str = "rowwise"):
+        get_recipe(recipe)
+        if cfg.in_features % 16 or cfg.out_features % 16:
+            return cfg
+        return derive(cfg, Fp8TensorLinear.Config, recipe=recipe)
+
+    @override(target=Linear.Config, exact=True, description="fp8tensor: row-wise fp8 training of every Linear")
+    def fp8tensor_linear(cfg, *, recipe: str = "rowwise"):
+        """torchtitan override (``--override.imports fp8tensor.torchtitan.fp8tensor_linear``): every plain
+        ``Linear`` with dims multiple of 16 becomes :class:`Fp8TensorLinear` with ``recipe``."""
+        return _override_factory(cfg, recipe=recipe)
+
+    @override(
+        target=Linear.Config,
+        exact=True,
+        fqns=["*layers.*"],  # "layers.0.…" from the model config, "model_spec.model.layers.0.…" from the trainer's
+        description="fp8tensor: row-wise fp8 training of the transformer blocks' Linears (lm_head stays)",
+    )
+    def fp8tensor_linear_layers(cfg, *, recipe: str = "rowwise"):
+        """As :func:`fp8tensor_linear`, for the Linears under ``layers.*`` only (``lm_head`` stays high precision)."""
+        return _override_factory(cfg, recipe=recipe)
+
+    def llama3_debugmodel_fp8tensor():
+        """torchtitan's ``llama3_debugmodel`` trainer config with :class:`Fp8TensorConverter` (``lm_head`` stays
+        high precision): ``--module fp8tensor.torchtitan --config llama3_debugmodel_fp8tensor``."""
+        from torchtitan.models.llama3 import model_registry
+        from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+        config = llama3_debugmodel()
+        config.model_spec = model_registry(
+            "debugmodel", converters=[Fp8TensorConverter.Config(filter_fqns=["lm_head"])]
+        )
+        return config
+
+else:
+
+    def __getattr__(name: str):
+        if name in __all__:
+            _missing(name)
+        raise AttributeError(f"module 'fp8tensor.torchtitan' has no attribute {name!r}")
+

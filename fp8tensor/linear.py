@@ -11,9 +11,11 @@ inspected here.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .quantize import E4M3, quantize
 from .recipes import Recipe, get_recipe
@@ -60,8 +62,110 @@ def _is_fp8(t: torch.Tensor) -> bool:
     return isinstance(local, ScaledFp8Tensor)
 
 
+# ---------------------------------------------------------------------------------------------- saved for backward
+#: Eager forwards share the fp8 copy of an input that several Linears consume (q/k/v, w1/w3): input -> {(version, fp8
+#: dtype, fast accumulation): weak reference to its grad_weight operand}. The value is weak: it lives exactly as long
+#: as a backward still holds it, so a hit never costs memory. Compiled graphs deduplicate identical quantizations
+#: themselves (common-subexpression elimination), so the cache is bypassed while tracing.
+_GRAD_WEIGHT_INPUTS = WeakIdKeyDictionary()
+
+
+def _x_for_grad_weight(x: torch.Tensor, x2: torch.Tensor, recipe: Recipe) -> torch.Tensor:
+    """The grad_weight operand of the ``rowwise`` recipe, computed in forward: ``x2`` ``(M, K)`` quantized per input
+    feature over the tokens (dim 0), as a ScaledFp8Tensor (or a DTensor of one). Backward would compute exactly this
+    from the high-precision ``x``; saving it instead of ``x`` halves (bf16) or quarters (fp32) what the Linear keeps.
+
+    An ``x2`` that is already fp8 scaled per token (fp8 sequence-parallel all-gather) is kept as it is: ``fp8_mm``
+    folds its token scales into ``gy^T``."""
+    fast = recipe.fast_accum_backward
+    if _is_fp8(x2):
+        return _quantize(x2, 0, fast)
+    if torch.compiler.is_compiling() or x.is_inference():  # (inference tensors have no version counter)
+        return _quantize(x2, 0, fast, recipe.float8_dtype)
+    key = (x._version, recipe.float8_dtype, fast)
+    entries = _GRAD_WEIGHT_INPUTS.get(x)
+    ref = entries.get(key) if entries is not None else None
+    x8 = ref() if ref is not None else None
+    if x8 is None:
+        x8 = _quantize(x2, 0, fast, recipe.float8_dtype)
+        if entries is None:
+            entries = _GRAD_WEIGHT_INPUTS[x] = {}
+        entries.clear()  # an older version of x is never asked for again
+        entries[key] = weakref.ref(x8)
+    return x8
+
+
+@torch.library.custom_op("fp8tensor::transpose_after", mutates_args=())
+def _transpose_after(q: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+    """``q.t().contiguous()``, ordered after ``after`` (which is not read).
+
+    The grad_input GEMM needs the fp8 weight column-major, i.e. a transposed copy. Computed from the weight alone, the
+    compiled partitioner would hoist that copy into the forward graph and keep it until backward — a second fp8 copy
+    of every weight next to the one FSDP2 holds. Taking ``grad_out`` as an (unread) input pins the copy to the
+    backward, right before its GEMM, and it dies with the GEMM."""
+    return q.t().clone(memory_format=torch.contiguous_format)  # always a copy (a custom op may not alias its input)
+
+
+@_transpose_after.register_fake
+def _(q, after):
+    return q.new_empty((q.shape[1], q.shape[0]))
+
+
+@torch.library.custom_op("fp8tensor::quantize_columns_after", mutates_args=())
+def _quantize_columns_after(
+    w: torch.Tensor, after: torch.Tensor, float8_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` ``(N, K)`` quantized per column (over N) by :func:`fp8tensor.quantize.quantize`, returned transposed —
+    ``(K, N)`` row-major fp8 and ``(K, 1)`` scales — and ordered after ``after`` (not read), for the same reason as
+    :func:`_transpose_after`: otherwise the compiled forward computes and keeps an fp8 copy of every master weight."""
+    q, s = quantize(w, 0, float8_dtype, gemm_layout=True)
+    return q.t().contiguous(), s.t().contiguous()
+
+
+@_quantize_columns_after.register_fake
+def _(w, after, float8_dtype):
+    N, K = w.shape
+    return w.new_empty((K, N), dtype=float8_dtype), w.new_empty((K, 1), dtype=torch.float32)
+
+
+def _weight_for_grad_input(weight: torch.Tensor, g2: torch.Tensor, fast: bool, recipe: Recipe) -> torch.Tensor:
+    """The weight operand of ``grad_x = gy @ W``, made in backward after ``gy`` exists (plain tensors; DTensor
+    shards are prepared as they come).
+
+    * fp8 weight scaled per row (the FSDP2-gathered weight, a frozen fp8 weight): scale folding, ``fp8_mm`` folds the
+      row scales (on the contraction dim N) into ``gy``; the weight's column-major copy is made by
+      :func:`_transpose_after`.
+    * a master / high-precision weight: re-quantized along N (per input column), :func:`_quantize_columns_after`."""
+    if _is_fp8(weight):
+        if (
+            isinstance(weight, ScaledFp8Tensor)
+            and weight.dim() == 2
+            and weight.scale.shape[1] == 1
+            and weight.qdata.stride(1) == 1
+            and not _is_dtensor(g2)
+        ):
+            qt = _transpose_after(weight.qdata, g2)
+            return ScaledFp8Tensor(qt.t(), weight.scale, weight.orig_dtype, fast)
+        return _quantize(weight, -1, fast)
+    if not _is_dtensor(weight) and not _is_dtensor(g2):
+        w = weight._data if isinstance(weight, QuantizeOnUse) else weight
+        if w.dim() == 2 and w.dtype.is_floating_point:
+            qt, st = _quantize_columns_after(w, g2, recipe.float8_dtype)
+            return ScaledFp8Tensor(qt.t(), st.t(), w.dtype, fast)
+    return _quantize(weight, 0, fast, recipe.float8_dtype)
+
+
 class _Fp8Linear(torch.autograd.Function):
-    """``y = x @ W^T + b`` with all GEMMs in fp8 per the recipe; see the module docstring."""
+    """``y = x @ W^T + b`` with all GEMMs in fp8 per the recipe; see the module docstring.
+
+    Saved for backward (the minimum each gradient needs; bit-identical gradients to quantizing in backward):
+
+    * for grad_weight (only when the weight requires grad): ``rowwise``: ``x`` already quantized per input feature over
+      the tokens (fp8 + one float32 per feature), shared by the Linears that consume the same input;
+      ``rowwise_gw_hp``: ``x`` in high precision;
+    * for grad_input (only when ``x`` requires grad): the weight as the forward received it (the master, or the fp8
+      weight FSDP2 gathered; no quantized copy of it);
+    * shapes and dtypes (no tensors)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, recipe: Recipe):
@@ -70,48 +174,43 @@ class _Fp8Linear(torch.autograd.Function):
         x2 = x.reshape(-1, K)
         w8 = _quantize(weight, -1, recipe.fast_accum_forward, recipe.float8_dtype)
         out = torch.mm(x2, w8.t())
+        del w8
         if bias is not None:
             out = out + bias
         ctx.recipe = recipe
         ctx.has_bias = bias is not None
-        ctx.save_for_backward(x, weight)
+        ctx.x_shape = x.shape
+        ctx.n_out = N
+        ctx.w_dtype = weight.dtype
+        x_saved = None
+        if ctx.needs_input_grad[1]:
+            x_saved = _x_for_grad_weight(x, x2, recipe) if recipe.grad_weight_fp8 else x
+        ctx.save_for_backward(x_saved, weight if ctx.needs_input_grad[0] else None)
         # Not a view of ``out`` (as F.linear's output is not): FSDP2 hooks the module output for backward, and an
         # in-place op on a view output would drop that hook (torch warns about it).
         return torch.ops.aten._unsafe_view(out, (*x.shape[:-1], N))
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
+        x_saved, weight = ctx.saved_tensors
         recipe: Recipe = ctx.recipe
-        K = x.shape[-1]
-        N = weight.shape[0]
-        g2 = grad_out.reshape(-1, N)
+        g2 = grad_out.reshape(-1, ctx.n_out)
         fast = recipe.fast_accum_backward
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            if _is_fp8(weight):
-                # Scale folding: W8 is scaled along N, the contraction dim of gy @ W; fp8_mm folds it into gy.
-                w_b = _quantize(weight, -1, fast)
-            else:
-                # Re-quantize the master along N (per input column) for this GEMM.
-                w_b = _quantize(weight, 0, fast, recipe.float8_dtype)
-            grad_x = torch.mm(g2, w_b).reshape(x.shape)
+            w_b = _weight_for_grad_input(weight, g2, fast, recipe)
+            grad_x = torch.mm(g2, w_b).reshape(ctx.x_shape)
+            del w_b  # the transient fp8 operands die with their GEMM
         if ctx.needs_input_grad[1]:
-            x2 = x.reshape(-1, K)
-            if recipe.grad_weight_fp8 and _is_fp8(x2):
-                # x arrived in fp8 scaled per token (fp8 sequence-parallel all-gather): its scales lie on the
-                # contraction dim of gy^T @ x, so fp8_mm folds them into gy^T (no re-quantization of x).
-                grad_w = torch.mm(g2.t(), _quantize(x2, 0, fast))
-            elif recipe.grad_weight_fp8:
-                # x per input feature over tokens; gy^T (N, M) is quantized per output feature over tokens by
-                # fp8_mm itself. Nothing derived from grad_out goes through map_local: under torch.compile the
-                # backward of an autograd.Function is traced with grad placements guessed from the forward output
-                # (Partial), which need not be the runtime ones (Replicate).
-                x8 = _quantize(x2, 0, fast, recipe.float8_dtype)
-                grad_w = torch.mm(g2.t(), x8)
+            if recipe.grad_weight_fp8:
+                # gy^T (N, M) is quantized per output feature over tokens by fp8_mm itself. Nothing derived from
+                # grad_out goes through map_local: under torch.compile the backward of an autograd.Function is traced
+                # with grad placements guessed from the forward output (Partial), which need not be the runtime ones.
+                grad_w = torch.mm(g2.t(), x_saved)
             else:
+                x2 = x_saved.reshape(-1, ctx.x_shape[-1])
                 grad_w = torch.mm(g2.t(), _dequantize(x2, g2.dtype))
-            grad_w = grad_w.to(weight.dtype)
+            grad_w = grad_w.to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g2.sum(0)
         return grad_x, grad_w, grad_b, None

@@ -31,6 +31,7 @@ CPU smoke run: ``--device cpu --size tiny --no-compile``.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -233,6 +234,7 @@ def run_variant(variant: str, args, mesh, device):
           f"warm-up {t_compile:.1f} s, loss {loss:.3f}", flush=True)
     del model, opt
     torch._dynamo.reset()
+    gc.collect()  # an FSDP2 model is only freed by the cycle collector: else the next variant's peak includes it
     if cuda:
         torch.cuda.empty_cache()
     return row

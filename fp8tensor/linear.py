@@ -128,6 +128,11 @@ def _(w, after, float8_dtype):
     return w.new_empty((K, N), dtype=float8_dtype), w.new_empty((K, 1), dtype=torch.float32)
 
 
+#: Make the grad_input weight operand in backward through the ``*_after`` custom ops (saves the compiled forward's fp8
+#: weight copies; costs one Python custom-op call per Linear per step). False: quantize with the plain path.
+WEIGHT_AFTER_GRAD = True
+
+
 def _weight_for_grad_input(weight: torch.Tensor, g2: torch.Tensor, fast: bool, recipe: Recipe) -> torch.Tensor:
     """The weight operand of ``grad_x = gy @ W``, made in backward after ``gy`` exists (plain tensors; DTensor
     shards are prepared as they come).
@@ -138,7 +143,8 @@ def _weight_for_grad_input(weight: torch.Tensor, g2: torch.Tensor, fast: bool, r
     * a master / high-precision weight: re-quantized along N (per input column), :func:`_quantize_columns_after`."""
     if _is_fp8(weight):
         if (
-            isinstance(weight, ScaledFp8Tensor)
+            WEIGHT_AFTER_GRAD
+            and isinstance(weight, ScaledFp8Tensor)
             and weight.dim() == 2
             and weight.scale.shape[1] == 1
             and weight.qdata.stride(1) == 1
@@ -147,7 +153,7 @@ def _weight_for_grad_input(weight: torch.Tensor, g2: torch.Tensor, fast: bool, r
             qt = _transpose_after(weight.qdata, g2)
             return ScaledFp8Tensor(qt.t(), weight.scale, weight.orig_dtype, fast)
         return _quantize(weight, -1, fast)
-    if not _is_dtensor(weight) and not _is_dtensor(g2):
+    if WEIGHT_AFTER_GRAD and not _is_dtensor(weight) and not _is_dtensor(g2):
         w = weight._data if isinstance(weight, QuantizeOnUse) else weight
         if w.dim() == 2 and w.dtype.is_floating_point:
             qt, st = _quantize_columns_after(w, g2, recipe.float8_dtype)

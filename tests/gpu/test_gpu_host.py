@@ -87,9 +87,12 @@ def test_fsdp_one_rank_grouped_packed_matches_per_weight(reshard):
             fully_shard(model, mesh=init_device_mesh("cuda", (1,)), reshard_after_forward=reshard)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
             shared = []
+            def _local(w):  # the unsharded parameter FSDP2 put on the module (a DTensor only with TP)
+                return w.to_local() if hasattr(w, "to_local") else w
+
             model[1].register_forward_pre_hook(lambda m, a: shared.append(
-                m.weight.to_local().qdata.untyped_storage().data_ptr()
-                == m.weight.to_local().scale.untyped_storage().data_ptr()))
+                _local(m.weight).qdata.untyped_storage().data_ptr()
+                == _local(m.weight).scale.untyped_storage().data_ptr()))
             gen = torch.Generator(device=DEV).manual_seed(1)
             payload.register_group_finder(fsdp_state._group_locals if grouped else None)
             ys = []

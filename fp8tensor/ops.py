@@ -305,6 +305,13 @@ def _view_scale_with_data(func, args, kwargs):
     return _wrap(q, scale, t, dims=dims)
 
 
+@implements([aten.view_as.default])
+def _view_as_scale_with_data(func, args, kwargs):
+    """``t.view_as(other)``: reaches the subclass undecomposed under ``torch.inference_mode`` (``DTensor.from_local``
+    calls it); the same as ``t.view(other.shape)``."""
+    return _view_scale_with_data(aten.view.default, (args[0], list(args[1].shape)), {})
+
+
 @implements([aten.squeeze.dim, aten.squeeze.default, aten.squeeze.dims])
 def _squeeze_scale(func, args, kwargs):
     t = args[0]

@@ -371,3 +371,15 @@ def test_compiled_zero_tokens_inference_views_empty_rows_and_to_fp8():
     assert e.shape == (7, 0)
     with pytest.raises(Exception, match=r"cannot hold the scale"):
         torch.compile(lambda w: w.to(torch.float8_e4m3fn), backend="aot_eager")(w8)
+
+
+def test_view_as_under_inference_mode_keeps_fp8():
+    """``view_as`` reaches the subclass undecomposed under ``torch.inference_mode`` (``DTensor.from_local`` calls it):
+    the result must stay a ScaledFp8Tensor with the same data and scales, not the dequantized tensor."""
+    w = torch.randn(32, 64)
+    w8 = ScaledFp8Tensor.from_hp(w)
+    with torch.inference_mode():
+        v = w8.view_as(w8)
+    assert type(v) is ScaledFp8Tensor
+    assert torch.equal(v.qdata.view(torch.uint8), w8.qdata.view(torch.uint8)) and torch.equal(v.scale, w8.scale)
+    assert rel_err(v.to_hp(), w) <= 2.0**-4  # e4m3 rounding: at most 2^-4 relative per element (3 mantissa bits)

@@ -11,6 +11,7 @@ Gaussian data, hence the project bound :data:`E4M3_GEMM_BOUND` = 5e-2.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 
@@ -101,3 +102,20 @@ def dequant(t: torch.Tensor) -> torch.Tensor:
     if isinstance(t, Fp8MasterWeight):
         return t._data
     return t
+
+
+@contextlib.contextmanager
+def count_scaled_mm():
+    """Count fp8 GEMMs (``torch._scaled_mm`` calls: fp8tensor's CPU and CUDA GEMM path) while active."""
+    n = [0]
+    orig = torch._scaled_mm
+
+    def counting(*args, **kwargs):
+        n[0] += 1
+        return orig(*args, **kwargs)
+
+    torch._scaled_mm = counting
+    try:
+        yield n
+    finally:
+        torch._scaled_mm = orig

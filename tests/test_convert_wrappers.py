@@ -8,7 +8,6 @@ Linear's forward is skipped with a warning; a captured forward fp8tensor cannot 
 from __future__ import annotations
 
 import collections
-import contextlib
 import copy
 import functools
 import warnings
@@ -18,26 +17,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from conftest import E4M3_GEMM_BOUND, dequant_rowwise, rel_err, same_bits
+from conftest import E4M3_GEMM_BOUND, count_scaled_mm, dequant_rowwise, rel_err, same_bits
 from fp8tensor import Fp8MasterWeight, ScaledFp8Tensor, convert_to_fp8, quantize_weights
 from fp8tensor.convert import Fp8LinearMixin
 
-
-@contextlib.contextmanager
-def count_scaled_mm():
-    """Count fp8 GEMMs (``torch._scaled_mm`` calls: fp8tensor's CPU and CUDA GEMM path) while active."""
-    n = [0]
-    orig = torch._scaled_mm
-
-    def counting(*args, **kwargs):
-        n[0] += 1
-        return orig(*args, **kwargs)
-
-    torch._scaled_mm = counting
-    try:
-        yield n
-    finally:
-        torch._scaled_mm = orig
 
 
 def _warm():

@@ -12,30 +12,14 @@ Orders:
 """
 from __future__ import annotations
 
-import contextlib
 
 import torch
 import torch.nn.functional as F
+from conftest import count_scaled_mm  # noqa: E402  (tests/ is on sys.path: pytest rootdir / the spawn harness)
 
 SKIP = ["lm_head"]
 _DIMS: dict = {}
 
-
-@contextlib.contextmanager
-def count_scaled_mm():
-    """Count ``torch._scaled_mm`` calls (fp8tensor's fp8 GEMMs on CPU and CUDA) while active."""
-    n = [0]
-    orig = torch._scaled_mm
-
-    def counting(*args, **kwargs):
-        n[0] += 1
-        return orig(*args, **kwargs)
-
-    torch._scaled_mm = counting
-    try:
-        yield n
-    finally:
-        torch._scaled_mm = orig
 
 
 def _build(order: str, tp: int, backend: str, world: int):

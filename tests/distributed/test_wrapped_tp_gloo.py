@@ -19,7 +19,6 @@ Data and weights are fresh per run (``FP8TENSOR_TEST_SEED`` replays).
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import warnings
@@ -27,6 +26,7 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
+from conftest import count_scaled_mm as _count_scaled_mm  # noqa: E402  (tests/ is on sys.path: pytest rootdir / the spawn harness)
 
 pytestmark = pytest.mark.slow
 
@@ -34,21 +34,6 @@ WORLD = 2
 D, H = 64, 128
 FP8_GEMM_BOUND = 5e-2
 
-
-@contextlib.contextmanager
-def _count_scaled_mm():
-    n = [0]
-    orig = torch._scaled_mm
-
-    def counting(*args, **kwargs):
-        n[0] += 1
-        return orig(*args, **kwargs)
-
-    torch._scaled_mm = counting
-    try:
-        yield n
-    finally:
-        torch._scaled_mm = orig
 
 
 def _titan_like_wrap(lin: nn.Linear) -> None:

@@ -80,15 +80,10 @@ if _HAS_TRITON:
 
 
     @triton.jit
-    def _row_quant_kernel(x_ptr, q_ptr, scale_ptr, M, K, FMAX: tl.constexpr, EPS: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-        # Each program quantizes BLOCK_M contiguous rows of a row-major (M, K) tensor: one pass for the row amax,
-        # one pass (mostly from L2) to divide, saturate, cast and store. Meant to give the bits of the eager CUDA
-        # ops of fp8tensor.quantize: the scale as the dim-0 kernel computes it (measured equal to eager CUDA, which
-        # divides by a Python scalar as a multiply by its reciprocal), then x / scale as an IEEE division (div_rn;
-        # Triton's plain '/' on float32 is approximate, and eager CUDA divides tensor by tensor exactly).
-        pid = tl.program_id(0)
-        offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    def _quantize_rows(x_ptr, q_ptr, scale_ptr, offs_m, M, K, FMAX: tl.constexpr, EPS: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+        # Rows offs_m of a row-major (M, K) tensor: one pass for the row amax, one pass (mostly from L2) to divide,
+        # saturate, cast and store. The body of both row-wise kernels below.
         mmask = offs_m < M
         rows = offs_m.to(tl.int64)[:, None] * K
         acc = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -109,6 +104,15 @@ if _HAS_TRITON:
             y = tl.clamp(y, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
             tl.store(q_ptr + rows + offs_k[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
 
+    @triton.jit
+    def _row_quant_kernel(x_ptr, q_ptr, scale_ptr, M, K, FMAX: tl.constexpr, EPS: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+        # Each program quantizes BLOCK_M contiguous rows (_quantize_rows). Meant to give the bits of the eager CUDA
+        # ops of fp8tensor.quantize: the scale as the dim-0 kernel computes it (measured equal to eager CUDA, which
+        # divides by a Python scalar as a multiply by its reciprocal), then x / scale as an IEEE division (div_rn;
+        # Triton's plain '/' on float32 is approximate, and eager CUDA divides tensor by tensor exactly).
+        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        _quantize_rows(x_ptr, q_ptr, scale_ptr, offs_m, M, K, FMAX, EPS, BLOCK_M, BLOCK_K)
 
     @triton.jit
     def _row_quant_group_kernel(table_ptr, N_T: tl.constexpr, FMAX: tl.constexpr, EPS: tl.constexpr,
@@ -126,25 +130,7 @@ if _HAS_TRITON:
         K = tl.load(table_ptr + 4 * N_T + t)
         first = tl.load(table_ptr + 5 * N_T + t)
         offs_m = (pid - first) * BLOCK_M + tl.arange(0, BLOCK_M)
-        mmask = offs_m < M
-        rows = offs_m.to(tl.int64)[:, None] * K
-        acc = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask = mmask[:, None] & (offs_k[None, :] < K)
-            x = tl.load(x_ptr + rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
-            a = tl.abs(x)
-            a = tl.where(a != a, float("inf"), a)
-            acc = tl.maximum(acc, tl.max(a, axis=1))
-        scale = tl.maximum(acc / FMAX, EPS)  # as _row_quant_kernel
-        tl.store(scale_ptr + offs_m, scale, mask=mmask)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask = mmask[:, None] & (offs_k[None, :] < K)
-            x = tl.load(x_ptr + rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
-            y = tl.div_rn(x, scale[:, None])
-            y = tl.clamp(y, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
-            tl.store(q_ptr + rows + offs_k[None, :], y.to(Q_TY), mask=mask)
+        _quantize_rows(x_ptr, q_ptr, scale_ptr, offs_m, M, K, FMAX, EPS, BLOCK_M, BLOCK_K)
 
 
 #: Tile sizes of the two kernels (tuned on H200: see benchmarks/quant_kernels.py and docs/benchmarks.md).

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
-sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.append(os.path.join(HERE, ".."))  # after PYTHONPATH (which may point at another fp8tensor)
 
 from llama import Llama, ModelArgs, fp8_module_filter  # noqa: E402
 
@@ -73,6 +73,12 @@ def parse(argv=None):
     p.add_argument("--profile", action="store_true", help="print top host ops of every fp8tensor variant")
     p.add_argument("--trace-dir", default=os.environ.get("OUT"), help="write chrome traces here with --profile")
     p.add_argument("--json", default=None, help="write the rows as JSON here")
+    p.add_argument("--kernels", action="store_true", help="print the top GPU kernels of every variant")
+    p.add_argument("--weight-after-grad", type=int, default=None, choices=(0, 1),
+                   help="set fp8tensor.linear.WEIGHT_AFTER_GRAD (default: the library's)")
+    p.add_argument("--gc", default="on", choices=("on", "step"),
+                   help="Python garbage collector: on (default) or step (disabled in steps, gc.collect() between "
+                        "measured steps outside the timing, as torchtitan's GarbageCollection does)")
     a = p.parse_args(argv)
     size = dict(SIZES[a.size])
     for k in size:
@@ -116,6 +122,12 @@ def build(precision: str, setup: str, args, mesh, device):
         model = model.to(torch.bfloat16)  # no FSDP2: bf16 parameters (bf16 master)
     if precision in ("rowwise", "rowwise_gw_hp"):
         import fp8tensor
+
+        print(f"# {precision}: fp8tensor from {os.path.dirname(fp8tensor.__file__)}", flush=True)
+        if args.weight_after_grad is not None:
+            import fp8tensor.linear
+
+            fp8tensor.linear.WEIGHT_AFTER_GRAD = bool(args.weight_after_grad)
 
         fp8tensor.convert_to_fp8(model, recipe=precision, module_filter_fn=fp8_module_filter)
     elif precision.startswith("ao_"):
@@ -201,7 +213,11 @@ def run_variant(variant: str, args, mesh, device):
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     times = []
+    if args.gc == "step":
+        gc.disable()
     for i in range(args.steps):
+        if args.gc == "step":
+            gc.collect(1)
         sync()
         t0 = time.perf_counter()
         step(i)
@@ -220,6 +236,12 @@ def run_variant(variant: str, args, mesh, device):
             sync()
         ka = prof.key_averages()
         gpu_ms = kernel_ms(prof) / 3
+        if args.kernels:
+            print(f"\n## {variant}: top GPU kernels (ms per step)")
+            ks = [e for e in ka if e.self_device_time_total > 0 and not e.key.startswith("##")]
+            ks.sort(key=lambda e: -e.self_device_time_total)
+            for e in ks[:28]:
+                print(f"{e.self_device_time_total / 3e3:9.3f} {e.count // 3:5d}  {e.key[:110]}")
         if args.profile and precision not in ("bf16",):
             print(f"\n## {variant}: top host ops (3 steps), wall {ms:.2f} ms, GPU {gpu_ms:.2f} ms per step")
             print(ka.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=80))
@@ -227,6 +249,8 @@ def run_variant(variant: str, args, mesh, device):
             if args.trace_dir:
                 os.makedirs(args.trace_dir, exist_ok=True)
                 prof.export_chrome_trace(os.path.join(args.trace_dir, f"trace_{args.size}_{precision}_{setup}.json"))
+    if args.gc == "step":
+        gc.enable()
     loss = float(step(0).detach().float())
     row = dict(variant=variant, precision=precision, setup=setup, ms=ms, tok_s=c["batch"] * c["seq"] / ms * 1e3,
                gpu_ms=gpu_ms, peak_gib=peak, warmup_s=t_compile, loss=loss, min_ms=min(times))

@@ -17,7 +17,8 @@ from typing import Optional
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .quantize import E4M3, quantize
+from . import kernels
+from .quantize import E4M3, quantize, quantize_dim0_t_after, quantize_tokens
 from .recipes import Recipe, get_recipe
 from .tensor import ScaledFp8Tensor, _is_dtensor, make_scaled, map_local, rowwise_dims
 
@@ -32,7 +33,8 @@ class QuantizeOnUse:
 
 
 # ---------------------------------------------------------------------------------------------- quantization
-def _quantize_local(t: torch.Tensor, dim: int, fast_accum: bool, float8_dtype=E4M3) -> torch.Tensor:
+def _quantize_local(t: torch.Tensor, dim: int, fast_accum: bool, float8_dtype=E4M3, fusible: bool = False
+                    ) -> torch.Tensor:
     """Quantize a plain tensor or a master weight along ``dim`` into a ScaledFp8Tensor.
 
     A ScaledFp8Tensor is returned as is (only its fast-accumulation flag set): it is never re-quantized, and
@@ -41,13 +43,14 @@ def _quantize_local(t: torch.Tensor, dim: int, fast_accum: bool, float8_dtype=E4
         return t.with_fast_accum(fast_accum)
     if isinstance(t, QuantizeOnUse):
         t = t._data
-    q, s = quantize(t, dim, float8_dtype, gemm_layout=True)  # fused kernel + GEMM layout where it applies
+    q, s = quantize(t, dim, float8_dtype, gemm_layout=True, fusible=fusible)  # GEMM layout; fused kernel if eager
     return make_scaled(q, s, t.dtype, fast_accum, rowwise_dims(t.dim(), dim))
 
 
-def _quantize(t: torch.Tensor, dim: int, fast_accum: bool, float8_dtype=E4M3) -> torch.Tensor:
+def _quantize(t: torch.Tensor, dim: int, fast_accum: bool, float8_dtype=E4M3, fusible: bool = False
+              ) -> torch.Tensor:
     """:func:`_quantize_local` on a tensor or on each DTensor shard (sub-row-wise when ``dim`` is sharded)."""
-    return map_local(t, lambda lt: _quantize_local(lt, dim, fast_accum, float8_dtype))
+    return map_local(t, lambda lt: _quantize_local(lt, dim, fast_accum, float8_dtype, fusible))
 
 
 def _dequantize(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -70,6 +73,17 @@ def _is_fp8(t: torch.Tensor) -> bool:
 _GRAD_WEIGHT_INPUTS = WeakIdKeyDictionary()
 
 
+def _tokens_fp8(t: torch.Tensor, t2: torch.Tensor, fast: bool, float8_dtype) -> torch.Tensor:
+    """``t2 = t.reshape(-1, K)`` quantized per feature over the tokens (dim 0), as a ScaledFp8Tensor (or a DTensor of
+    one). A plain CUDA ``t`` goes to the dim-0 kernels as it is (:func:`fp8tensor.quantize.quantize_tokens`: no view
+    for inductor to write out once per kernel argument); same bits either way."""
+    if not _is_dtensor(t) and not isinstance(t, ScaledFp8Tensor) and t.dim() >= 2:
+        hit = quantize_tokens(t, float8_dtype)
+        if hit is not None:
+            return make_scaled(hit[0], hit[1], t.dtype, fast, rowwise_dims(2, 0))
+    return _quantize(t2, 0, fast, float8_dtype)
+
+
 def _x_for_grad_weight(x: torch.Tensor, x2: torch.Tensor, recipe: Recipe) -> torch.Tensor:
     """The grad_weight operand of the ``rowwise`` recipe, computed in forward: ``x2`` ``(M, K)`` quantized per input
     feature over the tokens (dim 0), as a ScaledFp8Tensor (or a DTensor of one). Backward would compute exactly this
@@ -81,13 +95,13 @@ def _x_for_grad_weight(x: torch.Tensor, x2: torch.Tensor, recipe: Recipe) -> tor
     if _is_fp8(x2):
         return _quantize(x2, 0, fast)
     if torch.compiler.is_compiling() or x.is_inference():  # (inference tensors have no version counter)
-        return _quantize(x2, 0, fast, recipe.float8_dtype)
+        return _tokens_fp8(x, x2, fast, recipe.float8_dtype)
     key = (x._version, recipe.float8_dtype, fast)
     entries = _GRAD_WEIGHT_INPUTS.get(x)
     ref = entries.get(key) if entries is not None else None
     x8 = ref() if ref is not None else None
     if x8 is None:
-        x8 = _quantize(x2, 0, fast, recipe.float8_dtype)
+        x8 = _tokens_fp8(x, x2, fast, recipe.float8_dtype)
         if entries is None:
             entries = _GRAD_WEIGHT_INPUTS[x] = {}
         entries.clear()  # an older version of x is never asked for again
@@ -96,40 +110,37 @@ def _x_for_grad_weight(x: torch.Tensor, x2: torch.Tensor, recipe: Recipe) -> tor
 
 
 @torch.library.custom_op("fp8tensor::transpose_after", mutates_args=())
-def _transpose_after(q: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
-    """``q.t().contiguous()``, ordered after ``after`` (which is not read).
+def _transpose_after_op(q: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+    """``q.t().contiguous()`` (always a copy), ordered after ``after``, which is not read.
 
     The grad_input GEMM needs the fp8 weight column-major, i.e. a transposed copy. Computed from the weight alone, the
     compiled partitioner would hoist that copy into the forward graph and keep it until backward — a second fp8 copy
-    of every weight next to the one FSDP2 holds. Taking ``grad_out`` as an (unread) input pins the copy to the
-    backward, right before its GEMM, and it dies with the GEMM."""
-    return q.t().clone(memory_format=torch.contiguous_format)  # always a copy (a custom op may not alias its input)
+    of every weight next to the one FSDP2 holds. Taking ``grad_out`` as an input pins the copy to the backward, right
+    before its GEMM, and it dies with the GEMM. CUDA fp8: one tiled Triton kernel
+    (:func:`fp8tensor.kernels.launch_transpose`); otherwise ATen's copy.
+
+    An opaque custom op on purpose (one Python call per Linear per step): as an inline triton op, inductor kept
+    ``grad_out`` and the FFN's backward intermediates alive longer (measured +0.9 GiB at the peak of a dim-4096
+    step, docs/benchmarks.md)."""
+    if kernels.transpose_available(q):
+        return kernels.launch_transpose(q)
+    return q.t().clone(memory_format=torch.contiguous_format)  # a copy: a custom op may not alias its input
 
 
-@_transpose_after.register_fake
+@_transpose_after_op.register_fake
 def _(q, after):
     return q.new_empty((q.shape[1], q.shape[0]))
 
 
-@torch.library.custom_op("fp8tensor::quantize_columns_after", mutates_args=())
-def _quantize_columns_after(
-    w: torch.Tensor, after: torch.Tensor, float8_dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w`` ``(N, K)`` quantized per column (over N) by :func:`fp8tensor.quantize.quantize`, returned transposed —
-    ``(K, N)`` row-major fp8 and ``(K, 1)`` scales — and ordered after ``after`` (not read), for the same reason as
-    :func:`_transpose_after`: otherwise the compiled forward computes and keeps an fp8 copy of every master weight."""
-    q, s = quantize(w, 0, float8_dtype, gemm_layout=True)
-    return q.t().contiguous(), s.t().contiguous()
-
-
-@_quantize_columns_after.register_fake
-def _(w, after, float8_dtype):
-    N, K = w.shape
-    return w.new_empty((K, N), dtype=float8_dtype), w.new_empty((K, 1), dtype=torch.float32)
+def _transpose_after(q: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+    """``fp8tensor::transpose_after``; eager CUDA calls launch the kernel directly (no dispatcher round trip)."""
+    if kernels.eager_launch_ok(q) and kernels.eager_launch_ok(after) and kernels.transpose_available(q):
+        return kernels.launch_transpose(q)
+    return torch.ops.fp8tensor.transpose_after(q, after)
 
 
 #: Make the grad_input weight operand in backward through the ``*_after`` custom ops (saves the compiled forward's fp8
-#: weight copies; costs one Python custom-op call per Linear per step). False: quantize with the plain path.
+#: weight copies). False: quantize with the plain path (compiled graphs may then hoist it into the forward).
 WEIGHT_AFTER_GRAD = True
 
 
@@ -140,7 +151,8 @@ def _weight_for_grad_input(weight: torch.Tensor, g2: torch.Tensor, fast: bool, r
     * fp8 weight scaled per row (the FSDP2-gathered weight, a frozen fp8 weight): scale folding, ``fp8_mm`` folds the
       row scales (on the contraction dim N) into ``gy``; the weight's column-major copy is made by
       :func:`_transpose_after`.
-    * a master / high-precision weight: re-quantized along N (per input column), :func:`_quantize_columns_after`."""
+    * a master / high-precision weight: re-quantized along N (per input column),
+      :func:`fp8tensor.quantize.quantize_dim0_t_after`."""
     if _is_fp8(weight):
         if (
             WEIGHT_AFTER_GRAD
@@ -151,13 +163,13 @@ def _weight_for_grad_input(weight: torch.Tensor, g2: torch.Tensor, fast: bool, r
             and not _is_dtensor(g2)
         ):
             qt = _transpose_after(weight.qdata, g2)
-            return ScaledFp8Tensor(qt.t(), weight.scale, weight.orig_dtype, fast)
+            return make_scaled(qt.t(), weight.scale, weight.orig_dtype, fast, weight.scaled_dims)
         return _quantize(weight, -1, fast)
     if WEIGHT_AFTER_GRAD and not _is_dtensor(weight) and not _is_dtensor(g2):
         w = weight._data if isinstance(weight, QuantizeOnUse) else weight
         if w.dim() == 2 and w.dtype.is_floating_point:
-            qt, st = _quantize_columns_after(w, g2, recipe.float8_dtype)
-            return ScaledFp8Tensor(qt.t(), st.t(), w.dtype, fast)
+            qt, st = quantize_dim0_t_after(w, g2, recipe.float8_dtype)
+            return make_scaled(qt.t(), st.t(), w.dtype, fast, rowwise_dims(2, 0))
     return _quantize(weight, 0, fast, recipe.float8_dtype)
 
 
@@ -204,7 +216,8 @@ class _Fp8Linear(torch.autograd.Function):
         fast = recipe.fast_accum_backward
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            w_b = _weight_for_grad_input(weight, g2, fast, recipe)
+            # ``grad_out`` itself (not its reshape) orders the weight operand after it: see _tokens_fp8
+            w_b = _weight_for_grad_input(weight, grad_out, fast, recipe)
             grad_x = torch.mm(g2, w_b).reshape(ctx.x_shape)
             del w_b  # the transient fp8 operands die with their GEMM
         if ctx.needs_input_grad[1]:
@@ -212,7 +225,12 @@ class _Fp8Linear(torch.autograd.Function):
                 # gy^T (N, M) is quantized per output feature over tokens by fp8_mm itself. Nothing derived from
                 # grad_out goes through map_local: under torch.compile the backward of an autograd.Function is traced
                 # with grad placements guessed from the forward output (Partial), which need not be the runtime ones.
-                grad_w = torch.mm(g2.t(), x_saved)
+                # A plain CUDA grad_out is quantized here from grad_out itself (see _tokens_fp8; the bits fp8_mm gives).
+                gt = g2.t()
+                hit = None if _is_dtensor(grad_out) or grad_out.dim() < 2 else quantize_tokens(grad_out, E4M3)
+                if hit is not None:  # q (N, M) row-major, scale (N, 1): fp8_mm uses them as they are
+                    gt = make_scaled(hit[0].t(), hit[1].t(), grad_out.dtype, fast, rowwise_dims(2, 1))
+                grad_w = torch.mm(gt, x_saved)
             else:
                 x2 = x_saved.reshape(-1, ctx.x_shape[-1])
                 grad_w = torch.mm(g2.t(), _dequantize(x2, g2.dtype))

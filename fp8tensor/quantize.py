@@ -27,6 +27,8 @@ __all__ = [
     "quantize",
     "quantize_group",
     "quantize_dim0_t",
+    "quantize_dim0_t_after",
+    "quantize_tokens",
     "FLOAT8_DTYPES",
     "E4M3",
     "E5M2",
@@ -99,7 +101,8 @@ def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, float8_dtype: torch.dtype)
 
 
 def quantize(
-    x: torch.Tensor, dim: int = -1, float8_dtype: torch.dtype = E4M3, *, gemm_layout: bool = False
+    x: torch.Tensor, dim: int = -1, float8_dtype: torch.dtype = E4M3, *, gemm_layout: bool = False,
+    fusible: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The quantization entry point: ``(qdata, scale)`` of ``x`` with one scale per slice reduced over ``dim``.
 
@@ -114,11 +117,21 @@ def quantize(
        row-wise Triton kernel (same bits as the ops).
     3. Otherwise (CPU, ``torch.compile``, other layouts): :func:`rowwise_scale` and :func:`cast_to_fp8`.
 
+    ``fusible=True`` (with ``gemm_layout``): while ``torch.compile`` traces, case 1 is replaced by the plain ops plus a
+    transposing copy (same layout). Inductor then fuses them with the producer of ``x``, deduplicates identical
+    quantizations of one input (q/k/v, w1/w3: the triton op's kernels are opaque calls it cannot merge) and may
+    recompute them in backward instead of saving them. Compiled values round as inductor's kernels do.
+
     Raises:
         TypeError: ``float8_dtype`` is not one of the supported fp8 formats.
     """
     check_float8_dtype(float8_dtype, "quantize_rowwise")
     if x.is_cuda:
+        if gemm_layout and x.dim() == 2 and fusible and torch.compiler.is_compiling():
+            scale = rowwise_scale(x, dim, float8_dtype)
+            q = cast_to_fp8(x, scale, float8_dtype)
+            q = q.t().contiguous().t() if dim % 2 == 0 else q.contiguous()  # outer dim reduced: column-major
+            return q, scale
         if gemm_layout and x.dim() == 2:
             if dim % 2 == 0 and kernels.kernel_available(x):
                 q, s = _dim0_t(x, float8_dtype)
@@ -183,7 +196,7 @@ def quantize_rowwise(
 
 # ---------------------------------------------------------------------------------------------- dim-0 triton op
 def _reference_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype):
-    q, s = quantize_rowwise(x.t(), dim=-1, float8_dtype=float8_dtype)
+    q, s = quantize_rowwise(x.reshape(-1, x.shape[-1]).t(), dim=-1, float8_dtype=float8_dtype)
     return q.contiguous(), s
 
 
@@ -193,7 +206,8 @@ _register_op = torch.library.triton_op if kernels.HAS_TRITON else torch.library.
 
 @_register_op("fp8tensor::quantize_dim0_t", mutates_args=())
 def quantize_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize ``x`` ``(M, K)`` along dim 0 and return it transposed.
+    """Quantize ``x`` ``(M, K)`` along dim 0 and return it transposed. ``x`` may also be ``(..., K)``: quantized over
+    all its leading dims (``M = numel / K``) as ``x.reshape(-1, K)`` would be.
 
     The fused Triton kernels of :mod:`fp8tensor.kernels` where they take ``x`` (CUDA, row-major), else the plain
     ops (:func:`quantize_rowwise` of ``x.T``). Registered with ``torch.library.triton_op``: under ``torch.compile``
@@ -203,9 +217,66 @@ def quantize_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype) -> tuple[torch.T
         ``(q, scale)``: ``q`` is ``(K, M)`` row-major ``float8_dtype`` holding ``x.T`` quantized row-wise,
         ``scale`` is ``(K, 1)`` float32 (dequantization multiplier), i.e. ``q.float() * scale ≈ x.T``.
     """
+    memo, key, inner = _trace_memo(x, float8_dtype)
+    if memo is not None and key in memo:
+        return memo[key][1]
     if not kernels.kernel_available(x):
-        return _reference_dim0_t(x, float8_dtype)
-    return kernels.launch_dim0_t(x, float8_dtype, SCALE_FLOOR, traced=True)
+        out = _reference_dim0_t(x, float8_dtype)
+    else:
+        out = kernels.launch_dim0_t(x, float8_dtype, SCALE_FLOOR, traced=True)
+    if memo is not None:
+        memo[key] = (inner, out)  # inner: keeps the storage of the key alive (its address is not reused)
+    return out
+
+
+#: Deduplicate repeated dim-0 quantizations of one input in compiled graphs (see :func:`_trace_memo`).
+TRACE_MEMO = True
+
+
+def _trace_memo(x: torch.Tensor, float8_dtype: torch.dtype):
+    """``(memo, key, inner)`` while ``torch.compile`` traces :func:`quantize_dim0_t` into a graph (functionalization, when the
+    op is decomposed into its kernels), else ``(None, None, None)``.
+
+    Linears that read one input (q/k/v, w1/w3) each quantize it for their grad_weight GEMM. Inductor deduplicates
+    identical ops, but not the Triton kernels of a decomposed triton op (each call gets its own launch arguments), so
+    the graph would run — and save for backward — one fp8 copy per Linear. The memo makes a repeated call on the same
+    data return the first call's outputs: ``key`` is the data the functional tensor holds right now (its storage,
+    offset, shape and strides after syncing pending mutations — an in-place update gives new storage, hence a new key;
+    views such as each Linear's ``reshape`` of the input share it). It lives on the tracing mode, i.e. for one trace."""
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    if not TRACE_MEMO or not isinstance(x, FunctionalTensor):
+        return None, None, None
+    try:
+        from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+        mode = _get_current_dispatch_mode()
+        torch._sync(x)
+        inner = torch._from_functional_tensor(x.elem)
+        key = (inner.untyped_storage()._cdata, inner.storage_offset(), tuple(inner.shape), inner.stride(), x.dtype,
+               float8_dtype)
+    except Exception:  # private APIs of torch's tracing: without them, no deduplication (same values)
+        return None, None, None
+    if mode is None:
+        return None, None, None
+    return mode.__dict__.setdefault("_fp8tensor_dim0_memo", {}), key, inner
+
+
+def quantize_tokens(x: torch.Tensor, float8_dtype: torch.dtype = E4M3):
+    """``x`` ``(..., K)`` quantized per feature over all its tokens (the leading dims) in the GEMM layout, from ``x``
+    itself rather than a ``(M, K)`` reshape of it (under ``torch.compile`` a view of a fused value would be written
+    out once per kernel argument), or None where the dim-0 kernels do not take ``x`` (CPU, non-contiguous, fake
+    devices): the caller then quantizes ``x.reshape(-1, K)`` along dim 0 with :func:`quantize` (same values).
+
+    Returns:
+        ``(q, scale)``: ``q`` ``(M, K)`` float8, a transposed view of a row-major ``(K, M)`` tensor (column-major, as
+        ``torch._scaled_mm`` wants its second operand); ``scale`` ``(1, K)`` float32, ``q.float() * scale ≈
+        x.reshape(-1, K)``. Same bits as ``quantize(x.reshape(-1, K), 0, float8_dtype, gemm_layout=True)``.
+    """
+    if not (x.is_cuda and kernels.kernel_available(x) and (x.dim() == 2 or x.is_contiguous())):
+        return None
+    q, s = _dim0_t(x, float8_dtype)
+    return q.t(), s.t()
 
 
 def _dim0_t(x: torch.Tensor, float8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,9 +287,45 @@ def _dim0_t(x: torch.Tensor, float8_dtype: torch.dtype) -> tuple[torch.Tensor, t
     return torch.ops.fp8tensor.quantize_dim0_t(x, float8_dtype)
 
 
+@torch.library.custom_op("fp8tensor::quantize_columns_after", mutates_args=())
+def _quantize_columns_after(
+    w: torch.Tensor, after: torch.Tensor, float8_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # quantize_dim0_t(w) ordered after `after` (not read); see quantize_dim0_t_after. An opaque custom op on purpose
+    # (as fp8tensor::transpose_after in fp8tensor.linear): inline, inductor kept backward intermediates alive longer.
+    if kernels.kernel_available(w):
+        return kernels.launch_dim0_t(w, float8_dtype, SCALE_FLOOR)
+    return _reference_dim0_t(w, float8_dtype)
+
+
+@_quantize_columns_after.register_fake
+def _(w, after, float8_dtype):
+    N, K = w.shape
+    return w.new_empty(K, N, dtype=float8_dtype), w.new_empty(K, 1, dtype=torch.float32)
+
+
+def quantize_dim0_t_after(
+    w: torch.Tensor, after: torch.Tensor, float8_dtype: torch.dtype = E4M3
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_dim0_t` of ``w`` ``(N, K)`` — ``(K, N)`` row-major fp8 and ``(K, 1)`` float32 scales — ordered
+    after ``after`` in a traced graph (``after`` is an input of the opaque custom op
+    ``fp8tensor::quantize_columns_after``, which never reads it).
+
+    Used for the grad_input operand of a master weight: computed from the weight alone, the compiled partitioner
+    would move the quantization into the forward graph and keep an fp8 copy of every master weight until backward;
+    taking ``grad_out`` as ``after`` pins it to the backward, right before its GEMM. Eager CUDA calls launch the
+    kernels directly (no dispatcher round trip)."""
+    if (kernels.eager_launch_ok(w) and kernels.eager_launch_ok(after) and kernels.kernel_available(w)
+            and not (w.requires_grad and torch.is_grad_enabled())):
+        return kernels.launch_dim0_t(w, float8_dtype, SCALE_FLOOR)
+    return torch.ops.fp8tensor.quantize_columns_after(w, after, float8_dtype)
+
+
 if not kernels.HAS_TRITON:  # a triton_op is its own fake kernel; the plain custom op needs one
 
     @quantize_dim0_t.register_fake
     def _(x, float8_dtype):
-        M, K = x.shape
-        return x.new_empty(K, M, dtype=float8_dtype), x.new_empty(K, 1, dtype=torch.float32)
+        K = x.shape[-1]
+        return x.new_empty(K, x.numel() // K, dtype=float8_dtype), x.new_empty(K, 1, dtype=torch.float32)
+
+

@@ -468,3 +468,49 @@ def test_small_shapes_bit_identical_to_today(recipe, shape, today):
                 _run(mod, x, g)
             continue
         _compare(mod, x, g, today)
+
+
+# ================================================================================================ compiled sharing
+def test_compiled_dim0_op_quantizes_one_input_once_and_a_modified_input_again(monkeypatch):
+    """Under ``torch.compile`` the dim-0 triton op is decomposed into its kernels, which the compiler does not
+    deduplicate; the trace memo (``quantize._trace_memo``) makes Linears reading one input (each with its own
+    ``reshape`` of it) share one quantization, and an input modified in place in between is quantized again."""
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    import fp8tensor.quantize as qmod
+
+    traced = []
+    real = qmod._reference_dim0_t
+
+    def counting(x, dt):
+        if isinstance(x, FunctionalTensor):
+            traced.append(tuple(x.shape))
+        return real(x, dt)
+
+    monkeypatch.setattr(qmod, "_reference_dim0_t", counting)
+    op = torch.ops.fp8tensor.quantize_dim0_t
+
+    def f(x):
+        a = op(x.reshape(-1, 8), torch.float8_e4m3fn)  # q, k, v: three views of one input
+        b = op(x.reshape(-1, 8), torch.float8_e4m3fn)
+        c = op(x.view(-1, 8), torch.float8_e4m3fn)
+        x.mul_(3.0)  # a new value: must not reuse the copies above
+        d = op(x.reshape(-1, 8), torch.float8_e4m3fn)
+        return [t for pair in (a, b, c, d) for t in pair]
+
+    x0 = torch.randn(2, 5, 8)
+    want = f(x0.clone())
+    counts = []
+    for memo in (True, False):
+        if not memo:
+            monkeypatch.setattr(qmod, "TRACE_MEMO", False)
+        traced.clear()
+        torch._dynamo.reset()
+        got = torch.compile(f, backend="aot_eager", fullgraph=True)(x0.clone())
+        for g, w in zip(got, want):
+            assert torch.equal(g.float(), w.float())
+        counts.append(len(traced))
+    # per trace (AOT may trace more than once): 2 quantizations with the memo (before and after the in-place
+    # update), 4 without
+    assert counts[0] > 0 and counts[0] * 2 == counts[1], counts
+    torch._dynamo.reset()

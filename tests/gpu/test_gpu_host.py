@@ -114,3 +114,102 @@ def test_fsdp_one_rank_grouped_packed_matches_per_weight(reshard):
     finally:
         if own:
             dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("shape", [(14336, 4096), (300, 1030), (1, 77), (129, 1)])
+@pytest.mark.parametrize("float8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_transpose_kernel_bit_identical(shape, float8_dtype):
+    """The tiled fp8 transpose (eager launch, op, compiled) is ``q.t().contiguous()`` bit for bit, also for a
+    row-sliced view (row stride larger than its width)."""
+    from fp8tensor.linear import _transpose_after
+
+    q = (torch.randn(*shape, device=DEV) * 50).to(float8_dtype)
+    g = torch.randn(8, 8, device=DEV)
+    for src in (q, torch.cat([q, q], dim=1)[:, : shape[1]]):
+        ref = src.t().contiguous()
+        for got in (kernels.launch_transpose(src), _transpose_after(src, g),
+                    torch.ops.fp8tensor.transpose_after(src, g)):
+            assert got.shape == ref.shape and got.is_contiguous() and got.dtype == float8_dtype
+            assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
+    torch._dynamo.reset()
+    got = torch.compile(lambda a, b: torch.ops.fp8tensor.transpose_after(a, b * 2))(q, g)
+    assert torch.equal(got.view(torch.uint8), q.t().contiguous().view(torch.uint8))
+
+
+def test_quantize_columns_after_matches_dim0_t():
+    """``quantize_dim0_t_after`` (eager direct launch and the op) gives the bits of ``quantize_dim0_t``."""
+    from fp8tensor.quantize import quantize_dim0_t_after
+
+    w = torch.randn(1000, 300, device=DEV) * torch.rand(1000, 1, device=DEV)
+    g = torch.randn(4, 4, device=DEV)
+    qr, sr = quantize_dim0_t(w, torch.float8_e4m3fn)
+    for q, s in (quantize_dim0_t_after(w, g), torch.ops.fp8tensor.quantize_columns_after(w, g, torch.float8_e4m3fn)):
+        assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr)
+
+
+@pytest.mark.parametrize("weights", ["master", "fp8"])
+def test_compiled_backward_weight_ops_in_backward_and_not_saved(weights):
+    """Compiled (inductor, CUDA): the backward's weight operand — the fp8 weight's transposed copy or the master's
+    per-column quantization — is made in the *backward* graph (the forward saves nothing of the weight's size); the
+    dim-0 quantizations run as inline kernels; Linears reading one input (q/k/v) save one fp8 copy of it, not one
+    each; gradients match eager fp8 within fp8 noise."""
+    import torch.nn as nn
+    from torch._inductor.utils import run_and_get_code
+    from torch.autograd.graph import saved_tensors_hooks
+
+    import fp8tensor
+
+    class QKV(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v = (nn.Linear(512, 768, bias=False) for _ in range(3))
+
+        def forward(self, x):
+            return self.q(x) * self.k(x) + self.v(x)
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = QKV().to(DEV, torch.bfloat16)
+    m = fp8tensor.quantize_weights(m) if weights == "fp8" else fp8tensor.convert_to_fp8(m)
+    x = torch.randn(1024, 512, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    gy = torch.randn(1024, 768, device=DEV, dtype=torch.bfloat16)
+
+    def step(mod):
+        x.grad = None
+        mod(x).backward(gy)
+        return x.grad.clone()
+
+    ref = step(m)
+    mc = torch.compile(m, fullgraph=True)
+    got, codes = run_and_get_code(step, mc)
+    code = "\n".join(codes)
+    assert "_col_amax_kernel" in code and "torch.ops.fp8tensor.quantize_dim0_t" not in code
+    assert ("torch.ops.fp8tensor.transpose_after" in code) == (weights == "fp8")
+    fp8_saved = []
+
+    def pack(t):
+        if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            fp8_saved.append(t.numel())
+        return t
+
+    with saved_tensors_hooks(pack, lambda t: t):
+        mc(x)
+    assert 768 * 512 not in fp8_saved, f"weight-sized fp8 saved: {fp8_saved}"
+    assert sum(n == 1024 * 512 for n in fp8_saved) <= 1, f"one fp8 x for q/k/v, got {fp8_saved}"
+    err = (got.double() - ref.double()).norm() / ref.double().norm()
+    assert err < 2e-2, err
+
+
+@pytest.mark.parametrize("shape", [(2, 512, 768), (3, 7, 40), (1024, 768)])
+def test_quantize_tokens_nd_matches_reshaped_dim0(shape):
+    """``quantize_tokens`` of an N-D input (eager direct launch and compiled) gives the bits of quantizing its
+    ``(M, K)`` reshape along dim 0, in the same layout."""
+    from fp8tensor.quantize import quantize_tokens
+
+    x = torch.randn(*shape, device=DEV, dtype=torch.bfloat16) * 3
+    qr, sr = quantize(x.reshape(-1, shape[-1]), 0, torch.float8_e4m3fn, gemm_layout=True)
+    torch._dynamo.reset()
+    for q, s in (quantize_tokens(x), torch.compile(lambda t: quantize_tokens(t * 1.0))(x)):
+        assert q.shape == qr.shape and q.stride() == qr.stride() and s.shape == sr.shape == (1, shape[-1])
+        assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr)
+    torch._dynamo.reset()

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The one-GPU runs behind docs/benchmarks.md's 2026-12-01 tables (H200, torch 2.11, torchao 0.17 from its wheel).
+# The one-GPU runs behind docs/benchmarks.md's 2026-12-01 tables (stage a: GPU tests, host overhead, dim 2048
+# with all setups, memory; stage b: dims 4096/8192 and the README model) (H200, torch 2.11, torchao 0.17 from its wheel).
 # Usage: bash benchmarks/gpu_run.sh STAGE OUTDIR     STAGE: a (GPU tests, host overhead, dim 2048, memory) | b (dims 4096/8192, README model)
 set -uo pipefail
 stage=$1; out=${2:-out}; mkdir -p "$out"
@@ -13,9 +14,10 @@ if [ "$stage" = a ]; then
   timeout 100 $py benchmarks/memory.py --fsdp --dim 4096 --ffn 14336 --heads 32 --kv-heads 8 --layers 4 --seq 8192 \
     --warmup 1 --variants bf16@compile,rowwise@compile,rowwise_gw_hp@compile 2>&1 | tail -40 | tee "$out/memory_4096.txt"
 else
-  timeout 170 $py benchmarks/e2e.py --size 4096 --variants bf16@fsdp,rowwise@fsdp,ao_tensorwise@fsdp,ao_rowwise@fsdp \
+  # the final e2e rows of docs/benchmarks.md ("Session 4"); torchao rows where they fit
+  timeout 190 $py benchmarks/e2e.py --size 4096 --variants bf16@fsdp,rowwise@fsdp,ao_tensorwise@fsdp,ao_rowwise@fsdp \
     --json "$out/e2e_4096.json" 2>&1 | tee "$out/e2e_4096.txt"
-  timeout 170 $py benchmarks/e2e.py --size 8192 --variants bf16@fsdp,rowwise@fsdp,ao_tensorwise@fsdp,ao_rowwise@fsdp \
+  timeout 190 $py benchmarks/e2e.py --size 8192 --variants bf16@fsdp,rowwise@fsdp,ao_tensorwise@fsdp,ao_rowwise@fsdp \
     --json "$out/e2e_8192.json" 2>&1 | tee "$out/e2e_8192.txt"
   timeout 110 $py benchmarks/e2e.py --size readme --variants bf16@fsdp,rowwise@fsdp \
     --json "$out/e2e_readme.json" 2>&1 | tee "$out/e2e_readme.txt"

@@ -511,6 +511,9 @@ def test_compiled_dim0_op_quantizes_one_input_once_and_a_modified_input_again(mo
             assert torch.equal(g.float(), w.float())
         counts.append(len(traced))
     # per trace (AOT may trace more than once): 2 quantizations with the memo (before and after the in-place
-    # update), 4 without
-    assert counts[0] > 0 and counts[0] * 2 == counts[1], counts
+    # update), 4 without. Without Triton the op is a plain (opaque) custom op: not traced into, nothing to count.
+    from fp8tensor import kernels
+
+    if kernels.HAS_TRITON:
+        assert counts[0] > 0 and counts[0] * 2 == counts[1], counts
     torch._dynamo.reset()

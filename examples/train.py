@@ -396,7 +396,7 @@ def train_one(name: str, args, train_data, val_data, device, mesh) -> dict:
         "total_seconds": time.perf_counter() - t_build,
     }
     log(f"{name}: val loss {val_loss:.4f}  train loss {losses[-1]:.4f}  "
-        f"{tok_s:,.0f} tok/s  {train_s:.1f}s")
+        f"{tok_s:,.0f} tok/s (after the first step, which includes compile / warm-up)  {train_s:.1f}s")
     del model, opt
     if args.compile:
         torch._dynamo.reset()  # the next run compiles its own blocks from a clean cache

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
-sys.path.append(os.path.join(HERE, ".."))  # after PYTHONPATH (which may point at another fp8tensor)
+sys.path.append(os.path.join(HERE, ".."))  # after PYTHONPATH and site-packages (PYTHONPATH may name another fp8tensor)
 
 from llama import Llama, ModelArgs, fp8_module_filter  # noqa: E402
 

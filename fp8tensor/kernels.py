@@ -288,13 +288,20 @@ _TABLES: dict = {}
 
 
 def _device_table(values: list, device: torch.device) -> torch.Tensor:
-    key = (device, tuple(values))
+    # Cached per stream: a table is only read on the stream that filled it (ordered after its copy) and freed by the
+    # allocator for that stream. Not cached while a CUDA graph is being captured (its copy only runs on replay).
+    def make():
+        return torch.tensor(values, dtype=torch.int64).pin_memory().to(device, non_blocking=True)  # no host sync
+
+    if torch.cuda.is_current_stream_capturing():
+        return make()
+    stream = torch.cuda.current_stream(device)
+    key = (device, stream.stream_id, tuple(values))
     table = _TABLES.get(key)
     if table is None:
         if len(_TABLES) >= 256:  # addresses that keep changing: keep the cache small
             _TABLES.clear()
-        table = torch.tensor(values, dtype=torch.int64).pin_memory().to(device, non_blocking=True)  # no host sync
-        _TABLES[key] = table
+        table = _TABLES[key] = make()
     return table
 
 
@@ -307,7 +314,16 @@ def kernel_available(x: torch.Tensor) -> bool:
         and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
         and x.numel() > 0
         and ((x.dim() == 2 and x.stride(1) == 1) or (x.dim() > 2 and x.is_contiguous()))
+        and _dim0_in_range(x)
     )
+
+
+def _dim0_in_range(x: torch.Tensor) -> bool:
+    # The dim-0 kernels index with 32-bit offsets and put M / amax_chunk_m on the grid's second dim (at most 65535).
+    K = x.shape[-1]
+    M = x.numel() // K
+    rows = x.stride(0) * (M - 1) + K if x.dim() == 2 else x.numel()  # elements spanned
+    return rows < 2**31 and M <= 65535 * CONFIG["amax_chunk_m"]
 
 
 def launch_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype, scale_floor: float, *, traced: bool = False
@@ -367,6 +383,7 @@ def transpose_available(src: torch.Tensor) -> bool:
         and src.element_size() == 1
         and src.stride(1) == 1
         and src.numel() > 0
+        and src.shape[1] <= 65535 * TRANSPOSE_CONFIG["block_n"]  # the grid's second dim
     )
 
 

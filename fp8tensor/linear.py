@@ -33,8 +33,7 @@ class QuantizeOnUse:
 
 
 # ---------------------------------------------------------------------------------------------- quantization
-def _quantize_local(t: torch.Tensor, dim: int, fast_accum: bool, float8_dtype=E4M3, fusible: bool = False
-                    ) -> torch.Tensor:
+def _quantize_local(t: torch.Tensor, dim: int, fast_accum: bool, float8_dtype=E4M3) -> torch.Tensor:
     """Quantize a plain tensor or a master weight along ``dim`` into a ScaledFp8Tensor.
 
     A ScaledFp8Tensor is returned as is (only its fast-accumulation flag set): it is never re-quantized, and
@@ -43,14 +42,13 @@ def _quantize_local(t: torch.Tensor, dim: int, fast_accum: bool, float8_dtype=E4
         return t.with_fast_accum(fast_accum)
     if isinstance(t, QuantizeOnUse):
         t = t._data
-    q, s = quantize(t, dim, float8_dtype, gemm_layout=True, fusible=fusible)  # GEMM layout; fused kernel if eager
+    q, s = quantize(t, dim, float8_dtype, gemm_layout=True)  # fused kernel + GEMM layout where it applies
     return make_scaled(q, s, t.dtype, fast_accum, rowwise_dims(t.dim(), dim))
 
 
-def _quantize(t: torch.Tensor, dim: int, fast_accum: bool, float8_dtype=E4M3, fusible: bool = False
-              ) -> torch.Tensor:
+def _quantize(t: torch.Tensor, dim: int, fast_accum: bool, float8_dtype=E4M3) -> torch.Tensor:
     """:func:`_quantize_local` on a tensor or on each DTensor shard (sub-row-wise when ``dim`` is sharded)."""
-    return map_local(t, lambda lt: _quantize_local(lt, dim, fast_accum, float8_dtype, fusible))
+    return map_local(t, lambda lt: _quantize_local(lt, dim, fast_accum, float8_dtype))
 
 
 def _dequantize(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -68,8 +66,9 @@ def _is_fp8(t: torch.Tensor) -> bool:
 # ---------------------------------------------------------------------------------------------- saved for backward
 #: Eager forwards share the fp8 copy of an input that several Linears consume (q/k/v, w1/w3): input -> {(version, fp8
 #: dtype, fast accumulation): weak reference to its grad_weight operand}. The value is weak: it lives exactly as long
-#: as a backward still holds it, so a hit never costs memory. Compiled graphs deduplicate identical quantizations
-#: themselves (common-subexpression elimination), so the cache is bypassed while tracing.
+#: as a backward still holds it, so a hit never costs memory. Compiled graphs share it through the dim-0 op's trace
+#: memo (``fp8tensor.quantize._trace_memo``) or, on the plain-ops path, common-subexpression elimination, so this
+#: cache is bypassed while tracing.
 _GRAD_WEIGHT_INPUTS = WeakIdKeyDictionary()
 
 
@@ -144,9 +143,9 @@ def _transpose_after(q: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
 WEIGHT_AFTER_GRAD = True
 
 
-def _weight_for_grad_input(weight: torch.Tensor, g2: torch.Tensor, fast: bool, recipe: Recipe) -> torch.Tensor:
-    """The weight operand of ``grad_x = gy @ W``, made in backward after ``gy`` exists (plain tensors; DTensor
-    shards are prepared as they come).
+def _weight_for_grad_input(weight: torch.Tensor, gy: torch.Tensor, fast: bool, recipe: Recipe) -> torch.Tensor:
+    """The weight operand of ``grad_x = gy @ W``, made in backward after ``gy`` (``grad_out``, any shape: it is only an
+    ordering input) exists (plain tensors; DTensor shards are prepared as they come).
 
     * fp8 weight scaled per row (the FSDP2-gathered weight, a frozen fp8 weight): scale folding, ``fp8_mm`` folds the
       row scales (on the contraction dim N) into ``gy``; the weight's column-major copy is made by
@@ -160,15 +159,15 @@ def _weight_for_grad_input(weight: torch.Tensor, g2: torch.Tensor, fast: bool, r
             and weight.dim() == 2
             and weight.scale.shape[1] == 1
             and weight.qdata.stride(1) == 1
-            and not _is_dtensor(g2)
+            and not _is_dtensor(gy)
         ):
-            qt = _transpose_after(weight.qdata, g2)
+            qt = _transpose_after(weight.qdata, gy)
             return make_scaled(qt.t(), weight.scale, weight.orig_dtype, fast, weight.scaled_dims)
         return _quantize(weight, -1, fast)
-    if WEIGHT_AFTER_GRAD and not _is_dtensor(weight) and not _is_dtensor(g2):
+    if WEIGHT_AFTER_GRAD and not _is_dtensor(weight) and not _is_dtensor(gy):
         w = weight._data if isinstance(weight, QuantizeOnUse) else weight
         if w.dim() == 2 and w.dtype.is_floating_point:
-            qt, st = quantize_dim0_t_after(w, g2, recipe.float8_dtype)
+            qt, st = quantize_dim0_t_after(w, gy, recipe.float8_dtype)
             return make_scaled(qt.t(), st.t(), w.dtype, fast, rowwise_dims(2, 0))
     return _quantize(weight, 0, fast, recipe.float8_dtype)
 
@@ -222,8 +221,8 @@ class _Fp8Linear(torch.autograd.Function):
             del w_b  # the transient fp8 operands die with their GEMM
         if ctx.needs_input_grad[1]:
             if recipe.grad_weight_fp8:
-                # gy^T (N, M) is quantized per output feature over tokens by fp8_mm itself. Nothing derived from
-                # grad_out goes through map_local: under torch.compile the backward of an autograd.Function is traced
+                # gy^T (N, M) is quantized per output feature over tokens (here from grad_out itself on CUDA, else by
+                # fp8_mm). Nothing derived from grad_out goes through map_local: under torch.compile the backward of an autograd.Function is traced
                 # with grad placements guessed from the forward output (Partial), which need not be the runtime ones.
                 # A plain CUDA grad_out is quantized here from grad_out itself (see _tokens_fp8; the bits fp8_mm gives).
                 gt = g2.t()

@@ -19,6 +19,8 @@ Formats for Deep Learning" (2022) for the formats and PyTorch's ``torch._scaled_
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import kernels
@@ -101,8 +103,7 @@ def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, float8_dtype: torch.dtype)
 
 
 def quantize(
-    x: torch.Tensor, dim: int = -1, float8_dtype: torch.dtype = E4M3, *, gemm_layout: bool = False,
-    fusible: bool = False,
+    x: torch.Tensor, dim: int = -1, float8_dtype: torch.dtype = E4M3, *, gemm_layout: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The quantization entry point: ``(qdata, scale)`` of ``x`` with one scale per slice reduced over ``dim``.
 
@@ -117,21 +118,11 @@ def quantize(
        row-wise Triton kernel (same bits as the ops).
     3. Otherwise (CPU, ``torch.compile``, other layouts): :func:`rowwise_scale` and :func:`cast_to_fp8`.
 
-    ``fusible=True`` (with ``gemm_layout``): while ``torch.compile`` traces, case 1 is replaced by the plain ops plus a
-    transposing copy (same layout). Inductor then fuses them with the producer of ``x``, deduplicates identical
-    quantizations of one input (q/k/v, w1/w3: the triton op's kernels are opaque calls it cannot merge) and may
-    recompute them in backward instead of saving them. Compiled values round as inductor's kernels do.
-
     Raises:
         TypeError: ``float8_dtype`` is not one of the supported fp8 formats.
     """
     check_float8_dtype(float8_dtype, "quantize_rowwise")
     if x.is_cuda:
-        if gemm_layout and x.dim() == 2 and fusible and torch.compiler.is_compiling():
-            scale = rowwise_scale(x, dim, float8_dtype)
-            q = cast_to_fp8(x, scale, float8_dtype)
-            q = q.t().contiguous().t() if dim % 2 == 0 else q.contiguous()  # outer dim reduced: column-major
-            return q, scale
         if gemm_layout and x.dim() == 2:
             if dim % 2 == 0 and kernels.kernel_available(x):
                 q, s = _dim0_t(x, float8_dtype)
@@ -196,18 +187,25 @@ def quantize_rowwise(
 
 # ---------------------------------------------------------------------------------------------- dim-0 triton op
 def _reference_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype):
-    q, s = quantize_rowwise(x.reshape(-1, x.shape[-1]).t(), dim=-1, float8_dtype=float8_dtype)
+    K = x.shape[-1]
+    q, s = quantize_rowwise(x.reshape(math.prod(x.shape[:-1]), K).t(), dim=-1, float8_dtype=float8_dtype)
     return q.contiguous(), s
 
 
-# With Triton, a triton_op (compiled graphs launch the kernels inline); CPU-only builds have no kernels to expose.
+def _dim0_t_body(x: torch.Tensor, float8_dtype: torch.dtype):
+    if not kernels.kernel_available(x):
+        return _reference_dim0_t(x, float8_dtype)
+    return kernels.launch_dim0_t(x, float8_dtype, SCALE_FLOOR, traced=True)
+
+
+# With Triton, triton ops (compiled graphs launch the kernels inline); CPU-only builds have no kernels to expose.
 _register_op = torch.library.triton_op if kernels.HAS_TRITON else torch.library.custom_op
 
 
 @_register_op("fp8tensor::quantize_dim0_t", mutates_args=())
 def quantize_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x`` ``(M, K)`` along dim 0 and return it transposed. ``x`` may also be ``(..., K)``: quantized over
-    all its leading dims (``M = numel / K``) as ``x.reshape(-1, K)`` would be.
+    all its leading dims (``M`` = their product) as ``x.reshape(M, K)`` would be.
 
     The fused Triton kernels of :mod:`fp8tensor.kernels` where they take ``x`` (CUDA, row-major), else the plain
     ops (:func:`quantize_rowwise` of ``x.T``). Registered with ``torch.library.triton_op``: under ``torch.compile``
@@ -217,13 +215,19 @@ def quantize_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype) -> tuple[torch.T
         ``(q, scale)``: ``q`` is ``(K, M)`` row-major ``float8_dtype`` holding ``x.T`` quantized row-wise,
         ``scale`` is ``(K, 1)`` float32 (dequantization multiplier), i.e. ``q.float() * scale ≈ x.T``.
     """
+    return _dim0_t_body(x, float8_dtype)
+
+
+@_register_op("fp8tensor::quantize_dim0_t_shared", mutates_args=())
+def _quantize_dim0_t_shared(x: torch.Tensor, float8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    # quantize_dim0_t whose results a compiled graph may share between calls on the same data (_trace_memo): for
+    # fp8tensor's own operands, which are never modified in place.
     memo, key, inner = _trace_memo(x, float8_dtype)
-    if memo is not None and key in memo:
-        return memo[key][1]
-    if not kernels.kernel_available(x):
-        out = _reference_dim0_t(x, float8_dtype)
-    else:
-        out = kernels.launch_dim0_t(x, float8_dtype, SCALE_FLOOR, traced=True)
+    if memo is not None:
+        hit = memo.get(key)
+        if hit is not None:
+            return hit[1]
+    out = _dim0_t_body(x, float8_dtype)
     if memo is not None:
         memo[key] = (inner, out)  # inner: keeps the storage of the key alive (its address is not reused)
     return out
@@ -234,39 +238,49 @@ TRACE_MEMO = True
 
 
 def _trace_memo(x: torch.Tensor, float8_dtype: torch.dtype):
-    """``(memo, key, inner)`` while ``torch.compile`` traces :func:`quantize_dim0_t` into a graph (functionalization, when the
-    op is decomposed into its kernels), else ``(None, None, None)``.
+    """``(memo, key, inner)`` while ``torch.compile`` traces ``fp8tensor::quantize_dim0_t_shared`` into a graph
+    (functionalization under a proxy tracer, when the op is decomposed into its kernels), else
+    ``(None, None, None)``.
 
     Linears that read one input (q/k/v, w1/w3) each quantize it for their grad_weight GEMM. Inductor deduplicates
     identical ops, but not the Triton kernels of a decomposed triton op (each call gets its own launch arguments), so
     the graph would run — and save for backward — one fp8 copy per Linear. The memo makes a repeated call on the same
     data return the first call's outputs: ``key`` is the data the functional tensor holds right now (its storage,
     offset, shape and strides after syncing pending mutations — an in-place update gives new storage, hence a new key;
-    views such as each Linear's ``reshape`` of the input share it). It lives on the tracing mode, i.e. for one trace."""
+    views such as each Linear's ``reshape`` of the input share it). The memo lives on the proxy tracer, i.e. it
+    serves one graph (a nested subgraph has a tracer of its own). Symbolic shapes (dynamic compiles) and anything
+    unexpected in torch's private tracing APIs: no memo (same values, one quantization per call)."""
     from torch._subclasses.functional_tensor import FunctionalTensor
 
     if not TRACE_MEMO or not isinstance(x, FunctionalTensor):
         return None, None, None
     try:
-        from torch.utils._python_dispatch import _get_current_dispatch_mode
+        from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
-        mode = _get_current_dispatch_mode()
+        proxy = get_proxy_mode()
+        tracer = getattr(proxy, "tracer", None)
+        if tracer is None:
+            return None, None, None
         torch._sync(x)
         inner = torch._from_functional_tensor(x.elem)
-        key = (inner.untyped_storage()._cdata, inner.storage_offset(), tuple(inner.shape), inner.stride(), x.dtype,
-               float8_dtype)
+        dims = (*inner.shape, *inner.stride(), inner.storage_offset())
+        if not all(type(d) is int for d in dims):  # SymInts: not hashable, and their values are not known
+            return None, None, None
+        key = (inner.untyped_storage()._cdata, dims, inner.dim(), x.dtype, float8_dtype)
+        hash(key)
     except Exception:  # private APIs of torch's tracing: without them, no deduplication (same values)
         return None, None, None
-    if mode is None:
-        return None, None, None
-    return mode.__dict__.setdefault("_fp8tensor_dim0_memo", {}), key, inner
+    return tracer.__dict__.setdefault("_fp8tensor_dim0_memo", {}), key, inner
 
 
 def quantize_tokens(x: torch.Tensor, float8_dtype: torch.dtype = E4M3):
     """``x`` ``(..., K)`` quantized per feature over all its tokens (the leading dims) in the GEMM layout, from ``x``
     itself rather than a ``(M, K)`` reshape of it (under ``torch.compile`` a view of a fused value would be written
-    out once per kernel argument), or None where the dim-0 kernels do not take ``x`` (CPU, non-contiguous, fake
-    devices): the caller then quantizes ``x.reshape(-1, K)`` along dim 0 with :func:`quantize` (same values).
+    out once per kernel argument), or None where the dim-0 kernels do not take ``x`` (not CUDA, not contiguous, no
+    Triton): the caller then quantizes ``x.reshape(-1, K)`` along dim 0 with :func:`quantize` (same values).
+
+    A compiled graph may return the *same* result tensors for two calls on the same data (q/k/v share one
+    quantization, see ``_trace_memo``): treat the results as read-only.
 
     Returns:
         ``(q, scale)``: ``q`` ``(M, K)`` float8, a transposed view of a row-major ``(K, M)`` tensor (column-major, as
@@ -275,15 +289,19 @@ def quantize_tokens(x: torch.Tensor, float8_dtype: torch.dtype = E4M3):
     """
     if not (x.is_cuda and kernels.kernel_available(x) and (x.dim() == 2 or x.is_contiguous())):
         return None
-    q, s = _dim0_t(x, float8_dtype)
+    q, s = _dim0_t(x, float8_dtype, shared=True)
     return q.t(), s.t()
 
 
-def _dim0_t(x: torch.Tensor, float8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _dim0_t(x: torch.Tensor, float8_dtype: torch.dtype, *, shared: bool = False
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`quantize_dim0_t` of a CUDA ``x`` the kernels take: launched directly when nothing traces ``x``
-    (eager: no dispatcher round trip), else through the op (``torch.compile``, fake tensors, dispatch modes)."""
+    (eager: no dispatcher round trip), else through the op (``torch.compile``, fake tensors, dispatch modes);
+    ``shared``: through ``fp8tensor::quantize_dim0_t_shared`` (results may be shared in a compiled graph)."""
     if kernels.eager_launch_ok(x) and not (x.requires_grad and torch.is_grad_enabled()):
         return kernels.launch_dim0_t(x, float8_dtype, SCALE_FLOOR)
+    if shared:
+        return torch.ops.fp8tensor.quantize_dim0_t_shared(x, float8_dtype)
     return torch.ops.fp8tensor.quantize_dim0_t(x, float8_dtype)
 
 
@@ -323,9 +341,11 @@ def quantize_dim0_t_after(
 
 if not kernels.HAS_TRITON:  # a triton_op is its own fake kernel; the plain custom op needs one
 
-    @quantize_dim0_t.register_fake
-    def _(x, float8_dtype):
+    def _dim0_fake(x, float8_dtype):
         K = x.shape[-1]
-        return x.new_empty(K, x.numel() // K, dtype=float8_dtype), x.new_empty(K, 1, dtype=torch.float32)
+        return x.new_empty(K, math.prod(x.shape[:-1]), dtype=float8_dtype), x.new_empty(K, 1, dtype=torch.float32)
+
+    quantize_dim0_t.register_fake(_dim0_fake)
+    _quantize_dim0_t_shared.register_fake(_dim0_fake)
 
 

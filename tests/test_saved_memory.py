@@ -474,7 +474,8 @@ def test_small_shapes_bit_identical_to_today(recipe, shape, today):
 def test_compiled_dim0_op_quantizes_one_input_once_and_a_modified_input_again(monkeypatch):
     """Under ``torch.compile`` the dim-0 triton op is decomposed into its kernels, which the compiler does not
     deduplicate; the trace memo (``quantize._trace_memo``) makes Linears reading one input (each with its own
-    ``reshape`` of it) share one quantization, and an input modified in place in between is quantized again."""
+    ``reshape`` of it) share one quantization (``fp8tensor::quantize_dim0_t_shared``, fp8tensor's own operands), and
+    an input modified in place in between is quantized again."""
     from torch._subclasses.functional_tensor import FunctionalTensor
 
     import fp8tensor.quantize as qmod
@@ -483,12 +484,14 @@ def test_compiled_dim0_op_quantizes_one_input_once_and_a_modified_input_again(mo
     real = qmod._reference_dim0_t
 
     def counting(x, dt):
-        if isinstance(x, FunctionalTensor):
+        from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+        if isinstance(x, FunctionalTensor) and get_proxy_mode() is not None:  # traced into a graph
             traced.append(tuple(x.shape))
         return real(x, dt)
 
     monkeypatch.setattr(qmod, "_reference_dim0_t", counting)
-    op = torch.ops.fp8tensor.quantize_dim0_t
+    op = torch.ops.fp8tensor.quantize_dim0_t_shared
 
     def f(x):
         a = op(x.reshape(-1, 8), torch.float8_e4m3fn)  # q, k, v: three views of one input
@@ -510,10 +513,70 @@ def test_compiled_dim0_op_quantizes_one_input_once_and_a_modified_input_again(mo
         for g, w in zip(got, want):
             assert torch.equal(g.float(), w.float())
         counts.append(len(traced))
-    # per trace (AOT may trace more than once): 2 quantizations with the memo (before and after the in-place
+    # per graph traced (AOT may trace more than once): 2 quantizations with the memo (before and after the in-place
     # update), 4 without. Without Triton the op is a plain (opaque) custom op: not traced into, nothing to count.
     from fp8tensor import kernels
 
     if kernels.HAS_TRITON:
         assert counts[0] > 0 and counts[0] * 2 == counts[1], counts
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("case", ["dynamic", "automatic_dynamic", "nested_region", "public_op_outputs_owned"])
+def test_compiled_dim0_memo_edge_cases(case):
+    """The trace memo stays out of the way where it cannot be right: symbolic shapes (no memo, no crash), a nested
+    compile region (a graph of its own: no tensor of another graph is served), and the public op (its results are
+    the caller's: modifying one in place must not change a later call's result)."""
+    dt = torch.float8_e4m3fn
+    shared = torch.ops.fp8tensor.quantize_dim0_t_shared
+
+    def two(x):
+        a = shared(x.reshape(-1, 8), dt)
+        b = shared(x.reshape(-1, 8), dt)
+        return a[0].float() * a[1] + b[0].float() * b[1]
+
+    torch._dynamo.reset()
+    if case == "dynamic":
+        x = torch.randn(2, 5, 8)
+        assert torch.equal(torch.compile(two, backend="aot_eager", dynamic=True, fullgraph=True)(x), two(x))
+    elif case == "automatic_dynamic":
+        g = torch.compile(two, backend="aot_eager")
+        for n in (5, 7, 9):  # the second length recompiles with a symbolic length
+            x = torch.randn(2, n, 8)
+            assert torch.equal(g(x), two(x))
+    elif case == "nested_region":
+        region = getattr(torch.compiler, "nested_compile_region", None)
+        if region is None:
+            pytest.skip("torch.compiler.nested_compile_region is not in this torch")
+
+        @region
+        def blk(x, w):
+            q, s = shared(x.reshape(-1, 8), dt)
+            return (q.float() * s).sum() * w
+
+        def f(x, w):
+            q, s = shared(x.reshape(-1, 8), dt)
+            return (q.float() * s).sum() + blk(x, w) + blk(x * 2, w)
+
+        x, w = torch.randn(2, 5, 8), torch.randn(3)
+        assert torch.equal(torch.compile(f, backend="aot_eager", fullgraph=True)(x, w), f(x, w))
+    else:
+        op = torch.ops.fp8tensor.quantize_dim0_t
+
+        def f(x):
+            q1, s1 = op(x.reshape(-1, 8), dt)
+            s1.mul_(2.0)  # the caller's tensor
+            q2, s2 = op(x.reshape(-1, 8), dt)
+            return s1, s2
+
+        x = torch.randn(2, 5, 8)
+        e, c = f(x), torch.compile(f, backend="aot_eager", fullgraph=True)(x)
+        assert torch.equal(e[0], c[0]) and torch.equal(e[1], c[1])
+    torch._dynamo.reset()
+
+
+def test_dim0_op_empty_feature_dim():
+    q, s = torch.ops.fp8tensor.quantize_dim0_t(torch.zeros(4, 0), torch.float8_e4m3fn)
+    assert q.shape == (0, 4) and s.shape == (0, 1)
+    q, s = torch.ops.fp8tensor.quantize_dim0_t(torch.zeros(2, 3, 0), torch.float8_e4m3fn)
+    assert q.shape == (0, 6) and s.shape == (0, 1)

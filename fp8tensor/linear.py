@@ -118,9 +118,9 @@ def _transpose_after_op(q: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
     before its GEMM, and it dies with the GEMM. CUDA fp8: one tiled Triton kernel
     (:func:`fp8tensor.kernels.launch_transpose`); otherwise ATen's copy.
 
-    An opaque custom op on purpose (one Python call per Linear per step): as an inline triton op, inductor kept
-    ``grad_out`` and the FFN's backward intermediates alive longer (measured +0.9 GiB at the peak of a dim-4096
-    step, docs/benchmarks.md)."""
+    An opaque custom op on purpose (one Python call per Linear per step): as an inline triton op, inductor kept more
+    of the FFN's backward intermediates alive (peak 16.64 instead of 15.5 GiB in a dim-4096 step,
+    docs/benchmarks.md "Session 4")."""
     if kernels.transpose_available(q):
         return kernels.launch_transpose(q)
     return q.t().clone(memory_format=torch.contiguous_format)  # a copy: a custom op may not alias its input
@@ -221,10 +221,10 @@ class _Fp8Linear(torch.autograd.Function):
             del w_b  # the transient fp8 operands die with their GEMM
         if ctx.needs_input_grad[1]:
             if recipe.grad_weight_fp8:
-                # gy^T (N, M) is quantized per output feature over tokens (here from grad_out itself on CUDA, else by
-                # fp8_mm). Nothing derived from grad_out goes through map_local: under torch.compile the backward of an autograd.Function is traced
-                # with grad placements guessed from the forward output (Partial), which need not be the runtime ones.
-                # A plain CUDA grad_out is quantized here from grad_out itself (see _tokens_fp8; the bits fp8_mm gives).
+                # gy^T (N, M) quantized per output feature over the tokens: from grad_out itself on CUDA (as x in
+                # forward, see _tokens_fp8), else by fp8_mm; the same bits. Nothing derived from grad_out goes through
+                # map_local: under torch.compile the backward of an autograd.Function is traced with grad placements
+                # guessed from the forward output (Partial), which need not be the runtime ones.
                 gt = g2.t()
                 hit = None if _is_dtensor(grad_out) or grad_out.dim() < 2 else quantize_tokens(grad_out, E4M3)
                 if hit is not None:  # q (N, M) row-major, scale (N, 1): fp8_mm uses them as they are

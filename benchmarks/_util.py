@@ -45,3 +45,18 @@ def top_kernels(fn, n: int = 12) -> str:
             fn()
         torch.cuda.synchronize()
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=n, max_name_column_width=70)
+
+
+def one_process_mesh(device: torch.device, shape: tuple, names=None):
+    """A device mesh of ``shape`` (all ones) over a single-process group, created if none exists: NCCL on CUDA, gloo
+    on CPU (the one-GPU runs of ``e2e.py`` and ``host_overhead.py``)."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29600 + os.getpid() % 1000))
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    return init_device_mesh(device.type, shape, mesh_dim_names=names)

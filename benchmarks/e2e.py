@@ -89,14 +89,9 @@ def parse(argv=None):
 
 
 def setup_dist(device):
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
+    from _util import one_process_mesh
 
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29600 + os.getpid() % 1000))
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
-    return init_device_mesh(device.type, (1, 1), mesh_dim_names=("dp", "tp"))
+    return one_process_mesh(device, (1, 1), ("dp", "tp"))
 
 
 def ao_available() -> bool:

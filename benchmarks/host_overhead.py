@@ -141,14 +141,9 @@ def convert(mod, recipe):
 
 
 def one_rank_mesh(dev):
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
+    from _util import one_process_mesh
 
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=0, world_size=1)
-    return init_device_mesh(dev.type, (1,))
+    return one_process_mesh(dev, (1,))
 
 
 def tp_wrap(lin, mesh):

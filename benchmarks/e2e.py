@@ -79,6 +79,10 @@ def parse(argv=None):
     p.add_argument("--gc", default="on", choices=("on", "step"),
                    help="Python garbage collector: on (default) or step (disabled in steps, gc.collect() between "
                         "measured steps outside the timing, as torchtitan's GarbageCollection does)")
+    p.add_argument("--cprofile", type=int, default=0, metavar="N",
+                   help="run N more steps of every variant under cProfile and print the top Python functions")
+    p.add_argument("--sync-debug", action="store_true",
+                   help="run one more step with torch.cuda.set_sync_debug_mode('warn') and print where it synced")
     a = p.parse_args(argv)
     size = dict(SIZES[a.size])
     for k in size:
@@ -167,6 +171,48 @@ def kernel_ms(prof) -> float:
     return total / 1e3
 
 
+def host_profile(variant: str, step, n: int, sync) -> None:
+    """Print the Python functions of ``n`` steps under ``cProfile`` (self time and cumulative), per step."""
+    import cProfile
+    import pstats
+
+    sync()
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    for i in range(n):
+        step(i)
+    prof.disable()
+    sync()
+    print(f"\n## {variant}: cProfile of {n} steps ({(time.perf_counter() - t0) * 1e3 / n:.1f} ms per step under "
+          f"the profiler; times below are totals over the {n} steps)")
+    st = pstats.Stats(prof)
+    st.sort_stats("tottime").print_stats(35)
+    st.sort_stats("cumulative").print_stats(60)
+
+
+def sync_report(variant: str, step, sync) -> None:
+    """Run one step with CUDA sync debugging on and print every distinct place that synchronized the host."""
+    import warnings
+
+    sync()
+    seen = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step(0)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for w in caught:
+        if "synchroniz" in str(w.message).lower():
+            key = (w.filename, w.lineno)
+            seen[key] = seen.get(key, 0) + 1
+    print(f"\n## {variant}: {sum(seen.values())} synchronizing calls in one step")
+    for (f, l), n in sorted(seen.items(), key=lambda kv: -kv[1]):
+        print(f"{n:5d}  {f}:{l}")
+
+
 def run_variant(variant: str, args, mesh, device):
     precision, _, setup = variant.partition("@")
     setup = setup or "fsdp"
@@ -246,6 +292,10 @@ def run_variant(variant: str, args, mesh, device):
                 prof.export_chrome_trace(os.path.join(args.trace_dir, f"trace_{args.size}_{precision}_{setup}.json"))
     if args.gc == "step":
         gc.enable()
+    if args.cprofile:
+        host_profile(variant, step, args.cprofile, sync)
+    if args.sync_debug and cuda:
+        sync_report(variant, step, sync)
     loss = float(step(0).detach().float())
     row = dict(variant=variant, precision=precision, setup=setup, ms=ms, tok_s=c["batch"] * c["seq"] / ms * 1e3,
                gpu_ms=gpu_ms, peak_gib=peak, warmup_s=t_compile, loss=loss, min_ms=min(times))

@@ -57,7 +57,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .quantize import E4M3, quantize, quantize_group
+from . import kernels
+from .quantize import E4M3, SCALE_FLOOR, quantize, quantize_group
 
 __all__ = [
     "master_pre_all_gather",
@@ -264,6 +265,81 @@ def _group_quantized(master, float8_dtype, packed: bool):
     return results[0]
 
 
+#: group -> (layout key, (total bytes, [(region offset, region bytes, q offset, s offset, metadata, zero ranges)]))
+#: of the packed 1-rank payload of the group's weights: computed once, reused every step.
+_LOCAL_PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _local_plan(datas, float8_dtype):
+    entries, o = [], 0
+    for d in datas:
+        nq = d.numel()
+        ns = nq // d.shape[-1]
+        off_s = _scale_offset(nq)
+        n = _scale_offset(off_s + 4 * ns)
+        zeros = [(o + a, o + b) for a, b in ((nq, off_s), (off_s + 4 * ns, n)) if b > a]
+        meta = _Meta(LOCAL, float8_dtype, int(d.shape[0]), True, None, (tuple(d.shape), (*d.shape[:-1], 1)))
+        entries.append((o, n, o, o + off_s, meta, zeros))
+        o += n
+    return o, entries
+
+
+def _local_group_payload(master, float8_dtype):
+    """FSDP2 on a 1-rank mesh: ``((payload,), metadata)`` of ``master``, from one launch over its parameter group,
+    or None (no group, a single weight, or a weight the row kernel does not take).
+
+    The first hook call of a round allocates one buffer for the group's packed payloads (layout computed once per
+    group: :data:`_LOCAL_PLANS`) and has the row kernel write every weight's fp8 bytes and scales straight into it
+    (:func:`fp8tensor.kernels.quantize_last_dim_group_into`; on CPU, weight by weight into the same layout); the
+    others take their slice, as :func:`_group_quantized`. Same bytes as :func:`packed_buffers` +
+    :func:`fp8tensor.quantize.quantize_group`."""
+    if _GROUP_FINDER is None:
+        return None
+    data = master._data
+    try:
+        group, locals_ = _GROUP_FINDER(master)
+    except Exception:  # FSDP2 internals changed: the per-weight path
+        return None
+    if group is None:
+        return None
+    pending = _PENDING.get(group)
+    if pending:
+        hit = pending.pop(id(data), None)
+        if hit is not None and hit[0] is data and hit[1] == data._version and hit[2] == LOCAL:
+            return hit[3]
+    datas = [data]
+    for t in locals_:
+        if t is master or type(t) is not type(master) or getattr(t.recipe, "float8_dtype", E4M3) != float8_dtype:
+            continue
+        d = t._data
+        if d.dtype == data.dtype and d.device == data.device and d.numel() > 0 and d.ndim >= 2:
+            datas.append(d)
+    if len(datas) < 2:
+        return None
+    layout = (float8_dtype, tuple((tuple(d.shape), d.dtype) for d in datas))
+    plan = _LOCAL_PLANS.get(group)
+    if plan is None or plan[0] != layout:
+        plan = _LOCAL_PLANS[group] = (layout, _local_plan(datas, float8_dtype))
+    total, entries = plan[1]
+    flat = torch.empty(total, dtype=torch.uint8, device=data.device)
+    for _, _, _, _, _, zeros in entries:
+        for a, b in zeros:  # padding bytes travel too: make them deterministic
+            flat[a:b].zero_()
+    if kernels.HAS_TRITON and all(kernels.row_kernel_available(d) for d in datas):
+        base = flat.data_ptr()
+        kernels.quantize_last_dim_group_into(datas, [base + e[2] for e in entries], [base + e[3] for e in entries],
+                                             float8_dtype, SCALE_FLOOR)
+    else:  # CPU, or a tensor the kernel does not take: the same bytes weight by weight
+        for d, (o, n, _, _, meta, _) in zip(datas, entries):
+            q, sc = packed_views(flat[o:o + n], *meta.packed, float8_dtype)
+            qd, sd = quantize(d, -1, float8_dtype)
+            q.copy_(qd)
+            sc.copy_(sd)
+    results = [((flat[o:o + n],), meta) for o, n, _, _, meta, _ in entries]
+    _PENDING[group] = {id(d): (d, d._version, LOCAL, r) for d, r in zip(datas[1:], results[1:])}
+    return results[0]
+
+
 @torch.no_grad()
 def master_pre_all_gather(master, mesh, outer_size, outer_stride, module, mp_policy):
     """``Fp8MasterWeight.fsdp_pre_all_gather``: quantize the local master rows row-wise, return fp8 data + scales.
@@ -288,7 +364,12 @@ def master_pre_all_gather(master, mesh, outer_size, outer_stride, module, mp_pol
     data = master._data
     check_rowwise_input(data, "Fp8MasterWeight.fsdp_pre_all_gather")
     float8_dtype = getattr(master.recipe, "float8_dtype", E4M3)
-    hit = _group_quantized(master, float8_dtype, mesh.size() == 1) if data.numel() > 0 else None
+    local = mesh.size() == 1
+    if local and data.numel() > 0:
+        payload = _local_group_payload(master, float8_dtype)
+        if payload is not None:
+            return payload
+    hit = _group_quantized(master, float8_dtype, local) if data.numel() > 0 else None
     packed = None
     if hit is not None:
         q, s, packed = hit

@@ -150,6 +150,102 @@ if _HAS_TRITON:
                  mask=(offs_n[:, None] < N) & (offs_m[None, :] < M))
 
 
+# ---------------------------------------------------------------------------------------------- eager launches
+#: Launch eager kernels through :class:`_Launcher` (a compiled kernel's own entry point, once its specialization is
+#: known) instead of ``kernel[grid](...)``; False: always Triton's JIT path (same kernels, more host work).
+FAST_LAUNCH = True
+
+
+def _triton_fast_launch_ok() -> bool:
+    # Triton >= 3.3: CompiledKernel.run(grid_x, grid_y, grid_z, stream, function, packed_metadata, launch_metadata,
+    # enter_hook, exit_hook, *every argument in signature order), the call JITFunction.run itself makes.
+    if not _HAS_TRITON:
+        return False
+    try:
+        major, minor = (int(p) for p in triton.__version__.split(".")[:2])
+        from triton import knobs  # noqa: F401
+    except Exception:  # pragma: no cover - unknown Triton layout
+        return False
+    return (major, minor) >= (3, 3)
+
+
+_FAST_OK = _triton_fast_launch_ok()
+_LAUNCHERS: dict = {}
+
+
+def _launcher(fn) -> "_Launcher":
+    """The :class:`_Launcher` of JIT kernel ``fn`` (one per kernel)."""
+    launcher = _LAUNCHERS.get(fn)
+    if launcher is None:
+        launcher = _LAUNCHERS[fn] = _Launcher(fn)
+    return launcher
+_INT32 = (-(2**31), 2**31)
+
+
+class _Launcher:
+    """Eager launches of one ``@triton.jit`` kernel with less host work than ``kernel[grid](...)``.
+
+    ``kernel[grid](...)`` binds the arguments, computes Triton's specialization key and looks the compiled kernel
+    up on every call (tens of µs of Python per launch, paid per Linear per step). Here the first launch of each
+    *argument class* goes through Triton's JIT (which compiles and returns the compiled kernel); later launches of
+    the same class call the compiled kernel's entry point with the same arguments Triton's ``run`` passes. The
+    class is a superset of what Triton specializes on, so a cached kernel is always the one Triton would pick:
+    per tensor its dtype and 16-byte alignment; per integer whether it is 1, a multiple of 16 and within int32;
+    constexprs by value; the device and ``num_warps``."""
+
+    __slots__ = ("fn", "names", "is_constexpr", "defaults", "cache")
+
+    def __init__(self, fn):
+        self.fn = fn
+        params = fn.params
+        self.names = [p.name for p in params]
+        self.is_constexpr = [bool(p.is_constexpr) for p in params]
+        self.defaults = {p.name: p.default for p in params if getattr(p, "has_default", False)}
+        self.cache: dict = {}
+
+    def __call__(self, grid: tuple, args: tuple, consts: dict, num_warps: int, device: torch.device) -> None:
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        switch = torch.cuda.current_device() != idx
+        if switch:  # Triton launches on the current device
+            with torch.cuda.device(idx):
+                return self(grid, args, consts, num_warps, device)
+        if not (FAST_LAUNCH and _FAST_OK):
+            self.fn[grid](*args, **consts, num_warps=num_warps)
+            return None
+        full = list(args)
+        for name in self.names[len(args):]:
+            full.append(consts[name] if name in consts else self.defaults[name])
+        key = [idx, num_warps]
+        for a, const in zip(full, self.is_constexpr):
+            if const:
+                key.append(a)
+            elif isinstance(a, torch.Tensor):
+                key.append((a.dtype, a.data_ptr() % 16 == 0))
+            elif type(a) is int:
+                key.append((a == 1, a % 16 == 0, _INT32[0] <= a < _INT32[1], a < 2**63))
+            else:
+                key.append((type(a), a))
+        key = tuple(key)
+        kernel = self.cache.get(key)
+        if kernel is None:
+            kernel = self.fn[grid](*args, **consts, num_warps=num_warps)
+            if kernel is not None and hasattr(kernel, "run") and hasattr(kernel, "packed_metadata"):
+                if len(self.cache) >= 64:
+                    self.cache.clear()
+                self.cache[key] = kernel
+            return None
+        from triton import knobs
+
+        stream = torch._C._cuda_getCurrentRawStream(idx)
+        gx = grid[0]
+        gy = grid[1] if len(grid) > 1 else 1
+        gz = grid[2] if len(grid) > 2 else 1
+        enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+        meta = kernel.launch_metadata(grid, stream, *full) if enter is not None else None
+        kernel.run(gx, gy, gz, stream, kernel.function, kernel.packed_metadata, meta, enter, leave, *full)
+        return None
+
+
 #: Tile sizes of the two kernels (tuned on H200: see benchmarks/quant_kernels.py and docs/benchmarks.md).
 CONFIG = dict(amax_block_k=64, amax_block_m=256, amax_chunk_m=256, amax_warps=8, cast_block_m=64, cast_block_k=128,
               cast_warps=8)
@@ -218,10 +314,10 @@ def quantize_last_dim(x: torch.Tensor, float8_dtype: torch.dtype, scale_floor: f
     q = torch.empty(x.shape, dtype=float8_dtype, device=x.device)
     scale = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
     c = ROW_CONFIG
-    with torch.cuda.device(x.device):  # Triton launches on the current device
-        _row_quant_kernel[(triton.cdiv(M, c["block_m"]),)](
-            x, q, scale, M, K, FMAX=torch.finfo(float8_dtype).max, EPS=scale_floor,
-            BLOCK_M=c["block_m"], BLOCK_K=c["block_k"], num_warps=c["warps"])
+    _launcher(_row_quant_kernel)(
+        (triton.cdiv(M, c["block_m"]),), (x, q, scale, M, K),
+        dict(FMAX=torch.finfo(float8_dtype).max, EPS=scale_floor, BLOCK_M=c["block_m"], BLOCK_K=c["block_k"]),
+        c["warps"], x.device)
     return q, scale
 
 
@@ -245,10 +341,7 @@ def quantize_last_dim_group(xs: list, float8_dtype: torch.dtype, scale_floor: fl
     x0 = xs[0]
     if any(x.dtype != x0.dtype or x.device != x0.device for x in xs):
         raise ValueError("fp8tensor quantize_last_dim_group: tensors must share dtype and device")
-    c = ROW_CONFIG
-    n = len(xs)
-    Ks = [x.shape[-1] for x in xs]
-    Ms = [x.numel() // k for x, k in zip(xs, Ks)]
+    Ms = [x.numel() // x.shape[-1] for x in xs]
     if out is None:
         q_flat = torch.empty(sum(x.numel() for x in xs), dtype=float8_dtype, device=x0.device)
         s_flat = torch.empty(sum(Ms), dtype=torch.float32, device=x0.device)
@@ -264,22 +357,47 @@ def quantize_last_dim_group(xs: list, float8_dtype: torch.dtype, scale_floor: fl
                     x.shape[-1] or s.dtype != torch.float32 or not s.is_contiguous()):
                 raise ValueError("fp8tensor quantize_last_dim_group: out= tensors must be contiguous, of the "
                                  "input's shape in the fp8 dtype and of one float32 per row")
-    firsts, q_ptrs, s_ptrs = [], [], []
+    _launch_group(xs, [q.data_ptr() for q, _ in out], [s.data_ptr() for _, s in out], float8_dtype, scale_floor)
+    return out
+
+
+def quantize_last_dim_group_into(xs: list, q_ptrs: list, s_ptrs: list, float8_dtype: torch.dtype,
+                                 scale_floor: float) -> None:
+    """:func:`quantize_last_dim_group` writing to raw device addresses: ``xs[i]`` quantized row-wise into the fp8
+    bytes at ``q_ptrs[i]`` (``xs[i].numel()`` bytes, row-major) and the float32 scales at ``s_ptrs[i]`` (one per row,
+    4-byte aligned). The caller owns and sizes those buffers (FSDP2's packed 1-rank payload, whose layout is
+    computed once per parameter group); no tensor views are built.
+
+    Raises:
+        ValueError: the tensors differ in dtype or device, or a scale address is not 4-byte aligned.
+    """
+    x0 = xs[0]
+    if any(x.dtype != x0.dtype or x.device != x0.device for x in xs) or any(p % 4 for p in s_ptrs):
+        raise ValueError("fp8tensor quantize_last_dim_group_into: tensors must share dtype and device, scales must "
+                         "be 4-byte aligned")
+    _launch_group(xs, q_ptrs, s_ptrs, float8_dtype, scale_floor)
+
+
+def _launch_group(xs: list, q_ptrs: list, s_ptrs: list, float8_dtype: torch.dtype, scale_floor: float) -> None:
+    x0 = xs[0]
+    c = ROW_CONFIG
+    n = len(xs)
+    Ks = [x.shape[-1] for x in xs]
+    Ms = [x.numel() // k for x, k in zip(xs, Ks)]
+    firsts = []
     blocks = 0
-    for (q, s), m in zip(out, Ms):
-        q_ptrs.append(q.data_ptr())
-        s_ptrs.append(s.data_ptr())
+    bm = c["block_m"]
+    for m in Ms:
         firsts.append(blocks)
-        blocks += triton.cdiv(m, c["block_m"])
+        blocks += -(-m // bm)
     x_ptrs = [x.data_ptr() for x in xs]
     aligned = all(k % 16 == 0 for k in Ks) and all(p % 16 == 0 for p in x_ptrs + q_ptrs)
     table = _device_table(x_ptrs + q_ptrs + s_ptrs + Ms + Ks + firsts, x0.device)
-    with torch.cuda.device(x0.device):
-        _row_quant_group_kernel[(blocks,)](
-            table, N_T=n, FMAX=torch.finfo(float8_dtype).max, EPS=scale_floor, X_TY=_tl_dtype(x0.dtype),
-            Q_TY=_tl_dtype(float8_dtype), BLOCK_M=c["block_m"], BLOCK_K=c["block_k"], ALIGNED=aligned,
-            num_warps=c["warps"])
-    return out
+    _launcher(_row_quant_group_kernel)(
+        (blocks,), (table,),
+        dict(N_T=n, FMAX=torch.finfo(float8_dtype).max, EPS=scale_floor, X_TY=_tl_dtype(x0.dtype),
+             Q_TY=_tl_dtype(float8_dtype), BLOCK_M=c["block_m"], BLOCK_K=c["block_k"], ALIGNED=aligned),
+        c["warps"], x0.device)
 
 
 #: Device copies of the group kernel's argument tables, by content: FSDP2 quantizes the same group into buffers at
@@ -295,8 +413,8 @@ def _device_table(values: list, device: torch.device) -> torch.Tensor:
 
     if torch.cuda.is_current_stream_capturing():
         return make()
-    stream = torch.cuda.current_stream(device)
-    key = (device, stream.stream_id, tuple(values))
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    key = (idx, torch._C._cuda_getCurrentRawStream(idx), tuple(values))
     table = _TABLES.get(key)
     if table is None:
         if len(_TABLES) >= 256:  # addresses that keep changing: keep the cache small
@@ -354,13 +472,20 @@ def launch_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype, scale_floor: float
         _dim0_t_kernels(amax_k, cast_k, x, amax, q, scale, M, K, stride_m, torch.finfo(float8_dtype).max,
                         scale_floor, c)
     else:
-        with torch.cuda.device(x.device):  # Triton launches on the current device
-            _dim0_t_kernels(_col_amax_kernel, _cast_t_kernel, x, amax, q, scale, M, K, stride_m,
-                            torch.finfo(float8_dtype).max, scale_floor, c)
+        fmax = torch.finfo(float8_dtype).max
+        _launcher(_col_amax_kernel)(
+            (triton.cdiv(K, c["amax_block_k"]), triton.cdiv(M, c["amax_chunk_m"])), (x, amax, M, K, stride_m),
+            dict(CHUNK_M=c["amax_chunk_m"], BLOCK_M=c["amax_block_m"], BLOCK_K=c["amax_block_k"]),
+            c["amax_warps"], x.device)
+        _launcher(_cast_t_kernel)(
+            (triton.cdiv(M, c["cast_block_m"]), triton.cdiv(K, c["cast_block_k"])), (x, amax, q, scale, M, K, stride_m),
+            dict(FMAX=fmax, EPS=scale_floor, BLOCK_M=c["cast_block_m"], BLOCK_K=c["cast_block_k"]),
+            c["cast_warps"], x.device)
     return q, scale
 
 
 def _dim0_t_kernels(amax_k, cast_k, x, amax, q, scale, M, K, stride_m, fmax, scale_floor, c) -> None:
+    # the traced (wrap_triton) launches; keep in step with the eager launches in launch_dim0_t
     grid = (triton.cdiv(K, c["amax_block_k"]), triton.cdiv(M, c["amax_chunk_m"]))
     amax_k[grid](x, amax, M, K, stride_m, CHUNK_M=c["amax_chunk_m"], BLOCK_M=c["amax_block_m"],
                  BLOCK_K=c["amax_block_k"], num_warps=c["amax_warps"])
@@ -396,7 +521,6 @@ def launch_transpose(src: torch.Tensor) -> torch.Tensor:
     dst = torch.empty((N, M), dtype=src.dtype, device=src.device)
     c = TRANSPOSE_CONFIG
     grid = (triton.cdiv(M, c["block_m"]), triton.cdiv(N, c["block_n"]))
-    with torch.cuda.device(src.device):
-        _transpose_kernel[grid](src, dst, M, N, src.stride(0), BLOCK_M=c["block_m"], BLOCK_N=c["block_n"],
-                                num_warps=c["warps"])
+    _launcher(_transpose_kernel)(grid, (src, dst, M, N, src.stride(0)),
+                                 dict(BLOCK_M=c["block_m"], BLOCK_N=c["block_n"]), c["warps"], src.device)
     return dst

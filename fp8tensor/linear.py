@@ -18,7 +18,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import kernels
-from .quantize import E4M3, quantize, quantize_dim0_t_after, quantize_tokens
+from .quantize import _LIB, E4M3, quantize, quantize_dim0_t_after, quantize_tokens
 from .recipes import Recipe, get_recipe
 from .tensor import ScaledFp8Tensor, _is_dtensor, make_scaled, map_local, rowwise_dims
 
@@ -108,9 +108,9 @@ def _x_for_grad_weight(x: torch.Tensor, x2: torch.Tensor, recipe: Recipe) -> tor
     return x8
 
 
-@torch.library.custom_op("fp8tensor::transpose_after", mutates_args=())
-def _transpose_after_op(q: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
-    """``q.t().contiguous()`` (always a copy), ordered after ``after``, which is not read.
+def _transpose_after_impl(q: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+    """``fp8tensor::transpose_after``: ``q.t().contiguous()`` (always a copy), ordered after ``after``, which is not
+    read.
 
     The grad_input GEMM needs the fp8 weight column-major, i.e. a transposed copy. Computed from the weight alone, the
     compiled partitioner would hoist that copy into the forward graph and keep it until backward — a second fp8 copy
@@ -118,15 +118,21 @@ def _transpose_after_op(q: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
     before its GEMM, and it dies with the GEMM. CUDA fp8: one tiled Triton kernel
     (:func:`fp8tensor.kernels.launch_transpose`); otherwise ATen's copy.
 
-    An opaque custom op on purpose (one Python call per Linear per step): as an inline triton op, inductor kept more
-    of the FFN's backward intermediates alive (peak 16.64 instead of 15.5 GiB in a dim-4096 step,
-    docs/benchmarks.md "Session 4")."""
+    An opaque op on purpose (one call per Linear per step): as an inline triton op, inductor kept more of the FFN's
+    backward intermediates alive (peak 16.64 instead of 15.5 GiB in a dim-4096 step, docs/benchmarks.md
+    "Session 4"). Registered with ``torch.library.Library`` (a schema and one Python kernel for every backend) rather
+    than ``torch.library.custom_op``, whose Python wrappers cost more than the kernel launch (the op runs once per
+    Linear in every compiled backward)."""
     if kernels.transpose_available(q):
         return kernels.launch_transpose(q)
-    return q.t().clone(memory_format=torch.contiguous_format)  # a copy: a custom op may not alias its input
+    return q.t().clone(memory_format=torch.contiguous_format)  # a copy: the op's output never aliases its input
 
 
-@_transpose_after_op.register_fake
+_LIB.define("transpose_after(Tensor q, Tensor after) -> Tensor")
+_LIB.impl("transpose_after", _transpose_after_impl, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("fp8tensor::transpose_after", lib=_LIB)
 def _(q, after):
     return q.new_empty((q.shape[1], q.shape[0]))
 

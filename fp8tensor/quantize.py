@@ -305,18 +305,27 @@ def _dim0_t(x: torch.Tensor, float8_dtype: torch.dtype, *, shared: bool = False
     return torch.ops.fp8tensor.quantize_dim0_t(x, float8_dtype)
 
 
-@torch.library.custom_op("fp8tensor::quantize_columns_after", mutates_args=())
-def _quantize_columns_after(
+#: The library of fp8tensor's opaque ops (``torch.library.Library``: a schema and one Python kernel for every backend;
+#: ``torch.library.custom_op``'s Python wrappers cost more than the kernel launches of these ops, which run once per
+#: Linear in every compiled backward).
+_LIB = torch.library.Library("fp8tensor", "FRAGMENT")
+
+
+def _quantize_columns_after_impl(
     w: torch.Tensor, after: torch.Tensor, float8_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    # quantize_dim0_t(w) ordered after `after` (not read); see quantize_dim0_t_after. An opaque custom op on purpose
+    # quantize_dim0_t(w) ordered after `after` (not read); see quantize_dim0_t_after. An opaque op on purpose
     # (as fp8tensor::transpose_after in fp8tensor.linear): inline, inductor kept backward intermediates alive longer.
     if kernels.kernel_available(w):
         return kernels.launch_dim0_t(w, float8_dtype, SCALE_FLOOR)
     return _reference_dim0_t(w, float8_dtype)
 
 
-@_quantize_columns_after.register_fake
+_LIB.define("quantize_columns_after(Tensor w, Tensor after, ScalarType float8_dtype) -> (Tensor, Tensor)")
+_LIB.impl("quantize_columns_after", _quantize_columns_after_impl, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("fp8tensor::quantize_columns_after", lib=_LIB)
 def _(w, after, float8_dtype):
     N, K = w.shape
     return w.new_empty(K, N, dtype=float8_dtype), w.new_empty(K, 1, dtype=torch.float32)

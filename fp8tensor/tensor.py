@@ -574,8 +574,16 @@ def fsdp_post_all_gather(all_gather_outputs, metadata, param_dtype, *, out=None)
         RuntimeError: ``out`` is not a ScaledFp8Tensor of the gathered shape.
     """
     if out is not None:
-        qdata, scale = _payload.gathered(all_gather_outputs, metadata)
         target = out._local_tensor if _is_dtensor(out) else out
+        if (
+            metadata.mode == _payload.LOCAL
+            and type(target) is ScaledFp8Tensor
+            and target.qdata.data_ptr() == all_gather_outputs[0].data_ptr()
+            and tuple(target.qdata.shape) == metadata.packed[0]
+        ):
+            # 1-rank payload: the unsharded tensor's data and scales already view the buffer FSDP2 refilled
+            return None
+        qdata, scale = _payload.gathered(all_gather_outputs, metadata)
         if not isinstance(target, ScaledFp8Tensor) or tuple(target.shape) != tuple(qdata.shape):
             raise RuntimeError(
                 f"fp8tensor fsdp_post_all_gather: out= must be the ScaledFp8Tensor of shape {tuple(qdata.shape)} "

@@ -141,3 +141,37 @@ def test_kept_result_not_served_after_update(packed):
             assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr)
     finally:
         payload.register_group_finder(fsdp_state._group_locals)
+
+
+def test_local_group_payload_layout_and_kept_results():
+    """The 1-rank payload of a group (one buffer, layout computed once per group) holds every weight's fp8 bytes and
+    scales exactly as :func:`packed_buffers` + :func:`quantize` would; a weight updated before its own hook call is
+    quantized again, and the layout is recomputed when the group's shapes change."""
+    from fp8tensor import fsdp as payload
+    from fp8tensor import fsdp_state
+    from fp8tensor.master import Fp8MasterWeight
+    from fp8tensor.quantize import quantize
+
+    torch.manual_seed(0)
+    ws = [Fp8MasterWeight(torch.randn(n, k)) for n, k in ((16, 32), (5, 24), (8, 3))]  # odd sizes: padding bytes
+    key = nn.Linear(1, 1)
+    payload.register_group_finder(lambda local: (key, ws))
+    try:
+        for round_ in range(2):
+            first = payload._local_group_payload(ws[0], torch.float8_e4m3fn)
+            with torch.no_grad():
+                ws[2]._data.mul_(3.0)  # updated before its own call: its kept result must not be served
+            got = [first] + [payload._local_group_payload(w, torch.float8_e4m3fn) for w in ws[1:]]
+            for w, ((buf,), meta) in zip(ws, got):
+                assert meta.mode == payload.LOCAL and meta.rows == w.shape[0]
+                qr, sr = quantize(w._data, -1)
+                ref = payload.pack(qr, sr)
+                assert torch.equal(buf, ref)  # data, scales and zero padding, byte for byte
+            assert got[1][0][0].untyped_storage().data_ptr() == got[0][0][0].untyped_storage().data_ptr()
+        ws.append(Fp8MasterWeight(torch.randn(4, 16)))  # a new layout
+        got = [payload._local_group_payload(w, torch.float8_e4m3fn) for w in ws]
+        for w, ((buf,), meta) in zip(ws, got):
+            qr, sr = quantize(w._data, -1)
+            assert torch.equal(buf, payload.pack(qr, sr))
+    finally:
+        payload.register_group_finder(fsdp_state._group_locals)

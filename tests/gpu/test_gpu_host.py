@@ -214,3 +214,50 @@ def test_quantize_tokens_nd_matches_reshaped_dim0(shape):
         assert q.shape == qr.shape and q.stride() == qr.stride() and s.shape == sr.shape == (1, shape[-1])
         assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_fast_launch_bit_identical_to_jit(fast, monkeypatch):
+    """Eager kernels give the same bits through the direct launcher (second and later launches of an argument class)
+    as through Triton's JIT; a misaligned view starts a class of its own (its own compiled kernel)."""
+    monkeypatch.setattr(kernels, "FAST_LAUNCH", fast)
+    torch.manual_seed(0)
+    x = torch.randn(1031, 2048, device=DEV, dtype=torch.bfloat16) * 7
+    q8 = (torch.randn(300, 1030, device=DEV) * 50).to(torch.float8_e4m3fn)
+    flat = torch.cat([q8.view(torch.uint8).view(-1), q8.view(torch.uint8).view(-1)])[1:1 + q8.numel()]
+    misaligned = flat.view(torch.float8_e4m3fn).view(300, 1030)  # data pointer not 16-byte aligned
+    for _ in range(3):
+        for src in (q8, misaligned):
+            assert torch.equal(kernels.launch_transpose(src).view(torch.uint8), src.t().contiguous().view(torch.uint8))
+        q, s = kernels.quantize_last_dim(x, torch.float8_e4m3fn, SCALE_FLOOR)
+        q0, s0 = kernels.launch_dim0_t(x, torch.float8_e4m3fn, SCALE_FLOOR)
+        qt, st = quantize_dim0_t(x, torch.float8_e4m3fn)
+        assert torch.equal(q0.view(torch.uint8), qt.view(torch.uint8)) and torch.equal(s0, st)
+        ref = {}
+        with monkeypatch.context() as m:
+            m.setattr(kernels, "FAST_LAUNCH", False)
+            ref["q"], ref["s"] = kernels.quantize_last_dim(x, torch.float8_e4m3fn, SCALE_FLOOR)
+        assert torch.equal(q.view(torch.uint8), ref["q"].view(torch.uint8)) and torch.equal(s, ref["s"])
+
+
+def test_local_group_payload_matches_packed_quantize():
+    """FSDP2's 1-rank group payload on CUDA (one buffer, raw-address group launch) holds the bytes of
+    ``pack(quantize(w))`` for every weight."""
+    import torch.nn as nn
+
+    from fp8tensor import fsdp as payload
+    from fp8tensor import fsdp_state
+    from fp8tensor.master import Fp8MasterWeight
+
+    torch.manual_seed(0)
+    ws = [Fp8MasterWeight(torch.randn(n, k, device=DEV) * 3) for n, k in ((2048, 2048), (512, 2048), (7, 33), (1, 48))]
+    key = nn.Linear(1, 1)
+    payload.register_group_finder(lambda local: (key, ws))
+    try:
+        for _ in range(2):
+            got = [payload._local_group_payload(w, torch.float8_e4m3fn) for w in ws]
+            for w, ((buf,), meta) in zip(ws, got):
+                qr, sr = quantize(w._data, -1)
+                assert torch.equal(buf, payload.pack(qr, sr))
+    finally:
+        payload.register_group_finder(fsdp_state._group_locals)

@@ -171,6 +171,14 @@ def kernel_ms(prof) -> float:
     return total / 1e3
 
 
+def _alloc_stats() -> dict:
+    """Counters of the CUDA caching allocator that mean host stalls: device allocations and frees (cudaMalloc /
+    cudaFree synchronize), retries after freeing cached blocks, and full synchronizations."""
+    st = torch.cuda.memory_stats()
+    keys = ("num_alloc_retries", "num_sync_all_streams", "num_device_alloc", "num_device_free")
+    return {k: int(st.get(k, 0)) for k in keys}
+
+
 def host_profile(variant: str, step, n: int, sync) -> None:
     """Print the Python functions of ``n`` steps under ``cProfile`` (self time and cumulative), per step."""
     import cProfile
@@ -254,6 +262,7 @@ def run_variant(variant: str, args, mesh, device):
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     times = []
+    alloc0 = _alloc_stats() if cuda else {}
     if args.gc == "step":
         gc.disable()
     for i in range(args.steps):
@@ -264,6 +273,7 @@ def run_variant(variant: str, args, mesh, device):
         step(i)
         sync()
         times.append((time.perf_counter() - t0) * 1e3)
+    alloc = {k: v - alloc0.get(k, 0) for k, v in _alloc_stats().items()} if cuda else {}
     ms = statistics.median(times)
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
     gpu_ms = float("nan")
@@ -298,9 +308,11 @@ def run_variant(variant: str, args, mesh, device):
         sync_report(variant, step, sync)
     loss = float(step(0).detach().float())
     row = dict(variant=variant, precision=precision, setup=setup, ms=ms, tok_s=c["batch"] * c["seq"] / ms * 1e3,
-               gpu_ms=gpu_ms, peak_gib=peak, warmup_s=t_compile, loss=loss, min_ms=min(times))
+               gpu_ms=gpu_ms, peak_gib=peak, warmup_s=t_compile, loss=loss, min_ms=min(times), times_ms=times,
+               alloc=alloc)
     print(f"# {variant}: {ms:.2f} ms/step (min {min(times):.2f}), GPU {gpu_ms:.2f} ms, peak {peak:.2f} GiB, "
-          f"warm-up {t_compile:.1f} s, loss {loss:.3f}", flush=True)
+          f"warm-up {t_compile:.1f} s, loss {loss:.3f}; steps (ms): {' '.join(f'{t:.1f}' for t in times)}; caching "
+          f"allocator in the timed steps: {alloc}", flush=True)
     del model, opt
     torch._dynamo.reset()
     gc.collect()  # an FSDP2 model is only freed by the cycle collector: else the next variant's peak includes it

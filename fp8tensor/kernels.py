@@ -26,7 +26,7 @@ import torch
 
 __all__ = [
     "kernel_available", "launch_dim0_t", "quantize_last_dim", "quantize_last_dim_group", "row_kernel_available",
-    "eager_launch_ok", "transpose_available", "launch_transpose",
+    "eager_launch_ok", "transpose_available", "launch_transpose", "quantize_last_dim_group_into",
 ]
 
 try:  # Triton is only present with CUDA builds of torch.

@@ -344,7 +344,12 @@ def test_compile_fullgraph_forward_backward_equals_eager(recipe, backend):
     compiled = torch.compile(mc, backend=backend, fullgraph=True)  # fullgraph: any graph break is an error
     yc = compiled(xc)
     yc.square().sum().backward()
-    bound = 1e-6 if backend == "aot_eager" else 1e-4  # inductor may fuse and reorder float32 roundings
+    # aot_eager runs the eager kernels. Inductor may fuse and reorder float32 roundings (e.g. x * (1 / s) for x / s):
+    # an element then lands on the other side of an e4m3 rounding boundary and moves by one e4m3 step (relative
+    # 2^-3). 2^-6 on the norm allows a few such flips among the ~1000 elements of an operand on fresh random inputs
+    # (one run measured 4.8e-3 on x.grad) and stays far below the fp8-vs-fp32 error of these recipes (~3.7%); a wrong
+    # scale or a missing term is off by O(1).
+    bound = 1e-6 if backend == "aot_eager" else 2.0**-6
     assert rel_err(yc, y) <= bound
     assert rel_err(xc.grad, x.grad) <= bound
     for p, pc in zip(m.parameters(), mc.parameters()):

@@ -222,6 +222,39 @@ def register_group_finder(fn) -> None:
     _GROUP_FINDER = fn
 
 
+class _Group(NamedTuple):
+    group: object
+    datas: list
+    data: torch.Tensor
+
+
+def _group_and_datas(master, float8_dtype, tag):
+    """The kept result of ``master`` from its group's earlier launch (tagged ``tag``), or ``_Group`` (the FSDP2
+    group and the high-precision data to quantize together, ``master``'s first), or None (no group, one weight)."""
+    data = master._data
+    try:
+        group, locals_ = _GROUP_FINDER(master)
+    except Exception:  # FSDP2 internals changed: quantize weight by weight
+        return None
+    if group is None:
+        return None
+    pending = _PENDING.get(group)
+    if pending:
+        hit = pending.pop(id(data), None)
+        if hit is not None and hit[0] is data and hit[1] == data._version and hit[2] == tag:
+            return hit[3]
+    datas = [data]
+    for t in locals_:
+        if t is master or type(t) is not type(master) or getattr(t.recipe, "float8_dtype", E4M3) != float8_dtype:
+            continue
+        d = t._data
+        if d.dtype == data.dtype and d.device == data.device and d.numel() > 0 and d.ndim >= 2:
+            datas.append(d)
+    if len(datas) < 2:
+        return None
+    return _Group(group, datas, data)
+
+
 def _group_quantized(master, float8_dtype, packed: bool):
     """``(qdata, scale, payload)`` of ``master``'s rows from one launch over its whole FSDP2 parameter group, or None.
     With ``packed`` (a 1-rank mesh) the kernel writes straight into the packed ``local`` payloads
@@ -234,27 +267,10 @@ def _group_quantized(master, float8_dtype, packed: bool):
     bumps the version, and the weight is quantized again)."""
     if _GROUP_FINDER is None:
         return None
-    data = master._data
-    try:
-        group, locals_ = _GROUP_FINDER(master)
-    except Exception:  # FSDP2 internals changed: quantize weight by weight
-        return None
-    if group is None:
-        return None
-    pending = _PENDING.get(group)
-    if pending:
-        hit = pending.pop(id(data), None)
-        if hit is not None and hit[0] is data and hit[1] == data._version and hit[2] == packed:
-            return hit[3]
-    datas = [data]
-    for t in locals_:
-        if t is master or type(t) is not type(master) or getattr(t.recipe, "float8_dtype", E4M3) != float8_dtype:
-            continue
-        d = t._data
-        if d.dtype == data.dtype and d.device == data.device and d.numel() > 0 and d.ndim >= 2:
-            datas.append(d)
-    if len(datas) < 2:
-        return None
+    found = _group_and_datas(master, float8_dtype, packed)
+    if not isinstance(found, _Group):
+        return found
+    group, datas, data = found
     if packed:
         bufs = packed_buffers([(tuple(d.shape), (*d.shape[:-1], 1)) for d in datas], float8_dtype, data.device)
         quantize_group(datas, float8_dtype, out=[(q, s) for _, q, s in bufs])
@@ -295,27 +311,10 @@ def _local_group_payload(master, float8_dtype):
     :func:`fp8tensor.quantize.quantize_group`."""
     if _GROUP_FINDER is None:
         return None
-    data = master._data
-    try:
-        group, locals_ = _GROUP_FINDER(master)
-    except Exception:  # FSDP2 internals changed: the per-weight path
-        return None
-    if group is None:
-        return None
-    pending = _PENDING.get(group)
-    if pending:
-        hit = pending.pop(id(data), None)
-        if hit is not None and hit[0] is data and hit[1] == data._version and hit[2] == LOCAL:
-            return hit[3]
-    datas = [data]
-    for t in locals_:
-        if t is master or type(t) is not type(master) or getattr(t.recipe, "float8_dtype", E4M3) != float8_dtype:
-            continue
-        d = t._data
-        if d.dtype == data.dtype and d.device == data.device and d.numel() > 0 and d.ndim >= 2:
-            datas.append(d)
-    if len(datas) < 2:
-        return None
+    found = _group_and_datas(master, float8_dtype, LOCAL)
+    if not isinstance(found, _Group):
+        return found
+    group, datas, data = found
     layout = (float8_dtype, tuple((tuple(d.shape), d.dtype) for d in datas))
     plan = _LOCAL_PLANS.get(group)
     if plan is None or plan[0] != layout:

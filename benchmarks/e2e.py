@@ -16,7 +16,16 @@ Variants: ``<precision>@<setup>`` (comma-separated in ``--variants``):
   ``parallelize_module`` on a 1-rank TP mesh, then FSDP2 over the 1-rank dp mesh of the same 2-D mesh), ``tp_plain``
   (the TP mesh, no FSDP2).
 
-Ratios are to ``bf16`` of the same setup. ``--mode reduce-overhead`` compiles the blocks with CUDA graphs.
+A ``+cg`` suffix on the setup (``rowwise@fsdp+cg``) compiles that variant's blocks with ``mode="reduce-overhead"``
+(CUDA graphs per block, inductor's CUDA-graph trees); ``--mode`` sets the mode of the variants without it. CUDA-graph
+trees record a block's graphs again while FSDP2's unsharded parameters still move between steps: give such variants
+``--warmup 25`` (the re-records settle within ~20 steps for fp8tensor; the counters printed per variant say whether
+any happened in the timed steps).
+
+Ratios are to the fastest ``bf16`` row of the same setup (with or without ``+cg``): each precision at its best.
+Two timings per variant: the median of ``--steps`` steps, each synchronized before and after (the table of record),
+and the mean of the same number of steps run back to back with one synchronization at each end, where the host may
+run ahead into the next step as in a training loop that does not read the loss every step.
 
 Sizes of the issue (one command each; all variants fit in one device call of < 9 minutes)::
 
@@ -69,6 +78,10 @@ def parse(argv=None):
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--mode", default=None, help="torch.compile mode of the blocks (e.g. reduce-overhead)")
     p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--cudagraph-params", default="static", choices=("static", "copy"),
+                   help="with --mode reduce-overhead: 'copy' makes dynamo treat parameters as ordinary graph inputs, "
+                        "so CUDA-graph trees copy them into the graph's buffers on every replay instead of "
+                        "recording again when FSDP2 moves an unsharded parameter (an experiment; patches dynamo)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--profile", action="store_true", help="print top host ops of every fp8tensor variant")
     p.add_argument("--trace-dir", default=os.environ.get("OUT"), help="write chrome traces here with --profile")
@@ -107,7 +120,7 @@ def ao_available() -> bool:
         return False
 
 
-def build(precision: str, setup: str, args, mesh, device):
+def build(precision: str, setup: str, args, mesh, device, mode=None):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     c = args.cfg
@@ -149,7 +162,7 @@ def build(precision: str, setup: str, args, mesh, device):
             parallelize_module(block, mesh["tp"], block_tp_plan(sequence_parallel=False))
     if not args.no_compile:
         for block in model.layers:
-            block.compile(mode=args.mode) if args.mode else block.compile()
+            block.compile(mode=mode) if mode else block.compile()
     if fsdp:
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for block in model.layers:
@@ -177,6 +190,23 @@ def _alloc_stats() -> dict:
     st = torch.cuda.memory_stats()
     keys = ("num_alloc_retries", "num_sync_all_streams", "num_device_alloc", "num_device_free")
     return {k: int(st.get(k, 0)) for k in keys}
+
+
+def _cudagraph_counters() -> dict:
+    """Counters of inductor's CUDA-graph trees on device 0 (``mode="reduce-overhead"``): graphs recorded again
+    because a static input (a parameter) moved, graphs that failed, and memory-pool checkpoints. Empty without
+    CUDA-graph trees."""
+    try:
+        from torch._inductor import cudagraph_trees as cgt
+
+        mgr = cgt.get_container(0).tree_manager
+    except Exception:
+        return {}
+    if mgr is None:
+        return {}
+    rerec = sum(sum(d.values()) for d in getattr(mgr, "num_rerecord", {}).values())
+    return dict(rerecords=int(rerec), failures=int(getattr(mgr, "debug_fail_counter", 0)),
+                checkpoints=int(getattr(mgr, "debug_checkpointing_counter", 0)))
 
 
 def host_profile(variant: str, step, n: int, sync) -> None:
@@ -223,7 +253,10 @@ def sync_report(variant: str, step, sync) -> None:
 
 def run_variant(variant: str, args, mesh, device):
     precision, _, setup = variant.partition("@")
-    setup = setup or "fsdp"
+    setup, _, extra = (setup or "fsdp").partition("+")
+    if extra not in ("", "cg"):
+        raise SystemExit(f"e2e.py: unknown suffix +{extra} in {variant!r}; expected +cg")
+    mode = "reduce-overhead" if extra == "cg" else args.mode
     if setup not in SETUPS:
         raise SystemExit(f"e2e.py: unknown setup {setup!r} in {variant!r}; expected one of {SETUPS}")
     if precision.startswith("ao_") and not ao_available():
@@ -232,7 +265,7 @@ def run_variant(variant: str, args, mesh, device):
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     c = args.cfg
-    model = build(precision, setup, args, mesh, device)
+    model = build(precision, setup, args, mesh, device, mode)
     fused = cuda
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
     g = torch.Generator(device="cpu").manual_seed(1)
@@ -243,7 +276,11 @@ def run_variant(variant: str, args, mesh, device):
 
         precompute = precompute_float8_dynamic_scale_for_fsdp
 
+    graphs = mode is not None and "overhead" in mode
+
     def step(i):
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()
         tok = batches[i % len(batches)]
         logits = model(tok[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1).float(), tok[:, 1:].flatten())
@@ -255,14 +292,19 @@ def run_variant(variant: str, args, mesh, device):
         return loss
 
     t_compile = time.perf_counter()
+    warm_times = []
     for i in range(args.warmup):
+        t0 = time.perf_counter()
         step(i)
+        sync()
+        warm_times.append((time.perf_counter() - t0) * 1e3)
     sync()
     t_compile = time.perf_counter() - t_compile
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     times = []
     alloc0 = _alloc_stats() if cuda else {}
+    cg0 = _cudagraph_counters() if cuda else {}
     if args.gc == "step":
         gc.disable()
     for i in range(args.steps):
@@ -273,7 +315,18 @@ def run_variant(variant: str, args, mesh, device):
         step(i)
         sync()
         times.append((time.perf_counter() - t0) * 1e3)
+    # The same number of steps back to back, synchronized only before and after: the host may run ahead of the
+    # GPU into the next step, as in a training loop that does not read the loss every step.
+    sync()
+    t0 = time.perf_counter()
+    for i in range(args.steps):
+        if args.gc == "step":
+            gc.collect(1)
+        step(i)
+    sync()
+    pipe_ms = (time.perf_counter() - t0) * 1e3 / args.steps
     alloc = {k: v - alloc0.get(k, 0) for k, v in _alloc_stats().items()} if cuda else {}
+    cg = {k: v - cg0.get(k, 0) for k, v in _cudagraph_counters().items()} if cuda else {}
     ms = statistics.median(times)
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
     gpu_ms = float("nan")
@@ -299,7 +352,7 @@ def run_variant(variant: str, args, mesh, device):
             print(ka.table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=80))
             if args.trace_dir:
                 os.makedirs(args.trace_dir, exist_ok=True)
-                prof.export_chrome_trace(os.path.join(args.trace_dir, f"trace_{args.size}_{precision}_{setup}.json"))
+                prof.export_chrome_trace(os.path.join(args.trace_dir, f"trace_{args.size}_{precision}_{setup}{'_cg' if graphs else ''}.json"))
     if args.gc == "step":
         gc.enable()
     if args.cprofile:
@@ -307,12 +360,14 @@ def run_variant(variant: str, args, mesh, device):
     if args.sync_debug and cuda:
         sync_report(variant, step, sync)
     loss = float(step(0).detach().float())
-    row = dict(variant=variant, precision=precision, setup=setup, ms=ms, tok_s=c["batch"] * c["seq"] / ms * 1e3,
+    row = dict(variant=variant, precision=precision, setup=setup, mode=mode or "default", ms=ms, tok_s=c["batch"] * c["seq"] / ms * 1e3,
                gpu_ms=gpu_ms, peak_gib=peak, warmup_s=t_compile, loss=loss, min_ms=min(times), times_ms=times,
-               alloc=alloc)
-    print(f"# {variant}: {ms:.2f} ms/step (min {min(times):.2f}), GPU {gpu_ms:.2f} ms, peak {peak:.2f} GiB, "
+               alloc=alloc, cudagraphs=cg, warmup_ms=warm_times, pipe_ms=pipe_ms)
+    print(f"# {variant}: {ms:.2f} ms/step (min {min(times):.2f}; back to back {pipe_ms:.2f}), GPU {gpu_ms:.2f} ms, peak {peak:.2f} GiB, "
           f"warm-up {t_compile:.1f} s, loss {loss:.3f}; steps (ms): {' '.join(f'{t:.1f}' for t in times)}; caching "
-          f"allocator in the timed steps: {alloc}", flush=True)
+          f"allocator in the timed steps: {alloc}"
+          + (f"; CUDA-graph trees in the timed steps: {cg}; warm-up steps (ms): "
+             f"{' '.join(f'{t:.0f}' for t in warm_times)}" if cg else ""), flush=True)
     del model, opt
     torch._dynamo.reset()
     gc.collect()  # an FSDP2 model is only freed by the cycle collector: else the next variant's peak includes it
@@ -321,8 +376,27 @@ def run_variant(variant: str, args, mesh, device):
     return row
 
 
+def _params_not_static() -> None:
+    """Experiment behind ``--cudagraph-params copy``: dynamo marks every ``nn.Parameter`` it sees as a static input
+    (``torch._dynamo.variables.builder.VariableBuilder.mark_static_input``), so CUDA-graph trees record a graph
+    again whenever a parameter's address changes, which FSDP2's per-step unshard does. Skipping the mark for
+    parameters makes them ordinary inputs, copied into the graph's own buffers on each replay."""
+    from torch._dynamo.variables import builder
+
+    orig = builder.VariableBuilder.mark_static_input
+
+    def mark_static_input(self, value, guard):
+        if isinstance(value, torch.nn.Parameter):
+            return None
+        return orig(self, value, guard)
+
+    builder.VariableBuilder.mark_static_input = mark_static_input
+
+
 def main(argv=None):
     args = parse(argv)
+    if args.cudagraph_params == "copy":
+        _params_not_static()
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(0)
@@ -351,12 +425,27 @@ def main(argv=None):
           f"{'off' if args.no_compile else (args.mode or 'default')}; {env}\n")
     print("| variant | step ms | tokens/s | vs bf16 | GPU ms/step | wall / GPU | peak GiB |")
     print("|---|---|---|---|---|---|---|")
-    base = {r["setup"]: r["ms"] for r in rows if r["precision"] == "bf16"}
+    base = {}
+    for r in rows:
+        if r["precision"] == "bf16":
+            base[r["setup"]] = min(base.get(r["setup"], float("inf")), r["ms"])
     for r in rows:
         b = base.get(r["setup"])
         ratio = f"{b / r['ms']:.3f}x" if b else "—"
         print(f"| {r['variant']} | {r['ms']:.2f} | {r['tok_s']:,.0f} | {ratio} | {r['gpu_ms']:.2f} | "
               f"{r['ms'] / r['gpu_ms']:.2f} | {r['peak_gib']:.1f} |")
+    print("\nSteps back to back (one synchronization before and after the steps, none between them): mean ms per "
+          "step\n")
+    print("| variant | ms/step | vs bf16 | wall / GPU |")
+    print("|---|---|---|---|")
+    pbase = {}
+    for r in rows:
+        if r["precision"] == "bf16":
+            pbase[r["setup"]] = min(pbase.get(r["setup"], float("inf")), r["pipe_ms"])
+    for r in rows:
+        b = pbase.get(r["setup"])
+        ratio = f"{b / r['pipe_ms']:.3f}x" if b else "—"
+        print(f"| {r['variant']} | {r['pipe_ms']:.2f} | {ratio} | {r['pipe_ms'] / r['gpu_ms']:.2f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(size=args.size, cfg=c, env=env, mode=args.mode, rows=rows), f, indent=1)

@@ -21,9 +21,10 @@ def _blocks(seed: int) -> nn.Sequential:
                            for _ in range(2)]).to(DEV)
 
 
-def _train(model: nn.Sequential, mode, xs):
+def _train(model: nn.Sequential, mode, xs, reshard: bool):
     """Convert, compile each block with ``mode``, FSDP2 over a 1-rank mesh (bf16 compute, float32 master and
-    reduction), and train on ``xs``; returns the losses and the first step's output."""
+    reduction; ``reshard`` is ``reshard_after_forward``), and train on ``xs``; returns the losses and the first
+    step's output."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -34,7 +35,7 @@ def _train(model: nn.Sequential, mode, xs):
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model:
         block.compile(mode=mode) if mode else block.compile()
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses, first = [], None
@@ -52,7 +53,8 @@ def _train(model: nn.Sequential, mode, xs):
     return losses, first
 
 
-def test_fsdp_reduce_overhead_trains_like_default_compile():
+@pytest.mark.parametrize("reshard", [False, True])
+def test_fsdp_reduce_overhead_trains_like_default_compile(reshard):
     import torch.distributed as dist
     from torch._inductor import cudagraph_trees
 
@@ -66,7 +68,7 @@ def test_fsdp_reduce_overhead_trains_like_default_compile():
         runs = {}
         for mode in (None, "reduce-overhead"):
             torch._dynamo.reset()
-            runs[mode] = _train(_blocks(0), mode, xs)
+            runs[mode] = _train(_blocks(0), mode, xs, reshard)
             if mode:
                 mgr = cudagraph_trees.get_container(torch.cuda.current_device()).tree_manager
                 assert mgr is not None and len(mgr.roots) > 0, "reduce-overhead recorded no CUDA graph"

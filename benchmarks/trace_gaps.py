@@ -9,24 +9,43 @@ autograd Functions of compiled regions) that contain its midpoint, the shortest 
 the whole trace (``e2e.py`` profiles 3 steps: divide by 3 for per-step numbers). Under the profiler the host runs
 slower than without it, so the absolute numbers are upper bounds; the ranking is what to read.
 
-Usage: ``python benchmarks/trace_gaps.py TRACE.json [--min-us 30] [--top 25]`` (CPU only, no torch needed).
+``--largest N`` also lists the N longest gaps, each with the GPU activity before and after it and the innermost CPU
+events (any op, on any thread) open at its midpoint.
+
+Usage: ``python benchmarks/trace_gaps.py TRACE.json [--min-us 30] [--top 25] [--largest 20]`` (CPU only, no torch
+needed; a ``.json.gz`` trace is read directly).
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import gzip
 import json
 
 
-def gaps(events, min_us: float):
-    """``(start_us, length_us)`` of every GPU-idle stretch longer than ``min_us``."""
+def gaps(events, min_us: float, neighbours: bool = False):
+    """``(start_us, length_us)`` of every GPU-idle stretch longer than ``min_us`` (with ``neighbours``:
+    ``(start_us, length_us, event_before, event_after)``)."""
     gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
-    out, end = [], None
+    out, end, last = [], None, None
     for e in gpu:
         if end is not None and e["ts"] - end > min_us:
-            out.append((end, e["ts"] - end))
-        end = e["ts"] + e["dur"] if end is None else max(end, e["ts"] + e["dur"])
+            out.append((end, e["ts"] - end, last, e) if neighbours else (end, e["ts"] - end))
+        if end is None or e["ts"] + e["dur"] > end:
+            end, last = e["ts"] + e["dur"], e
     return out, gpu
+
+
+def largest(events, min_us: float, n: int) -> None:
+    """Print the ``n`` longest gaps with their neighbouring GPU activity and the CPU events open at the midpoint."""
+    cpu = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation", "python_function")]
+    idle, _ = gaps(events, min_us, neighbours=True)
+    print(f"\n{n} longest gaps (ms; GPU activity before -> after; innermost CPU events open at the midpoint):")
+    for start, length, before, after in sorted(idle, key=lambda g: -g[1])[:n]:
+        mid = start + length / 2
+        open_ = sorted((c for c in cpu if c["ts"] <= mid <= c["ts"] + c["dur"]), key=lambda c: c["dur"])[:3]
+        where = "; ".join(f"{c['name'][:60]} ({c['dur'] / 1e3:.2f} ms, tid {c.get('tid')})" for c in open_)
+        print(f"{length / 1e3:6.2f}  {before['name'][:36]} -> {after['name'][:36]}  |  {where or '-'}")
 
 
 def host_ranges(events):
@@ -39,8 +58,11 @@ def main(argv=None):
     p.add_argument("trace")
     p.add_argument("--min-us", type=float, default=30.0)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--largest", type=int, default=0, metavar="N")
     a = p.parse_args(argv)
-    events = [e for e in json.load(open(a.trace))["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    opener = gzip.open if a.trace.endswith(".gz") else open
+    with opener(a.trace, "rt") as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
     idle, gpu = gaps(events, a.min_us)
     span = gpu[-1]["ts"] + gpu[-1]["dur"] - gpu[0]["ts"]
     busy = sum(e["dur"] for e in gpu)
@@ -55,6 +77,8 @@ def main(argv=None):
     print("| idle ms | host range(s) open at the gap's midpoint |\n|---|---|")
     for name, us in by.most_common(a.top):
         print(f"| {us / 1e3:.2f} | {name} |")
+    if a.largest:
+        largest(events, a.min_us, a.largest)
 
 
 if __name__ == "__main__":

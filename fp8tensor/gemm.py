@@ -192,8 +192,12 @@ def scaled_mm(
         a8 = a8.contiguous()
     if not (b8.stride(0) == 1 and b8.stride(1) >= max(K, 1)):
         b8 = b8.t().contiguous().t()
-    sa = sa.to(torch.float32).expand(M, 1).contiguous()
-    sb = sb.to(torch.float32).expand(1, N).contiguous()
+    # (M, 1) / (1, N) float32 contiguous, as torch._scaled_mm wants them; most callers pass exactly that already,
+    # so test before the three calls each would cost.
+    if not (sa.dtype == torch.float32 and sa.shape == (M, 1) and sa.is_contiguous()):
+        sa = sa.to(torch.float32).expand(M, 1).contiguous()
+    if not (sb.dtype == torch.float32 and sb.shape == (1, N) and sb.is_contiguous()):
+        sb = sb.to(torch.float32).expand(1, N).contiguous()
 
     # cuBLAS needs K and N multiples of 16 and 16-byte aligned leading dims: zero-pad (zeros add nothing).
     Np = N
@@ -265,6 +269,7 @@ def fp8_mm(
     *,
     op: str = "fp8tensor.mm",
     float8_dtype: torch.dtype = E4M3,
+    checked: bool = False,
 ) -> torch.Tensor:
     """``a @ b (+ bias)`` where ``a`` ``(M, K)`` and/or ``b`` ``(K, N)`` is a ScaledFp8Tensor.
 
@@ -272,10 +277,14 @@ def fp8_mm(
     handled by scale folding (see module docstring). Output dtype: the promoted high-precision dtype of the
     operands. Fast accumulation is used iff every ScaledFp8Tensor operand has ``fast_accum=True``.
 
+    ``checked=True`` skips the argument checks below, for callers that built the operands themselves (the fp8
+    Linear, whose shapes :func:`fp8tensor.fp8_linear` checked on entry).
+
     Raises:
         RuntimeError: operands not 2-D, inner dims differ, devices differ (message names ``op``).
     """
-    _check_mm_args(op, a, b)
+    if not checked:
+        _check_mm_args(op, a, b)
     fp8_ops = [t for t in (a, b) if isinstance(t, ScaledFp8Tensor)]
     fast = all(t.fast_accum for t in fp8_ops)
     out_dtype = torch.promote_types(a.dtype, b.dtype)

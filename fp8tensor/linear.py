@@ -18,6 +18,8 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import kernels
+from .gemm import fp8_mm
+from .ops import t_view
 from .quantize import _LIB, E4M3, quantize, quantize_dim0_t_after, quantize_tokens
 from .recipes import Recipe, get_recipe
 from .tensor import ScaledFp8Tensor, _is_dtensor, make_scaled, map_local, rowwise_dims
@@ -61,6 +63,52 @@ def _is_fp8(t: torch.Tensor) -> bool:
     if isinstance(shards, dict) and shards:
         local = next(iter(shards.values()))
     return isinstance(local, ScaledFp8Tensor)
+
+
+# ---------------------------------------------------------------------------------------------- GEMM calls
+#: Operand types whose GEMM may skip the dispatcher (see :func:`_mm`). Exact types: a DTensor, a LocalTensor, a
+#: FakeTensor or any other wrapper goes through ``torch.mm``.
+_DIRECT_TYPES = (torch.Tensor, torch.nn.Parameter, ScaledFp8Tensor)
+
+
+def _direct(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a @ b`` may call the op table's GEMM directly: both operands plain tensors or ScaledFp8Tensors (no
+    DTensor, whose sharding propagation needs ``torch.mm``), eager (not tracing) and not recording autograd (inside
+    the autograd Function's forward, and in its backward unless ``create_graph=True``)."""
+    return (
+        type(a) in _DIRECT_TYPES
+        and type(b) in _DIRECT_TYPES
+        and not torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()
+    )
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch.mm(a, b)``. With an fp8 operand and :func:`_direct`, it calls :func:`fp8tensor.gemm.fp8_mm` itself: the
+    function ``torch.mm`` reaches through ``ScaledFp8Tensor.__torch_dispatch__`` (same arguments, same bits), minus
+    a dispatcher round trip into Python per GEMM. DTensor operands always take ``torch.mm``: DTensor places the
+    GEMM with its own rules and then calls it on the local ScaledFp8Tensors."""
+    if (type(a) is ScaledFp8Tensor or type(b) is ScaledFp8Tensor) and _direct(a, b):
+        return fp8_mm(a, b, op="aten.mm", checked=True)
+    return torch.mm(a, b)
+
+
+def _weight_t_direct(weight: torch.Tensor, fast: bool, float8_dtype) -> Optional[torch.Tensor]:
+    """The forward's fp8 ``W^T`` ``(K, N)`` built directly (one ScaledFp8Tensor, no ``t()`` round trip) when the
+    weight is a plain tensor, a master weight of one, or a ScaledFp8Tensor, in eager mode without autograd
+    recording; else None (DTensor weights are quantized per shard and transposed by DTensor). The same values and
+    layout as ``_quantize(weight, -1, ...).t()``."""
+    if type(weight) is ScaledFp8Tensor:
+        return t_view(weight.with_fast_accum(fast)) if _direct(weight, weight) else None
+    w = weight._data if isinstance(weight, QuantizeOnUse) else weight
+    if type(w) not in _DIRECT_TYPES or not _direct(w, w) or w.dim() != 2:
+        return None
+    q, s = quantize(w, -1, float8_dtype, gemm_layout=True)
+    return make_scaled(q.t(), s.t(), w.dtype, fast, _W_T_DIMS)
+
+
+#: ``scaled_dims`` of a transposed row-wise 2-D weight: scaled along its columns (the output features).
+_W_T_DIMS = rowwise_dims(2, -1)[::-1]
 
 
 # ---------------------------------------------------------------------------------------------- saved for backward
@@ -192,19 +240,24 @@ class _Fp8Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, recipe: Recipe):
+        wd = weight._data if isinstance(weight, QuantizeOnUse) else weight  # shape / dtype without torch_function
         K = x.shape[-1]
-        N = weight.shape[0]
+        N = wd.shape[0]
         x2 = x.reshape(-1, K)
-        w8 = _quantize(weight, -1, recipe.fast_accum_forward, recipe.float8_dtype)
-        out = torch.mm(x2, w8.t())
-        del w8
+        w8t = _weight_t_direct(weight, recipe.fast_accum_forward, recipe.float8_dtype) if type(x2) in _DIRECT_TYPES else None
+        if w8t is not None:
+            out = fp8_mm(x2, w8t, op="aten.mm", checked=True)
+        else:
+            w8t = _quantize(weight, -1, recipe.fast_accum_forward, recipe.float8_dtype).t()
+            out = torch.mm(x2, w8t)
+        del w8t
         if bias is not None:
             out = out + bias
         ctx.recipe = recipe
         ctx.has_bias = bias is not None
         ctx.x_shape = x.shape
         ctx.n_out = N
-        ctx.w_dtype = weight.dtype
+        ctx.w_dtype = wd.dtype
         x_saved = None
         if ctx.needs_input_grad[1]:
             x_saved = _x_for_grad_weight(x, x2, recipe) if recipe.grad_weight_fp8 else x
@@ -223,7 +276,7 @@ class _Fp8Linear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             # ``grad_out`` itself (not its reshape) orders the weight operand after it: see _tokens_fp8
             w_b = _weight_for_grad_input(weight, grad_out, fast, recipe)
-            grad_x = torch.mm(g2, w_b).reshape(ctx.x_shape)
+            grad_x = _mm(g2, w_b).reshape(ctx.x_shape)
             del w_b  # the transient fp8 operands die with their GEMM
         if ctx.needs_input_grad[1]:
             if recipe.grad_weight_fp8:
@@ -235,7 +288,7 @@ class _Fp8Linear(torch.autograd.Function):
                 hit = None if _is_dtensor(grad_out) or grad_out.dim() < 2 else quantize_tokens(grad_out, E4M3)
                 if hit is not None:  # q (N, M) row-major, scale (N, 1): fp8_mm uses them as they are
                     gt = make_scaled(hit[0].t(), hit[1].t(), grad_out.dtype, fast, rowwise_dims(2, 1))
-                grad_w = torch.mm(gt, x_saved)
+                grad_w = _mm(gt, x_saved)
             else:
                 x2 = x_saved.reshape(-1, ctx.x_shape[-1])
                 grad_w = torch.mm(g2.t(), _dequantize(x2, g2.dtype))
@@ -265,9 +318,10 @@ def fp8_linear(
         RuntimeError: ``input.shape[-1] != weight.shape[1]``, or ``weight`` is not 2-D.
     """
     r = get_recipe(recipe)
-    if weight.dim() != 2:
+    wd = weight._data if isinstance(weight, QuantizeOnUse) else weight  # (its metadata without torch_function)
+    if wd.dim() != 2:
         raise RuntimeError(f"fp8_linear: weight must be 2-D (out_features, in_features), got shape {tuple(weight.shape)}")
-    if input.dim() < 1 or input.shape[-1] != weight.shape[1]:
+    if input.dim() < 1 or input.shape[-1] != wd.shape[1]:
         raise RuntimeError(
             f"fp8_linear: input's last dim {tuple(input.shape)[-1:]} does not match weight's in_features "
             f"{weight.shape[1]} (weight shape {tuple(weight.shape)})"

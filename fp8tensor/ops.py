@@ -195,10 +195,15 @@ def _new_with_unit_scale(func, args, kwargs):
 
 
 # --------------------------------------------------------------------------------------------- layout: permutations
+def t_view(t: ScaledFp8Tensor) -> ScaledFp8Tensor:
+    """``t.t()`` of a 2-D ScaledFp8Tensor without the dispatcher round trip: the op table's ``aten.t`` entry, called
+    directly by the eager fp8 Linear (no autograd recording; the caller makes sure none is wanted)."""
+    return _wrap(t.qdata.t(), t.scale.t(), t, dims=t.scaled_dims[::-1])
+
+
 @implements([aten.t.default])
 def _t_scale(func, args, kwargs):
-    t = args[0]
-    return _wrap(t.qdata.t(), t.scale.t(), t, dims=t.scaled_dims[::-1])
+    return t_view(args[0])
 
 
 @implements([aten.transpose.int])

@@ -79,9 +79,10 @@ def parse(argv=None):
     p.add_argument("--mode", default=None, help="torch.compile mode of the blocks (e.g. reduce-overhead)")
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--cudagraph-params", default="static", choices=("static", "copy"),
-                   help="with --mode reduce-overhead: 'copy' makes dynamo treat parameters as ordinary graph inputs, "
-                        "so CUDA-graph trees copy them into the graph's buffers on every replay instead of "
-                        "recording again when FSDP2 moves an unsharded parameter (an experiment; patches dynamo)")
+                   help="'copy' makes dynamo treat parameters as ordinary graph inputs, so CUDA-graph trees copy "
+                        "them into the graph's buffers on every replay instead of recording again when FSDP2 moves "
+                        "an unsharded parameter (an experiment: patches dynamo for the whole process, so every "
+                        "variant of the run, bf16 included, is compiled under it; recorded in the JSON and header)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--profile", action="store_true", help="print top host ops of every fp8tensor variant")
     p.add_argument("--trace-dir", default=os.environ.get("OUT"), help="write chrome traces here with --profile")
@@ -193,9 +194,10 @@ def _alloc_stats() -> dict:
 
 
 def _cudagraph_counters() -> dict:
-    """Counters of inductor's CUDA-graph trees on device 0 (``mode="reduce-overhead"``): graphs recorded again
-    because a static input (a parameter) moved, graphs that failed, and memory-pool checkpoints. Empty without
-    CUDA-graph trees."""
+    """Counters of inductor's CUDA-graph trees on device 0 (``mode="reduce-overhead"``): ``failures`` = new
+    recordings of a graph already recorded (for any reason, a moved parameter included: the number to watch),
+    ``rerecords`` = those the trees count toward their re-record limit (on torch <= 2.11 this includes moved
+    parameters; newer torch leaves them out), and memory-pool checkpoints. Empty without CUDA-graph trees."""
     try:
         from torch._inductor import cudagraph_trees as cgt
 
@@ -252,13 +254,8 @@ def sync_report(variant: str, step, sync) -> None:
 
 
 def run_variant(variant: str, args, mesh, device):
-    precision, _, setup = variant.partition("@")
-    setup, _, extra = (setup or "fsdp").partition("+")
-    if extra not in ("", "cg"):
-        raise SystemExit(f"e2e.py: unknown suffix +{extra} in {variant!r}; expected +cg")
+    precision, setup, extra = check_variant(variant)
     mode = "reduce-overhead" if extra == "cg" else args.mode
-    if setup not in SETUPS:
-        raise SystemExit(f"e2e.py: unknown setup {setup!r} in {variant!r}; expected one of {SETUPS}")
     if precision.startswith("ao_") and not ao_available():
         print(f"# {variant}: torchao not importable, skipped", flush=True)
         return None
@@ -319,9 +316,7 @@ def run_variant(variant: str, args, mesh, device):
     # GPU into the next step, as in a training loop that does not read the loss every step.
     sync()
     t0 = time.perf_counter()
-    for i in range(args.steps):
-        if args.gc == "step":
-            gc.collect(1)
+    for i in range(args.steps):  # (with --gc step the collector stays off in here: nothing collected in the window)
         step(i)
     sync()
     pipe_ms = (time.perf_counter() - t0) * 1e3 / args.steps
@@ -376,6 +371,23 @@ def run_variant(variant: str, args, mesh, device):
     return row
 
 
+PRECISIONS = ("bf16", "rowwise", "rowwise_gw_hp", "ao_tensorwise", "ao_rowwise", "ao_rowwise_gw_hp", "ao_tensorwise_ag")
+
+
+def check_variant(variant: str) -> tuple[str, str, str]:
+    """``(precision, setup, suffix)`` of ``<precision>@<setup>[+cg]``; SystemExit naming the variant on a typo (before
+    anything runs: a misspelled precision must not silently run as bf16)."""
+    precision, _, setup = variant.partition("@")
+    setup, _, extra = (setup or "fsdp").partition("+")
+    if precision not in PRECISIONS:
+        raise SystemExit(f"e2e.py: unknown precision {precision!r} in {variant!r}; expected one of {PRECISIONS}")
+    if setup not in SETUPS:
+        raise SystemExit(f"e2e.py: unknown setup {setup!r} in {variant!r}; expected one of {SETUPS}")
+    if extra not in ("", "cg"):
+        raise SystemExit(f"e2e.py: unknown suffix +{extra} in {variant!r}; expected +cg")
+    return precision, setup, extra
+
+
 def _params_not_static() -> None:
     """Experiment behind ``--cudagraph-params copy``: dynamo marks every ``nn.Parameter`` it sees as a static input
     (``torch._dynamo.variables.builder.VariableBuilder.mark_static_input``), so CUDA-graph trees record a graph
@@ -395,6 +407,9 @@ def _params_not_static() -> None:
 
 def main(argv=None):
     args = parse(argv)
+    for v in (v.strip() for v in args.variants.split(",")):
+        if v:
+            check_variant(v)
     if args.cudagraph_params == "copy":
         _params_not_static()
     device = torch.device(args.device)
@@ -422,7 +437,9 @@ def main(argv=None):
            f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'} · torch {torch.__version__}")
     print(f"\n# e2e step, size {args.size}: dim {c['dim']}, FFN {c['ffn'] or 'default'}, {c['heads']}/{c['kv_heads']} "
           f"heads, {c['layers']} layers, seq {c['seq']} x batch {c['batch']}; compile "
-          f"{'off' if args.no_compile else (args.mode or 'default')}; {env}\n")
+          f"{'off' if args.no_compile else (args.mode or 'default')}"
+          f"{'; parameters copied into CUDA graphs (--cudagraph-params copy)' if args.cudagraph_params == 'copy' else ''}"
+          f"; {env}\n")
     print("| variant | step ms | tokens/s | vs bf16 | GPU ms/step | wall / GPU | peak GiB |")
     print("|---|---|---|---|---|---|---|")
     base = {}
@@ -448,7 +465,8 @@ def main(argv=None):
         print(f"| {r['variant']} | {r['pipe_ms']:.2f} | {ratio} | {r['pipe_ms'] / r['gpu_ms']:.2f} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(size=args.size, cfg=c, env=env, mode=args.mode, rows=rows), f, indent=1)
+            json.dump(dict(size=args.size, cfg=c, env=env, mode=args.mode, cudagraph_params=args.cudagraph_params,
+                           rows=rows), f, indent=1)
     import torch.distributed as dist
 
     dist.destroy_process_group()

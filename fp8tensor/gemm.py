@@ -192,6 +192,14 @@ def scaled_mm(
         a8 = a8.contiguous()
     if not (b8.stride(0) == 1 and b8.stride(1) >= max(K, 1)):
         b8 = b8.t().contiguous().t()
+    # A contraction of size 1 makes A (M, 1) and B (1, N) both row- and column-major by their bytes; only the strides
+    # say which, and inductor's lowering of torch._scaled_mm checks them (A: stride(1) == 1, B: stride(0) == 1), where
+    # ``contiguous()`` above keeps a size-1 dim's stride as it was. Same bytes, the strides the checks want.
+    if K == 1:
+        if a8.stride(1) != 1:
+            a8 = a8.as_strided((M, 1), (a8.stride(0), 1), a8.storage_offset())
+        if b8.stride(0) != 1:
+            b8 = b8.as_strided((1, N), (1, b8.stride(1)), b8.storage_offset())
     # (M, 1) / (1, N) float32 contiguous, as torch._scaled_mm wants them; most callers pass exactly that already,
     # so test before the three calls each would cost.
     if not (sa.dtype == torch.float32 and sa.shape == (M, 1) and sa.is_contiguous()):

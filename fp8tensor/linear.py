@@ -54,7 +54,8 @@ def _quantize(t: torch.Tensor, dim: int, fast_accum: bool, float8_dtype=E4M3) ->
 
 
 def _dequantize(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return map_local(t, lambda lt: lt.to_hp(dtype) if isinstance(lt, ScaledFp8Tensor) else lt)
+    """``t`` (a tensor, ScaledFp8Tensor or DTensor of either) as a high-precision tensor of ``dtype``."""
+    return map_local(t, lambda lt: lt.to_hp(dtype) if isinstance(lt, ScaledFp8Tensor) else lt.to(dtype))
 
 
 def _is_fp8(t: torch.Tensor) -> bool:
@@ -73,21 +74,26 @@ _DIRECT_TYPES = (torch.Tensor, torch.nn.Parameter, ScaledFp8Tensor)
 
 def _direct(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a @ b`` may call the op table's GEMM directly: both operands plain tensors or ScaledFp8Tensors (no
-    DTensor, whose sharding propagation needs ``torch.mm``), eager (not tracing) and not recording autograd (inside
-    the autograd Function's forward, and in its backward unless ``create_graph=True``)."""
+    DTensor, whose sharding propagation needs ``torch.mm``), eager (not tracing), not recording autograd (inside
+    the autograd Function's forward, and in its backward unless ``create_graph=True``), and no torch-function or
+    dispatch mode active (selective activation checkpointing, FLOP counters and the like must see ``aten.mm``)."""
     return (
-        type(a) in _DIRECT_TYPES
+        not torch.compiler.is_compiling()  # first: dynamo folds it, and cannot trace the mode-stack queries below
+        and type(a) in _DIRECT_TYPES
         and type(b) in _DIRECT_TYPES
         and not torch.is_grad_enabled()
-        and not torch.compiler.is_compiling()
+        and torch._C._len_torch_dispatch_stack() == 0
+        and torch._C._len_torch_function_stack() == 0
     )
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``torch.mm(a, b)``. With an fp8 operand and :func:`_direct`, it calls :func:`fp8tensor.gemm.fp8_mm` itself: the
-    function ``torch.mm`` reaches through ``ScaledFp8Tensor.__torch_dispatch__`` (same arguments, same bits), minus
-    a dispatcher round trip into Python per GEMM. DTensor operands always take ``torch.mm``: DTensor places the
-    GEMM with its own rules and then calls it on the local ScaledFp8Tensors."""
+    """``torch.mm(a, b)`` of the backward's operands. With an fp8 operand and :func:`_direct`, it calls
+    :func:`fp8tensor.gemm.fp8_mm` itself: the function ``torch.mm`` reaches through
+    ``ScaledFp8Tensor.__torch_dispatch__`` (same arguments, same bits), minus a dispatcher round trip into Python per
+    GEMM, and without the argument checks (the backward built both operands from ones the forward checked). DTensor
+    operands always take ``torch.mm``: DTensor places the GEMM with its own rules and then calls it on the local
+    ScaledFp8Tensors."""
     if (type(a) is ScaledFp8Tensor or type(b) is ScaledFp8Tensor) and _direct(a, b):
         return fp8_mm(a, b, op="aten.mm", checked=True)
     return torch.mm(a, b)
@@ -245,8 +251,8 @@ class _Fp8Linear(torch.autograd.Function):
         N = wd.shape[0]
         x2 = x.reshape(-1, K)
         w8t = _weight_t_direct(weight, recipe.fast_accum_forward, recipe.float8_dtype) if type(x2) in _DIRECT_TYPES else None
-        if w8t is not None:
-            out = fp8_mm(x2, w8t, op="aten.mm", checked=True)
+        if w8t is not None:  # (argument checks kept: the devices and dtypes of x are not checked before this)
+            out = fp8_mm(x2, w8t, op="aten.mm")
         else:
             w8t = _quantize(weight, -1, recipe.fast_accum_forward, recipe.float8_dtype).t()
             out = torch.mm(x2, w8t)

@@ -137,3 +137,24 @@ def test_scaled_mm_rejects_unknown_backend():
     b8, sb = quantize_rowwise(torch.randn(8, 16))
     with pytest.raises(ValueError, match="unknown backend 'nope'"):
         scaled_mm(a8, sa, b8.t(), sb.t(), torch.float32, backend="nope")
+
+
+@pytest.mark.parametrize("kind", ["plain", "master", "frozen"])
+def test_fp8_linear_rejects_bad_operands_in_eager(kind):
+    """The eager fp8 Linear calls its GEMM engine without the dispatcher; bad inputs still get the GEMM's named
+    errors (not a result from uninitialized memory): an input on another device, an integer input."""
+    import torch.nn as nn
+
+    from fp8tensor import convert_to_fp8, quantize_weights
+
+    lin = nn.Linear(64, 32, bias=False)
+    if kind != "plain":
+        convert_to_fp8(lin)
+    if kind == "frozen":
+        quantize_weights(lin)
+    fn = (lambda x: fp8_linear(x, lin.weight)) if kind == "plain" else lin
+    with torch.no_grad():
+        with pytest.raises(RuntimeError, match=r"aten\.mm: operands are on different devices"):
+            fn(torch.randn(4, 64, device="meta"))
+        with pytest.raises(RuntimeError, match=r"aten\.mm: expected floating-point operands, got torch\.int64"):
+            fn(torch.ones(4, 64, dtype=torch.int64))

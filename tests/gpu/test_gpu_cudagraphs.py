@@ -65,13 +65,18 @@ def test_fsdp_reduce_overhead_trains_like_default_compile(reshard):
         gen = torch.Generator(device=DEV).manual_seed(torch.initial_seed() % 2**31)
         xs = [torch.randn(4, 128, 256, device=DEV, generator=gen) for _ in range(12)]
         ref_model = copy.deepcopy(_blocks(0)).to(torch.float64)
+        from torch._dynamo.utils import counters
+
         runs = {}
         for mode in (None, "reduce-overhead"):
             torch._dynamo.reset()
+            counters.clear()
             runs[mode] = _train(_blocks(0), mode, xs, reshard)
             if mode:
                 mgr = cudagraph_trees.get_container(torch.cuda.current_device()).tree_manager
                 assert mgr is not None and len(mgr.roots) > 0, "reduce-overhead recorded no CUDA graph"
+                # every compiled graph (forward and backward of both blocks) ran as a CUDA graph: none skipped
+                assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
         torch._dynamo.reset()
         (l_def, y_def), (l_cg, y_cg) = runs[None], runs["reduce-overhead"]
         # The weights move: a replay on stale weights would be caught (losses change by far more than the bound).

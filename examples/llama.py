@@ -315,7 +315,7 @@ def parallelize_llama(
     sequence_parallel: bool = True,
     mp_policy=None,
     reshard_after_forward: bool = True,
-    compile: bool = False,
+    compile: bool | str = False,
     sp_fp8_comm: bool = False,
 ) -> Llama:
     """Apply tensor parallelism over ``tp_mesh`` and FSDP2 over ``dp_mesh`` (in place).
@@ -340,7 +340,8 @@ def parallelize_llama(
     sequence all-gathers before attention / MLP then move fp8 data plus
     per-token scales instead of bf16.
 
-    If ``compile`` is true each block is ``torch.compile``-d in place (after
+    If ``compile`` is true each block is ``torch.compile``-d in place (a string: the
+    compile mode, e.g. ``"reduce-overhead"`` for CUDA graphs per block; after
     TP, before FSDP). Then, if ``dp_mesh`` is given, ``fully_shard`` is applied to each
     block and to the root, with ``mp_policy`` (an FSDP2
     ``MixedPrecisionPolicy`` or ``None``). A ``dp_mesh`` of size 1 shards nothing
@@ -392,8 +393,9 @@ def parallelize_llama(
             parallelize_module(block, tp_mesh, block_plan)
 
     if compile:
+        mode = compile if isinstance(compile, str) and compile != "default" else None
         for block in model.layers:
-            block.compile()
+            block.compile(mode=mode) if mode else block.compile()
 
     if dp_mesh is not None:
         from torch.distributed.fsdp import fully_shard

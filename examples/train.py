@@ -102,6 +102,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="auto: cuda if available, else cpu")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile each block (faster steps; ~1 min of compile per run on CPU)")
+    p.add_argument("--compile-mode", default=None,
+                   choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
+                   help="torch.compile mode of the blocks (implies --compile). reduce-overhead: CUDA graphs per "
+                        "block, for small per-GPU models whose steps wait on the host; under FSDP2 their graphs "
+                        "settle after ~20 steps, so also pass --timing-skip 25 (docs/fsdp.md, 'CUDA graphs')")
+    p.add_argument("--timing-skip", type=int, default=1,
+                   help="first steps left out of the reported tok/s (compile and warm-up; default 1)")
     p.add_argument("--steps", type=int, default=120, help="training steps per run")
     p.add_argument("--seq-len", type=int, default=128,
                    help="tokens (bytes) per sequence; with sequence parallelism a multiple of --tp")
@@ -124,7 +131,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seed of the initial weights and of the training batches (the validation batches "
                         "are the same for every seed)")
     p.add_argument("--out", default="out/example", help="output directory (losses.json, loss_curve.png)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.compile_mode is not None:
+        args.compile = True
+    return args
+
+
+def _timing_note(skip: int) -> str:
+    """What the reported tok/s leaves out."""
+    if skip == 1:
+        return "after the first step, which includes compile / warm-up"
+    return f"after the first {skip} steps, which include compile / warm-up"
 
 
 def _launch_env() -> tuple[int, int, int]:
@@ -144,9 +161,12 @@ def check_args(args: argparse.Namespace, world: int, local_world: int) -> str | 
                              ("--batch-size", args.batch_size, 1), ("--dim", args.dim, 1),
                              ("--layers", args.layers, 1), ("--heads", args.heads, 1),
                              ("--kv-heads", args.kv_heads, 1), ("--val-batches", args.val_batches, 1),
+                             ("--timing-skip", args.timing_skip, 1),
                              ("--warmup", 0 if args.warmup is None else args.warmup, 0)):
         if value < low:
             return f"{flag} must be at least {low}, got {value}"
+    if args.timing_skip >= args.steps:
+        return f"--timing-skip {args.timing_skip} leaves no timed step of --steps {args.steps}"
     if not args.lr > 0 or not math.isfinite(args.lr):
         return f"--lr must be a positive number, got {args.lr}"
     if not args.grad_clip >= 0:
@@ -304,7 +324,8 @@ def build_model(args, mesh, device, fp8: bool) -> torch.nn.Module:
     # With one dp rank resharding after forward frees nothing worth the re-gather (for fp8: the re-quantization of
     # every weight) before backward; with more ranks it frees the gathered weights between forward and backward.
     parallelize_llama(model, mesh["tp"], mesh["dp"], sequence_parallel=args.sequence_parallel,
-                      mp_policy=mp_policy, compile=args.compile, reshard_after_forward=mesh["dp"].size() > 1,
+                      mp_policy=mp_policy,
+                      compile=(args.compile_mode or True) if args.compile else False, reshard_after_forward=mesh["dp"].size() > 1,
                       sp_fp8_comm=fp8 and args.sp_fp8_comm and mesh["tp"].size() > 1)
     return model
 
@@ -372,9 +393,9 @@ def train_one(name: str, args, train_data, val_data, device, mesh) -> dict:
             raise RuntimeError(f"{name}: non-finite gradient norm at step {step}")
         loss_val = loss.item()  # this rank's loss; averaged over dp ranks after training
         local_losses.append(loss_val)
-        if step == 0:  # exclude the first (warm-up / compile) step from throughput
+        if step == args.timing_skip - 1:  # the first --timing-skip steps (compile / warm-up) are not timed
             t_timed, timed_steps = time.perf_counter(), 0
-        else:
+        elif step >= args.timing_skip:
             timed_steps += 1
         elapsed = time.perf_counter() - t_timed
         tok_s = tokens_per_step * timed_steps / elapsed if timed_steps else 0.0
@@ -396,7 +417,7 @@ def train_one(name: str, args, train_data, val_data, device, mesh) -> dict:
         "total_seconds": time.perf_counter() - t_build,
     }
     log(f"{name}: val loss {val_loss:.4f}  train loss {losses[-1]:.4f}  "
-        f"{tok_s:,.0f} tok/s (after the first step, which includes compile / warm-up)  {train_s:.1f}s")
+        f"{tok_s:,.0f} tok/s ({_timing_note(args.timing_skip)})  {train_s:.1f}s")
     del model, opt
     if args.compile:
         torch._dynamo.reset()  # the next run compiles its own blocks from a clean cache

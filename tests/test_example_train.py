@@ -38,8 +38,11 @@ def _run_train(out_dir: Path, tp: int, extra=()) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("tp", [2, 1], ids=["dp1xtp2", "dp2xtp1"])
 def test_train_example_runs(tmp_path, tp):
-    proc = _run_train(tmp_path, tp)
+    skip = 1 if tp == 2 else 3  # the tok/s of the dp2xtp1 run leaves out its first 3 steps
+    proc = _run_train(tmp_path, tp, extra=("--timing-skip", str(skip)))
     assert proc.returncode == 0, f"train.py failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    note = "the first step, which includes" if skip == 1 else f"the first {skip} steps, which include"
+    assert len(re.findall(rf"[\d,]+ tok/s \(after {note} compile / warm-up\)", proc.stdout)) == 2, proc.stdout[-3000:]
 
     m = FINAL_RE.search(proc.stdout)
     assert m, f"no final line in output:\n{proc.stdout[-3000:]}"
@@ -160,6 +163,8 @@ def _load_train_module():
     (("--seq-len", "127"), 2, "--seq-len 127 is not divisible by --tp 2"),
     (("--no-sequence-parallel", "--sp-fp8-comm"), 2, "--sp-fp8-comm needs sequence parallelism"),
     (("--data", "/nonexistent/corpus.txt"), 2, "--data path does not exist"),
+    (("--timing-skip", "0"), 2, "--timing-skip must be at least 1"),
+    (("--steps", "10", "--timing-skip", "10"), 2, "--timing-skip 10 leaves no timed step of --steps 10"),
 ])
 def test_train_example_check_args(args, world, fragment):
     """Each bad combination is named by ``check_args`` (run before any collective); good ones pass."""
@@ -174,6 +179,18 @@ def test_train_example_check_args_accepts_good_runs():
     for args, world in ((["--seq-len", "127", "--no-sequence-parallel"], 2), ([], 4), (["--tp", "1"], 1),
                         (["--tp", "4", "--heads", "8", "--kv-heads", "4"], 8), (["--warmup", "0"], 2)):
         assert train.check_args(train.parse_args(args), world, world) is None, args
+
+
+def test_train_example_compile_mode_implies_compile():
+    """``--compile-mode`` compiles the blocks with that mode (it implies ``--compile``); ``--timing-skip`` is the
+    number of first steps the reported tok/s leaves out, and the final line says how many."""
+    train = _load_train_module()
+    a = train.parse_args(["--compile-mode", "reduce-overhead", "--timing-skip", "25"])
+    assert a.compile and a.compile_mode == "reduce-overhead" and a.timing_skip == 25
+    b = train.parse_args([])
+    assert not b.compile and b.compile_mode is None and b.timing_skip == 1
+    assert train._timing_note(1) == "after the first step, which includes compile / warm-up"
+    assert train._timing_note(25) == "after the first 25 steps, which include compile / warm-up"
 
 
 def test_train_example_bad_arguments_torchrun():

@@ -405,6 +405,13 @@ def _params_not_static() -> None:
     builder.VariableBuilder.mark_static_input = mark_static_input
 
 
+def _ratio(rows: list, r: dict, key: str) -> str:
+    """``r[key]`` over the fastest bf16 row of the same setup (with or without ``+cg``), as ``"1.234x"``; "—" without
+    a bf16 row."""
+    base = min((b[key] for b in rows if b["precision"] == "bf16" and b["setup"] == r["setup"]), default=None)
+    return f"{base / r[key]:.3f}x" if base else "—"
+
+
 def main(argv=None):
     args = parse(argv)
     for v in (v.strip() for v in args.variants.split(",")):
@@ -442,26 +449,16 @@ def main(argv=None):
           f"; {env}\n")
     print("| variant | step ms | tokens/s | vs bf16 | GPU ms/step | wall / GPU | peak GiB |")
     print("|---|---|---|---|---|---|---|")
-    base = {}
     for r in rows:
-        if r["precision"] == "bf16":
-            base[r["setup"]] = min(base.get(r["setup"], float("inf")), r["ms"])
-    for r in rows:
-        b = base.get(r["setup"])
-        ratio = f"{b / r['ms']:.3f}x" if b else "—"
+        ratio = _ratio(rows, r, "ms")
         print(f"| {r['variant']} | {r['ms']:.2f} | {r['tok_s']:,.0f} | {ratio} | {r['gpu_ms']:.2f} | "
               f"{r['ms'] / r['gpu_ms']:.2f} | {r['peak_gib']:.1f} |")
     print("\nSteps back to back (one synchronization before and after the steps, none between them): mean ms per "
           "step\n")
     print("| variant | ms/step | vs bf16 | wall / GPU |")
     print("|---|---|---|---|")
-    pbase = {}
     for r in rows:
-        if r["precision"] == "bf16":
-            pbase[r["setup"]] = min(pbase.get(r["setup"], float("inf")), r["pipe_ms"])
-    for r in rows:
-        b = pbase.get(r["setup"])
-        ratio = f"{b / r['pipe_ms']:.3f}x" if b else "—"
+        ratio = _ratio(rows, r, "pipe_ms")
         print(f"| {r['variant']} | {r['pipe_ms']:.2f} | {ratio} | {r['pipe_ms'] / r['gpu_ms']:.2f} |")
     if args.json:
         with open(args.json, "w") as f:

@@ -253,6 +253,34 @@ def sync_report(variant: str, step, sync) -> None:
         print(f"{n:5d}  {f}:{l}")
 
 
+class _Optimizers:
+    """Several optimizers stepped as one (``step`` / ``zero_grad``)."""
+
+    def __init__(self, opts):
+        self.opts = opts
+
+    def step(self):
+        for o in self.opts:
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True):
+        for o in self.opts:
+            o.zero_grad(set_to_none=set_to_none)
+
+
+def make_optimizer(model, fused: bool):
+    """AdamW (lr 1e-4) over the model's parameters. The fused kernel takes one list of parameters that must be all
+    DTensors or all plain tensors; a TP model without FSDP2 (``tp_plain``: DTensor block weights, plain embedding,
+    norms and head) gets one fused AdamW per kind."""
+    from torch.distributed.tensor import DTensor
+
+    groups = {}
+    for p in model.parameters():
+        groups.setdefault(isinstance(p, DTensor), []).append(p)
+    opts = [torch.optim.AdamW(ps, lr=1e-4, fused=fused) for ps in groups.values()]
+    return opts[0] if len(opts) == 1 else _Optimizers(opts)
+
+
 def run_variant(variant: str, args, mesh, device):
     precision, setup, extra = check_variant(variant)
     mode = "reduce-overhead" if extra == "cg" else args.mode
@@ -263,8 +291,7 @@ def run_variant(variant: str, args, mesh, device):
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     c = args.cfg
     model = build(precision, setup, args, mesh, device, mode)
-    fused = cuda
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
+    opt = make_optimizer(model, fused=cuda)
     g = torch.Generator(device="cpu").manual_seed(1)
     batches = [torch.randint(0, 256, (c["batch"], c["seq"] + 1), generator=g).to(device) for _ in range(4)]
     precompute = None

@@ -7,9 +7,9 @@ cause is in torch / gloo, not in the subclass: plain ``float32`` tensors, two al
 waited on. Measured 2026-12-01 on CPU (2 cores), 2 processes, 8000 iterations per run, four runs per mode and torch
 version (torch 2.13.0+cpu and 2.14.1+cu130): ``inflight`` aborted a rank in 3 of 4 runs on each version; ``c10d``
 (``dist.all_gather_into_tensor(async_op=True)`` twice) in none of these 8, but once in 5 earlier runs of the same
-pattern; ``serial`` (wait before issuing the next) in none of 8. fp8tensor now issues the scale collective first
-and waits on it before the data's (:func:`fp8tensor.collectives._all_gather_data_and_scales`), so it never has two
-of its own collectives in flight.
+pattern; ``serial`` (wait before issuing the next) in none of 8. On the CPU fp8tensor now waits on each of its
+collectives before issuing the next (:func:`fp8tensor.collectives._serial`), so it never has two of its own in
+flight.
 
 Usage (CPU)::
 

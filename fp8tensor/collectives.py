@@ -15,7 +15,7 @@ op                                           scale handling
 ===========================================  ===============================================================
 ``_c10d_functional.all_gather_into_tensor``  gathered along dim 0 with the data (per-rank dim-0 scales
                                              repeated over each rank's rows when the scale is compact there);
-                                             the scale collective is waited on before the data's is issued
+                                             on the CPU (gloo) each collective is waited on before the next
 ``_c10d_functional.wait_tensor``             waits on data and scale (``_wrap_tensor_autograd``: wrapped
                                              in an ``AsyncCollectiveTensor`` that waits on first use)
 ``_c10d_functional.all_to_all_single``       scale made full-size on dim 0, then split/sent like the data
@@ -108,28 +108,41 @@ def _unbox_wait(work) -> None:
 
 
 # --------------------------------------------------------------------------------------------- functional
+def _serial(t: ScaledFp8Tensor) -> bool:
+    """Whether ``t``'s collectives run one at a time, each waited on before the next is issued: tensors on the CPU
+    (gloo). Two collectives in flight at once on one gloo process group can corrupt the heap (torch 2.13 / 2.14,
+    ``docs/pytorch_issues.md`` item 3, ``benchmarks/gloo_inflight.py``). On CUDA (NCCL, which runs collectives in
+    flight safely) the data and scale collectives are both left in flight, to overlap with what follows."""
+    return t.qdata.device.type == "cpu"
+
+
 @implements(_dist_op("_c10d_functional.all_gather_into_tensor.default"))
 def _all_gather_data_and_scales(func, args, kwargs):
     """Concatenate every rank's data along dim 0, and their scales along dim 0.
 
-    The (small) scale all-gather is issued first and waited on before the data all-gather is issued, so only the
-    data collective is left in flight when this returns — as for a plain tensor. Two collectives in flight at once
-    on one gloo process group can corrupt the heap (torch 2.13 / 2.14: ``benchmarks/gloo_inflight.py``), and no op
-    ever reads a scale still in flight (a ``view`` of the gathered tensor may have to materialize it, see
-    ``torch._utils._maybe_view_chunk_cat``). With NCCL the wait only orders the current stream after the scale
-    collective; the data collective still overlaps with what follows.
-
     A scale shared along dim 0 (one value for all local rows, but different per rank) is gathered compactly and
-    then repeated over each rank's rows. Whether the scale is per row is the declared layout (``scaled_dims``, the
-    same on every rank), never the local size: a rank holding one row (scale ``[1, 1]``) or none sends what the
-    other ranks send.
+    then repeated over each rank's rows. That one, and the scale of a local tensor with a single row (which a
+    later ``view`` of the gathered tensor may have to materialize, see ``torch._utils._maybe_view_chunk_cat``),
+    is waited on right away, so no op ever reads a scale still in flight. Whether the scale is per row is the
+    declared layout (``scaled_dims``, the same on every rank), never the local size: a rank holding one row (scale
+    ``[1, 1]``) or none sends what the other ranks send.
+
+    On the CPU (gloo, :func:`_serial`) the scale collective is issued and waited on first, then the data's, which is
+    waited on too: nothing of this call is left in flight.
     """
     b = _bind(func, args, kwargs)
     t, group_size, group = b["input"], b["group_size"], b["group_name"]
-    s = _funcol.wait_tensor.default(func(t.scale.contiguous(), group_size, group))
-    if not t.scaled_dims[0] and t.shape[0] != 1:
-        s = s.repeat_interleave(t.shape[0], dim=0)
-    q = func(_bytes(t.qdata), group_size, group)
+    rows = t.shape[0]
+    if _serial(t):
+        s = _funcol.wait_tensor.default(func(t.scale.contiguous(), group_size, group))
+        q = _funcol.wait_tensor.default(func(_bytes(t.qdata), group_size, group))
+    else:
+        q = func(_bytes(t.qdata), group_size, group)
+        s = func(t.scale.contiguous(), group_size, group)
+        if rows == 1 or not t.scaled_dims[0]:
+            s = _funcol.wait_tensor.default(s)
+    if not t.scaled_dims[0] and rows != 1:
+        s = s.repeat_interleave(rows, dim=0)
     return _like(t, q, s, (True, *t.scaled_dims[1:]))
 
 
@@ -151,15 +164,19 @@ def _wait_data_and_scale(func, args, kwargs):
 
 @implements(_dist_op("_c10d_functional.all_to_all_single.default"))
 def _all_to_all_data_and_scales(func, args, kwargs):
-    """Split along dim 0 and exchange; the scale is made full-size on dim 0 first so it splits with the rows. The
-    scale exchange is issued and waited on first, as in :func:`_all_gather_data_and_scales`."""
+    """Split along dim 0 and exchange; the scale is made full-size on dim 0 first so it splits with the rows. On
+    the CPU (gloo) each exchange is waited on before the next is issued (:func:`_serial`)."""
     b = _bind(func, args, kwargs)
     t, out_splits, in_splits, group = b["input"], b["output_split_sizes"], b["input_split_sizes"], b["group_name"]
     s = t.scale
     if not t.scaled_dims[0]:
         s = s.expand(t.shape[0], *s.shape[1:])
-    s = _funcol.wait_tensor.default(func(s.contiguous(), out_splits, in_splits, group))
-    q = func(_bytes(t.qdata), out_splits, in_splits, group)
+    if _serial(t):
+        s = _funcol.wait_tensor.default(func(s.contiguous(), out_splits, in_splits, group))
+        q = _funcol.wait_tensor.default(func(_bytes(t.qdata), out_splits, in_splits, group))
+    else:
+        q = func(_bytes(t.qdata), out_splits, in_splits, group)
+        s = func(s.contiguous(), out_splits, in_splits, group)
     return _like(t, q, s, (True, *t.scaled_dims[1:]))
 
 

@@ -39,9 +39,11 @@ def worker(rank: int, world: int, seed: int) -> dict:
     mesh = init_device_mesh("cpu", (world,))
     places = {"S0": Shard(0), "S1": Shard(1), "R": Replicate()}
     # (shape, source placement, destination, transposed): ``transposed`` quantizes w.T sharded on the other dim and
-    # transposes the DTensor, so the local scale is compact on dim 0 (one per column) and the all-gather repeats it
+    # transposes the DTensor, so the local scale is compact on dim 0 (one per column) and the all-gather repeats it.
+    # The transposed cases shard evenly (6 rows): on torch 2.14, ``.t()`` of an unevenly sharded DTensor re-gathers
+    # it, and a rank holding an empty fp8 shard then leaves the collective (see the session-7 closing note).
     cases = [((2, 6), "S0", "R", False), ((5, 2), "S1", "R", False), ((5, 3), "S1", "S0", False),
-             ((3, 6), "S0", "R", False), ((2, 5), "S0", "R", True), ((3, 4), "S0", "S1", True)]
+             ((3, 6), "S0", "R", False), ((6, 5), "S0", "R", True), ((6, 4), "S0", "S1", True)]
     g = torch.Generator().manual_seed(seed)
     fails = []
     for i in range(ITERS):
@@ -63,9 +65,11 @@ def worker(rank: int, world: int, seed: int) -> dict:
         ref = _chunk(want, world, p.dim, rank) if isinstance(p, Shard) else want
         if not isinstance(loc, ScaledFp8Tensor) or loc.shape != ref.shape or not torch.equal(
                 loc.to_hp(torch.float32), ref):
-            fails.append(f"iteration {i} {shape} {src}->{dst} transposed={transposed}: local tensor does not "
-                         f"dequantize to its slice of the shards' values")
-            break
+            fails.append(f"iteration {i} {shape} {src}->{dst} transposed={transposed}: local tensor "
+                         f"{tuple(loc.shape)} does not dequantize to its slice {tuple(ref.shape)} of the shards' "
+                         f"values")
+            # no break: every rank must issue the same collectives (an early exit on one rank hangs the others)
+    fails = fails[:5]
     return {"seed": seed, "fails": fails}
 
 

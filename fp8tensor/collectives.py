@@ -24,7 +24,7 @@ op                                           scale handling
 ``c10d.scatter_`` (``distribute_tensor``     each shard's data and scale scattered into the output's data and
 Shard, ``src_data_rank`` set)                scale (scales must fit the output's scale layout)
 ``c10d.broadcast_`` (Replicate)              data and scale broadcast in place
-``aten.constant_pad_nd`` (uneven shards)     data padded with fp8 zeros; scale padded with ones on the dims it
+``aten.constant_pad_nd`` / ``aten.pad``      data padded with fp8 zeros; scale padded with ones on the dims it
                                              is full-size on (a zero dequantizes to zero with any scale)
 ===========================================  ===============================================================
 
@@ -291,28 +291,34 @@ def _broadcast_data_and_scale(func, args, kwargs):
 
 
 # --------------------------------------------------------------------------------------------- padding
-@implements([aten.constant_pad_nd.default])
+@implements([aten.constant_pad_nd.default, aten.pad.default])
 def _pad_data_with_zeros_scale_with_ones(func, args, kwargs):
     """Zero-padding (DTensor pads uneven shards before a collective and unpads after): fp8 zeros in the data;
     the scale is padded with ones on the dims where it is full-size (cropped likewise for negative pads), and left
-    alone on the dims where it has size 1. A non-zero pad value dequantizes and returns a plain tensor."""
+    alone on the dims where it has size 1. A non-zero pad value, or ``aten.pad`` in a mode other than
+    ``"constant"``, dequantizes and returns a plain tensor.
+
+    ``aten.pad`` (what ``F.pad`` calls) reaches the op table itself inside DTensor's dispatch on torch 2.14; without
+    this handler a rank whose shard is empty received a dequantized plain tensor there, and its all-gather then did
+    not match the other ranks' fp8 ones."""
     b = _bind(func, args, kwargs)
-    t, pad, value = b["self"], list(b["pad"]), b.get("value", 0)
-    if value != 0:
-        return func(t.to_hp(), pad, value)
+    t, pad = b["self"], list(b["pad"])
+    value = b.get("value", 0)
+    if b.get("mode", "constant") != "constant" or (value is not None and value != 0):
+        return func(t.to_hp(), *args[1:], **kwargs)
     spad = []
     for i in range(len(pad) // 2):
         d = t.dim() - 1 - i
         # the declared layout, not the size: a one-row shard's per-row [1, 1] scale is padded like the others
         spad += pad[2 * i : 2 * i + 2] if t.scaled_dims[d] else [0, 0]
-    q = func(t.qdata.view(torch.uint8), pad, 0)
-    s = func(t.scale, spad, 1.0) if any(spad) else t.scale
+    q = aten.constant_pad_nd.default(t.qdata.view(torch.uint8), pad, 0)
+    s = aten.constant_pad_nd.default(t.scale, spad, 1.0) if any(spad) else t.scale
     return _like(t, q, s)
 
 
 # --------------------------------------------------------------------------------------------- master weights
 keep_master_through(
-    [aten.constant_pad_nd.default]
+    [aten.constant_pad_nd.default, aten.pad.default]
     + [
         op
         for name in (

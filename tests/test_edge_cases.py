@@ -85,6 +85,35 @@ def test_zero_padding_pads_per_row_scales_of_short_shards(rows):
     assert _unchanged(before, t)
 
 
+@pytest.mark.parametrize("rows", [0, 1, 3])
+def test_aten_pad_keeps_fp8(rows):
+    """``aten.pad`` (what ``F.pad`` calls) reaches the op table itself below autograd, where DTensor runs its local
+    ops (DTensor pads uneven shards with ``F.pad`` before an all-gather). It pads like ``constant_pad_nd``: fp8 zeros,
+    per-row scales padded with ones. It used to come back dequantized, so a rank whose shard needed padding sent a
+    plain all-gather while the others sent fp8 ones (a hang on gloo, torch 2.14, ``.t()`` of an unevenly sharded fp8
+    DTensor). Other modes and non-zero values dequantize."""
+    import torch.nn.functional as F
+
+    x = torch.randn(rows, 5)
+    t = ScaledFp8Tensor.from_hp(x)
+    before = _snapshot(t)
+    for pad in ([0, 2], [0, 0, 0, 2], [0, 1, 0, 1]):
+        with torch._C._AutoDispatchBelowAutograd():  # as inside DTensor's dispatch
+            p = F.pad(t, pad)
+        ref = torch.ops.aten.constant_pad_nd.default(t, pad)
+        assert isinstance(p, ScaledFp8Tensor) and p.shape == ref.shape and p.scale.shape == ref.scale.shape
+        assert torch.equal(p.to_hp(), ref.to_hp())
+        want = torch.nn.functional.pad(t.to_hp(), pad)
+        assert torch.equal(p.to_hp(), want)
+    v = torch.ops.aten.pad.default(t, [0, 1], "constant", 2.0)
+    assert not isinstance(v, ScaledFp8Tensor) and torch.equal(v, torch.nn.functional.pad(t.to_hp(), [0, 1], value=2.0))
+    if rows:
+        r = torch.ops.aten.pad.default(t.unsqueeze(0), [1, 1], "replicate")
+        assert not isinstance(r, ScaledFp8Tensor)
+        assert torch.equal(r, torch.nn.functional.pad(t.to_hp().unsqueeze(0), [1, 1], mode="replicate"))
+    assert _unchanged(before, t)
+
+
 # ============================================================================================ 2. zero tokens
 def _fp64_linear(x, w, b):
     return x.double() @ w.double().t() + b.double()

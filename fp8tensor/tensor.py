@@ -69,9 +69,14 @@ def _writes_into_fp8(func, args, kwargs) -> bool:
     return False
 
 
+_IMPLICIT = torch._C.DispatchKey.CompositeImplicitAutograd
+
+
 def _dispatch(cls, func, types, args=(), kwargs=None):
     """``__torch_dispatch__`` of ScaledFp8Tensor: the op table; ops not in it:
 
+    * composite ops (a ``CompositeImplicitAutograd`` kernel; they arrive here only below autograd): decomposed, as
+      the dispatcher does above autograd;
     * out-of-place: run on the dequantized tensors, return plain tensors;
     * in-place or ``out=`` writing into a ScaledFp8Tensor, and collectives: ``NotImplementedError`` naming the op
       (in-place arithmetic says to train with a high-precision master weight instead).
@@ -80,6 +85,13 @@ def _dispatch(cls, func, types, args=(), kwargs=None):
     handler = OP_TABLE.get(func)
     if handler is not None:
         return handler(func, args, kwargs)
+    if func.has_kernel_for_dispatch_key(_IMPLICIT):
+        # A composite op (chunk, narrow, contiguous, pad, ...) reaches a subclass only below autograd, where DTensor
+        # runs its local ops; above autograd the dispatcher decomposes it first. Decompose it here the same way, so
+        # the table sees the ops it is made of instead of dequantizing.
+        out = func.decompose(*args, **kwargs)
+        if out is not NotImplemented:
+            return out
     name = str(func)
     if func.namespace in _COLLECTIVE_NAMESPACES:
         raise NotImplementedError(f"ScaledFp8Tensor: collective op {name} is not implemented for fp8 data and scales")

@@ -114,6 +114,28 @@ def test_aten_pad_keeps_fp8(rows):
     assert _unchanged(before, t)
 
 
+@pytest.mark.parametrize("shape,chunks", [((6, 4), 3), ((5, 3), 2), ((1, 4), 3), ((0, 4), 2), ((4, 0), 3)])
+def test_chunk_below_autograd_keeps_fp8(shape, chunks):
+    """``torch.chunk`` and ``narrow`` reach the op table itself below autograd, where DTensor runs its local ops (a gather along
+    dim 1 chunks and concatenates). It splits like ``torch.chunk`` on the dequantized tensor, along rows and columns,
+    for row-scaled and column-scaled (``w.T``) tensors; it used to come back dequantized."""
+    for t in (ScaledFp8Tensor.from_hp(torch.randn(*shape)), ScaledFp8Tensor.from_hp(torch.randn(*shape[::-1])).t()):
+        for dim in (0, 1):
+            with torch._C._AutoDispatchBelowAutograd():  # as inside DTensor's dispatch
+                got = torch.chunk(t, chunks, dim)
+            want = torch.chunk(t.to_hp(), chunks, dim)
+            assert len(got) == len(want), (shape, chunks, dim)
+            for g, w in zip(got, want):
+                assert isinstance(g, ScaledFp8Tensor) and torch.equal(g.to_hp(), w), (shape, chunks, dim)
+            n = t.shape[dim]
+            for start, length in ((0, n), (n // 2, n - n // 2), (-n, n // 2)):  # narrow (DTensor unpads with it)
+                if n == 0 and start < 0:
+                    continue
+                with torch._C._AutoDispatchBelowAutograd():
+                    g = t.narrow(dim, start, length)
+                assert isinstance(g, ScaledFp8Tensor) and torch.equal(g.to_hp(), t.to_hp().narrow(dim, start, length))
+
+
 # ============================================================================================ 2. zero tokens
 def _fp64_linear(x, w, b):
     return x.double() @ w.double().t() + b.double()

@@ -87,44 +87,39 @@ def main(argv=None) -> None:
     def weighted(times):
         return sum(times[s] * n for s, n in shapes.items())
 
-    amax_cfgs = [dict(amax_block_k=bk, amax_block_m=bm, amax_chunk_m=bm * r, amax_warps=w)
-                 for bk, bm, r, w in itertools.product((32, 64, 128), (32, 64, 128, 256), (1, 2, 4, 8), (4, 8))
-                 if bm * r <= 1024]
-    rows = []
-    for c in amax_cfgs:
-        times = {}
-        for s, x in xs.items():
-            run, amax = amax_fn(x, c)
-            run()
-            if not torch.equal(amax, ref[s][0]):
-                raise AssertionError(f"amax differs for {c} at {s}")
-            times[s] = t_us(run)
-        rows.append((weighted(times), c, times))
-    rows.sort(key=lambda r: r[0])
-    cur = next(r for r in rows if all(r[1][k] == kernels.CONFIG[k] for k in r[1]))
-    print("| amax config | µs per layer (weighted) | " + " | ".join(f"{m}×{k}" for m, k in shapes) + " |")
-    print("|---|---|" + "---|" * len(shapes))
-    for w, c, times in rows[: a.top] + [(cur[0], {**cur[1], "current": True}, cur[2])]:
-        print(f"| {c} | {w:.1f} | " + " | ".join(f"{times[s]:.1f}" for s in shapes) + " |")
+    def sweep(name, cfgs, bench):
+        """Time ``bench(config, shape, x)`` (which also checks the bits) for every config; print the best and the
+        current config, weighted per layer."""
+        rows = []
+        for c in cfgs:
+            times = {s: bench(c, s, x) for s, x in xs.items()}
+            rows.append((weighted(times), c, times))
+        rows.sort(key=lambda r: r[0])
+        cur = next(r for r in rows if all(r[1][k] == kernels.CONFIG[k] for k in r[1]))
+        print(f"\n| {name} config | µs per layer (weighted) | " + " | ".join(f"{m}×{k}" for m, k in shapes) + " |")
+        print("|---|---|" + "---|" * len(shapes))
+        for w, c, times in rows[: a.top] + [(cur[0], {**cur[1], "current": True}, cur[2])]:
+            print(f"| {c} | {w:.1f} | " + " | ".join(f"{times[s]:.1f}" for s in shapes) + " |")
 
-    cast_cfgs = [dict(cast_block_m=bm, cast_block_k=bk, cast_warps=w)
-                 for bm, bk, w in itertools.product((32, 64, 128), (64, 128, 256), (4, 8))]
-    rows = []
-    for c in cast_cfgs:
-        times = {}
-        for s, x in xs.items():
-            crun, q, sc = cast_fn(x, c, ref[s][0])
-            crun()
-            if not (torch.equal(q.view(torch.uint8), ref[s][1]) and torch.equal(sc, ref[s][2])):
-                raise AssertionError(f"cast differs for {c} at {s}")
-            times[s] = t_us(crun)
-        rows.append((weighted(times), c, times))
-    rows.sort(key=lambda r: r[0])
-    cur = next(r for r in rows if all(r[1][k] == kernels.CONFIG[k] for k in r[1]))
-    print("\n| cast config | µs per layer (weighted) | " + " | ".join(f"{m}×{k}" for m, k in shapes) + " |")
-    print("|---|---|" + "---|" * len(shapes))
-    for w, c, times in rows[: a.top] + [(cur[0], {**cur[1], "current": True}, cur[2])]:
-        print(f"| {c} | {w:.1f} | " + " | ".join(f"{times[s]:.1f}" for s in shapes) + " |")
+    def bench_amax(c, s, x):
+        run, amax = amax_fn(x, c)
+        run()
+        if not torch.equal(amax, ref[s][0]):
+            raise AssertionError(f"amax differs for {c} at {s}")
+        return t_us(run)
+
+    def bench_cast(c, s, x):
+        crun, q, sc = cast_fn(x, c, ref[s][0])
+        crun()
+        if not (torch.equal(q.view(torch.uint8), ref[s][1]) and torch.equal(sc, ref[s][2])):
+            raise AssertionError(f"cast differs for {c} at {s}")
+        return t_us(crun)
+
+    sweep("amax", [dict(amax_block_k=bk, amax_block_m=bm, amax_chunk_m=bm * r, amax_warps=w)
+                   for bk, bm, r, w in itertools.product((32, 64, 128), (32, 64, 128, 256), (1, 2, 4, 8), (4, 8))
+                   if bm * r <= 1024], bench_amax)
+    sweep("cast", [dict(cast_block_m=bm, cast_block_k=bk, cast_warps=w)
+                   for bm, bk, w in itertools.product((32, 64, 128), (64, 128, 256), (4, 8))], bench_cast)
 
 
 if __name__ == "__main__":

@@ -154,6 +154,38 @@ def tp_wrap(lin, mesh):
     return wrapper
 
 
+def profile_setup(name, D, dev, dtype, args, x, gy, steps=200):
+    """cProfile ``steps`` forward+backward steps of one setup (``lib``, ``bare``, ``lib_compiled``,
+    ``bare_compiled``) and print its top 30 functions by own time."""
+    import cProfile
+    import pstats
+
+    torch._dynamo.reset()
+    if name in ("lib", "bare"):
+        lin = make_linear(D, dev, dtype)
+        mod = convert(lin, args.recipe) if name == "lib" else BareFp8Linear(lin)
+    elif name in ("lib_compiled", "bare_compiled"):
+        lins = [make_linear(D, dev, dtype, seed=i) for i in range(args.layers)]
+        if name == "lib_compiled":
+            mod = torch.compile(convert(nn.Sequential(*lins), args.recipe))
+        else:
+            mod = torch.compile(nn.Sequential(*[BareFp8Linear(m) for m in lins]))
+    else:
+        raise ValueError(f"host_overhead --profile: unknown setup {name!r}")
+    step = fwd_bwd(mod, x, gy)
+    for _ in range(10):
+        step()
+    _sync(dev)
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(steps):
+        step()
+    _sync(dev)
+    pr.disable()
+    print(f"\n## cProfile: {name}, {steps} steps")
+    pstats.Stats(pr).sort_stats("tottime").print_stats(30)
+
+
 # ------------------------------------------------------------------------------------------------ main
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -166,7 +198,9 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--inner", type=int, default=20)
     p.add_argument("--only", default="eager,dtensor,compiled")
-    p.add_argument("--profile", action="store_true", help="cProfile 200 eager converted steps (top 30 by tottime)")
+    p.add_argument("--profile", nargs="?", const="lib", default="",
+                   help="cProfile 200 steps of each listed setup (comma-separated: lib, bare, lib_compiled, "
+                        "bare_compiled; default lib) and print the top 30 functions by own time")
     args = p.parse_args(argv)
     dev = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
@@ -192,18 +226,6 @@ def main(argv=None):
         rows.append(("bf16 nn.Linear (reference only)", bf16, bf16, 1.0, ""))
         if "eager" in only:
             row("eager: converted Linear vs bare", lib, bare)
-        if args.profile:
-            import cProfile
-            import pstats
-
-            step = fwd_bwd(conv, x, gy)
-            pr = cProfile.Profile()
-            pr.enable()
-            for _ in range(200):
-                step()
-            _sync(dev)
-            pr.disable()
-            pstats.Stats(pr).sort_stats("tottime").print_stats(30)
         if "dtensor" in only:
             mesh = one_rank_mesh(dev)
             bf16_dt = T(fwd_bwd(tp_wrap(make_linear(D, dev, dtype), mesh), x, gy))
@@ -220,6 +242,10 @@ def main(argv=None):
         lib_stack = torch.compile(convert(lib_mods, args.recipe))
         lib = T(fwd_bwd(lib_stack, x, gy))
         row(f"compiled: stack of {args.layers} converted Linears vs bare", lib, ref)
+
+    if args.profile:
+        for name in args.profile.split(","):
+            profile_setup(name, D, dev, dtype, args, x, gy)
 
     gpu = torch.cuda.get_device_name(dev) if cuda else "cpu"
     env = f"{time.strftime('%Y-%m-%d')} · {gpu} · torch {torch.__version__}"

@@ -209,7 +209,7 @@ def scaled_mm(
 
     # cuBLAS needs K and N multiples of 16 and 16-byte aligned leading dims: zero-pad (zeros add nothing).
     Np = N
-    if a8.device.type == "cuda":
+    if a8.is_cuda:
         Kp, Np = _pad_to(K), _pad_to(N)
         if Kp != K or a8.stride(0) % 16:
             a_p = torch.zeros(M, Kp, dtype=a8.dtype, device=a8.device)

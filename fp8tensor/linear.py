@@ -18,7 +18,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import kernels
-from .gemm import fp8_mm
+from .gemm import _check_mm_args, fp8_mm, scaled_mm
 from .ops import t_view
 from .quantize import _LIB, E4M3, quantize, quantize_dim0_t_after, quantize_tokens
 from .recipes import Recipe, get_recipe
@@ -192,9 +192,10 @@ def _(q, after):
 
 
 def _transpose_after(q: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
-    """``fp8tensor::transpose_after``; eager CUDA calls launch the kernel directly (no dispatcher round trip)."""
-    if kernels.eager_launch_ok(q) and kernels.eager_launch_ok(after) and kernels.transpose_available(q):
-        return kernels.launch_transpose(q)
+    """``fp8tensor::transpose_after``; eager calls on plain tensors run its body directly (no dispatcher round
+    trip)."""
+    if kernels.eager_launch_ok(q) and kernels.eager_launch_ok(after):
+        return _transpose_after_impl(q, after)  # eager: the op's body (the kernel on CUDA), no dispatcher trip
     return torch.ops.fp8tensor.transpose_after(q, after)
 
 
@@ -232,6 +233,101 @@ def _weight_for_grad_input(weight: torch.Tensor, gy: torch.Tensor, fast: bool, r
     return _quantize(weight, 0, fast, recipe.float8_dtype)
 
 
+# ---------------------------------------------------------------------------------------------- eager plain path
+#: Run eager Linears on plain tensors through :func:`_forward_parts` / :func:`_backward_parts` (the same quantizations
+#: and ``scaled_mm`` calls as the general path, on ``(qdata, scale)`` pairs: no transient ScaledFp8Tensors and no
+#: dispatch through ``fp8_mm``). False: always the general path (same bits).
+EAGER_PARTS = True
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _eager_plain(t: torch.Tensor) -> bool:
+    """``t`` is a plain tensor and nothing traces or intercepts ops (no compile, no dispatch or torch-function mode,
+    autograd not recording): what :func:`_direct` asks of a GEMM, for the whole Linear."""
+    return (
+        EAGER_PARTS
+        and not torch.compiler.is_compiling()  # first: dynamo folds it
+        and type(t) in _PLAIN
+        and not torch.is_grad_enabled()
+        and torch._C._len_torch_dispatch_stack() == 0
+        and torch._C._len_torch_function_stack() == 0
+    )
+
+
+def _rowwise_fp8_weight(weight: torch.Tensor) -> bool:
+    """A 2-D ScaledFp8Tensor scaled per row (scale ``(N, 1)``, or one ``(1, 1)`` scale): the FSDP2-gathered or
+    frozen fp8 weight the plain path takes."""
+    return type(weight) is ScaledFp8Tensor and weight.dim() == 2 and weight.scale.shape[1] == 1 and \
+        type(weight.qdata) is torch.Tensor
+
+
+def _forward_parts(x2: torch.Tensor, weight: torch.Tensor, wd: torch.Tensor, recipe: Recipe) -> Optional[torch.Tensor]:
+    """The output GEMM ``x2 @ W^T`` ``(M, N)`` of an eager Linear on plain tensors, or None where the general path
+    must run (DTensors, subclasses other than the master / a row-scaled fp8 weight, tracing, modes).
+
+    Same bits as the general path: ``W`` quantized per row (a row-scaled fp8 weight used as it is), ``x2`` per row
+    in e4m3 (what ``fp8_mm`` does with a high-precision operand), one ``scaled_mm`` with the forward's fast
+    accumulation and the promoted dtype of ``x2`` and the weight."""
+    if not _eager_plain(x2):
+        return None
+    if type(weight) is ScaledFp8Tensor:
+        if not _rowwise_fp8_weight(weight):
+            return None
+        wq_t, ws_t, w_dtype = weight.qdata.t(), weight.scale.t(), weight.dtype
+    elif type(wd) in _PLAIN and (wd is weight or isinstance(weight, QuantizeOnUse)):
+        q, s = quantize(wd, -1, recipe.float8_dtype, gemm_layout=True)
+        wq_t, ws_t, w_dtype = q.t(), s.t(), wd.dtype
+    else:
+        return None
+    _check_mm_args("aten.mm", x2, wq_t)
+    xq, xs = quantize(x2, 1, E4M3, gemm_layout=True)
+    return scaled_mm(xq, xs, wq_t, ws_t, torch.promote_types(x2.dtype, w_dtype),
+                     use_fast_accum=recipe.fast_accum_forward)
+
+
+def _grad_input_parts(g2: torch.Tensor, grad_out: torch.Tensor, weight: torch.Tensor, recipe: Recipe
+                      ) -> Optional[torch.Tensor]:
+    """``grad_x = g2 @ W`` ``(M, K)`` of an eager Linear on plain tensors, or None (general path). Same bits as
+    :func:`_weight_for_grad_input` + ``fp8_mm``: a high-precision weight quantized per input column after
+    ``grad_out``; a row-scaled fp8 weight transposed after ``grad_out`` with its row scales folded into ``g2``."""
+    fast = recipe.fast_accum_backward
+    if type(weight) is ScaledFp8Tensor:
+        if not (WEIGHT_AFTER_GRAD and _rowwise_fp8_weight(weight) and weight.qdata.stride(1) == 1):
+            return None
+        s = weight.scale
+        b8 = _transpose_after(weight.qdata, grad_out).t()
+        out_dtype = torch.promote_types(g2.dtype, weight.dtype)
+        if s.shape[0] != 1:  # scale folding, as fp8_mm: (g2 diag(s)) @ W8
+            g2 = g2.to(torch.float32) * s.reshape(1, -1)
+            s = s.new_ones(1, b8.shape[1])
+    else:
+        w = weight._data if isinstance(weight, QuantizeOnUse) else weight
+        if not (WEIGHT_AFTER_GRAD and type(w) in _PLAIN and w.dim() == 2 and w.dtype.is_floating_point):
+            return None
+        qt, st = quantize_dim0_t_after(w, grad_out, recipe.float8_dtype)
+        b8, s, out_dtype = qt.t(), st.t(), torch.promote_types(g2.dtype, w.dtype)
+    a8, sa = quantize(g2, 1, E4M3, gemm_layout=True)
+    return scaled_mm(a8, sa, b8, s, out_dtype, use_fast_accum=fast)
+
+
+def _grad_weight_parts(g2: torch.Tensor, grad_out: torch.Tensor, x_saved: torch.Tensor, recipe: Recipe
+                       ) -> Optional[torch.Tensor]:
+    """``grad_w = g2^T @ x`` ``(N, K)`` of the ``rowwise`` recipe on plain tensors, from the saved fp8 ``x`` (scaled
+    per input feature), or None (general path). Same bits as the general path: ``grad_out`` quantized per output
+    feature over the tokens (the dim-0 kernels, else ``fp8_mm``'s quantization of ``g2^T``)."""
+    if not (type(x_saved) is ScaledFp8Tensor and x_saved.dim() == 2 and x_saved.scale.shape[0] == 1
+            and type(x_saved.qdata) is torch.Tensor):
+        return None
+    hit = quantize_tokens(grad_out, E4M3) if grad_out.dim() >= 2 else None
+    if hit is not None:
+        a8, sa = hit[0].t(), hit[1].t()
+    else:
+        a8, sa = quantize(g2.t(), 1, E4M3, gemm_layout=True)
+    return scaled_mm(a8, sa, x_saved.qdata, x_saved.scale, torch.promote_types(grad_out.dtype, x_saved.dtype),
+                     use_fast_accum=recipe.fast_accum_backward and x_saved.fast_accum)
+
+
 class _Fp8Linear(torch.autograd.Function):
     """``y = x @ W^T + b`` with all GEMMs in fp8 per the recipe; see the module docstring.
 
@@ -250,13 +346,16 @@ class _Fp8Linear(torch.autograd.Function):
         K = x.shape[-1]
         N = wd.shape[0]
         x2 = x.reshape(-1, K)
-        w8t = _weight_t_direct(weight, recipe.fast_accum_forward, recipe.float8_dtype) if type(x2) in _DIRECT_TYPES else None
-        if w8t is not None:  # (argument checks kept: the devices and dtypes of x are not checked before this)
-            out = fp8_mm(x2, w8t, op="aten.mm")
-        else:
-            w8t = _quantize(weight, -1, recipe.fast_accum_forward, recipe.float8_dtype).t()
-            out = torch.mm(x2, w8t)
-        del w8t
+        out = _forward_parts(x2, weight, wd, recipe)
+        eager_out = out is not None
+        if out is None:
+            w8t = _weight_t_direct(weight, recipe.fast_accum_forward, recipe.float8_dtype) if type(x2) in _DIRECT_TYPES else None
+            if w8t is not None:  # (argument checks kept: the devices and dtypes of x are not checked before this)
+                out = fp8_mm(x2, w8t, op="aten.mm")
+            else:
+                w8t = _quantize(weight, -1, recipe.fast_accum_forward, recipe.float8_dtype).t()
+                out = torch.mm(x2, w8t)
+            del w8t
         if bias is not None:
             out = out + bias
         ctx.recipe = recipe
@@ -270,6 +369,8 @@ class _Fp8Linear(torch.autograd.Function):
         ctx.save_for_backward(x_saved, weight if ctx.needs_input_grad[0] else None)
         # Not a view of ``out`` (as F.linear's output is not): FSDP2 hooks the module output for backward, and an
         # in-place op on a view output would drop that hook (torch warns about it).
+        if eager_out and x.dim() == 2 and not out._is_view():  # already (M, N), and not a view
+            return out
         return torch.ops.aten._unsafe_view(out, (*x.shape[:-1], N))
 
     @staticmethod
@@ -279,13 +380,20 @@ class _Fp8Linear(torch.autograd.Function):
         g2 = grad_out.reshape(-1, ctx.n_out)
         fast = recipe.fast_accum_backward
         grad_x = grad_w = grad_b = None
+        parts = _eager_plain(grad_out)
         if ctx.needs_input_grad[0]:
-            # ``grad_out`` itself (not its reshape) orders the weight operand after it: see _tokens_fp8
-            w_b = _weight_for_grad_input(weight, grad_out, fast, recipe)
-            grad_x = _mm(g2, w_b).reshape(ctx.x_shape)
-            del w_b  # the transient fp8 operands die with their GEMM
+            grad_x = _grad_input_parts(g2, grad_out, weight, recipe) if parts else None
+            if grad_x is None:
+                # ``grad_out`` itself (not its reshape) orders the weight operand after it: see _tokens_fp8
+                w_b = _weight_for_grad_input(weight, grad_out, fast, recipe)
+                grad_x = _mm(g2, w_b)
+                del w_b  # the transient fp8 operands die with their GEMM
+            grad_x = grad_x.reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            if recipe.grad_weight_fp8:
+            grad_w = _grad_weight_parts(g2, grad_out, x_saved, recipe) if parts and recipe.grad_weight_fp8 else None
+            if grad_w is not None:
+                pass
+            elif recipe.grad_weight_fp8:
                 # gy^T (N, M) quantized per output feature over the tokens: from grad_out itself on CUDA (as x in
                 # forward, see _tokens_fp8), else by fp8_mm; the same bits. Nothing derived from grad_out goes through
                 # map_local: under torch.compile the backward of an autograd.Function is traced with grad placements

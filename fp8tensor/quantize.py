@@ -340,11 +340,11 @@ def quantize_dim0_t_after(
 
     Used for the grad_input operand of a master weight: computed from the weight alone, the compiled partitioner
     would move the quantization into the forward graph and keep an fp8 copy of every master weight until backward;
-    taking ``grad_out`` as ``after`` pins it to the backward, right before its GEMM. Eager CUDA calls launch the
-    kernels directly (no dispatcher round trip)."""
-    if (kernels.eager_launch_ok(w) and kernels.eager_launch_ok(after) and kernels.kernel_available(w)
+    taking ``grad_out`` as ``after`` pins it to the backward, right before its GEMM. Eager calls on plain tensors run
+    the op's body directly (no dispatcher round trip; on CUDA the kernels are launched from there)."""
+    if (kernels.eager_launch_ok(w) and kernels.eager_launch_ok(after)
             and not (w.requires_grad and torch.is_grad_enabled())):
-        return kernels.launch_dim0_t(w, float8_dtype, SCALE_FLOOR)
+        return _quantize_columns_after_impl(w, after, float8_dtype)  # eager: the op's body, no dispatcher trip
     return torch.ops.fp8tensor.quantize_columns_after(w, after, float8_dtype)
 
 

@@ -1,0 +1,121 @@
+"""The eager fp8 Linear's plain-tensor path (``fp8tensor.linear.EAGER_PARTS``) gives the same bits as the general path.
+
+The plain path runs the same quantizations and ``scaled_mm`` calls on ``(qdata, scale)`` pairs instead of building
+ScaledFp8Tensors and dispatching through ``fp8_mm``; outputs and all gradients must be bit-identical, and both must
+track a float64 reference within fp8 precision. Also checks that the plain path is really taken (no ``fp8_mm`` call)
+and that anything it does not take (a DTensor-free but column-scaled fp8 weight) still works.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fp8tensor
+from fp8tensor import gemm as gemm_mod
+from fp8tensor import linear as linear_mod
+from fp8tensor.tensor import ScaledFp8Tensor
+
+from conftest import E4M3_GEMM_BOUND, rel_err
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _run(parts: bool, make, x, gy, monkeypatch):
+    monkeypatch.setattr(linear_mod, "EAGER_PARTS", parts)
+    lin = make()
+    xr = x.detach().clone().requires_grad_(x.requires_grad)
+    y = lin(xr)
+    y.backward(gy)
+    grads = [p.grad for p in lin.parameters() if p.requires_grad]
+    return y.detach(), (xr.grad if xr.requires_grad else None), grads
+
+
+def _linear(k, n, dtype, bias, seed):
+    """The same initial Linear for a given seed (drawn in float32, then cast to ``dtype``)."""
+    gen = torch.Generator().manual_seed(seed)
+    lin = nn.Linear(k, n, bias=bias)
+    with torch.no_grad():
+        for p in lin.parameters():
+            p.uniform_(-k ** -0.5, k ** -0.5, generator=gen)
+    return lin.to(device=DEV, dtype=dtype)
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_gw_hp"])
+@pytest.mark.parametrize("shape", [(16,), (0,), (1,), (2, 7)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_master_weight_linear_bit_identical(recipe, shape, bias, dtype, monkeypatch, _fresh_seed):
+    K, N = 64, 48
+    seed = _fresh_seed
+    x = torch.randn(*shape, K, device=DEV, dtype=dtype, requires_grad=True)
+    gy = torch.randn(*shape, N, device=DEV, dtype=dtype)
+
+    def make():
+        return fp8tensor.convert_to_fp8(_linear(K, N, dtype, bias, seed), recipe=recipe)
+
+    calls = []
+    real = gemm_mod.fp8_mm
+    monkeypatch.setattr(linear_mod, "fp8_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    y1, gx1, g1 = _run(True, make, x, gy, monkeypatch)
+    assert calls == [], "the plain path went through fp8_mm"
+    y0, gx0, g0 = _run(False, make, x, gy, monkeypatch)
+    assert torch.equal(y1, y0) and torch.equal(gx1, gx0)
+    assert len(g1) == len(g0) and all(torch.equal(a, b) for a, b in zip(g1, g0))
+    if x.numel():  # and both track the float64 math (e4m3: 2^-4 relative rounding per operand)
+        ref_lin = _linear(K, N, torch.float64, bias, seed)
+        xd = x.detach().double().requires_grad_()
+        yd = ref_lin(xd)
+        yd.backward(gy.double())
+        assert rel_err(y1, yd) <= E4M3_GEMM_BOUND
+        assert rel_err(gx1, xd.grad) <= E4M3_GEMM_BOUND
+        assert rel_err(g1[0], ref_lin.weight.grad) <= E4M3_GEMM_BOUND
+
+
+@pytest.mark.parametrize("shape", [(16,), (3, 5)])
+def test_frozen_fp8_weight_bit_identical(shape, monkeypatch, _fresh_seed):
+    """A frozen row-scaled fp8 weight (``quantize_weights``): forward and the input gradient (scale folding)."""
+    K, N, dtype = 64, 32, torch.bfloat16
+    seed = _fresh_seed
+    x = torch.randn(*shape, K, device=DEV, dtype=dtype, requires_grad=True)
+    gy = torch.randn(*shape, N, device=DEV, dtype=dtype)
+
+    def make():
+        lin = _linear(K, N, dtype, True, seed)
+        fp8tensor.quantize_weights(lin)
+        assert type(lin.weight) is ScaledFp8Tensor
+        return lin
+
+    y1, gx1, g1 = _run(True, make, x, gy, monkeypatch)
+    y0, gx0, g0 = _run(False, make, x, gy, monkeypatch)
+    assert torch.equal(y1, y0) and torch.equal(gx1, gx0)
+    assert all(torch.equal(a, b) for a, b in zip(g1, g0))  # the bias gradient
+    ref = _linear(K, N, torch.float64, True, seed)
+    xd = x.detach().double().requires_grad_()
+    ref(xd).backward(gy.double())
+    assert rel_err(gx1, xd.grad) <= E4M3_GEMM_BOUND
+
+
+def test_column_scaled_fp8_weight_takes_general_path(monkeypatch):
+    """An fp8 weight scaled per input column is not the plain path's case: the general path runs (and is right)."""
+    K, N = 64, 32
+    w = torch.randn(N, K, device=DEV, dtype=torch.bfloat16)
+    q, s = fp8tensor.quantize.quantize_rowwise(w, dim=0)  # one scale per column, (1, K)
+    w8 = ScaledFp8Tensor(q, s, torch.bfloat16)
+    x = torch.randn(8, K, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    calls = []
+    real = gemm_mod.fp8_mm
+    monkeypatch.setattr(linear_mod, "fp8_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    y = fp8tensor.fp8_linear(x, w8)
+    assert calls, "a column-scaled weight must take the general path"
+    ref = x.detach().double() @ w.double().t()
+    assert rel_err(y, ref) <= E4M3_GEMM_BOUND
+
+
+def test_device_mismatch_error_names_op():
+    """The plain path keeps the general path's argument checks (same message)."""
+    if DEV != "cuda":
+        pytest.skip("needs two devices")
+    lin = fp8tensor.convert_to_fp8(nn.Linear(32, 16, bias=False, device="cuda", dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="aten.mm: operands are on different devices"):
+        lin(torch.randn(4, 32, dtype=torch.bfloat16))

@@ -52,6 +52,8 @@ Editing FSDP2's private state (conversion after ``fully_shard``, dropping FSDP2'
 """
 from __future__ import annotations
 
+import inspect
+import types
 import weakref
 from typing import NamedTuple, Optional
 
@@ -72,9 +74,50 @@ __all__ = [
     "FUSED",
     "PADDED",
     "LOCAL",
+    "pre_all_gather_hook",
 ]
 
 FUSED, PADDED, LOCAL = "fused", "padded", "local"
+
+
+class _BoundHook:
+    """``fsdp_pre_all_gather`` bound to one tensor (see :class:`pre_all_gather_hook`); subclasses carry the
+    ``__signature__`` FSDP2 reads."""
+
+    __slots__ = ("_fn", "_obj")
+
+    def __init__(self, fn, obj):
+        self._fn, self._obj = fn, obj
+
+    def __call__(self, *args, **kwargs):
+        return self._fn(self._obj, *args, **kwargs)
+
+
+class pre_all_gather_hook:
+    """Descriptor for a tensor subclass's ``fsdp_pre_all_gather`` method that makes FSDP2's per-call signature
+    check cheap.
+
+    FSDP2 calls ``inspect.signature(local.fsdp_pre_all_gather)`` before *every* pre-all-gather of every parameter
+    (``FSDPParam.all_gather_inputs``, to pick the 1- or 5-argument form). On a bound method that builds a new
+    ``Signature`` each time (dropping ``self``): several µs per parameter per all-gather, twice per block and step.
+    Here attribute access returns a small callable whose class holds the bound signature, which
+    ``inspect.signature`` returns as it is. Calls, ``hasattr`` and the signature are those of the bound method; while
+    ``torch.compile`` traces, a plain bound method is returned."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.__doc__ = fn.__doc__
+        self.__name__ = getattr(fn, "__name__", "fsdp_pre_all_gather")
+        sig = inspect.signature(fn)
+        bound = sig.replace(parameters=list(sig.parameters.values())[1:])
+        self._bound_cls = type("BoundPreAllGatherHook", (_BoundHook,), {"__slots__": (), "__signature__": bound})
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self.fn
+        if torch.compiler.is_compiling():
+            return types.MethodType(self.fn, obj)
+        return self._bound_cls(self.fn, obj)
 
 
 class _Meta(NamedTuple):
@@ -210,9 +253,9 @@ def check_rowwise_input(t: torch.Tensor, op: str) -> None:
 #: weak-referenceable key) and that group's sharded local tensors; ``(None, [])`` when ``local`` is in none. Set by
 #: fp8tensor.fsdp_state, which reads FSDP2's state; None: each weight is quantized on its own.
 _GROUP_FINDER = None
-#: group -> {id(master data): (data, data._version, qdata, scale)}: weights of the group quantized together with an
-#: earlier weight of the same pre-all-gather round, waiting for their own hook call.
-_PENDING: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+#: Attribute of a master weight holding ``(data, data._version, tag, result)``: its result from an earlier weight's
+#: launch over the whole FSDP2 parameter group in the same pre-all-gather round, until its own hook call takes it.
+_PENDING_ATTR = "_fp8tensor_pending"
 
 
 def register_group_finder(fn) -> None:
@@ -224,13 +267,37 @@ def register_group_finder(fn) -> None:
 
 class _Group(NamedTuple):
     group: object
-    datas: list
+    masters: list  # the master weights quantized together, ``master`` first
+    datas: list  # their high-precision data
     data: torch.Tensor
+
+
+def _take_pending(master, tag):
+    """``master``'s kept result from its group's earlier launch (tagged ``tag``), or None. A kept result is used only
+    by the same data at the same version (an optimizer step in between bumps the version: quantized again)."""
+    hit = master.__dict__.get(_PENDING_ATTR)
+    if hit is None:
+        return None
+    master.__dict__[_PENDING_ATTR] = None
+    data = master._data
+    if hit[0] is data and hit[1] == data._version and hit[2] == tag:
+        return hit[3]
+    return None
+
+
+def _keep_pending(found: "_Group", tag, results) -> None:
+    """Hand the later weights of a group launch their results (see :func:`_take_pending`)."""
+    for m, d, r in zip(found.masters[1:], found.datas[1:], results[1:]):
+        m.__dict__[_PENDING_ATTR] = (d, d._version, tag, r)
 
 
 def _group_and_datas(master, float8_dtype, tag):
     """The kept result of ``master`` from its group's earlier launch (tagged ``tag``), or ``_Group`` (the FSDP2
-    group and the high-precision data to quantize together, ``master``'s first), or None (no group, one weight)."""
+    group and the master weights and high-precision data to quantize together, ``master``'s first), or None (no
+    group, one weight)."""
+    hit = _take_pending(master, tag)  # first: the later weights of a group need no group lookup
+    if hit is not None:
+        return hit
     data = master._data
     try:
         group, locals_ = _GROUP_FINDER(master)
@@ -238,21 +305,17 @@ def _group_and_datas(master, float8_dtype, tag):
         return None
     if group is None:
         return None
-    pending = _PENDING.get(group)
-    if pending:
-        hit = pending.pop(id(data), None)
-        if hit is not None and hit[0] is data and hit[1] == data._version and hit[2] == tag:
-            return hit[3]
-    datas = [data]
+    masters, datas = [master], [data]
     for t in locals_:
         if t is master or type(t) is not type(master) or getattr(t.recipe, "float8_dtype", E4M3) != float8_dtype:
             continue
         d = t._data
         if d.dtype == data.dtype and d.device == data.device and d.numel() > 0 and d.ndim >= 2:
+            masters.append(t)
             datas.append(d)
     if len(datas) < 2:
         return None
-    return _Group(group, datas, data)
+    return _Group(group, masters, datas, data)
 
 
 def _group_quantized(master, float8_dtype, packed: bool):
@@ -270,14 +333,14 @@ def _group_quantized(master, float8_dtype, packed: bool):
     found = _group_and_datas(master, float8_dtype, packed)
     if not isinstance(found, _Group):
         return found
-    group, datas, data = found
+    datas, data = found.datas, found.data
     if packed:
         bufs = packed_buffers([(tuple(d.shape), (*d.shape[:-1], 1)) for d in datas], float8_dtype, data.device)
         quantize_group(datas, float8_dtype, out=[(q, s) for _, q, s in bufs])
         results = [(q, s, region) for region, q, s in bufs]
     else:
         results = [(q, s, None) for q, s in quantize_group(datas, float8_dtype)]
-    _PENDING[group] = {id(d): (d, d._version, packed, r) for d, r in zip(datas[1:], results[1:])}
+    _keep_pending(found, packed, results)
     return results[0]
 
 
@@ -314,7 +377,7 @@ def _local_group_payload(master, float8_dtype):
     found = _group_and_datas(master, float8_dtype, LOCAL)
     if not isinstance(found, _Group):
         return found
-    group, datas, data = found
+    group, datas, data = found.group, found.datas, found.data
     layout = (float8_dtype, tuple((tuple(d.shape), d.dtype) for d in datas))
     plan = _LOCAL_PLANS.get(group)
     if plan is None or plan[0] != layout:
@@ -335,7 +398,7 @@ def _local_group_payload(master, float8_dtype):
             q.copy_(qd)
             sc.copy_(sd)
     results = [((flat[o:o + n],), meta) for o, n, _, _, meta, _ in entries]
-    _PENDING[group] = {id(d): (d, d._version, LOCAL, r) for d, r in zip(datas[1:], results[1:])}
+    _keep_pending(found, LOCAL, results)
     return results[0]
 
 

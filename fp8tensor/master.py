@@ -6,7 +6,6 @@ quantizes its local rows before the all-gather (payload in :mod:`fp8tensor.fsdp`
 """
 from __future__ import annotations
 
-import inspect
 import warnings
 
 import torch
@@ -154,13 +153,13 @@ class Fp8MasterWeight(torch.Tensor, QuantizeOnUse):
         return out
 
     # FSDP2 all-gather extension: quantize local rows, gather fp8 data + row scales.
+    @_payload.pre_all_gather_hook
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         return _payload.master_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         return fsdp_post_all_gather(all_gather_outputs, metadata, param_dtype, out=out)
 
-    fsdp_pre_all_gather.__signature__ = inspect.signature(fsdp_pre_all_gather)  # see ScaledFp8Tensor's
 
     def __reduce_ex__(self, protocol):
         # Pickles as the plain high-precision tensor: a checkpoint never needs fp8tensor to load.

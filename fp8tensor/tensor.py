@@ -7,7 +7,6 @@ What each aten op does to the scale is in :mod:`fp8tensor.ops` (the non-GEMM op 
 """
 from __future__ import annotations
 
-import inspect
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -405,6 +404,7 @@ class ScaledFp8Tensor(torch.Tensor):
         )
 
     # ------------------------------------------------------------------ FSDP2 all-gather extension
+    @_payload.pre_all_gather_hook
     @torch.no_grad()
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         """FSDP2 hook: all-gather the fp8 rows and their scales as stored (see :mod:`fp8tensor.fsdp`).
@@ -420,10 +420,6 @@ class ScaledFp8Tensor(torch.Tensor):
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         """FSDP2 hook: the unsharded ScaledFp8Tensor from the gathered rows and scales (see :mod:`fp8tensor.fsdp`)."""
         return fsdp_post_all_gather(all_gather_outputs, metadata, param_dtype, out=out)
-
-    # FSDP2 reads ``inspect.signature(local.fsdp_pre_all_gather)`` before every call (to pick the 1- or 5-argument
-    # form); a precomputed ``__signature__`` makes that a lookup instead of a parse.
-    fsdp_pre_all_gather.__signature__ = inspect.signature(fsdp_pre_all_gather)
 
     # ------------------------------------------------------------------ serialization
     def __reduce_ex__(self, protocol):

@@ -175,3 +175,44 @@ def test_local_group_payload_layout_and_kept_results():
             assert torch.equal(buf, payload.pack(qr, sr))
     finally:
         payload.register_group_finder(fsdp_state._group_locals)
+
+
+def test_pre_all_gather_hook_signature_is_prebuilt():
+    """FSDP2 reads ``inspect.signature(local.fsdp_pre_all_gather)`` before every call: the hook hands back one
+    prebuilt 5-argument signature (no new ``Signature`` per call) and calls through to the method."""
+    import inspect
+
+    from fp8tensor import ScaledFp8Tensor
+    from fp8tensor.master import Fp8MasterWeight
+
+    for t in (Fp8MasterWeight(torch.randn(8, 16)), ScaledFp8Tensor.from_hp(torch.randn(8, 16))):
+        sig = inspect.signature(t.fsdp_pre_all_gather)
+        assert list(sig.parameters) == ["mesh", "outer_size", "outer_stride", "module", "mp_policy"]
+        assert inspect.signature(t.fsdp_pre_all_gather) is sig
+        assert hasattr(t, "fsdp_pre_all_gather") and callable(type(t).fsdp_pre_all_gather)
+    # calls reach the method (its own input check), for both classes
+    with pytest.raises(NotImplementedError, match="Fp8MasterWeight.fsdp_pre_all_gather"):
+        Fp8MasterWeight(torch.randn(8)).fsdp_pre_all_gather(None, (8,), (1,), None, None)
+    with pytest.raises(NotImplementedError, match="ScaledFp8Tensor.fsdp_pre_all_gather"):
+        ScaledFp8Tensor.from_hp(torch.randn(8, 16))[0].fsdp_pre_all_gather(None, (16,), (1,), None, None)
+
+
+def test_kept_result_not_served_after_data_swap():
+    """A kept group result belongs to the data it was computed from: after ``w.data = new`` (a new ``_data``) the
+    weight is quantized again."""
+    from fp8tensor import fsdp as payload
+    from fp8tensor import fsdp_state
+    from fp8tensor.master import Fp8MasterWeight
+    from fp8tensor.quantize import quantize
+
+    ws = [Fp8MasterWeight(torch.randn(n, 32)) for n in (16, 24)]
+    key = nn.Linear(1, 1)
+    payload.register_group_finder(lambda local: (key, ws))
+    try:
+        payload._group_quantized(ws[0], torch.float8_e4m3fn, False)
+        ws[1].data = torch.randn(24, 32)
+        q, s, _ = payload._group_quantized(ws[1], torch.float8_e4m3fn, False)
+        qr, sr = quantize(ws[1]._data, -1)
+        assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr)
+    finally:
+        payload.register_group_finder(fsdp_state._group_locals)

@@ -22,6 +22,8 @@ the kernels inline from its generated code; eager callers launch them directly w
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 __all__ = [
@@ -139,9 +141,10 @@ if _HAS_TRITON:
 
 
     @triton.jit
-    def _transpose_kernel(src_ptr, dst_ptr, M, N, stride_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _transpose_kernel(src_ptr, dst_ptr, dep_ptr, M, N, stride_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         # dst (N, M) row-major = src (M, N) transposed (row stride stride_m, unit column stride). Element-type
-        # agnostic (fp8 here).
+        # agnostic (fp8 here). dep_ptr is never read: a traced launch passes a value computed from the backward's
+        # grad_out there, which keeps the kernel in the backward graph (see fp8tensor.linear._transpose_after).
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
@@ -445,8 +448,8 @@ def _dim0_in_range(x: torch.Tensor) -> bool:
     return rows < 2**31 and M <= 65535 * CONFIG["amax_chunk_m"]
 
 
-def launch_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype, scale_floor: float, *, traced: bool = False
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def launch_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype, scale_floor: float, *, traced: bool = False,
+                  amax_init: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the dim-0 kernels on ``x`` ``(M, K)`` (check :func:`kernel_available` first; an N-D contiguous ``x``
     ``(..., K)`` is read as ``(numel / K, K)`` without a reshape): ``(q, scale)``, ``q`` ``(K, M)`` row-major
     ``float8_dtype`` holding ``x.T`` quantized row-wise, ``scale`` ``(K, 1)`` float32.
@@ -458,11 +461,18 @@ def launch_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype, scale_floor: float
 
     Traced, the kernels get ``x`` itself, never a view of it: inductor materializes a view of a not yet computed
     (fusible) value into a buffer of its own for *each* kernel argument, so a reshaped gradient would be written out
-    several times."""
+    several times.
+
+    ``amax_init``: a float32 tensor holding +0.0 (one element) to start the column amax from instead of a fresh
+    zero buffer: the same values, and a traced graph then computes the amax only once ``amax_init`` exists (how the
+    backward pins the weight's quantization after ``grad_out``, :func:`fp8tensor.quantize.quantize_dim0_t_after`)."""
     K = x.shape[-1]
     M = x.numel() // K
     stride_m = x.stride(0) if x.dim() == 2 else K
-    amax = torch.zeros(K, dtype=torch.float32, device=x.device)
+    if amax_init is None:
+        amax = torch.zeros(K, dtype=torch.float32, device=x.device)
+    else:
+        amax = amax_init.reshape(1).expand(K).contiguous()
     q = torch.empty(K, M, dtype=float8_dtype, device=x.device)
     scale = torch.empty(K, 1, dtype=torch.float32, device=x.device)
     c = CONFIG
@@ -513,15 +523,25 @@ def transpose_available(src: torch.Tensor) -> bool:
     )
 
 
-def launch_transpose(src: torch.Tensor) -> torch.Tensor:
+def launch_transpose(src: torch.Tensor, *, dep: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``src.t().contiguous()`` for an fp8 ``src`` ``(M, N)`` (check :func:`transpose_available`) in one tiled Triton
-    kernel (eager launch): ``(N, M)`` row-major, same dtype. ATen's generic copy moves 1-byte elements through a
-    strided elementwise kernel at a fraction of the copy bandwidth (≈0.2 ms for a 14336×4096 fp8 weight on an
-    H200, against ≈0.04 ms here)."""
+    kernel: ``(N, M)`` row-major, same dtype. ATen's generic copy moves 1-byte elements through a strided
+    elementwise kernel at a fraction of the copy bandwidth (≈0.2 ms for a 14336×4096 fp8 weight on an H200, against
+    ≈0.04 ms here).
+
+    ``dep`` None: an eager launch. Else the body of the ``triton_op`` ``fp8tensor::transpose_dep``: the kernel goes
+    through ``torch.library.wrap_triton`` and gets ``dep`` (a CUDA tensor, never read) as an argument, which orders it
+    after whatever computed ``dep`` in a traced graph."""
     M, N = src.shape
     dst = torch.empty((N, M), dtype=src.dtype, device=src.device)
     c = TRANSPOSE_CONFIG
     grid = (triton.cdiv(M, c["block_m"]), triton.cdiv(N, c["block_n"]))
-    _launcher(_transpose_kernel)(grid, (src, dst, M, N, src.stride(0)),
+    if dep is not None:
+        from torch.library import wrap_triton
+
+        wrap_triton(_transpose_kernel)[grid](src, dst, dep, M, N, src.stride(0), BLOCK_M=c["block_m"],
+                                             BLOCK_N=c["block_n"], num_warps=c["warps"])
+        return dst
+    _launcher(_transpose_kernel)(grid, (src, dst, dst, M, N, src.stride(0)),
                                  dict(BLOCK_M=c["block_m"], BLOCK_N=c["block_n"]), c["warps"], src.device)
     return dst

@@ -20,7 +20,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import kernels
 from .gemm import _check_mm_args, fp8_mm, scaled_mm
 from .ops import t_view
-from .quantize import _LIB, E4M3, quantize, quantize_dim0_t_after, quantize_tokens
+from .quantize import _LIB, E4M3, after_dep, quantize, quantize_dim0_t_after, quantize_tokens
 from .recipes import Recipe, get_recipe
 from .tensor import ScaledFp8Tensor, _is_dtensor, make_scaled, map_local, rowwise_dims
 
@@ -163,25 +163,16 @@ def _x_for_grad_weight(x: torch.Tensor, x2: torch.Tensor, recipe: Recipe) -> tor
 
 
 def _transpose_after_impl(q: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
-    """``fp8tensor::transpose_after``: ``q.t().contiguous()`` (always a copy), ordered after ``after``, which is not
-    read.
-
-    The grad_input GEMM needs the fp8 weight column-major, i.e. a transposed copy. Computed from the weight alone, the
-    compiled partitioner would hoist that copy into the forward graph and keep it until backward — a second fp8 copy
-    of every weight next to the one FSDP2 holds. Taking ``grad_out`` as an input pins the copy to the backward, right
-    before its GEMM, and it dies with the GEMM. CUDA fp8: one tiled Triton kernel
-    (:func:`fp8tensor.kernels.launch_transpose`); otherwise ATen's copy.
-
-    An opaque op on purpose (one call per Linear per step): as an inline triton op, inductor kept more of the FFN's
-    backward intermediates alive (peak 16.64 instead of 15.5 GiB in a dim-4096 step, docs/benchmarks.md
-    "Session 4"). Registered with ``torch.library.Library`` (a schema and one Python kernel for every backend) rather
-    than ``torch.library.custom_op``, whose Python wrappers cost more than the kernel launch (the op runs once per
-    Linear in every compiled backward)."""
+    """``fp8tensor::transpose_after``: ``q.t().contiguous()`` (always a copy); ``after`` is not read. CUDA fp8: one
+    tiled Triton kernel (:func:`fp8tensor.kernels.launch_transpose`); otherwise ATen's copy."""
     if kernels.transpose_available(q):
         return kernels.launch_transpose(q)
     return q.t().clone(memory_format=torch.contiguous_format)  # a copy: the op's output never aliases its input
 
 
+# The traced form without the kernel (CPU tensors, builds without Triton): an opaque op taking ``after`` as an input.
+# Registered with ``torch.library.Library`` (a schema and one Python kernel for every backend) rather than
+# ``torch.library.custom_op``, whose Python wrappers cost more than the copy.
 _LIB.define("transpose_after(Tensor q, Tensor after) -> Tensor")
 _LIB.impl("transpose_after", _transpose_after_impl, "CompositeExplicitAutograd")
 
@@ -191,15 +182,35 @@ def _(q, after):
     return q.new_empty((q.shape[1], q.shape[0]))
 
 
+if kernels.HAS_TRITON:
+
+    @torch.library.triton_op("fp8tensor::transpose_dep", mutates_args=())
+    def _transpose_dep(q: torch.Tensor, dep: torch.Tensor) -> torch.Tensor:
+        # q.t().contiguous() by the transpose kernel, which also receives dep (not read): inline in compiled graphs,
+        # ordered after whatever dep was computed from (fp8tensor.quantize.after_dep).
+        return kernels.launch_transpose(q, dep=dep)
+
+
 def _transpose_after(q: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
-    """``fp8tensor::transpose_after``; eager calls on plain tensors run its body directly (no dispatcher round
-    trip)."""
+    """``q.t().contiguous()`` (a copy) for the grad_input GEMM, which needs the fp8 weight column-major, ordered after
+    ``after`` (``grad_out``) in a traced graph.
+
+    Computed from the weight alone, the compiled partitioner would hoist the copy into the forward graph and keep it
+    until backward — a second fp8 copy of every weight next to the one FSDP2 holds. Pinned after ``grad_out``, it is
+    made in the backward right before its GEMM and dies with it.
+
+    * eager, plain tensors: the copy runs directly (the transpose kernel on CUDA; no dispatcher round trip);
+    * traced, CUDA fp8 with Triton: the ``triton_op`` ``fp8tensor::transpose_dep`` on
+      :func:`fp8tensor.quantize.after_dep` ``(after)`` — inductor launches the kernel inline, no Python at run time;
+    * otherwise: the opaque op ``fp8tensor::transpose_after``, which takes ``after`` as an input."""
     if kernels.eager_launch_ok(q) and kernels.eager_launch_ok(after):
         return _transpose_after_impl(q, after)  # eager: the op's body (the kernel on CUDA), no dispatcher trip
+    if kernels.HAS_TRITON and kernels.transpose_available(q):
+        return torch.ops.fp8tensor.transpose_dep(q, after_dep(after))
     return torch.ops.fp8tensor.transpose_after(q, after)
 
 
-#: Make the grad_input weight operand in backward through the ``*_after`` custom ops (saves the compiled forward's fp8
+#: Make the grad_input weight operand in backward through the ``*_after`` functions, pinned after ``grad_out`` (saves the compiled forward's fp8
 #: weight copies). False: quantize with the plain path (compiled graphs may then hoist it into the forward).
 WEIGHT_AFTER_GRAD = True
 

@@ -30,6 +30,7 @@ __all__ = [
     "quantize_group",
     "quantize_dim0_t",
     "quantize_dim0_t_after",
+    "after_dep",
     "quantize_tokens",
     "FLOAT8_DTYPES",
     "E4M3",
@@ -314,38 +315,76 @@ _LIB = torch.library.Library("fp8tensor", "FRAGMENT")
 def _quantize_columns_after_impl(
     w: torch.Tensor, after: torch.Tensor, float8_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    # quantize_dim0_t(w) ordered after `after` (not read); see quantize_dim0_t_after. An opaque op on purpose
-    # (as fp8tensor::transpose_after in fp8tensor.linear): inline, inductor kept backward intermediates alive longer.
+    # quantize_dim0_t(w), eagerly; `after` is not read (see quantize_dim0_t_after).
     if kernels.kernel_available(w):
         return kernels.launch_dim0_t(w, float8_dtype, SCALE_FLOOR)
     return _reference_dim0_t(w, float8_dtype)
 
 
-_LIB.define("quantize_columns_after(Tensor w, Tensor after, ScalarType float8_dtype) -> (Tensor, Tensor)")
-_LIB.impl("quantize_columns_after", _quantize_columns_after_impl, "CompositeExplicitAutograd")
+def after_dep(after: torch.Tensor) -> torch.Tensor:
+    """A float32 ``(1,)`` tensor holding +0.0, *computed from* ``after`` (its first element times zero; the sum of
+    an empty ``after``): a data dependency on ``after`` with no effect on values.
+
+    A traced op that reads it cannot run before ``after`` exists. The backward uses it to keep the weight's GEMM
+    operand (the master's per-column quantization, the fp8 weight's transposed copy) in the backward graph, right
+    after ``grad_out``: computed from the weight alone, the compiled partitioner would move it into the forward graph
+    and keep an fp8 copy of every weight until backward. Reading one element (a view, no copy of ``after``) keeps
+    inductor from writing ``after`` out for it."""
+    first = after[(slice(0, 1),) * after.dim()]  # (1, ..., 1), a view
+    if after.numel() == 0:
+        return after.float().sum().reshape(1)  # 0.0 (NaN and inf are impossible: nothing is summed)
+    return torch.nan_to_num((first.reshape(1).float() * 0.0).abs(), nan=0.0)  # +0.0 for NaN / inf entries too
 
 
-@torch.library.register_fake("fp8tensor::quantize_columns_after", lib=_LIB)
-def _(w, after, float8_dtype):
-    N, K = w.shape
-    return w.new_empty(K, N, dtype=float8_dtype), w.new_empty(K, 1, dtype=torch.float32)
+def _dim0_t_dep_plain(w: torch.Tensor, dep: torch.Tensor, float8_dtype: torch.dtype):
+    # _reference_dim0_t(w) with the column amax also max-ed with dep (+0.0: amax >= +0.0 or NaN, unchanged).
+    x = w.t()
+    if x.shape[-1] == 0:
+        amax = x.new_zeros((x.shape[0], 1), dtype=torch.float32)
+    else:
+        amax = torch.amax(torch.abs(x), dim=-1, keepdim=True).to(torch.float32)
+    scale = amax_to_scale(torch.maximum(amax, dep.reshape(1, 1)), float8_dtype)
+    return cast_to_fp8(x, scale, float8_dtype).contiguous(), scale
+
+
+def _dim0_t_dep_body(w: torch.Tensor, dep: torch.Tensor, float8_dtype: torch.dtype):
+    if kernels.kernel_available(w):
+        return kernels.launch_dim0_t(w, float8_dtype, SCALE_FLOOR, traced=True, amax_init=dep)
+    return _dim0_t_dep_plain(w, dep, float8_dtype)
+
+
+if kernels.HAS_TRITON:
+
+    @torch.library.triton_op("fp8tensor::quantize_columns_dep", mutates_args=())
+    def _quantize_columns_dep(w: torch.Tensor, dep: torch.Tensor, float8_dtype: torch.dtype
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+        # quantize_dim0_t(w) with the column amax started from dep (after_dep): the dim-0 kernels inline in
+        # compiled graphs, ordered after whatever dep was computed from.
+        return _dim0_t_dep_body(w, dep, float8_dtype)
 
 
 def quantize_dim0_t_after(
     w: torch.Tensor, after: torch.Tensor, float8_dtype: torch.dtype = E4M3
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`quantize_dim0_t` of ``w`` ``(N, K)`` — ``(K, N)`` row-major fp8 and ``(K, 1)`` float32 scales — ordered
-    after ``after`` in a traced graph (``after`` is an input of the opaque custom op
-    ``fp8tensor::quantize_columns_after``, which never reads it).
+    after ``after`` in a traced graph (same values; ``after`` is never read but for one element).
 
     Used for the grad_input operand of a master weight: computed from the weight alone, the compiled partitioner
     would move the quantization into the forward graph and keep an fp8 copy of every master weight until backward;
-    taking ``grad_out`` as ``after`` pins it to the backward, right before its GEMM. Eager calls on plain tensors run
-    the op's body directly (no dispatcher round trip; on CUDA the kernels are launched from there)."""
+    taking ``grad_out`` as ``after`` pins it to the backward, right before its GEMM.
+
+    * eager, plain tensors: the quantization runs directly (the dim-0 kernels on CUDA; no dispatcher round trip);
+    * traced (``torch.compile``) or under a mode: ops that read :func:`after_dep` ``(after)`` — with Triton the
+      ``triton_op`` ``fp8tensor::quantize_columns_dep``, whose kernels inductor launches inline from its generated
+      code (no Python at run time; the column amax starts from the dependency's +0.0), else the plain ops with the
+      amax max-ed with it, which inductor fuses into its own kernels."""
     if (kernels.eager_launch_ok(w) and kernels.eager_launch_ok(after)
             and not (w.requires_grad and torch.is_grad_enabled())):
         return _quantize_columns_after_impl(w, after, float8_dtype)  # eager: the op's body, no dispatcher trip
-    return torch.ops.fp8tensor.quantize_columns_after(w, after, float8_dtype)
+    dep = after_dep(after)
+    if kernels.HAS_TRITON:
+        return torch.ops.fp8tensor.quantize_columns_dep(w, dep, float8_dtype)
+    return _dim0_t_dep_plain(w, dep, float8_dtype)
 
 
 if not kernels.HAS_TRITON:  # a triton_op is its own fake kernel; the plain custom op needs one

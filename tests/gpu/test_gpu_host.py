@@ -119,32 +119,42 @@ def test_fsdp_one_rank_grouped_packed_matches_per_weight(reshard):
 @pytest.mark.parametrize("shape", [(14336, 4096), (300, 1030), (1, 77), (129, 1)])
 @pytest.mark.parametrize("float8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_transpose_kernel_bit_identical(shape, float8_dtype):
-    """The tiled fp8 transpose (eager launch, op, compiled) is ``q.t().contiguous()`` bit for bit, also for a
-    row-sliced view (row stride larger than its width)."""
+    """The tiled fp8 transpose (eager launch, the ops, compiled inline) is ``q.t().contiguous()`` bit for bit, also
+    for a row-sliced view (row stride larger than its width)."""
     from fp8tensor.linear import _transpose_after
+    from fp8tensor.quantize import after_dep
 
     q = (torch.randn(*shape, device=DEV) * 50).to(float8_dtype)
     g = torch.randn(8, 8, device=DEV)
+    g[0, 0] = float("nan")  # the dependency reads this element: no effect on values
     for src in (q, torch.cat([q, q], dim=1)[:, : shape[1]]):
         ref = src.t().contiguous()
         for got in (kernels.launch_transpose(src), _transpose_after(src, g),
-                    torch.ops.fp8tensor.transpose_after(src, g)):
+                    torch.ops.fp8tensor.transpose_after(src, g),
+                    torch.ops.fp8tensor.transpose_dep(src, after_dep(g))):
             assert got.shape == ref.shape and got.is_contiguous() and got.dtype == float8_dtype
             assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
     torch._dynamo.reset()
-    got = torch.compile(lambda a, b: torch.ops.fp8tensor.transpose_after(a, b * 2))(q, g)
+    got = torch.compile(lambda a, b: _transpose_after(a, b * 2), fullgraph=True)(q, g)
     assert torch.equal(got.view(torch.uint8), q.t().contiguous().view(torch.uint8))
 
 
 def test_quantize_columns_after_matches_dim0_t():
-    """``quantize_dim0_t_after`` (eager direct launch and the op) gives the bits of ``quantize_dim0_t``."""
-    from fp8tensor.quantize import quantize_dim0_t_after
+    """``quantize_dim0_t_after`` (eager direct launch, the inline op, compiled) gives the bits of
+    ``quantize_dim0_t``, also when the element of ``after`` the dependency reads is NaN or inf."""
+    from fp8tensor.quantize import after_dep, quantize_dim0_t_after
 
     w = torch.randn(1000, 300, device=DEV) * torch.rand(1000, 1, device=DEV)
-    g = torch.randn(4, 4, device=DEV)
+    w[:, 7] = 0.0  # an all-zero column: the floor scale
     qr, sr = quantize_dim0_t(w, torch.float8_e4m3fn)
-    for q, s in (quantize_dim0_t_after(w, g), torch.ops.fp8tensor.quantize_columns_after(w, g, torch.float8_e4m3fn)):
-        assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda a, b: quantize_dim0_t_after(a, b), fullgraph=True)
+    for bad in (0.0, float("nan"), float("inf"), -float("inf")):
+        g = torch.randn(4, 4, device=DEV)
+        g[0, 0] = bad
+        for q, s in (quantize_dim0_t_after(w, g), torch.ops.fp8tensor.quantize_columns_dep(w, after_dep(g), torch.float8_e4m3fn),
+                     compiled(w, g)):
+            assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr)
 
 
 @pytest.mark.parametrize("weights", ["master", "fp8"])
@@ -185,7 +195,8 @@ def test_compiled_backward_weight_ops_in_backward_and_not_saved(weights):
     code = "\n".join(codes)
     assert "torch.ops.fp8tensor.quantize_dim0_t" not in code  # dim-0 kernels inline (grad_weight of a master)
     assert ("_col_amax_kernel" in code) == (weights == "master")  # frozen fp8 weights: no grad_weight
-    assert ("torch.ops.fp8tensor.transpose_after" in code) == (weights == "fp8")
+    assert "torch.ops.fp8tensor" not in code  # the backward weight ops run inline too (no Python op per Linear)
+    assert ("_transpose_kernel" in code) == (weights == "fp8")
     fp8_saved = []
 
     def pack(t):

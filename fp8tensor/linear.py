@@ -18,6 +18,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import kernels
+from . import quantize as _quantize_mod
 from .gemm import _check_mm_args, fp8_mm, scaled_mm
 from .ops import t_view
 from .quantize import _LIB, E4M3, after_dep, quantize, quantize_dim0_t_after, quantize_tokens
@@ -200,12 +201,13 @@ def _transpose_after(q: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
     made in the backward right before its GEMM and dies with it.
 
     * eager, plain tensors: the copy runs directly (the transpose kernel on CUDA; no dispatcher round trip);
-    * traced, CUDA fp8 with Triton: the ``triton_op`` ``fp8tensor::transpose_dep`` on
-      :func:`fp8tensor.quantize.after_dep` ``(after)`` — inductor launches the kernel inline, no Python at run time;
-    * otherwise: the opaque op ``fp8tensor::transpose_after``, which takes ``after`` as an input."""
+    * traced, CUDA fp8 with Triton and :data:`fp8tensor.quantize.INLINE_AFTER_OPS`: the ``triton_op``
+      ``fp8tensor::transpose_dep`` on :func:`fp8tensor.quantize.after_dep` ``(after)`` — inductor launches the
+      kernel inline, no Python at run time;
+    * otherwise (the default): the opaque op ``fp8tensor::transpose_after``, which takes ``after`` as an input."""
     if kernels.eager_launch_ok(q) and kernels.eager_launch_ok(after):
         return _transpose_after_impl(q, after)  # eager: the op's body (the kernel on CUDA), no dispatcher trip
-    if kernels.HAS_TRITON and kernels.transpose_available(q):
+    if _quantize_mod.INLINE_AFTER_OPS and kernels.HAS_TRITON and kernels.transpose_available(q):
         return torch.ops.fp8tensor.transpose_dep(q, after_dep(after))
     return torch.ops.fp8tensor.transpose_after(q, after)
 

@@ -321,6 +321,26 @@ def _quantize_columns_after_impl(
     return _reference_dim0_t(w, float8_dtype)
 
 
+_LIB.define("quantize_columns_after(Tensor w, Tensor after, ScalarType float8_dtype) -> (Tensor, Tensor)")
+_LIB.impl("quantize_columns_after", _quantize_columns_after_impl, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("fp8tensor::quantize_columns_after", lib=_LIB)
+def _(w, after, float8_dtype):
+    N, K = w.shape
+    return w.new_empty(K, N, dtype=float8_dtype), w.new_empty(K, 1, dtype=torch.float32)
+
+
+#: Traced backward weight operands on CUDA with the Triton kernels: True runs them as inline ``triton_op`` s pinned by
+#: :func:`after_dep` (``fp8tensor::quantize_columns_dep`` here, ``fp8tensor::transpose_dep`` in
+#: :mod:`fp8tensor.linear`: no Python op per Linear in a compiled backward); False (default) keeps the opaque ops
+#: ``fp8tensor::quantize_columns_after`` / ``transpose_after``, which take ``grad_out`` as an unread input. The
+#: inline form has the same bits (tests/gpu) but its speed and peak memory on a GPU are not measured yet (an
+#: earlier inline form raised the peak of a dim-4096 step, docs/benchmarks.md "Session 4"), so it is off. Other
+#: tensors (CPU, no Triton) always trace the plain ops inline, pinned by :func:`after_dep`.
+INLINE_AFTER_OPS = False
+
+
 def after_dep(after: torch.Tensor) -> torch.Tensor:
     """A float32 ``(1,)`` tensor holding +0.0, *computed from* ``after`` (its first element times zero; the sum of
     an empty ``after``): a data dependency on ``after`` with no effect on values.
@@ -374,17 +394,21 @@ def quantize_dim0_t_after(
     taking ``grad_out`` as ``after`` pins it to the backward, right before its GEMM.
 
     * eager, plain tensors: the quantization runs directly (the dim-0 kernels on CUDA; no dispatcher round trip);
-    * traced (``torch.compile``) or under a mode: ops that read :func:`after_dep` ``(after)`` — with Triton the
-      ``triton_op`` ``fp8tensor::quantize_columns_dep``, whose kernels inductor launches inline from its generated
-      code (no Python at run time; the column amax starts from the dependency's +0.0), else the plain ops with the
-      amax max-ed with it, which inductor fuses into its own kernels."""
+    * traced (``torch.compile``) or under a mode, a tensor the dim-0 kernels take (CUDA, Triton): the opaque op
+      ``fp8tensor::quantize_columns_after`` (``after`` an unread input; one Python call per Linear per compiled
+      backward), or with :data:`INLINE_AFTER_OPS` the ``triton_op`` ``fp8tensor::quantize_columns_dep`` on
+      :func:`after_dep` ``(after)``, whose kernels inductor launches from its generated code (the column amax starts
+      from the dependency's +0.0);
+    * traced, other tensors (CPU): the plain ops with the column amax max-ed with :func:`after_dep` ``(after)``,
+      inline (inductor fuses them into its own kernels; no Python op at run time)."""
     if (kernels.eager_launch_ok(w) and kernels.eager_launch_ok(after)
             and not (w.requires_grad and torch.is_grad_enabled())):
         return _quantize_columns_after_impl(w, after, float8_dtype)  # eager: the op's body, no dispatcher trip
-    dep = after_dep(after)
-    if kernels.HAS_TRITON:
-        return torch.ops.fp8tensor.quantize_columns_dep(w, dep, float8_dtype)
-    return _dim0_t_dep_plain(w, dep, float8_dtype)
+    if kernels.kernel_available(w):
+        if INLINE_AFTER_OPS:
+            return torch.ops.fp8tensor.quantize_columns_dep(w, after_dep(after), float8_dtype)
+        return torch.ops.fp8tensor.quantize_columns_after(w, after, float8_dtype)
+    return _dim0_t_dep_plain(w, after_dep(after), float8_dtype)
 
 
 if not kernels.HAS_TRITON:  # a triton_op is its own fake kernel; the plain custom op needs one

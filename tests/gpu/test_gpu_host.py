@@ -3,6 +3,7 @@ per tensor, and compiled graphs launch the dim-0 kernels inline (no Python custo
 import pytest
 import torch
 
+import fp8tensor.quantize
 from fp8tensor import kernels
 from fp8tensor.quantize import SCALE_FLOOR, quantize, quantize_dim0_t, quantize_group
 
@@ -134,9 +135,12 @@ def test_transpose_kernel_bit_identical(shape, float8_dtype):
                     torch.ops.fp8tensor.transpose_dep(src, after_dep(g))):
             assert got.shape == ref.shape and got.is_contiguous() and got.dtype == float8_dtype
             assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
-    torch._dynamo.reset()
-    got = torch.compile(lambda a, b: _transpose_after(a, b * 2), fullgraph=True)(q, g)
-    assert torch.equal(got.view(torch.uint8), q.t().contiguous().view(torch.uint8))
+    for inline in (False, True):  # the opaque op (default) and the inline triton op (INLINE_AFTER_OPS)
+        torch._dynamo.reset()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(fp8tensor.quantize, "INLINE_AFTER_OPS", inline)
+            got = torch.compile(lambda a, b: _transpose_after(a, b * 2), fullgraph=True)(q, g)
+        assert torch.equal(got.view(torch.uint8), q.t().contiguous().view(torch.uint8))
 
 
 def test_quantize_columns_after_matches_dim0_t():
@@ -147,22 +151,29 @@ def test_quantize_columns_after_matches_dim0_t():
     w = torch.randn(1000, 300, device=DEV) * torch.rand(1000, 1, device=DEV)
     w[:, 7] = 0.0  # an all-zero column: the floor scale
     qr, sr = quantize_dim0_t(w, torch.float8_e4m3fn)
-    torch._dynamo.reset()
-    compiled = torch.compile(lambda a, b: quantize_dim0_t_after(a, b), fullgraph=True)
-    for bad in (0.0, float("nan"), float("inf"), -float("inf")):
-        g = torch.randn(4, 4, device=DEV)
-        g[0, 0] = bad
-        for q, s in (quantize_dim0_t_after(w, g), torch.ops.fp8tensor.quantize_columns_dep(w, after_dep(g), torch.float8_e4m3fn),
-                     compiled(w, g)):
-            assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr)
+    for inline in (False, True):  # the opaque op (default) and the inline triton op (INLINE_AFTER_OPS)
+        torch._dynamo.reset()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(fp8tensor.quantize, "INLINE_AFTER_OPS", inline)
+            compiled = torch.compile(lambda a, b: quantize_dim0_t_after(a, b), fullgraph=True)
+            for bad in (0.0, float("nan"), float("inf"), -float("inf")):
+                g = torch.randn(4, 4, device=DEV)
+                g[0, 0] = bad
+                for q, s in (quantize_dim0_t_after(w, g),
+                             torch.ops.fp8tensor.quantize_columns_after(w, g, torch.float8_e4m3fn),
+                             torch.ops.fp8tensor.quantize_columns_dep(w, after_dep(g), torch.float8_e4m3fn),
+                             compiled(w, g)):
+                    assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr)
 
 
+@pytest.mark.parametrize("inline", [False, True], ids=["opaque", "inline"])
 @pytest.mark.parametrize("weights", ["master", "fp8"])
-def test_compiled_backward_weight_ops_in_backward_and_not_saved(weights):
+def test_compiled_backward_weight_ops_in_backward_and_not_saved(weights, inline, monkeypatch):
     """Compiled (inductor, CUDA): the backward's weight operand — the fp8 weight's transposed copy or the master's
     per-column quantization — is made in the *backward* graph (the forward saves nothing of the weight's size); the
     dim-0 quantizations run as inline kernels; Linears reading one input (q/k/v) save one fp8 copy of it, not one
-    each; gradients match eager fp8 within fp8 noise."""
+    each; gradients match eager fp8 within fp8 noise. ``inline``: with ``fp8tensor.quantize.INLINE_AFTER_OPS`` the
+    weight ops are inline triton ops too (no ``torch.ops.fp8tensor`` call left in the compiled code)."""
     import torch.nn as nn
     from torch._inductor.utils import run_and_get_code
     from torch.autograd.graph import saved_tensors_hooks
@@ -177,6 +188,7 @@ def test_compiled_backward_weight_ops_in_backward_and_not_saved(weights):
         def forward(self, x):
             return self.q(x) * self.k(x) + self.v(x)
 
+    monkeypatch.setattr(fp8tensor.quantize, "INLINE_AFTER_OPS", inline)
     torch._dynamo.reset()
     torch.manual_seed(0)
     m = QKV().to(DEV, torch.bfloat16)
@@ -195,8 +207,12 @@ def test_compiled_backward_weight_ops_in_backward_and_not_saved(weights):
     code = "\n".join(codes)
     assert "torch.ops.fp8tensor.quantize_dim0_t" not in code  # dim-0 kernels inline (grad_weight of a master)
     assert ("_col_amax_kernel" in code) == (weights == "master")  # frozen fp8 weights: no grad_weight
-    assert "torch.ops.fp8tensor" not in code  # the backward weight ops run inline too (no Python op per Linear)
-    assert ("_transpose_kernel" in code) == (weights == "fp8")
+    if inline:
+        assert "torch.ops.fp8tensor" not in code  # the backward weight ops run inline too (no Python op per Linear)
+        assert ("_transpose_kernel" in code) == (weights == "fp8")
+    else:
+        assert ("torch.ops.fp8tensor.transpose_after" in code) == (weights == "fp8")
+        assert ("torch.ops.fp8tensor.quantize_columns_after" in code) == (weights == "master")
     fp8_saved = []
 
     def pack(t):

@@ -141,16 +141,22 @@ if _HAS_TRITON:
 
 
     @triton.jit
-    def _transpose_kernel(src_ptr, dst_ptr, dep_ptr, M, N, stride_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _transpose_kernel(src_ptr, dst_ptr, M, N, stride_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         # dst (N, M) row-major = src (M, N) transposed (row stride stride_m, unit column stride). Element-type
-        # agnostic (fp8 here). dep_ptr is never read: a traced launch passes a value computed from the backward's
-        # grad_out there, which keeps the kernel in the backward graph (see fp8tensor.linear._transpose_after).
+        # agnostic (fp8 here).
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
         x = tl.load(src_ptr + offs_m.to(tl.int64)[:, None] * stride_m + offs_n[None, :], mask=mask)
         tl.store(dst_ptr + offs_n.to(tl.int64)[:, None] * M + offs_m[None, :], tl.trans(x),
                  mask=(offs_n[:, None] < N) & (offs_m[None, :] < M))
+
+    @triton.jit
+    def _transpose_dep_kernel(src_ptr, dst_ptr, dep_ptr, M, N, stride_m, BLOCK_M: tl.constexpr,
+                              BLOCK_N: tl.constexpr):
+        # _transpose_kernel with one more argument, never read: a traced launch passes a value computed from the
+        # backward's grad_out there, which keeps the kernel in the backward graph (fp8tensor.linear._transpose_after).
+        _transpose_kernel(src_ptr, dst_ptr, M, N, stride_m, BLOCK_M, BLOCK_N)
 
 
 # ---------------------------------------------------------------------------------------------- eager launches
@@ -539,9 +545,9 @@ def launch_transpose(src: torch.Tensor, *, dep: Optional[torch.Tensor] = None) -
     if dep is not None:
         from torch.library import wrap_triton
 
-        wrap_triton(_transpose_kernel)[grid](src, dst, dep, M, N, src.stride(0), BLOCK_M=c["block_m"],
-                                             BLOCK_N=c["block_n"], num_warps=c["warps"])
+        wrap_triton(_transpose_dep_kernel)[grid](src, dst, dep, M, N, src.stride(0), BLOCK_M=c["block_m"],
+                                                 BLOCK_N=c["block_n"], num_warps=c["warps"])
         return dst
-    _launcher(_transpose_kernel)(grid, (src, dst, dst, M, N, src.stride(0)),
+    _launcher(_transpose_kernel)(grid, (src, dst, M, N, src.stride(0)),
                                  dict(BLOCK_M=c["block_m"], BLOCK_N=c["block_n"]), c["warps"], src.device)
     return dst

@@ -82,15 +82,30 @@ FUSED, PADDED, LOCAL = "fused", "padded", "local"
 
 class _BoundHook:
     """``fsdp_pre_all_gather`` bound to one tensor (see :class:`pre_all_gather_hook`); subclasses carry the
-    ``__signature__`` FSDP2 reads."""
+    ``__signature__`` FSDP2 reads. Behaves as the bound method: ``__self__``, ``__func__``, ``__name__``, equality
+    and hash."""
 
-    __slots__ = ("_fn", "_obj")
+    __slots__ = ("__func__", "__self__")
 
     def __init__(self, fn, obj):
-        self._fn, self._obj = fn, obj
+        self.__func__, self.__self__ = fn, obj
 
     def __call__(self, *args, **kwargs):
-        return self._fn(self._obj, *args, **kwargs)
+        return self.__func__(self.__self__, *args, **kwargs)
+
+    @property
+    def __name__(self):
+        return self.__func__.__name__
+
+    def __eq__(self, other):
+        return (isinstance(other, (_BoundHook, types.MethodType)) and other.__func__ is self.__func__
+                and other.__self__ is self.__self__)
+
+    def __hash__(self):
+        return hash((id(self.__func__), id(self.__self__)))
+
+    def __repr__(self):
+        return f"<bound method {self.__func__.__qualname__} of {type(self.__self__).__name__}>"
 
 
 class pre_all_gather_hook:
@@ -110,7 +125,8 @@ class pre_all_gather_hook:
         self.__name__ = getattr(fn, "__name__", "fsdp_pre_all_gather")
         sig = inspect.signature(fn)
         bound = sig.replace(parameters=list(sig.parameters.values())[1:])
-        self._bound_cls = type("BoundPreAllGatherHook", (_BoundHook,), {"__slots__": (), "__signature__": bound})
+        self._bound_cls = type("BoundPreAllGatherHook", (_BoundHook,),
+                               {"__slots__": (), "__signature__": bound, "__doc__": fn.__doc__})
 
     def __get__(self, obj, owner=None):
         if obj is None:
@@ -272,30 +288,35 @@ class _Group(NamedTuple):
     data: torch.Tensor
 
 
-def _take_pending(master, tag):
-    """``master``'s kept result from its group's earlier launch (tagged ``tag``), or None. A kept result is used only
-    by the same data at the same version (an optimizer step in between bumps the version: quantized again)."""
+def _take_pending(master, float8_dtype, tag):
+    """``master``'s kept result from its group's earlier launch (for ``float8_dtype`` and tagged ``tag``), or None.
+
+    A kept result is used only by the same data object at the same version: an update in between (an optimizer
+    step, ``copy_``, ``load_state_dict``: :class:`~fp8tensor.master.Fp8MasterWeight` bumps its data's version for
+    every op that writes it) or ``w.data = new`` makes the weight quantize again. It is taken once."""
     hit = master.__dict__.get(_PENDING_ATTR)
     if hit is None:
         return None
     master.__dict__[_PENDING_ATTR] = None
     data = master._data
-    if hit[0] is data and hit[1] == data._version and hit[2] == tag:
+    if hit[0] is data and hit[1] == data._version and hit[2] == (float8_dtype, tag):
         return hit[3]
     return None
 
 
-def _keep_pending(found: "_Group", tag, results) -> None:
+def _keep_pending(found: "_Group", float8_dtype, tag, results) -> None:
     """Hand the later weights of a group launch their results (see :func:`_take_pending`)."""
     for m, d, r in zip(found.masters[1:], found.datas[1:], results[1:]):
-        m.__dict__[_PENDING_ATTR] = (d, d._version, tag, r)
+        m.__dict__[_PENDING_ATTR] = (d, d._version, (float8_dtype, tag), r)
 
 
 def _group_and_datas(master, float8_dtype, tag):
     """The kept result of ``master`` from its group's earlier launch (tagged ``tag``), or ``_Group`` (the FSDP2
     group and the master weights and high-precision data to quantize together, ``master``'s first), or None (no
-    group, one weight)."""
-    hit = _take_pending(master, tag)  # first: the later weights of a group need no group lookup
+    group, one weight, or ``torch.compile`` tracing the hook: each weight is then quantized on its own)."""
+    if torch.compiler.is_compiling():
+        return None
+    hit = _take_pending(master, float8_dtype, tag)  # first: the later weights of a group need no group lookup
     if hit is not None:
         return hit
     data = master._data
@@ -307,7 +328,10 @@ def _group_and_datas(master, float8_dtype, tag):
         return None
     masters, datas = [master], [data]
     for t in locals_:
-        if t is master or type(t) is not type(master) or getattr(t.recipe, "float8_dtype", E4M3) != float8_dtype:
+        if t is master or type(t) is not type(master):
+            continue
+        t.__dict__[_PENDING_ATTR] = None  # a new round of this group: nothing kept from an earlier one is served
+        if getattr(t.recipe, "float8_dtype", E4M3) != float8_dtype:
             continue
         d = t._data
         if d.dtype == data.dtype and d.device == data.device and d.numel() > 0 and d.ndim >= 2:
@@ -340,7 +364,7 @@ def _group_quantized(master, float8_dtype, packed: bool):
         results = [(q, s, region) for region, q, s in bufs]
     else:
         results = [(q, s, None) for q, s in quantize_group(datas, float8_dtype)]
-    _keep_pending(found, packed, results)
+    _keep_pending(found, float8_dtype, packed, results)
     return results[0]
 
 
@@ -398,7 +422,7 @@ def _local_group_payload(master, float8_dtype):
             q.copy_(qd)
             sc.copy_(sd)
     results = [((flat[o:o + n],), meta) for o, n, _, _, meta, _ in entries]
-    _keep_pending(found, LOCAL, results)
+    _keep_pending(found, float8_dtype, LOCAL, results)
     return results[0]
 
 

@@ -15,7 +15,6 @@ import weakref
 from typing import Optional
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from . import kernels
 from . import quantize as _quantize_mod
@@ -71,6 +70,11 @@ def _is_fp8(t: torch.Tensor) -> bool:
 #: Operand types whose GEMM may skip the dispatcher (see :func:`_mm`). Exact types: a DTensor, a LocalTensor, a
 #: FakeTensor or any other wrapper goes through ``torch.mm``.
 _DIRECT_TYPES = (torch.Tensor, torch.nn.Parameter, ScaledFp8Tensor)
+#: Plain tensor types (what the eager plain-tensor path takes).
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+#: High-precision dtypes the eager plain-tensor path takes (anything else goes to the general path, which names the
+#: problem: integer, complex or fp8 operands).
+_HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def _direct(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -119,12 +123,43 @@ _W_T_DIMS = rowwise_dims(2, -1)[::-1]
 
 
 # ---------------------------------------------------------------------------------------------- saved for backward
-#: Eager forwards share the fp8 copy of an input that several Linears consume (q/k/v, w1/w3): input -> {(version, fp8
-#: dtype, fast accumulation): weak reference to its grad_weight operand}. The value is weak: it lives exactly as long
-#: as a backward still holds it, so a hit never costs memory. Compiled graphs share it through the dim-0 op's trace
-#: memo (``fp8tensor.quantize._trace_memo``) or, on the plain-ops path, common-subexpression elimination, so this
-#: cache is bypassed while tracing.
-_GRAD_WEIGHT_INPUTS = WeakIdKeyDictionary()
+#: Eager forwards share the fp8 copy of an input that several Linears consume (q/k/v, w1/w3): id(input) -> (weak
+#: reference to the input, {(version, fp8 dtype, fast accumulation): weak reference to its grad_weight operand}). The
+#: value is weak: it lives exactly as long as a backward still holds it, so a hit never costs memory; the entry goes
+#: when the input dies. (A dict keyed by ``id`` with a weak reference to check it: a lookup per Linear forward costs
+#: a tenth of ``WeakIdKeyDictionary``'s.) Compiled graphs share it through the dim-0 op's trace memo
+#: (``fp8tensor.quantize._trace_memo``) or, on the plain-ops path, common-subexpression elimination, so this cache
+#: is bypassed while tracing.
+_GRAD_WEIGHT_INPUTS: dict = {}
+
+
+def _gw_entries(x: torch.Tensor) -> Optional[dict]:
+    """The cache entries of input ``x`` (see :data:`_GRAD_WEIGHT_INPUTS`), or None."""
+    e = _GRAD_WEIGHT_INPUTS.get(id(x))
+    return e[1] if e is not None and e[0]() is x else None
+
+
+def _gw_drop(key: int, ref) -> None:
+    # weakref callback: the input died (its id may be reused: drop the entry only if it is still this input's)
+    e = _GRAD_WEIGHT_INPUTS.get(key)
+    if e is not None and e[0] is ref:
+        del _GRAD_WEIGHT_INPUTS[key]
+
+
+def _gw_store(x: torch.Tensor, key: tuple, x8: torch.Tensor) -> None:
+    """Remember ``x8`` as the grad_weight operand of ``x`` for ``key``; an older version of ``x`` is never asked for
+    again, so it replaces what the entry held."""
+    entries = _gw_entries(x)
+    if entries is None:
+        i = id(x)
+        entries = {}
+        _GRAD_WEIGHT_INPUTS[i] = (weakref.ref(x, lambda ref, i=i: _gw_drop(i, ref)), entries)
+    entries.clear()
+    entries[key] = weakref.ref(x8)
+
+
+#: ``scaled_dims`` of an input quantized over its tokens: one scale per feature.
+_TOKEN_DIMS = rowwise_dims(2, 0)
 
 
 def _tokens_fp8(t: torch.Tensor, t2: torch.Tensor, fast: bool, float8_dtype) -> torch.Tensor:
@@ -146,20 +181,23 @@ def _x_for_grad_weight(x: torch.Tensor, x2: torch.Tensor, recipe: Recipe) -> tor
     An ``x2`` that is already fp8 scaled per token (fp8 sequence-parallel all-gather) is kept as it is: ``fp8_mm``
     folds its token scales into ``gy^T``."""
     fast = recipe.fast_accum_backward
-    if _is_fp8(x2):
+    plain = type(x2) in _PLAIN  # (a plain tensor is never fp8: no _is_fp8 / map_local round trip)
+    if not plain and _is_fp8(x2):
         return _quantize(x2, 0, fast)
     if torch.compiler.is_compiling() or x.is_inference():  # (inference tensors have no version counter)
         return _tokens_fp8(x, x2, fast, recipe.float8_dtype)
     key = (x._version, recipe.float8_dtype, fast)
-    entries = _GRAD_WEIGHT_INPUTS.get(x)
+    entries = _gw_entries(x)
     ref = entries.get(key) if entries is not None else None
     x8 = ref() if ref is not None else None
     if x8 is None:
-        x8 = _tokens_fp8(x, x2, fast, recipe.float8_dtype)
-        if entries is None:
-            entries = _GRAD_WEIGHT_INPUTS[x] = {}
-        entries.clear()  # an older version of x is never asked for again
-        entries[key] = weakref.ref(x8)
+        if plain and type(x) in _PLAIN:  # _tokens_fp8 of a plain tensor, without its DTensor / subclass checks
+            hit = quantize_tokens(x, recipe.float8_dtype) if x.dim() >= 2 else None
+            q, s = hit if hit is not None else quantize(x2, 0, recipe.float8_dtype, gemm_layout=True)
+            x8 = make_scaled(q, s, x2.dtype, fast, _TOKEN_DIMS)
+        else:
+            x8 = _tokens_fp8(x, x2, fast, recipe.float8_dtype)
+        _gw_store(x, key, x8)
     return x8
 
 
@@ -252,9 +290,6 @@ def _weight_for_grad_input(weight: torch.Tensor, gy: torch.Tensor, fast: bool, r
 #: dispatch through ``fp8_mm``). False: always the general path (same bits).
 EAGER_PARTS = True
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-
-
 def _eager_plain(t: torch.Tensor) -> bool:
     """``t`` is a plain tensor and nothing traces or intercepts ops (no compile, no dispatch or torch-function mode,
     autograd not recording): what :func:`_direct` asks of a GEMM, for the whole Linear."""
@@ -282,13 +317,13 @@ def _forward_parts(x2: torch.Tensor, weight: torch.Tensor, wd: torch.Tensor, rec
     Same bits as the general path: ``W`` quantized per row (a row-scaled fp8 weight used as it is), ``x2`` per row
     in e4m3 (what ``fp8_mm`` does with a high-precision operand), one ``scaled_mm`` with the forward's fast
     accumulation and the promoted dtype of ``x2`` and the weight."""
-    if not _eager_plain(x2):
+    if not (_eager_plain(x2) and x2.dtype in _HP_DTYPES):  # (other dtypes: the general path and its errors)
         return None
     if type(weight) is ScaledFp8Tensor:
         if not _rowwise_fp8_weight(weight):
             return None
         wq_t, ws_t, w_dtype = weight.qdata.t(), weight.scale.t(), weight.dtype
-    elif type(wd) in _PLAIN and (wd is weight or isinstance(weight, QuantizeOnUse)):
+    elif type(wd) in _PLAIN and wd.dtype in _HP_DTYPES and (wd is weight or isinstance(weight, QuantizeOnUse)):
         q, s = quantize(wd, -1, recipe.float8_dtype, gemm_layout=True)
         wq_t, ws_t, w_dtype = q.t(), s.t(), wd.dtype
     else:
@@ -442,7 +477,8 @@ def fp8_linear(
 
     Raises:
         ValueError: unknown recipe.
-        RuntimeError: ``input.shape[-1] != weight.shape[1]``, or ``weight`` is not 2-D.
+        RuntimeError: ``input.shape[-1] != weight.shape[1]``, or ``weight`` is not 2-D; the GEMM's errors naming
+            ``aten.mm`` for an integer or complex operand or operands on different devices.
     """
     r = get_recipe(recipe)
     wd = weight._data if isinstance(weight, QuantizeOnUse) else weight  # (its metadata without torch_function)

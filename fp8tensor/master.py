@@ -139,6 +139,8 @@ class Fp8MasterWeight(torch.Tensor, QuantizeOnUse):
         u_args = tuple(_unwrap(a, masters) for a in args)
         u_kwargs = {k: _unwrap(v, masters) for k, v in kwargs.items()} if kwargs else kwargs
         out = func(*u_args, **u_kwargs)
+        if masters and func._schema.is_mutable:
+            _bump_written_versions(func, args, kwargs)
         if out is None:
             return None
         if func._schema.is_mutable:
@@ -178,6 +180,28 @@ def _unwrap(a, masters: list):
     if type(a) in (list, tuple):
         return type(a)(_unwrap(x, masters) for x in a)
     return a
+
+
+def _bump_written_versions(func, args, kwargs) -> None:
+    """Bump the version counter of the data of every master that the in-place / ``out=`` op ``func`` wrote.
+
+    Under ``__torch_dispatch__`` the op runs on ``_data`` below autograd, where the dispatcher no longer bumps
+    versions: an optimizer step, ``copy_`` or ``load_state_dict`` would leave ``_data._version`` unchanged (the
+    wrapper's own counter is bumped only when the op reached the wrapper above autograd, not when a DTensor — FSDP2's
+    sharded parameter — ran it on its local master). Code that keys on the version (the FSDP2 pre-all-gather's kept
+    results, ``fp8tensor.fsdp``) needs it to move whenever the values do."""
+    written = []
+    for i, a in enumerate(func._schema.arguments):
+        info = a.alias_info
+        if info is None or not info.is_write:
+            continue
+        v = kwargs.get(a.name) if a.kwarg_only or i >= len(args) else args[i]
+        if isinstance(v, Fp8MasterWeight):
+            written.append(v._data)
+        elif type(v) in (list, tuple):
+            written.extend(t._data for t in v if isinstance(t, Fp8MasterWeight))
+    for t in written:
+        torch.autograd.graph.increment_version(t)  # one tensor per call: the form every supported torch takes
 
 
 def _map_tensors(out, fn):

@@ -123,3 +123,27 @@ def test_device_mismatch_error_names_op():
     lin = fp8tensor.convert_to_fp8(nn.Linear(32, 16, bias=False, device="cuda", dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="aten.mm: operands are on different devices"):
         lin(torch.randn(4, 32, dtype=torch.bfloat16))
+
+
+def test_bad_dtypes_raise_the_general_paths_errors(monkeypatch):
+    """Integer / complex weights and inputs, and fp8 inputs without a scale, are not the plain path's: they raise
+    exactly what the general path raises (the GEMM's error naming ``aten.mm`` where it applies), and nothing is
+    modified."""
+    x = torch.randn(4, 16, device=DEV)
+    w = torch.randn(8, 16, device=DEV)
+    cases = [(x, torch.randint(-3, 4, (8, 16), device=DEV)), (x, w.to(torch.complex64)),
+             (torch.randint(0, 3, (4, 16), device=DEV), w), (x.to(torch.complex64), w), (x.to(torch.float8_e4m3fn), w)]
+    for a, b in cases:
+        errors = []
+        for parts in (True, False):
+            monkeypatch.setattr(linear_mod, "EAGER_PARTS", parts)
+            a0, b0 = a.clone(), b.clone()
+            with pytest.raises(Exception) as info:
+                fp8tensor.fp8_linear(a, b)
+            assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                               a0.view(torch.uint8) if a0.dtype == torch.float8_e4m3fn else a0)
+            assert torch.equal(b, b0)
+            errors.append((type(info.value), str(info.value)))
+        assert errors[0] == errors[1], errors
+        if a.dtype.is_floating_point and not b.dtype.is_floating_point or a.dtype == torch.int64:
+            assert "aten.mm: expected floating-point operands" in errors[0][1]

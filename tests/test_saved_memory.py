@@ -250,7 +250,7 @@ def test_linears_sharing_an_input_share_its_fp8_copy():
 
     del y, s
     gc.collect()
-    assert all(r() is None for e in linear_mod._GRAD_WEIGHT_INPUTS.values() for r in e.values())
+    assert all(r() is None for _, e in linear_mod._GRAD_WEIGHT_INPUTS.values() for r in e.values())
 
 
 def test_input_modified_in_place_between_consumers_is_quantized_again(today):

@@ -216,3 +216,76 @@ def test_kept_result_not_served_after_data_swap():
         assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr)
     finally:
         payload.register_group_finder(fsdp_state._group_locals)
+
+
+def worker_kept_results(rank: int, world: int, seed: int) -> dict:
+    """A round interrupted after the group's first hook, then an optimizer step / ``load_state_dict`` / a switch of
+    one weight's fp8 format: the later weights' hooks must give their *current* quantization."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import fp8tensor
+    from fp8tensor import Recipe
+    from fp8tensor.quantize import quantize
+
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(64, 96, bias=False), nn.Linear(96, 48, bias=False), nn.Linear(48, 64, bias=False))
+    fp8tensor.convert_to_fp8(model)
+    mesh = init_device_mesh("cpu", (1,))
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.5)
+    state = model._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None) or [state._fsdp_param_group]
+    A, B, C = [fp._sharded_local_tensor for fp in groups[0].fsdp_params]
+
+    def hook(w):
+        return w.fsdp_pre_all_gather(mesh, w.shape, w.stride(), None, None)
+
+    def payload_matches(w) -> bool:
+        (buf,), meta = hook(w)
+        q = buf[: w.numel()].view(meta.float8_dtype).view(w.shape)
+        qr, _ = quantize(w._data, -1, meta.float8_dtype)
+        return meta.float8_dtype == w.recipe.float8_dtype and torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
+
+    res = {}
+    versions = [B._data._version]
+    hook(A)  # keeps B's and C's results
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    versions.append(B._data._version)
+    res["after_step"] = payload_matches(B) and payload_matches(C)
+    hook(A)
+    model.load_state_dict({k: v * 2 for k, v in model.state_dict().items()})
+    res["after_load"] = payload_matches(B) and payload_matches(C)
+    hook(A)
+    B.recipe = Recipe("rowwise_e5m2", True, True, False, torch.float8_e5m2)
+    hook(A)  # a new round that leaves B out (another format)
+    res["after_format_switch"] = payload_matches(B)
+    res["versions"] = versions
+    res["seed"] = seed
+    return res
+
+
+def test_kept_results_track_updates_through_fsdp2(tmp_path):
+    """Updates that reach the master through FSDP2's sharded DTensor (optimizer step, ``load_state_dict``) bump its
+    data's version, so a kept group result is never served after them; nor across an fp8 format switch."""
+    (r,) = spawn("worker_kept_results", 1, tmp_path)
+    assert r["versions"][1] > r["versions"][0], r
+    assert r["after_step"] and r["after_load"] and r["after_format_switch"], r
+
+
+def test_compiled_master_pre_all_gather_hook():
+    """``torch.compile`` of code calling a master's ``fsdp_pre_all_gather`` traces it (each weight quantized on its
+    own while tracing) and gives the eager result."""
+    from fp8tensor.master import Fp8MasterWeight
+
+    class Mesh:  # a 2-rank shard mesh as the hook sees it (no collective in the even mode)
+        def size(self):
+            return 2
+
+    w = Fp8MasterWeight(torch.randn(8, 16))
+    fn = lambda t: t.fsdp_pre_all_gather(Mesh(), (16, 16), (16, 1), None, None)[0][0].float().sum()  # noqa: E731
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(fn, backend="aot_eager")(w), fn(w))
+    torch._dynamo.reset()

@@ -59,7 +59,10 @@ def _dequantize(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _is_fp8(t: torch.Tensor) -> bool:
-    local = t.to_local() if _is_dtensor(t) else t
+    if _is_dtensor(t):  # (eager: the local tensor itself, without to_local's autograd Function)
+        local = t.to_local() if torch.compiler.is_compiling() else t._local_tensor
+    else:
+        local = t
     shards = getattr(local, "_local_tensors", None)  # LocalTensorMode: one tensor per simulated rank
     if isinstance(shards, dict) and shards:
         local = next(iter(shards.values()))
@@ -393,9 +396,8 @@ class _Fp8Linear(torch.autograd.Function):
         wd = weight._data if isinstance(weight, QuantizeOnUse) else weight  # shape / dtype without torch_function
         K = x.shape[-1]
         N = wd.shape[0]
-        x2 = x.reshape(-1, K)
+        x2 = x if x.dim() == 2 else x.reshape(-1, K)  # (a reshape to itself still costs a DTensor dispatch)
         out = _forward_parts(x2, weight, wd, recipe)
-        eager_out = out is not None
         if out is None:
             w8t = _weight_t_direct(weight, recipe.fast_accum_forward, recipe.float8_dtype) if type(x2) in _DIRECT_TYPES else None
             if w8t is not None:  # (argument checks kept: the devices and dtypes of x are not checked before this)
@@ -417,7 +419,7 @@ class _Fp8Linear(torch.autograd.Function):
         ctx.save_for_backward(x_saved, weight if ctx.needs_input_grad[0] else None)
         # Not a view of ``out`` (as F.linear's output is not): FSDP2 hooks the module output for backward, and an
         # in-place op on a view output would drop that hook (torch warns about it).
-        if eager_out and x.dim() == 2 and not out._is_view():  # already (M, N), and not a view
+        if x.dim() == 2 and not torch.compiler.is_compiling() and not out._is_view():  # already (M, N), no view
             return out
         return torch.ops.aten._unsafe_view(out, (*x.shape[:-1], N))
 
@@ -425,7 +427,7 @@ class _Fp8Linear(torch.autograd.Function):
     def backward(ctx, grad_out):
         x_saved, weight = ctx.saved_tensors
         recipe: Recipe = ctx.recipe
-        g2 = grad_out.reshape(-1, ctx.n_out)
+        g2 = grad_out if grad_out.dim() == 2 else grad_out.reshape(-1, ctx.n_out)
         fast = recipe.fast_accum_backward
         grad_x = grad_w = grad_b = None
         parts = _eager_plain(grad_out)
@@ -436,7 +438,8 @@ class _Fp8Linear(torch.autograd.Function):
                 w_b = _weight_for_grad_input(weight, grad_out, fast, recipe)
                 grad_x = _mm(g2, w_b)
                 del w_b  # the transient fp8 operands die with their GEMM
-            grad_x = grad_x.reshape(ctx.x_shape)
+            if grad_x.shape != ctx.x_shape:
+                grad_x = grad_x.reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             grad_w = _grad_weight_parts(g2, grad_out, x_saved, recipe) if parts and recipe.grad_weight_fp8 else None
             if grad_w is not None:

@@ -287,22 +287,39 @@ def _swap_local(param: torch.Tensor, fn) -> Optional[nn.Parameter]:
     return nn.Parameter(fn(param.data), requires_grad=param.requires_grad)
 
 
-def _plain_state_dict_hook(module, state_dict, prefix, local_metadata):
-    """State dict of a converted module holds plain high-precision weights (loadable without fp8tensor)."""
-    key = prefix + "weight"
-    t = state_dict.get(key)
-    if t is None:
-        return
-    if _is_dtensor(t):
-        local = t._local_tensor
-        if isinstance(local, Fp8MasterWeight):
-            from torch.distributed.tensor import DTensor
+def _replace_parameter(root: nn.Module, old: nn.Parameter, new: nn.Parameter) -> None:
+    """Set ``new`` in every module of ``root`` that holds the Parameter object ``old`` (under any name), so weights
+    tied across modules (an output head sharing the embedding's weight, two Linears sharing one weight) stay one
+    Parameter: one gradient, one optimizer state. A module other than a converted Linear that now holds a master gets
+    the plain state-dict hook too."""
+    for mod in root.modules():
+        params = mod._parameters
+        for name, p in list(params.items()):
+            if p is old:
+                params[name] = new
+                if not isinstance(mod, nn.Linear) and not getattr(mod, "_fp8_state_dict_hook", False):
+                    mod._register_state_dict_hook(_plain_state_dict_hook)
+                    mod._fp8_state_dict_hook = True
 
-            state_dict[key] = DTensor.from_local(
-                local._data, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
-            )
-    elif isinstance(t, Fp8MasterWeight):
-        state_dict[key] = t._data
+
+def _plain_state_dict_hook(module, state_dict, prefix, local_metadata):
+    """State dict of a converted module holds plain high-precision weights (loadable without fp8tensor): every
+    parameter of ``module`` that is a master weight (or a DTensor of one) is stored as its high-precision data."""
+    for name, p in module._parameters.items():
+        key = prefix + name
+        t = state_dict.get(key)
+        if t is None:
+            continue
+        if _is_dtensor(t):
+            local = t._local_tensor
+            if isinstance(local, Fp8MasterWeight):
+                from torch.distributed.tensor import DTensor
+
+                state_dict[key] = DTensor.from_local(
+                    local._data, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
+                )
+        elif isinstance(t, Fp8MasterWeight):
+            state_dict[key] = t._data
 
 
 def _rewrap_after_load(module, incompatible_keys):
@@ -326,6 +343,9 @@ def convert_to_fp8(
     :func:`~fp8tensor.fp8_linear` with ``recipe`` (the module's class becomes a subclass of its class and of
     :class:`Fp8LinearMixin`: ``nn.Linear`` -> :class:`Fp8Linear`). Callable before or after ``parallelize_module``,
     torchtitan's TP and ``fully_shard``. ``state_dict()`` of the converted module holds plain high-precision tensors.
+    Tied weights stay tied: a plain Parameter is replaced by its master in every module of ``module`` that holds it
+    (e.g. an embedding sharing the output head's weight, which then reads the master as the high-precision tensor it
+    wraps), so it keeps one gradient and one optimizer state; DTensor weights keep their Parameter object anyway.
 
     A ``forward`` that a framework set on the instance and that calls the Linear's own bound forward it captured
     (torchtitan's ``Module.parallelize``: ``lin.forward = wrapper`` around the bound ``nn.Linear.forward``) is kept
@@ -374,8 +394,8 @@ def convert_to_fp8(
             continue
         else:
             new = _swap_local(w, lambda lt: Fp8MasterWeight(lt, r))
-            if new is not None:
-                lin.weight = new
+            if new is not None:  # a plain Parameter: a new one, set wherever the old one is used (tied weights)
+                _replace_parameter(module, w, new)
         if not getattr(lin, "_fp8_hooks", False):  # state-dict hooks once per module
             lin._register_state_dict_hook(_plain_state_dict_hook)
             lin.register_load_state_dict_post_hook(_rewrap_after_load)
@@ -399,7 +419,9 @@ def quantize_weights(
     ``requires_grad=False``; the Linear's ``forward`` becomes :func:`~fp8tensor.fp8_linear`, so gradients still
     flow to the input, in fp8, through scale folding (the fp8 weight is never re-quantized). Works before or
     after ``parallelize_module`` or torchtitan's TP (each shard is quantized on its own; a framework's wrapper of the
-    forward is redirected as in :func:`convert_to_fp8`). Linears with a ``forward`` of their own are left
+    forward is redirected as in :func:`convert_to_fp8`). Linears sharing one weight share one fp8 copy of it; a
+    module other than a Linear that shares it (a tied embedding) keeps the high-precision Parameter. Linears with a
+    ``forward`` of their own are left
     unchanged, with a warning (as in :func:`convert_to_fp8`).
 
     Args:
@@ -423,6 +445,7 @@ def quantize_weights(
     if skipped:
         warnings.warn(f"{op}: left in high precision: {', '.join(skipped)}", stacklevel=2)
     classes = {fqn: _fp8_class(type(lin)) for fqn, lin in chosen}  # before any change: a failure leaves no trace
+    shared: dict = {}  # id(old weight) -> (old weight, its fp8 Parameter): Linears sharing a weight share the fp8 one
     for fqn, lin in chosen:
         w = lin.weight
         local = w._local_tensor if _is_dtensor(w) else w
@@ -438,7 +461,10 @@ def quantize_weights(
             w._local_tensor = map_shard(w._local_tensor, q)
             refresh_fsdp_param(w)
         else:
-            lin.weight = nn.Parameter(q(w.data), requires_grad=False)
+            new = shared.get(id(w))
+            if new is None:
+                new = shared[id(w)] = (w, nn.Parameter(q(w.data), requires_grad=False))
+            lin.weight = new[1]
         lin.fp8_recipe = get_recipe("rowwise")
         _install_fp8_forward(lin, classes[fqn], redirects[fqn])
     return module

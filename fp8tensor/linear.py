@@ -20,7 +20,7 @@ from . import kernels
 from . import quantize as _quantize_mod
 from .gemm import _check_mm_args, fp8_mm, scaled_mm
 from .ops import t_view
-from .quantize import _LIB, E4M3, after_dep, quantize, quantize_dim0_t_after, quantize_tokens
+from .quantize import _LIB, E4M3, FLOAT8_DTYPES, after_dep, quantize, quantize_dim0_t_after, quantize_tokens
 from .recipes import Recipe, get_recipe
 from .tensor import ScaledFp8Tensor, _is_dtensor, make_scaled, map_local, rowwise_dims
 
@@ -425,6 +425,14 @@ class _Fp8Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            # create_graph=True: the GEMM operands below are quantized copies with no autograd link to the weight
+            # (and _scaled_mm has no derivative), so a graph recorded here would silently drop terms.
+            raise NotImplementedError(
+                "fp8_linear: double backward (create_graph=True, e.g. a gradient penalty) is not supported: the fp8 "
+                "gradient GEMMs are not differentiable. Leave this Linear in high precision (convert_to_fp8's "
+                "module_filter_fn) or compute that loss without create_graph"
+            )
         x_saved, weight = ctx.saved_tensors
         recipe: Recipe = ctx.recipe
         g2 = grad_out if grad_out.dim() == 2 else grad_out.reshape(-1, ctx.n_out)
@@ -468,6 +476,11 @@ def fp8_linear(
 ) -> torch.Tensor:
     """fp8 ``F.linear``: ``input @ weight.T + bias`` with the output, grad_input and grad_weight GEMMs in fp8.
 
+    Under ``torch.autocast`` (on ``input``'s device type) the operands are cast to the autocast dtype first, as
+    autocast does for ``F.linear`` (``weight.to(dtype)`` of a master weight is a master of that dtype, its gradient
+    flows back to the high-precision master; of an fp8 weight it only changes the output dtype), and the fp8 Linear
+    runs with autocast off inside.
+
     Args:
         input: ``(*, K)`` floating-point tensor (plain or DTensor).
         weight: ``(N, K)`` high-precision tensor, :class:`Fp8MasterWeight`, :class:`ScaledFp8Tensor`, or a
@@ -476,10 +489,15 @@ def fp8_linear(
         recipe: ``"rowwise"`` (default), ``"rowwise_gw_hp"`` or a :class:`Recipe`.
 
     Returns:
-        ``(*, N)`` tensor in ``input``'s dtype.
+        ``(*, N)`` tensor of the promoted dtype of ``input`` and ``weight`` (their common dtype in the usual case of
+        one dtype; under autocast the autocast dtype).
 
     Raises:
         ValueError: unknown recipe.
+        TypeError: ``input`` or ``weight`` is a plain float8 tensor (no scales to read it by).
+        NotImplementedError: called under a ``torch.func`` transform (``grad``, ``vmap``, ...), which this
+            ``autograd.Function`` does not support; also, raised by the backward, double backward
+            (``create_graph=True``).
         RuntimeError: ``input.shape[-1] != weight.shape[1]``, or ``weight`` is not 2-D; the GEMM's errors naming
             ``aten.mm`` for an integer or complex operand or operands on different devices.
     """
@@ -492,4 +510,38 @@ def fp8_linear(
             f"fp8_linear: input's last dim {tuple(input.shape)[-1:]} does not match weight's in_features "
             f"{weight.shape[1]} (weight shape {tuple(weight.shape)})"
         )
+    if input.dtype in FLOAT8_DTYPES or wd.dtype in FLOAT8_DTYPES:  # (a ScaledFp8Tensor reads as its high precision)
+        which = "input" if input.dtype in FLOAT8_DTYPES else "weight"
+        raise TypeError(
+            f"fp8_linear: {which} is a plain {(input if which == 'input' else wd).dtype} tensor, which has no scales "
+            "to read it by; pass a high-precision tensor or a ScaledFp8Tensor (ScaledFp8Tensor.from_hp)"
+        )
+    if not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active():
+        raise NotImplementedError(
+            "fp8_linear: torch.func transforms (grad, vmap, jacrev, ...) are not supported by the fp8 Linear; "
+            "use ordinary autograd (loss.backward() / torch.autograd.grad), or leave this Linear in high precision "
+            "(convert_to_fp8's module_filter_fn)"
+        )
+    dev = input.device.type
+    if (dev in _AUTOCAST_TYPES or torch.amp.is_autocast_available(dev)) and torch.is_autocast_enabled(dev):
+        return _autocast_linear(input, weight, bias, r, dev)  # (meta and the like have no autocast state to ask)
     return _Fp8Linear.apply(input, weight, bias, r)
+
+
+#: Device types that always have an autocast state (others are asked ``torch.amp.is_autocast_available`` first).
+_AUTOCAST_TYPES = ("cuda", "cpu")
+
+
+def _autocast_linear(input, weight, bias, recipe: Recipe, device_type: str) -> torch.Tensor:
+    """:func:`fp8_linear` under autocast: operands cast to the autocast dtype (as autocast casts ``F.linear``'s),
+    then the fp8 Linear with autocast off (its own ops must not be re-cast: autocast would dequantize the fp8
+    operands of ``mm`` into a high-precision GEMM)."""
+    dt = torch.get_autocast_dtype(device_type)
+    if input.dtype != dt:
+        input = input.to(dt)
+    if weight.dtype != dt:
+        weight = weight.to(dt)
+    if bias is not None and bias.dtype != dt:
+        bias = bias.to(dt)
+    with torch.autocast(device_type, enabled=False):
+        return _Fp8Linear.apply(input, weight, bias, recipe)

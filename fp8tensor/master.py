@@ -6,6 +6,8 @@ quantizes its local rows before the all-gather (payload in :mod:`fp8tensor.fsdp`
 """
 from __future__ import annotations
 
+import collections
+
 import warnings
 
 import torch
@@ -164,7 +166,12 @@ class Fp8MasterWeight(torch.Tensor, QuantizeOnUse):
 
 
     def __reduce_ex__(self, protocol):
-        # Pickles as the plain high-precision tensor: a checkpoint never needs fp8tensor to load.
+        # Pickles as the plain high-precision tensor: a checkpoint never needs fp8tensor to load. A master that is a
+        # module's Parameter (``nn.Parameter(master)``, what convert_to_fp8 sets) pickles as a plain Parameter with
+        # its requires_grad, as nn.Linear's weight does (``torch.save(model)``: the model loads trainable; its
+        # converted Linears quantize the plain weight on use, convert_to_fp8 makes it a master again).
+        if getattr(self, "_is_param", False):
+            return (torch._utils._rebuild_parameter, (self._data, self.requires_grad, collections.OrderedDict()))
         return self._data.__reduce_ex__(protocol)
 
 

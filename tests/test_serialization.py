@@ -117,8 +117,10 @@ def test_converted_model_checkpoint_holds_plain_tensors():
     sd = torch.load(buf, weights_only=True)
     assert all(type(v) is torch.Tensor for v in sd.values())
     assert torch.equal(sd["0.weight"], w._data)
-    p = pickle.loads(pickle.dumps(w))
-    assert type(p) is torch.Tensor and torch.equal(p, w._data)
+    p = pickle.loads(pickle.dumps(w))  # a module's master Parameter: a plain Parameter (trainable, as it was)
+    assert type(p) is nn.Parameter and p.requires_grad and torch.equal(p.detach(), w._data)
+    d = pickle.loads(pickle.dumps(w.detach()))  # a master that is not a Parameter: a plain tensor
+    assert type(d) is torch.Tensor and torch.equal(d, w._data)
 
 
 @pytest.mark.parametrize("convert", ["convert_to_fp8", "quantize_weights"])

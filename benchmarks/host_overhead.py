@@ -1,7 +1,8 @@
 """Host overhead of fp8tensor's Linear: the library's layers vs a bare implementation of the same math.
 
-Three comparisons, each a forward + backward of ``y = x W^T`` (bias-free), timed as the median wall time of many
-repetitions (CUDA: synchronized per repetition), with shapes small enough that the host dominates:
+Three comparisons, each a forward + backward of ``y = x W^T`` (bias-free), timed as the minimum (CPU) or median
+(CUDA, synchronized per repetition) wall time of many repetitions, the variants of a comparison interleaved
+repetition by repetition (:func:`time_many`), with shapes small enough that the host dominates:
 
 1. ``eager``: an ``nn.Linear`` converted by ``fp8tensor.convert_to_fp8`` vs :class:`BareFp8Linear`, a plain
    ``torch.autograd.Function`` doing the same quantizations (row-wise along each GEMM's contraction dim, e4m3) and
@@ -106,17 +107,27 @@ def _sync(dev):
 def time_us(step, dev, reps: int, inner: int) -> float:
     """Mean wall µs of ``inner`` back-to-back calls of ``step``: the median over ``reps`` on CUDA, the minimum on CPU
     (a shared CPU adds other processes' time to some repetitions; the minimum is the least disturbed one)."""
-    for _ in range(max(3, inner)):
-        step()
-    _sync(dev)
-    out = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(inner):
+    return time_many({"step": step}, dev, reps, inner)["step"]
+
+
+def time_many(steps: dict, dev, reps: int, inner: int) -> dict:
+    """:func:`time_us` of several steps measured *interleaved*: each repetition times ``inner`` calls of every step in
+    turn, so a slow spell of the machine (another process, a frequency change) falls on all of them alike and the
+    ratios between them stay put. Returns ``{name: µs}``."""
+    for step in steps.values():
+        for _ in range(max(3, inner)):
             step()
-        _sync(dev)
-        out.append((time.perf_counter() - t0) / inner * 1e6)
-    return statistics.median(out) if dev.type == "cuda" else min(out)
+    _sync(dev)
+    out = {name: [] for name in steps}
+    for _ in range(reps):
+        for name, step in steps.items():
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                step()
+            _sync(dev)
+            out[name].append((time.perf_counter() - t0) / inner * 1e6)
+    pick = statistics.median if dev.type == "cuda" else min
+    return {name: pick(v) for name, v in out.items()}
 
 
 def fwd_bwd(mod, x, gy):
@@ -226,29 +237,31 @@ def main(argv=None):
         rows.append((name, lib, ref, lib / ref, note))
 
     if "eager" in only or "dtensor" in only:
-        bf16 = T(fwd_bwd(make_linear(D, dev, dtype), x, gy))
-        bare = T(fwd_bwd(BareFp8Linear(make_linear(D, dev, dtype)), x, gy))
-        conv = convert(make_linear(D, dev, dtype), args.recipe)
-        lib = T(fwd_bwd(conv, x, gy))
-        rows.append(("bf16 nn.Linear (reference only)", bf16, bf16, 1.0, ""))
-        if "eager" in only:
-            row("eager: converted Linear vs bare", lib, bare)
+        steps = {
+            "bf16": fwd_bwd(make_linear(D, dev, dtype), x, gy),
+            "bare": fwd_bwd(BareFp8Linear(make_linear(D, dev, dtype)), x, gy),
+            "lib": fwd_bwd(convert(make_linear(D, dev, dtype), args.recipe), x, gy),
+        }
         if "dtensor" in only:
             mesh = one_rank_mesh(dev)
-            bf16_dt = T(fwd_bwd(tp_wrap(make_linear(D, dev, dtype), mesh), x, gy))
-            fp8_dt = T(fwd_bwd(tp_wrap(convert(make_linear(D, dev, dtype), args.recipe), mesh), x, gy))
-            row("dtensor: converted Linear under 1-rank TP vs bare + DTensor's bf16 cost", fp8_dt,
-                bare + (bf16_dt - bf16), f"bf16 under TP {bf16_dt:.0f} µs")
+            steps["bf16_dt"] = fwd_bwd(tp_wrap(make_linear(D, dev, dtype), mesh), x, gy)
+            steps["fp8_dt"] = fwd_bwd(tp_wrap(convert(make_linear(D, dev, dtype), args.recipe), mesh), x, gy)
+        t = time_many(steps, dev, args.reps, args.inner)
+        rows.append(("bf16 nn.Linear (reference only)", t["bf16"], t["bf16"], 1.0, ""))
+        if "eager" in only:
+            row("eager: converted Linear vs bare", t["lib"], t["bare"])
+        if "dtensor" in only:
+            row("dtensor: converted Linear under 1-rank TP vs bare + DTensor's bf16 cost", t["fp8_dt"],
+                t["bare"] + (t["bf16_dt"] - t["bf16"]), f"bf16 under TP {t['bf16_dt']:.0f} µs")
     if "compiled" in only:
         torch._dynamo.reset()
         stack = nn.Sequential(*[make_linear(D, dev, dtype, seed=i) for i in range(args.layers)])
         bare_stack = torch.compile(nn.Sequential(*[BareFp8Linear(m) for m in stack]))
-        ref = T(fwd_bwd(bare_stack, x, gy))
-        torch._dynamo.reset()
         lib_mods = nn.Sequential(*[make_linear(D, dev, dtype, seed=i) for i in range(args.layers)])
         lib_stack = torch.compile(convert(lib_mods, args.recipe))
-        lib = T(fwd_bwd(lib_stack, x, gy))
-        row(f"compiled: stack of {args.layers} converted Linears vs bare", lib, ref)
+        t = time_many({"bare": fwd_bwd(bare_stack, x, gy), "lib": fwd_bwd(lib_stack, x, gy)}, dev, args.reps,
+                      args.inner)
+        row(f"compiled: stack of {args.layers} converted Linears vs bare", t["lib"], t["bare"])
 
     if args.profile:
         for name in args.profile.split(","):

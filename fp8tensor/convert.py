@@ -287,19 +287,54 @@ def _swap_local(param: torch.Tensor, fn) -> Optional[nn.Parameter]:
     return nn.Parameter(fn(param.data), requires_grad=param.requires_grad)
 
 
-def _replace_parameter(root: nn.Module, old: nn.Parameter, new: nn.Parameter) -> None:
-    """Set ``new`` in every module of ``root`` that holds the Parameter object ``old`` (under any name), so weights
-    tied across modules (an output head sharing the embedding's weight, two Linears sharing one weight) stay one
-    Parameter: one gradient, one optimizer state. A module other than a converted Linear that now holds a master gets
-    the plain state-dict hook too."""
+def _check_ties(root: nn.Module, chosen, op: str) -> None:
+    """Raise before anything changes if a weight that conversion makes a master is also held by an ``nn.Linear``
+    that is not converted (left out by the filter, or by its own ``forward``): a weight is either quantized on every
+    GEMM use (a master's ``F.linear`` runs the fp8 Linear) or on none, so the two Linears cannot be split.
+
+    Raises:
+        RuntimeError: naming both Linears; the model is left unchanged.
+    """
+    converted = {id(lin) for _, lin in chosen}
+    owners = {id(lin.weight): fqn for fqn, lin in chosen if not _is_dtensor(lin.weight)}
+    bad = []
+    for fqn, mod in root.named_modules():
+        if isinstance(mod, nn.Linear) and id(mod) not in converted and id(mod.weight) in owners:
+            bad.append(f"{fqn!r} (shares its weight with {owners[id(mod.weight)]!r})")
+    if bad:
+        raise RuntimeError(
+            f"{op}: Linear {', '.join(bad)} is not selected for conversion but its weight is tied to a Linear that "
+            "is: a tied weight is quantized on every GEMM use or on none. Select both Linears or neither "
+            "(module_filter_fn). The model was not changed."
+        )
+
+
+def _adopt_parameter(root: nn.Module, old: nn.Parameter, new: nn.Parameter) -> None:
+    """Make every holder of the plain Parameter ``old`` hold the master ``new``, so weights tied across modules (an
+    embedding and the output head, two Linears) stay one Parameter: one gradient, one optimizer state.
+
+    ``torch.utils.swap_tensors(old, new)`` turns the object ``old`` itself into the master, so every reference sees
+    it: modules inside and outside ``root``, an optimizer built before conversion. Where torch refuses the swap (a
+    weak reference to ``old``, e.g. from ``torch.compile``'s guards, or another C++ reference), ``new`` is set in every
+    module of ``root`` that holds ``old``. A module other than a Linear holding the master (a tied embedding) gets the
+    plain state-dict hook."""
+    for k, v in old.__dict__.items():  # attributes users and frameworks set on the Parameter (no_weight_decay, ...)
+        new.__dict__.setdefault(k, v)
+    try:
+        torch.utils.swap_tensors(old, new)
+        holder = old
+    except RuntimeError:
+        holder = new
+        for mod in root.modules():
+            for name, p in list(mod._parameters.items()):
+                if p is old:
+                    mod._parameters[name] = new
     for mod in root.modules():
-        params = mod._parameters
-        for name, p in list(params.items()):
-            if p is old:
-                params[name] = new
-                if not isinstance(mod, nn.Linear) and not getattr(mod, "_fp8_state_dict_hook", False):
-                    mod._register_state_dict_hook(_plain_state_dict_hook)
-                    mod._fp8_state_dict_hook = True
+        if isinstance(mod, nn.Linear) or getattr(mod, "_fp8_state_dict_hook", False):
+            continue
+        if any(p is holder for p in mod._parameters.values()):
+            mod._register_state_dict_hook(_plain_state_dict_hook)
+            mod._fp8_state_dict_hook = True
 
 
 def _plain_state_dict_hook(module, state_dict, prefix, local_metadata):
@@ -343,9 +378,11 @@ def convert_to_fp8(
     :func:`~fp8tensor.fp8_linear` with ``recipe`` (the module's class becomes a subclass of its class and of
     :class:`Fp8LinearMixin`: ``nn.Linear`` -> :class:`Fp8Linear`). Callable before or after ``parallelize_module``,
     torchtitan's TP and ``fully_shard``. ``state_dict()`` of the converted module holds plain high-precision tensors.
-    Tied weights stay tied: a plain Parameter is replaced by its master in every module of ``module`` that holds it
-    (e.g. an embedding sharing the output head's weight, which then reads the master as the high-precision tensor it
-    wraps), so it keeps one gradient and one optimizer state; DTensor weights keep their Parameter object anyway.
+    A plain weight Parameter becomes its master in place (``torch.utils.swap_tensors``), so tied weights stay tied
+    and every holder sees the master: an embedding sharing the output head's weight reads it as the high-precision
+    tensor it wraps; one gradient, one optimizer state (an optimizer built before conversion keeps working). Where
+    torch refuses the swap (weak references to the Parameter, e.g. after ``torch.compile`` ran the model), the master
+    is set in every module of ``module`` that held the Parameter. DTensor weights keep their Parameter object anyway.
 
     A ``forward`` that a framework set on the instance and that calls the Linear's own bound forward it captured
     (torchtitan's ``Module.parallelize``: ``lin.forward = wrapper`` around the bound ``nn.Linear.forward``) is kept
@@ -370,15 +407,17 @@ def convert_to_fp8(
     Raises:
         TypeError: ``module`` is not an ``nn.Module``, or the filter is not callable.
         ValueError: unknown recipe.
-        RuntimeError: ``module_filter_fn`` raised, a Linear is currently unsharded by FSDP2, or a forward set on a
-            Linear instance holds the Linear's bound forward where it cannot be redirected (e.g. in a named tuple;
-            convert before parallelizing). The model is left unchanged.
+        RuntimeError: ``module_filter_fn`` raised, a Linear is currently unsharded by FSDP2, a Linear that is not
+            converted shares its weight with one that is, or a forward set on a Linear instance holds the Linear's
+            bound forward where it cannot be redirected (e.g. in a named tuple; convert before parallelizing). The
+            model is left unchanged.
     """
     op = "convert_to_fp8"
     r = get_recipe(recipe)
     chosen = _select_linears(module, module_filter_fn, op)
     _check_fsdp_sharded([lin.weight for _, lin in chosen], op)
     chosen, skipped, redirects = _drop_custom_forwards(chosen, op)
+    _check_ties(module, chosen, op)
     classes = {fqn: _fp8_class(type(lin)) for fqn, lin in chosen}  # before any change: a failure leaves no trace
     for fqn, lin in chosen:
         w = lin.weight
@@ -394,8 +433,8 @@ def convert_to_fp8(
             continue
         else:
             new = _swap_local(w, lambda lt: Fp8MasterWeight(lt, r))
-            if new is not None:  # a plain Parameter: a new one, set wherever the old one is used (tied weights)
-                _replace_parameter(module, w, new)
+            if new is not None:  # a plain Parameter: every holder of it gets the master (tied weights)
+                _adopt_parameter(module, w, new)
         if not getattr(lin, "_fp8_hooks", False):  # state-dict hooks once per module
             lin._register_state_dict_hook(_plain_state_dict_hook)
             lin.register_load_state_dict_post_hook(_rewrap_after_load)

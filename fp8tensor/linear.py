@@ -530,6 +530,8 @@ def fp8_linear(
 
 #: Device types that always have an autocast state (others are asked ``torch.amp.is_autocast_available`` first).
 _AUTOCAST_TYPES = ("cuda", "cpu")
+#: The dtypes autocast casts to its lower precision (it leaves float64 as it is).
+_AUTOCAST_CASTS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _autocast_linear(input, weight, bias, recipe: Recipe, device_type: str) -> torch.Tensor:
@@ -537,11 +539,11 @@ def _autocast_linear(input, weight, bias, recipe: Recipe, device_type: str) -> t
     then the fp8 Linear with autocast off (its own ops must not be re-cast: autocast would dequantize the fp8
     operands of ``mm`` into a high-precision GEMM)."""
     dt = torch.get_autocast_dtype(device_type)
-    if input.dtype != dt:
+    if input.dtype != dt and input.dtype in _AUTOCAST_CASTS:  # (autocast leaves float64 alone)
         input = input.to(dt)
-    if weight.dtype != dt:
+    if weight.dtype != dt and weight.dtype in _AUTOCAST_CASTS:
         weight = weight.to(dt)
-    if bias is not None and bias.dtype != dt:
+    if bias is not None and bias.dtype != dt and bias.dtype in _AUTOCAST_CASTS:
         bias = bias.to(dt)
     with torch.autocast(device_type, enabled=False):
         return _Fp8Linear.apply(input, weight, bias, recipe)

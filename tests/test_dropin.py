@@ -85,6 +85,14 @@ def test_autocast_compiled():
     assert rel_err(y_c, y_e) <= E4M3_GEMM_BOUND
 
 
+def test_autocast_leaves_float64_alone():
+    """autocast casts float32 / float16 / bfloat16 operands only: a float64 model stays float64, as nn.Linear."""
+    m = fp8tensor.convert_to_fp8(_lin(32, 16, dtype=torch.float64))
+    x = torch.randn(4, 32, dtype=torch.float64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert m(x).dtype == torch.float64
+
+
 def test_autocast_disabled_region_keeps_promotion():
     """Without autocast the output dtype is the promoted one of input and weight (no behaviour change)."""
     m = fp8tensor.convert_to_fp8(_lin(32, 16))
@@ -152,6 +160,58 @@ def test_two_linears_sharing_one_weight():
     model(x).sum().backward()
     ref(x.double()).sum().backward()
     assert rel_err(model[0].weight.grad, ref[0].weight.grad) <= E4M3_GEMM_BOUND
+
+
+def test_converting_a_submodule_keeps_a_tie_outside_it():
+    """``convert_to_fp8(model.head)`` with ``head.weight`` tied to ``model.emb.weight``: the Parameter object becomes
+    the master in place, so the embedding outside the converted submodule holds it too."""
+    model = _TiedLM()
+    w = model.emb.weight
+    fp8tensor.convert_to_fp8(model.head)
+    assert model.head.weight is model.emb.weight is w and isinstance(w, Fp8MasterWeight)
+    assert isinstance(model.proj.weight, nn.Parameter) and not isinstance(model.proj.weight, Fp8MasterWeight)
+
+
+def test_optimizer_built_before_conversion_trains_the_master():
+    """The weight Parameter becomes the master in place: an optimizer built before ``convert_to_fp8`` updates the
+    weight the fp8 forward reads."""
+    lin = _lin(32, 16, bias=False)
+    lin.weight.no_weight_decay = True  # an attribute set on the Parameter survives
+    opt = torch.optim.SGD(lin.parameters(), lr=0.5)
+    fp8tensor.convert_to_fp8(lin)
+    assert lin.weight.no_weight_decay is True
+    before = lin.weight._data.clone()
+    lin(torch.randn(8, 32)).square().sum().backward()
+    opt.step()
+    assert not torch.equal(lin.weight._data, before)
+    assert opt.param_groups[0]["params"][0] is lin.weight
+
+
+def test_tie_kept_where_the_swap_is_refused():
+    """A weak reference to the weight makes torch refuse the in-place swap: the master is then set in every module of
+    the converted model that held the Parameter (the tie inside it is kept)."""
+    import weakref
+
+    model = _TiedLM()
+    ref = weakref.ref(model.emb.weight)
+    fp8tensor.convert_to_fp8(model)
+    assert model.head.weight is model.emb.weight and isinstance(model.head.weight, Fp8MasterWeight)
+    assert ref() is not model.emb.weight  # the swap was refused, the fallback ran
+    assert type(model.state_dict()["emb.weight"]) is torch.Tensor
+
+
+def test_tied_linear_left_out_by_the_filter_raises():
+    """A Linear the filter leaves out cannot share its weight with a converted one (a master's every GEMM use is
+    fp8): a clear error, and the model is unchanged."""
+    a = _lin(32, 32, bias=False)
+    b = _lin(32, 32, bias=False)
+    b.weight = a.weight
+    model = nn.Sequential(a, b)
+    w = a.weight
+    with pytest.raises(RuntimeError, match=r"convert_to_fp8: Linear '1' \(shares its weight with '0'\)"):
+        fp8tensor.convert_to_fp8(model, module_filter_fn=lambda m, fqn: fqn == "0")
+    assert model[0].weight is w and model[1].weight is w and type(w) is nn.Parameter
+    assert type(model[0]) is nn.Linear and type(model[1]) is nn.Linear
 
 
 def test_quantize_weights_keeps_shared_linear_weights_shared():

@@ -17,7 +17,7 @@ parallelization plans and fp8 module filters can refer to them::
 (``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``,
 ``PrepareModuleInput``) over a TP mesh and then ``fully_shard`` over a
 data-parallel mesh. Attention infers its *local* head count from the local
-shard of the q/k/v projections (``view(..., -1, head_dim)``), so the same
+shard of the q/k/v projections (last dim // head_dim), so the same
 module code runs unsharded or tensor-parallel.
 """
 
@@ -145,18 +145,20 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
-        # -1 = local number of heads (all heads unsharded, heads/tp under TP).
-        q = self.wq(x).view(B, T, -1, self.head_dim)
-        k = self.wk(x).view(B, T, -1, self.head_dim)
-        v = self.wv(x).view(B, T, -1, self.head_dim)
+        hd = self.head_dim
+
+        def heads(t):  # [B, T, local heads, hd]: all heads unsharded, heads/tp under TP (also for 0 tokens)
+            return t.view(B, T, t.shape[-1] // hd, hd)
+
+        q, k, v = heads(self.wq(x)), heads(self.wk(x)), heads(self.wv(x))
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
         out = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1]
         )
-        out = out.transpose(1, 2).reshape(B, T, -1)
-        return self.wo(out)
+        out = out.transpose(1, 2)
+        return self.wo(out.reshape(B, T, out.shape[2] * out.shape[3]))
 
 
 class FeedForward(nn.Module):

@@ -7,7 +7,6 @@ quantizes its local rows before the all-gather (payload in :mod:`fp8tensor.fsdp`
 from __future__ import annotations
 
 import collections
-
 import warnings
 
 import torch

@@ -159,7 +159,9 @@ def test_two_linears_sharing_one_weight():
     x = torch.randn(16, 32)
     model(x).sum().backward()
     ref(x.double()).sum().backward()
-    assert rel_err(model[0].weight.grad, ref[0].weight.grad) <= E4M3_GEMM_BOUND
+    # the first use's term passes two fp8 GEMMs (the second Linear's grad_input, the first's grad_weight): twice the
+    # one-GEMM bound (seen: 5.5%). A broken tie leaves out one of the two terms: ~50% off.
+    assert rel_err(model[0].weight.grad, ref[0].weight.grad) <= 2 * E4M3_GEMM_BOUND
 
 
 def test_converting_a_submodule_keeps_a_tie_outside_it():

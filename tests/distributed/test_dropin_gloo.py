@@ -134,7 +134,7 @@ def test_tp_under_autocast(results):
     for res in results:
         assert res["tp_dtype"] == torch.bfloat16
         assert res["tp_vs_f64"] <= BOUND * 2  # two fp8 GEMMs deep
-        assert res["tp_vs_single"] <= BOUND  # same fp8 math, sub-row-wise scales on the row-parallel Linear
+        assert res["tp_vs_single"] <= 2 * BOUND  # two fp8 results of the same math (sub-row-wise scales under TP)
         assert res["tp_gx_vs_f64"] <= BOUND * 2 and res["tp_gw_vs_f64"] <= BOUND * 2
 
 

@@ -15,6 +15,7 @@ import weakref
 from typing import Optional
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 
 from . import kernels
 from . import quantize as _quantize_mod
@@ -495,9 +496,9 @@ def fp8_linear(
     Raises:
         ValueError: unknown recipe.
         TypeError: ``input`` or ``weight`` is a plain float8 tensor (no scales to read it by).
-        NotImplementedError: called under a ``torch.func`` transform (``grad``, ``vmap``, ...), which this
-            ``autograd.Function`` does not support; also, raised by the backward, double backward
-            (``create_graph=True``).
+        NotImplementedError: called under a ``torch.func`` transform (``grad``, ``vmap``, ...) or with a
+            forward-mode AD tangent, which this ``autograd.Function`` does not support; also, raised by the backward,
+            double backward (``create_graph=True``).
         RuntimeError: ``input.shape[-1] != weight.shape[1]``, or ``weight`` is not 2-D; the GEMM's errors naming
             ``aten.mm`` for an integer or complex operand or operands on different devices.
     """
@@ -522,10 +523,23 @@ def fp8_linear(
             "use ordinary autograd (loss.backward() / torch.autograd.grad), or leave this Linear in high precision "
             "(convert_to_fp8's module_filter_fn)"
         )
+    if _forward_ad._current_level >= 0 and not torch.compiler.is_compiling():  # (a dual level is open: rare)
+        _check_no_tangents(input, weight, bias)
     dev = input.device.type
     if (dev in _AUTOCAST_TYPES or torch.amp.is_autocast_available(dev)) and torch.is_autocast_enabled(dev):
         return _autocast_linear(input, weight, bias, r, dev)  # (meta and the like have no autocast state to ask)
     return _Fp8Linear.apply(input, weight, bias, r)
+
+
+def _check_no_tangents(*tensors) -> None:
+    """Raise if forward-mode AD carries a tangent into the fp8 Linear (it has no ``jvp``)."""
+    for t in tensors:
+        if t is not None and _forward_ad.unpack_dual(t).tangent is not None:
+            raise NotImplementedError(
+                "fp8_linear: forward-mode AD (torch.autograd.forward_ad, torch.func.jvp) is not supported by the fp8 "
+                "Linear; use reverse mode (backward / torch.autograd.grad), or leave this Linear in high precision "
+                "(convert_to_fp8's module_filter_fn)"
+            )
 
 
 #: Device types that always have an autocast state (others are asked ``torch.amp.is_autocast_available`` first).

@@ -5,7 +5,7 @@
 * tied weights (an output head sharing the embedding's weight, two Linears sharing one) stay one Parameter;
 * ``torch.save(model)`` / pickling a whole converted model loads a trainable model;
 * what the fp8 Linear cannot do raises a clear error naming it instead of silently wrong results: double backward
-  (``create_graph=True``), ``torch.func`` transforms, plain float8 inputs without scales.
+  (``create_graph=True``), ``torch.func`` transforms, forward-mode AD, plain float8 inputs without scales.
 """
 from __future__ import annotations
 
@@ -283,6 +283,19 @@ def test_torch_func_transforms_raise():
         torch.func.vmap(m)(x.reshape(2, 2, 32))
     # functional_call alone (no transform) is an ordinary call
     y = torch.func.functional_call(m, params, (x,))
+    assert rel_err(y, m(x)) == 0.0
+
+
+def test_forward_mode_ad_raises():
+    import torch.autograd.forward_ad as fwAD
+
+    m = fp8tensor.convert_to_fp8(_lin(32, 16))
+    x = torch.randn(4, 32)
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(x, torch.randn_like(x))
+        with pytest.raises(NotImplementedError, match="fp8_linear: forward-mode AD"):
+            m(dual)
+        y = m(x)  # a dual level without tangents through this Linear: an ordinary call
     assert rel_err(y, m(x)) == 0.0
 
 

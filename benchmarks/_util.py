@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn as nn
 
 
 def bench_ms(fn, warmup: int = 10, rep: int = 50) -> float:
@@ -60,3 +61,17 @@ def one_process_mesh(device: torch.device, shape: tuple, names=None):
         os.environ.setdefault("MASTER_PORT", str(29600 + os.getpid() % 1000))
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
     return init_device_mesh(device.type, shape, mesh_dim_names=names)
+
+
+class Layer(nn.Module):
+    """The seven projections of a Llama layer (attention q/k/v/o, SwiGLU w1/w2/w3); only the weights matter here."""
+
+    def __init__(self, hidden: int, kv: int, ffn: int):
+        super().__init__()
+        self.wq = nn.Linear(hidden, hidden, bias=False)
+        self.wk = nn.Linear(hidden, kv, bias=False)
+        self.wv = nn.Linear(hidden, kv, bias=False)
+        self.wo = nn.Linear(hidden, hidden, bias=False)
+        self.w1 = nn.Linear(hidden, ffn, bias=False)
+        self.w2 = nn.Linear(ffn, hidden, bias=False)
+        self.w3 = nn.Linear(hidden, ffn, bias=False)

@@ -38,22 +38,9 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 
 import fp8tensor  # noqa: E402
 import fp8tensor.fsdp as f8fsdp  # noqa: E402
+from _util import Layer  # noqa: E402
 
 TARGET_RATIO = 0.52
-
-
-class Layer(nn.Module):
-    """The seven projections of a Llama layer (attention q/k/v/o, SwiGLU w1/w2/w3); only the weights matter here."""
-
-    def __init__(self, hidden: int, kv: int, ffn: int):
-        super().__init__()
-        self.wq = nn.Linear(hidden, hidden, bias=False)
-        self.wk = nn.Linear(hidden, kv, bias=False)
-        self.wv = nn.Linear(hidden, kv, bias=False)
-        self.wo = nn.Linear(hidden, hidden, bias=False)
-        self.w1 = nn.Linear(hidden, ffn, bias=False)
-        self.w2 = nn.Linear(ffn, hidden, bias=False)
-        self.w3 = nn.Linear(hidden, ffn, bias=False)
 
 
 class Recorder:

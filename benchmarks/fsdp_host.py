@@ -33,21 +33,7 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 
 import fp8tensor  # noqa: E402
 import fp8tensor.fsdp as f8fsdp  # noqa: E402
-from _util import one_process_mesh  # noqa: E402
-
-
-class Layer(nn.Module):
-    """The seven projections of a Llama layer (only the weights matter here)."""
-
-    def __init__(self, hidden: int, kv: int, ffn: int):
-        super().__init__()
-        self.wq = nn.Linear(hidden, hidden, bias=False)
-        self.wk = nn.Linear(hidden, kv, bias=False)
-        self.wv = nn.Linear(hidden, kv, bias=False)
-        self.wo = nn.Linear(hidden, hidden, bias=False)
-        self.w1 = nn.Linear(hidden, ffn, bias=False)
-        self.w2 = nn.Linear(ffn, hidden, bias=False)
-        self.w3 = nn.Linear(hidden, ffn, bias=False)
+from _util import Layer, one_process_mesh  # noqa: E402
 
 
 def build(fp8: bool, layers: int, dim: int, device: torch.device, mesh) -> nn.Module:

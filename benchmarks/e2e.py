@@ -16,13 +16,17 @@ Variants: ``<precision>@<setup>`` (comma-separated in ``--variants``):
   ``parallelize_module`` on a 1-rank TP mesh, then FSDP2 over the 1-rank dp mesh of the same 2-D mesh), ``tp_plain``
   (the TP mesh, no FSDP2).
 
+A ``+graph`` suffix on the setup (``rowwise@fsdp+graph``) captures the step's forward + loss + backward as one CUDA
+graph with :func:`fp8tensor.graph_step` (warm-up calls, capture, replays; the optimizer step outside the graph,
+``zero_grad(set_to_none=False)``): the same for every precision, bf16 and torchao included.
+
 A ``+cg`` suffix on the setup (``rowwise@fsdp+cg``) compiles that variant's blocks with ``mode="reduce-overhead"``
 (CUDA graphs per block, inductor's CUDA-graph trees); ``--mode`` sets the mode of the variants without it. CUDA-graph
 trees record a block's graphs again while FSDP2's unsharded parameters still move between steps: give such variants
 ``--warmup 25`` (the re-records settle within ~20 steps for fp8tensor; the counters printed per variant say whether
 any happened in the timed steps).
 
-Ratios are to the fastest ``bf16`` row of the same setup (with or without ``+cg``): each precision at its best.
+Ratios are to the ``bf16`` row of the same setup and suffix (``+graph`` rows to graphed bf16).
 Two timings per variant: the median of ``--steps`` steps, each synchronized before and after (the table of record),
 and the mean of the same number of steps run back to back with one synchronization at each end, where the host may
 run ahead into the next step as in a training loop that does not read the loss every step.
@@ -276,16 +280,19 @@ class _Optimizers:
 
 
 def make_optimizer(model, fused: bool):
-    """AdamW (lr 1e-4) over the model's parameters. The fused kernel takes one list of parameters that must be all
-    DTensors or all plain tensors; a TP model without FSDP2 (``tp_plain``: DTensor block weights, plain embedding,
-    norms and head) gets one fused AdamW per kind."""
+    """One AdamW (lr 1e-4) over ``model.parameters()``, as users and torchtitan build it. Only where torch's fused
+    kernel refuses the list (it must be all DTensors or all plain tensors: ``tp_plain``, DTensor block weights next
+    to a plain embedding, norms and head) one fused AdamW per kind."""
     from torch.distributed.tensor import DTensor
 
+    params = list(model.parameters())
+    kinds = {isinstance(p, DTensor) for p in params}
+    if len(kinds) <= 1 or not fused:
+        return torch.optim.AdamW(params, lr=1e-4, fused=fused)
     groups = {}
-    for p in model.parameters():
+    for p in params:
         groups.setdefault(isinstance(p, DTensor), []).append(p)
-    opts = [torch.optim.AdamW(ps, lr=1e-4, fused=fused) for ps in groups.values()]
-    return opts[0] if len(opts) == 1 else _Optimizers(opts)
+    return _Optimizers([torch.optim.AdamW(ps, lr=1e-4, fused=fused) for ps in groups.values()])
 
 
 def run_variant(variant: str, args, mesh, device):
@@ -308,16 +315,25 @@ def run_variant(variant: str, args, mesh, device):
         precompute = precompute_float8_dynamic_scale_for_fsdp
 
     graphs = mode is not None and "overhead" in mode
+    whole = extra == "graph"
+
+    def fwd_bwd(tok):
+        logits = model(tok[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), tok[:, 1:].flatten())
+        loss.backward()
+        return loss.detach()
+
+    if whole:
+        import fp8tensor
+
+        fwd_bwd = fp8tensor.graph_step(fwd_bwd, model.parameters(), warmup_steps=min(3, max(1, args.warmup - 1)))
 
     def step(i):
         if graphs:
             torch.compiler.cudagraph_mark_step_begin()
-        tok = batches[i % len(batches)]
-        logits = model(tok[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), tok[:, 1:].flatten())
-        loss.backward()
+        loss = fwd_bwd(batches[i % len(batches)])
         opt.step()
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=not whole)
         if precompute is not None:
             precompute(model)
         return loss
@@ -389,7 +405,7 @@ def run_variant(variant: str, args, mesh, device):
     if args.sync_debug and cuda:
         sync_report(variant, step, sync)
     loss = float(step(0).detach().float())
-    row = dict(variant=variant, precision=precision, setup=setup, mode=mode or "default", ms=ms, tok_s=c["batch"] * c["seq"] / ms * 1e3,
+    row = dict(variant=variant, precision=precision, setup=setup, extra=extra, mode=mode or "default", ms=ms, tok_s=c["batch"] * c["seq"] / ms * 1e3,
                gpu_ms=gpu_ms, peak_gib=peak, warmup_s=t_compile, loss=loss, min_ms=min(times), times_ms=times,
                alloc=alloc, cudagraphs=cg, warmup_ms=warm_times, pipe_ms=pipe_ms)
     print(f"# {variant}: {ms:.2f} ms/step (min {min(times):.2f}; back to back {pipe_ms:.2f}), GPU {gpu_ms:.2f} ms, peak {peak:.2f} GiB, "
@@ -397,7 +413,9 @@ def run_variant(variant: str, args, mesh, device):
           f"allocator in the timed steps: {alloc}"
           + (f"; CUDA-graph trees in the timed steps: {cg}; warm-up steps (ms): "
              f"{' '.join(f'{t:.0f}' for t in warm_times)}" if cg else ""), flush=True)
-    del model, opt
+    if whole:
+        fwd_bwd.close()
+    del model, opt, fwd_bwd
     torch._dynamo.reset()
     gc.collect()  # an FSDP2 model is only freed by the cycle collector: else the next variant's peak includes it
     if cuda:
@@ -417,8 +435,8 @@ def check_variant(variant: str) -> tuple[str, str, str]:
         raise SystemExit(f"e2e.py: unknown precision {precision!r} in {variant!r}; expected one of {PRECISIONS}")
     if setup not in SETUPS:
         raise SystemExit(f"e2e.py: unknown setup {setup!r} in {variant!r}; expected one of {SETUPS}")
-    if extra not in ("", "cg"):
-        raise SystemExit(f"e2e.py: unknown suffix +{extra} in {variant!r}; expected +cg")
+    if extra not in ("", "cg", "graph"):
+        raise SystemExit(f"e2e.py: unknown suffix +{extra} in {variant!r}; expected +graph or +cg")
     return precision, setup, extra
 
 
@@ -440,9 +458,9 @@ def _params_not_static() -> None:
 
 
 def _ratio(rows: list, r: dict, key: str) -> str:
-    """``r[key]`` over the fastest bf16 row of the same setup (with or without ``+cg``), as ``"1.234x"``; "—" without
-    a bf16 row."""
-    base = min((b[key] for b in rows if b["precision"] == "bf16" and b["setup"] == r["setup"]), default=None)
+    """``r[key]`` over the bf16 row of the same setup and suffix, as ``"1.234x"``; "—" without one."""
+    base = min((b[key] for b in rows if b["precision"] == "bf16" and b["setup"] == r["setup"]
+                and b["extra"] == r["extra"]), default=None)
     return f"{base / r[key]:.3f}x" if base else "—"
 
 

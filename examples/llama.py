@@ -319,10 +319,12 @@ def parallelize_llama(
     reshard_after_forward: bool = True,
     compile: bool | str = False,
     sp_fp8_comm: bool = False,
+    tp_on_one_rank: bool = False,
 ) -> Llama:
     """Apply tensor parallelism over ``tp_mesh`` and FSDP2 over ``dp_mesh`` (in place).
 
-    Tensor parallel plan (applied only if ``tp_mesh`` has size > 1):
+    Tensor parallel plan (applied only if ``tp_mesh`` has size > 1, or with ``tp_on_one_rank`` on any size: a
+    1-rank TP mesh runs the DTensor path on one device, for tests and benchmarks):
 
     * ``wq/wk/wv/w1/w3``: ``ColwiseParallel`` (output is the local shard, so
       attention sees ``n_heads / tp`` local heads);
@@ -360,7 +362,7 @@ def parallelize_llama(
         parallelize_module,
     )
 
-    if tp_mesh is not None and tp_mesh.size() > 1:
+    if tp_mesh is not None and (tp_mesh.size() > 1 or tp_on_one_rank):
         tp = tp_mesh.size()
         a = model.args
         for name, n in (("n_heads", a.n_heads), ("n_kv_heads", a.n_kv_heads),

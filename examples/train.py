@@ -50,6 +50,7 @@ from data import DEFAULT_MAX_BYTES, RandomWindows, fixed_windows, load_corpus, s
 from llama import Llama, ModelArgs, fp8_module_filter, parallelize_llama  # noqa: E402
 
 RECIPES = ("rowwise", "rowwise_gw_hp")
+GRAPH_WARMUP = 3  # eager steps before the capture with --cuda-graph (compile, allocator and communicator warm-up)
 VAL_SEED = 1  # the held-out windows do not depend on --seed, so runs with different seeds compare
 
 # FSDP2 warns that the root module returns a view (the logits come out of
@@ -107,8 +108,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="torch.compile mode of the blocks (implies --compile). reduce-overhead: CUDA graphs per "
                         "block, for small per-GPU models whose steps wait on the host; under FSDP2 their graphs "
                         "settle after ~20 steps, so also pass --timing-skip 25 (docs/fsdp.md, 'CUDA graphs')")
-    p.add_argument("--timing-skip", type=int, default=1,
-                   help="first steps left out of the reported tok/s (compile and warm-up; default 1)")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="capture each step's forward + loss + backward as one CUDA graph and replay it "
+                        "(fp8tensor.graph_step; the optimizer step and gradient clipping stay outside): removes the "
+                        "host waits of small per-GPU models. Needs --device cuda; combine with --compile")
+    p.add_argument("--timing-skip", type=int, default=None,
+                   help="first steps left out of the reported tok/s (compile and warm-up; default 1, with "
+                        "--cuda-graph 4: three warm-up steps and the capture)")
     p.add_argument("--steps", type=int, default=120, help="training steps per run")
     p.add_argument("--seq-len", type=int, default=128,
                    help="tokens (bytes) per sequence; with sequence parallelism a multiple of --tp")
@@ -134,6 +140,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.compile_mode is not None:
         args.compile = True
+    if args.timing_skip is None:
+        args.timing_skip = GRAPH_WARMUP + 1 if args.cuda_graph else 1
     return args
 
 
@@ -193,6 +201,10 @@ def check_args(args: argparse.Namespace, world: int, local_world: int) -> str | 
         if args.sequence_parallel and args.seq_len % args.tp:
             return (f"--seq-len {args.seq_len} is not divisible by --tp {args.tp}: sequence parallelism shards "
                     f"the sequence over the TP ranks (pick a multiple of {args.tp} or pass --no-sequence-parallel)")
+    if args.cuda_graph and (args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())):
+        return "--cuda-graph needs CUDA (--device cuda): CUDA graphs do not exist on the CPU"
+    if args.cuda_graph and args.compile_mode == "reduce-overhead":
+        return "--cuda-graph already captures the whole step: compile the blocks in the default mode (--compile)"
     if args.data is not None and not Path(args.data).exists():
         return f"--data path does not exist: {args.data}"
     if args.device == "cuda":
@@ -378,16 +390,24 @@ def train_one(name: str, args, train_data, val_data, device, mesh) -> dict:
                dynamic_ncols=True, mininterval=1.0, file=sys.stdout)
     t_start = t_timed = time.perf_counter()
     timed_steps = 0
+    def fwd_bwd(x, y):
+        logits = model(x)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+        loss.backward()
+        return loss.detach()
+
+    if args.cuda_graph:  # forward + loss + backward as one CUDA graph; the optimizer stays outside
+        import fp8tensor
+
+        fwd_bwd = fp8tensor.graph_step(fwd_bwd, model.parameters(), warmup_steps=GRAPH_WARMUP, enabled=True)
     for step in bar:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args)
         x, y = next(batches)
-        logits = model(x.to(device))
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.to(device).flatten())
-        loss.backward()
+        loss = fwd_bwd(x.to(device), y.to(device))
         gnorm = grad_norm_clip_(model.parameters(), args.grad_clip)
         opt.step()
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=not args.cuda_graph)  # a captured backward accumulates into the same tensors
         # gnorm is global (all-reduced), so every rank stops at the same step.
         if not math.isfinite(gnorm):
             raise RuntimeError(f"{name}: non-finite gradient norm at step {step}")
@@ -418,7 +438,9 @@ def train_one(name: str, args, train_data, val_data, device, mesh) -> dict:
     }
     log(f"{name}: val loss {val_loss:.4f}  train loss {losses[-1]:.4f}  "
         f"{tok_s:,.0f} tok/s ({_timing_note(args.timing_skip)})  {train_s:.1f}s")
-    del model, opt
+    if args.cuda_graph:
+        fwd_bwd.close()
+    del model, opt, fwd_bwd
     if args.compile:
         torch._dynamo.reset()  # the next run compiles its own blocks from a clean cache
     return result

@@ -8,6 +8,7 @@ Public API:
 * :func:`quantize_weights` — inference / frozen weights stored in fp8.
 * :func:`fp8_linear` — the functional form of an fp8 Linear.
 * :func:`set_gemm_backend` / :func:`gemm_backend` — GEMM backend choice.
+* :func:`graph_step` — a training step's forward + backward captured as one CUDA graph (no host waits).
 * :class:`Fp8PrepareModuleInput` / :func:`fp8_sequence_parallel_plan` — fp8 all-gather of sequence-parallel
   activations (per-token scales), see ``docs/sp_fp8.md``.
 """
@@ -21,6 +22,7 @@ from .master import Fp8MasterWeight
 from . import fsdp_state as _fsdp_state  # noqa: F401  (drops FSDP2's flat copy of fp8 shards)
 from . import collectives as _collectives  # noqa: F401  (fp8 collectives for DTensor / TP)
 from .convert import convert_to_fp8, quantize_weights
+from .graphs import GraphedStep, graph_step
 
 __all__ = [
     "Fp8MasterWeight",
@@ -38,6 +40,8 @@ __all__ = [
     "gemm_backend",
     "get_gemm_backend",
     "set_gemm_backend",
+    "GraphedStep",
+    "graph_step",
 ]
 try:  # fp8 sequence-parallel communication (needs torch.distributed)
     from .parallel import Fp8PrepareModuleInput, fp8_sequence_all_gather, fp8_sequence_parallel_plan

@@ -60,6 +60,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import kernels
+from .capture import capture_token
 from .quantize import E4M3, SCALE_FLOOR, quantize, quantize_group
 
 __all__ = [
@@ -299,15 +300,18 @@ def _take_pending(master, float8_dtype, tag):
         return None
     master.__dict__[_PENDING_ATTR] = None
     data = master._data
-    if hit[0] is data and hit[1] == data._version and hit[2] == (float8_dtype, tag):
+    if hit[0] is data and hit[1] == data._version and hit[2] == (float8_dtype, tag, capture_token()):
         return hit[3]
     return None
 
 
 def _keep_pending(found: "_Group", float8_dtype, tag, results) -> None:
-    """Hand the later weights of a group launch their results (see :func:`_take_pending`)."""
+    """Hand the later weights of a group launch their results (see :func:`_take_pending`). Tagged with the CUDA-graph
+    capture they were made in (:func:`fp8tensor.capture.capture_token`): a result made outside a capture is never
+    served inside one, where it would be baked into the graph."""
+    token = capture_token()
     for m, d, r in zip(found.masters[1:], found.datas[1:], results[1:]):
-        m.__dict__[_PENDING_ATTR] = (d, d._version, (float8_dtype, tag), r)
+        m.__dict__[_PENDING_ATTR] = (d, d._version, (float8_dtype, tag, token), r)
 
 
 def _group_and_datas(master, float8_dtype, tag):

@@ -415,21 +415,31 @@ def _launch_group(xs: list, q_ptrs: list, s_ptrs: list, float8_dtype: torch.dtyp
 _TABLES: dict = {}
 
 
+#: Pinned host copies of the tables used during CUDA-graph captures: the graph's copy node reads the host buffer at
+#: every replay, so it lives as long as the process (one per distinct table: as many as captured group launches).
+_CAPTURED_TABLES: dict = {}
+
+
 def _device_table(values: list, device: torch.device) -> torch.Tensor:
     # Cached per stream: a table is only read on the stream that filled it (ordered after its copy) and freed by the
-    # allocator for that stream. Not cached while a CUDA graph is being captured (its copy only runs on replay).
-    def make():
-        return torch.tensor(values, dtype=torch.int64).pin_memory().to(device, non_blocking=True)  # no host sync
+    # allocator for that stream. While a CUDA graph is being captured, the host->device copy becomes a node of the
+    # graph that reads the pinned host buffer on every replay: that buffer must never be freed or reused.
+    def host():
+        return torch.tensor(values, dtype=torch.int64).pin_memory()
 
-    if torch.cuda.is_current_stream_capturing():
-        return make()
     idx = device.index if device.index is not None else torch.cuda.current_device()
+    if torch.cuda.is_current_stream_capturing():
+        key = tuple(values)
+        buf = _CAPTURED_TABLES.get(key)
+        if buf is None:
+            buf = _CAPTURED_TABLES[key] = host()
+        return buf.to(device, non_blocking=True)  # a copy node of the graph reading ``buf`` at each replay
     key = (idx, torch._C._cuda_getCurrentRawStream(idx), tuple(values))
     table = _TABLES.get(key)
     if table is None:
         if len(_TABLES) >= 256:  # addresses that keep changing: keep the cache small
             _TABLES.clear()
-        table = _TABLES[key] = make()
+        table = _TABLES[key] = host().to(device, non_blocking=True)  # no host sync
     return table
 
 

@@ -18,6 +18,7 @@ import torch
 import torch.autograd.forward_ad as _forward_ad
 
 from . import kernels
+from .capture import capture_token
 from . import quantize as _quantize_mod
 from .gemm import _check_mm_args, fp8_mm, scaled_mm
 from .ops import t_view
@@ -190,7 +191,8 @@ def _x_for_grad_weight(x: torch.Tensor, x2: torch.Tensor, recipe: Recipe) -> tor
         return _quantize(x2, 0, fast)
     if torch.compiler.is_compiling() or x.is_inference():  # (inference tensors have no version counter)
         return _tokens_fp8(x, x2, fast, recipe.float8_dtype)
-    key = (x._version, recipe.float8_dtype, fast)
+    # (capture_token: an fp8 copy made outside a CUDA-graph capture is never served inside one, see fp8tensor.capture)
+    key = (x._version, recipe.float8_dtype, fast, capture_token())
     entries = _gw_entries(x)
     ref = entries.get(key) if entries is not None else None
     x8 = ref() if ref is not None else None

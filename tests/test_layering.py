@@ -18,6 +18,7 @@ PKG = pathlib.Path(fp8tensor.__file__).parent
 
 # Bottom to top. A module may import only modules of strictly lower layers (modules of one layer are independent).
 LAYERS = [
+    ["capture"],  # which CUDA-graph capture is running (keys of the Python-side caches)
     ["kernels"],
     ["quantize"],
     ["fsdp"],  # the FSDP2 all-gather payload, on plain qdata / scale tensors
@@ -28,7 +29,7 @@ LAYERS = [
     ["linear"],
     ["master"],
     ["fsdp_state", "collectives", "parallel"],
-    ["convert"],
+    ["convert", "graphs"],
     ["__init__"],
     ["torchtitan"],  # optional integration (imports torchtitan when present); nothing in the package imports it
 ]

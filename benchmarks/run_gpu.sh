@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The one GPU runner behind docs/benchmarks.md: each STAGE writes its output under OUTDIR (default: $OUT, else out/).
+# torchao, when its wheel lies in .whl/ (see docs/benchmarks.md), is installed into /tmp/site for the peer rows.
+#
+# Usage: bash benchmarks/run_gpu.sh STAGE [STAGE ...]
+#   tests        the GPU tests (tests/gpu)
+#   graph        the whole-step CUDA-graph tests (tests/gpu/test_gpu_graph_step.py)
+#   e2e-SIZE     benchmarks/e2e.py at SIZE (2048, 4096, 8192, readme): default compile and whole-step graph rows,
+#                bf16 / fp8tensor rowwise, rowwise_gw_hp / torchao tensorwise, rowwise; plain FSDP2 and DTensor (tp)
+#   linear       benchmarks/linear.py (per-layer forward + backward, M = 16384)
+#   memory-4096  benchmarks/memory.py at dim 4096 (FSDP2, compiled blocks, one AdamW over all parameters)
+#   moe          benchmarks/moe.py (MoE grouped GEMM layer forward + backward)
+#   quant        benchmarks/quant_cost.py (quantization passes)
+set -uo pipefail
+out=${OUTDIR:-${OUT:-out}}; mkdir -p "$out"
+export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+py=python3
+table() { grep -E "^\||^# e2e|FAILED|Error" "$1" | cut -c1-220; }
+e2e_variants() {  # $1: size
+  local v="bf16@fsdp,rowwise@fsdp,ao_tensorwise@fsdp"
+  v="$v,bf16@fsdp+graph,rowwise@fsdp+graph,rowwise_gw_hp@fsdp+graph,ao_tensorwise@fsdp+graph,ao_rowwise@fsdp+graph"
+  v="$v,bf16@tp+graph,rowwise@tp+graph"
+  echo "$v"
+}
+for stage in "$@"; do
+  case "$stage" in
+    tests) timeout 420 $py -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tail -30 > "$out/gpu_tests.txt"
+           tail -5 "$out/gpu_tests.txt" ;;
+    graph) timeout 400 $py -m pytest -q -s -p no:cacheprovider tests/gpu/test_gpu_graph_step.py 2>&1 \
+             | grep -vE "^\s*$" | tail -40 > "$out/graph_tests.txt"; tail -15 "$out/graph_tests.txt" ;;
+    e2e-*) size=${stage#e2e-}
+           timeout 420 $py benchmarks/e2e.py --size "$size" --variants "${E2E_VARIANTS:-$(e2e_variants "$size")}" \
+             --json "$out/e2e_$size.json" > "$out/e2e_$size.txt" 2>&1
+           table "$out/e2e_$size.txt" ;;
+    linear) timeout 300 $py benchmarks/linear.py > "$out/linear.txt" 2>&1; table "$out/linear.txt" ;;
+    memory-4096) timeout 300 $py benchmarks/memory.py --fsdp --dim 4096 --ffn 14336 --heads 32 --kv-heads 8 \
+             --layers 4 --seq 8192 --warmup 1 --variants bf16@compile,rowwise@compile,rowwise_gw_hp@compile \
+             > "$out/memory_4096.txt" 2>&1; tail -30 "$out/memory_4096.txt" ;;
+    moe) timeout 300 $py benchmarks/moe.py --out "$out/moe.json" > "$out/moe.txt" 2>&1; table "$out/moe.txt" ;;
+    quant) timeout 200 $py benchmarks/quant_cost.py > "$out/quant.txt" 2>&1; table "$out/quant.txt" ;;
+    *) echo "run_gpu.sh: unknown stage $stage" >&2; exit 2 ;;
+  esac
+done

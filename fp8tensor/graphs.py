@@ -1,0 +1,270 @@
+"""A training step's forward + loss + backward captured once as a CUDA graph and replayed (:func:`graph_step`).
+
+Small and tensor-parallel models spend much of a step waiting on Python: per-block ``torch.compile`` and FSDP2 still
+launch each kernel, hook and collective from the host. Capturing the whole forward + backward once with
+``torch.cuda.graph`` and replaying it removes that wait (the GPU runs the recorded kernels back to back). The scheme
+is torchtitan's default for its training step (``torchtitan/distributed/cudagraph.py``): warm-up calls on a side
+stream, capture on that stream into a graph memory pool, static inputs copied in before each replay, the optimizer
+step outside the graph.
+
+fp8tensor keeps no Python-side per-step state that a replay would skip: its caches are keyed by the capture they were
+made in (:mod:`fp8tensor.capture`), its kernels never synchronize with the host, and FSDP2's fp8 all-gather,
+DTensor's collectives and compiled blocks are recorded as they run.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .capture import begin_capture
+
+__all__ = ["GraphedStep", "graph_step"]
+
+
+def _describe(leaf) -> tuple:
+    """What must stay the same about one input leaf between calls."""
+    if isinstance(leaf, torch.Tensor):
+        return ("tensor", tuple(leaf.shape), leaf.dtype, leaf.device, leaf.requires_grad)
+    return ("value", type(leaf), leaf)
+
+
+def _tensor_leaves(tree) -> list:
+    return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+class GraphedStep:
+    """``fn(*args, **kwargs)`` (forward + loss + ``backward()``) captured as one CUDA graph; see :func:`graph_step`.
+
+    Calls ``1 .. warmup_steps`` run ``fn`` eagerly on a side stream (compiling, allocating communicators and
+    workspaces); the next call captures ``fn`` into a graph and replays it once; every later call copies its tensor
+    inputs into the graph's static inputs and replays. Every call performs exactly one forward + backward on its
+    inputs, so a training loop behaves as if ``fn`` were called directly.
+
+    Attributes:
+        calls: number of calls so far (warm-up, capture and replays).
+        captured: whether the graph exists.
+        graph: the ``torch.cuda.CUDAGraph`` (None before capture and after :meth:`close`).
+        pool: the graph memory pool handle (shareable with other graphs through ``graph_step(..., pool=)``).
+    """
+
+    def __init__(self, fn: Callable[..., Any], parameters: Iterable[torch.Tensor], *, warmup_steps: int = 3,
+                 pool=None, enabled: Optional[bool] = None):
+        if not callable(fn):
+            raise TypeError(f"graph_step: fn must be callable, got {type(fn).__name__}")
+        if isinstance(parameters, torch.Tensor):
+            parameters = [parameters]
+        self.parameters = [p for p in parameters]
+        for i, p in enumerate(self.parameters):
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"graph_step: parameters must be tensors (e.g. model.parameters()), item {i} is "
+                                f"{type(p).__name__}")
+        if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 1:
+            raise ValueError(f"graph_step: warmup_steps must be an int >= 1 (compile and allocate before the capture), "
+                             f"got {warmup_steps!r}")
+        self.fn = fn
+        self.warmup_steps = warmup_steps
+        self.enabled = enabled
+        self._given_pool = pool
+        self._reset()
+
+    # ------------------------------------------------------------------------------------------------ state
+    def _reset(self) -> None:
+        self.calls = 0
+        self.graph: Optional[torch.cuda.CUDAGraph] = None
+        self.pool = self._given_pool
+        self._spec = None  # (treespec, leaf descriptions) of the first call
+        self._static_leaves: list = []  # the graph's input tensors, in leaf order (None for non-tensor leaves)
+        self._static_out = None
+        self._stream: Optional[torch.cuda.Stream] = None
+        self._watched: list = []  # (parameter, its gradient tensor at capture): the tensors the graph writes
+        self._had_grad: list = []  # parameters that had a gradient after the last warm-up call
+        self._eager = False  # decided on the first call: capture impossible here (CPU), run fn eagerly
+
+    @property
+    def captured(self) -> bool:
+        return self.graph is not None
+
+    def close(self) -> None:
+        """Release the graph, its memory pool (unless shared with another live graph) and the static inputs and
+        outputs. The next call starts again with warm-up calls (e.g. after changing the batch shape)."""
+        if self.graph is not None and torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self._reset()
+
+    def __enter__(self) -> "GraphedStep":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------------------------------ calls
+    def __call__(self, *args, **kwargs):
+        if self._eager:  # (decided on the first call: capture impossible here)
+            self.calls += 1
+            return self.fn(*args, **kwargs)
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        desc = tuple(_describe(leaf) for leaf in leaves)
+        if self.calls == 0:
+            self._eager = not self._can_capture(leaves)
+            self._spec = (spec, desc)
+        elif (spec, desc) != self._spec:
+            raise ValueError(
+                "graph_step: the inputs changed structure, shape, dtype, device or a non-tensor value since the "
+                f"first call ({self._first_difference(spec, desc)}); a captured CUDA graph replays fixed shapes. "
+                "Pad batches to one shape, or call close() to warm up and capture again for the new inputs"
+            )
+        self.calls += 1
+        if self._eager:
+            return self.fn(*args, **kwargs)
+        if self.calls <= self.warmup_steps:
+            return self._warmup(args, kwargs)
+        if self.graph is None:
+            return self._capture_and_replay(leaves, spec)
+        self._check_grads()
+        for static, leaf in zip(self._static_leaves, leaves):
+            if static is not None and static is not leaf:
+                static.copy_(leaf)
+        self.graph.replay()
+        return self._static_out
+
+    def _can_capture(self, leaves) -> bool:
+        if self.enabled is False:
+            return False
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor)] + self.parameters
+        why = None
+        if not torch.cuda.is_available():
+            why = "CUDA is not available"
+        elif any(t.device.type != "cuda" for t in tensors):
+            why = "an input or parameter is not on a CUDA device"
+        if why is None:
+            return True
+        if self.enabled:
+            raise RuntimeError(f"graph_step: cannot capture a CUDA graph: {why} (pass enabled=None to run eagerly)")
+        warnings.warn(f"graph_step: {why}; running the step eagerly (no CUDA graph)", RuntimeWarning, stacklevel=3)
+        return False
+
+    def _first_difference(self, spec, desc) -> str:
+        old_spec, old_desc = self._spec
+        if spec != old_spec:
+            return f"argument structure {old_spec} -> {spec}"
+        for i, (a, b) in enumerate(zip(old_desc, desc)):
+            if a != b:
+                return f"input leaf {i}: {a[1:]} -> {b[1:]}"
+        return "unknown"
+
+    def _warmup(self, args, kwargs):
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        main = torch.cuda.current_stream()
+        self._stream.wait_stream(main)
+        with torch.cuda.stream(self._stream):
+            out = self.fn(*args, **kwargs)
+        main.wait_stream(self._stream)
+        for t in _tensor_leaves(out):  # made on the side stream, used (and freed) on the caller's stream
+            t.record_stream(main)
+        self._had_grad = [p for p in self.parameters if p.grad is not None]
+        return out
+
+    def _capture_and_replay(self, leaves, spec):
+        # Gradients the backward accumulates into must exist before the capture: the captured backward then adds to
+        # them in place on every replay (several replays before one optimizer step accumulate). A gradient that is
+        # None at capture would be *assigned* a tensor of the graph's pool, overwritten by each replay.
+        with torch.no_grad():
+            for p in self._had_grad:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+        self._static_leaves = [t.detach().clone() if isinstance(t, torch.Tensor) else None for t in leaves]
+        static_args, static_kwargs = pytree.tree_unflatten(
+            [s if s is not None else leaf for s, leaf in zip(self._static_leaves, leaves)], spec)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        self._stream.wait_stream(torch.cuda.current_stream())
+        torch.cuda.synchronize()
+        begin_capture()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool, stream=self._stream):
+                out = self.fn(*static_args, **static_kwargs)
+        except Exception as e:
+            self._reset()
+            raise RuntimeError(
+                f"graph_step: capturing the step as a CUDA graph failed ({type(e).__name__}: {e}). Inside the step "
+                "nothing may synchronize with the host (.item(), .cpu(), printing a tensor, "
+                "clip_grad_norm_(error_if_nonfinite=True), data-dependent shapes such as nonzero) or use CPU "
+                "tensors; the optimizer step belongs outside. Pass enabled=False to run the step eagerly"
+            ) from e
+        self.graph = graph
+        self._static_out = out
+        self._watched = [(p, p.grad) for p in self.parameters if p.grad is not None]
+        graph.replay()
+        return out
+
+    def _check_grads(self) -> None:
+        for p, g in self._watched:
+            if p.grad is not g:
+                n = sum(1 for q, h in self._watched if q.grad is not h)
+                what = "set to None" if p.grad is None else "replaced by other tensors"
+                raise RuntimeError(
+                    f"graph_step: the gradients of {n} of {len(self._watched)} parameters were {what} after the "
+                    "capture; the captured backward writes into the gradient tensors that existed then, so training "
+                    "would silently read stale memory. Zero them in place: optimizer.zero_grad(set_to_none=False) "
+                    "(and model.zero_grad(set_to_none=False)); never assign p.grad. To start over, call close()"
+                )
+
+
+def graph_step(fn: Callable[..., Any], parameters: Iterable[torch.Tensor], *, warmup_steps: int = 3, pool=None,
+               enabled: Optional[bool] = None) -> GraphedStep:
+    """Turn ``fn(*inputs) -> loss`` (forward, loss and ``loss.backward()``) into a step captured as one CUDA graph.
+
+    The method is torchtitan's whole-step CUDA graph (``torchtitan/distributed/cudagraph.py``) on PyTorch's
+    ``torch.cuda.graph`` / ``torch.cuda.CUDAGraph``: the first ``warmup_steps`` calls run ``fn`` eagerly on a side
+    stream (``torch.compile`` compiles, FSDP2 and NCCL allocate), the next call captures ``fn`` on that stream into a
+    graph memory pool and replays it, later calls copy their tensor inputs into the captured (static) inputs and
+    replay. Each call is one real forward + backward, so the loop around it is unchanged::
+
+        step = fp8tensor.graph_step(fwd_bwd, model.parameters())
+        for x, y in batches:
+            loss = step(x, y)                     # graph-owned: read or clone it before the next call
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)   # or inside fwd_bwd
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+
+    Contract:
+        * static shapes: every call passes the same structure of arguments, tensors of the same shapes, dtypes and
+          devices, and the same non-tensor values (``ValueError`` otherwise; :meth:`GraphedStep.close` starts over);
+        * gradients are zeroed in place (``optimizer.zero_grad(set_to_none=False)``): the captured backward
+          accumulates into the gradient tensors that existed at capture (a gradient that was ``None`` then is created
+          as zeros first), so several calls before one optimizer step accumulate as in eager mode. A gradient set to
+          ``None`` or replaced after the capture raises ``RuntimeError`` at the next call instead of training on
+          stale memory;
+        * the returned value is owned by the graph (overwritten by the next replay): ``.item()`` / ``.clone()`` it;
+        * parameters are updated in place (optimizers, ``load_state_dict`` and ``copy_`` do); moving them to new
+          memory (``model.to()``, ``p.data = ...``) needs :meth:`GraphedStep.close`;
+        * inside ``fn`` nothing synchronizes with the host (``.item()``, data-dependent shapes,
+          ``clip_grad_norm_(error_if_nonfinite=True)``); the optimizer step stays outside.
+
+    Costs: ``warmup_steps`` eager steps, one capture (about the time of an eager step), and the graph's memory pool,
+    which keeps the step's activations and temporaries allocated between replays (peak memory about that of an
+    eager step).
+
+    Args:
+        fn: the step: forward, loss, ``backward()``; returns anything (tensors in it are graph-owned after capture).
+        parameters: the parameters whose gradients ``fn`` computes (``model.parameters()``): gradients are prepared
+            for the capture and checked before each replay. Also used to decide whether capture is possible.
+        warmup_steps: eager calls before the capture (>= 1; compiled blocks need one per compile).
+        pool: a graph memory pool handle (``torch.cuda.graph_pool_handle()`` or another step's ``.pool``) to share.
+        enabled: ``None`` (default): capture on CUDA, run eagerly with a ``RuntimeWarning`` where capture cannot
+            work (no CUDA, CPU inputs or parameters); ``True``: raise there instead; ``False``: always eager.
+
+    Returns:
+        A :class:`GraphedStep`, called like ``fn``.
+
+    Raises:
+        TypeError / ValueError: bad arguments (at construction) or changed inputs (at a call).
+        RuntimeError: the capture failed (the message names the usual causes), gradients were set to ``None`` or
+            replaced after the capture, or ``enabled=True`` where capture is impossible.
+    """
+    return GraphedStep(fn, parameters, warmup_steps=warmup_steps, pool=pool, enabled=enabled)

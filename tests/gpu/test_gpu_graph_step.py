@@ -1,0 +1,175 @@
+"""A training step captured as one CUDA graph (``fp8tensor.graph_step``) trains as the eager step (skipped without a GPU).
+
+For each supported configuration the same model (same seed) is trained twice on the same batches: eagerly, and with
+forward + loss + backward captured once and replayed (optimizer outside the graph). AdamW's learning rate moves every
+weight by several percent over the run, so a replay that read stale memory (an fp8 weight quantized before the
+capture, a kernel argument table freed after it, gradients written where the optimizer does not look) changes the
+losses by far more than the bounds. Attention runs the math backend (deterministic), so where the kernels are the
+same the two runs are bit-identical.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+
+STEPS = 30
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    torch.cuda.set_device(0)
+    yield init_device_mesh("cuda", (1, 1), mesh_dim_names=("dp", "tp"))
+    if own:
+        dist.destroy_process_group()
+
+
+def _build(cfg: dict, mesh):
+    from llama import Llama, ModelArgs, fp8_module_filter, parallelize_llama
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    import fp8tensor
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Llama(ModelArgs(dim=256, n_layers=2, n_heads=8, n_kv_heads=4, max_seq_len=128))
+    if not cfg["fsdp"]:
+        model.to(torch.bfloat16)  # no FSDP2: bf16 parameters are the masters
+    if cfg["recipe"] is not None:
+        fp8tensor.convert_to_fp8(model, recipe=cfg["recipe"], module_filter_fn=fp8_module_filter)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    parallelize_llama(model, mesh["tp"] if cfg["tp"] else None, mesh["dp"] if cfg["fsdp"] else None,
+                      sequence_parallel=cfg["tp"], mp_policy=mp, reshard_after_forward=False,
+                      compile=cfg["compile"], tp_on_one_rank=cfg["tp"])
+    return model
+
+
+def _train(cfg: dict, mesh, graphed: bool):
+    """Losses of STEPS optimizer steps and the final full weights."""
+    import fp8tensor
+
+    torch._dynamo.reset()
+    model = _build(cfg, mesh)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=3e-3, fused=True)
+    accum, clip = cfg.get("accum", 1), cfg.get("clip")
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 256, (4, 129), generator=gen).cuda() for _ in range(STEPS * accum)]
+
+    def fwd_bwd(tok):
+        logits = model(tok[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), tok[:, 1:].flatten()) / accum
+        loss.backward()
+        if clip == "inside":
+            torch.nn.utils.clip_grad_norm_(params, 0.5, foreach=True)
+        return loss.detach()
+
+    step = fp8tensor.graph_step(fwd_bwd, params, enabled=True) if graphed else fwd_bwd
+    losses = []
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):
+        for i in range(STEPS):
+            total = 0.0
+            for j in range(accum):
+                total += float(step(batches[i * accum + j]))
+            if clip == "after":
+                torch.nn.utils.clip_grad_norm_(params, 0.5, foreach=True)
+            opt.step()
+            opt.zero_grad(set_to_none=not graphed)
+            losses.append(total)
+    if graphed:
+        assert step.captured and step.calls == STEPS * accum
+        step.close()
+    weights = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().cpu().clone()
+               for n, p in model.named_parameters()}
+    del model, opt
+    torch._dynamo.reset()
+    return losses, weights
+
+
+CONFIGS = {
+    # FSDP2 (1 rank, fp8 all-gather of the master), compiled blocks, clipping after the graph
+    "fsdp-compile-rowwise": dict(recipe="rowwise", fsdp=True, tp=False, compile=True, clip="after"),
+    "fsdp-compile-gw_hp": dict(recipe="rowwise_gw_hp", fsdp=True, tp=False, compile=True, clip="after"),
+    # eager blocks (the eager fp8 paths and their caches), clipping inside the graph
+    "fsdp-eager-rowwise-clip-inside": dict(recipe="rowwise", fsdp=True, tp=False, compile=False, clip="inside"),
+    # gradient accumulation: 2 replays per optimizer step
+    "fsdp-compile-rowwise-accum": dict(recipe="rowwise", fsdp=True, tp=False, compile=True, accum=2),
+    # TP + SP on a DTensor mesh (1 rank), FSDP2, compiled blocks
+    "tp-sp-fsdp-compile-rowwise": dict(recipe="rowwise", fsdp=True, tp=True, compile=True, clip="after"),
+    # no FSDP2: bf16 parameters as masters
+    "plain-eager-rowwise": dict(recipe="rowwise", fsdp=False, tp=False, compile=False),
+    # the bf16 baseline itself
+    "fsdp-compile-bf16": dict(recipe=None, fsdp=True, tp=False, compile=True, clip="after"),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_graphed_training_matches_eager(name, mesh):
+    cfg = CONFIGS[name]
+    l_eager, w_eager = _train(cfg, mesh, graphed=False)
+    l_graph, w_graph = _train(cfg, mesh, graphed=True)
+    # the weights moved: stale memory in a replay would show in the losses
+    assert abs(l_eager[-1] - l_eager[0]) > 0.05 * abs(l_eager[0]), l_eager
+    same = l_eager == l_graph and all(torch.equal(w_eager[k], w_graph[k]) for k in w_eager)
+    print(f"{name}: bit-identical={same}; losses {l_eager[0]:.4f} -> {l_eager[-1]:.4f}")
+    # Bound where kernels differ: the same math, rounding differences only (fp32 accumulations of the backward in
+    # another order can flip an fp8 rounding, which training then carries): per-step loss within 1e-3 relative.
+    for i, (a, b) in enumerate(zip(l_eager, l_graph)):
+        assert abs(a - b) <= 1e-3 * abs(a), (i, a, b)
+    for k in w_eager:
+        rel = ((w_graph[k] - w_eager[k]).norm() / w_eager[k].norm().clamp_min(1e-12)).item()
+        assert rel <= 1e-2, (k, rel)
+
+
+def test_graph_errors(mesh):
+    """Gradients set to None after the capture, changed input shapes and a host sync inside the step raise."""
+    import fp8tensor
+
+    cfg = dict(recipe="rowwise", fsdp=True, tp=False, compile=False)
+    model = _build(cfg, mesh)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=1e-3)
+
+    def fwd_bwd(tok):
+        loss = F.cross_entropy(model(tok[:, :-1]).flatten(0, 1).float(), tok[:, 1:].flatten())
+        loss.backward()
+        return loss.detach()
+
+    tok = torch.randint(0, 256, (2, 65), device="cuda")
+    step = fp8tensor.graph_step(fwd_bwd, params, warmup_steps=1)
+    for _ in range(3):
+        step(tok)
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    with pytest.raises(ValueError, match="graph_step: the inputs changed"):
+        step(torch.randint(0, 256, (2, 33), device="cuda"))
+    opt.zero_grad(set_to_none=True)
+    with pytest.raises(RuntimeError, match=r"set to None.*zero_grad\(set_to_none=False\)"):
+        step(tok)
+    step.close()
+
+    def syncing(tok):
+        loss = fwd_bwd(tok)
+        loss.item()
+        return loss
+
+    bad = fp8tensor.graph_step(syncing, params, warmup_steps=1)
+    bad(tok)
+    with pytest.raises(RuntimeError, match="graph_step: capturing the step as a CUDA graph failed"):
+        bad(tok)
+    torch.cuda.synchronize()
+    del model, opt

@@ -1,0 +1,74 @@
+"""``fp8tensor.graph_step`` where no CUDA graph can be captured (CPU): eager fallback with a warning, errors for bad
+arguments. The captured path itself is tested on the GPU (``tests/gpu/test_gpu_graph_step.py``)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fp8tensor
+
+
+def _model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 32))
+    fp8tensor.convert_to_fp8(model)
+    return model
+
+
+def test_cpu_step_runs_eagerly_with_a_warning_and_trains_as_the_plain_step():
+    """On the CPU the step runs eagerly (one RuntimeWarning): losses and weights equal those of calling fn."""
+    xs = [torch.randn(16, 64) for _ in range(4)]
+    runs = []
+    for graphed in (False, True):
+        model = _model(0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+        def fwd_bwd(x):
+            loss = model(x).square().mean()
+            loss.backward()
+            return loss.detach()
+
+        step = fwd_bwd
+        if graphed:
+            with pytest.warns(RuntimeWarning, match="graph_step: CUDA is not available|not on a CUDA device"):
+                step = fp8tensor.graph_step(fwd_bwd, model.parameters(), warmup_steps=1)
+                step(xs[0])  # the warning comes with the first call
+            opt.zero_grad(set_to_none=True)  # (that call was a real step; start over from its gradients' zeroing)
+            model = _model(0)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            step = fp8tensor.graph_step(fwd_bwd, model.parameters(), enabled=False)
+        losses = []
+        for x in xs:
+            losses.append(float(step(x)))
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+        runs.append((losses, [p.detach().clone() for p in model.parameters()]))
+    (l0, w0), (l1, w1) = runs
+    assert l0 == l1
+    assert all(torch.equal(a, b) for a, b in zip(w0, w1))
+    assert abs(l0[-1] - l0[0]) > 1e-3 * abs(l0[0])  # the weights moved
+
+
+def test_enabled_true_without_cuda_raises():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available")
+    model = _model(0)
+    step = fp8tensor.graph_step(lambda x: model(x).sum().backward(), model.parameters(), enabled=True)
+    with pytest.raises(RuntimeError, match="graph_step: cannot capture a CUDA graph: CUDA is not available"):
+        step(torch.randn(2, 64))
+    assert all(p.grad is None for p in model.parameters())  # nothing ran
+
+
+@pytest.mark.parametrize("kwargs, err, match", [
+    (dict(fn=3), TypeError, "fn must be callable"),
+    (dict(parameters=[1.0]), TypeError, "parameters must be tensors"),
+    (dict(warmup_steps=0), ValueError, "warmup_steps must be an int >= 1"),
+    (dict(warmup_steps=True), ValueError, "warmup_steps must be an int >= 1"),
+])
+def test_bad_arguments_raise(kwargs, err, match):
+    args = dict(fn=lambda x: x, parameters=[torch.zeros(2)])
+    args.update(kwargs)
+    fn, params = args.pop("fn"), args.pop("parameters")
+    with pytest.raises(err, match=f"graph_step: {match}"):
+        fp8tensor.graph_step(fn, params, **args)

@@ -27,10 +27,11 @@ e2e_variants() {  # $1: size
 }
 for stage in "$@"; do
   case "$stage" in
-    tests) timeout 420 $py -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tail -30 > "$out/gpu_tests.txt"
-           tail -5 "$out/gpu_tests.txt" ;;
-    graph) timeout 400 $py -m pytest -q -s -p no:cacheprovider tests/gpu/test_gpu_graph_step.py 2>&1 \
-             | grep -vE "^\s*$" | tail -40 > "$out/graph_tests.txt"; tail -15 "$out/graph_tests.txt" ;;
+    tests) timeout 420 $py -m pytest -q -p no:cacheprovider -p no:logging --tb=short -W ignore tests/gpu \
+             > "$out/gpu_tests.txt" 2>&1; grep -E "^E |FAILED|passed|failed" "$out/gpu_tests.txt" | cut -c1-300 | tail -30 ;;
+    graph) timeout 400 $py -m pytest -q -s -p no:cacheprovider -p no:logging --tb=short -W ignore \
+             tests/gpu/test_gpu_graph_step.py > "$out/graph_tests.txt" 2>&1
+           grep -E "bit-identical|Error|assert|^E |passed|failed" "$out/graph_tests.txt" | cut -c1-300 | tail -40 ;;
     e2e-*) size=${stage#e2e-}
            timeout 420 $py benchmarks/e2e.py --size "$size" --variants "${E2E_VARIANTS:-$(e2e_variants "$size")}" \
              --json "$out/e2e_$size.json" > "$out/e2e_$size.txt" 2>&1

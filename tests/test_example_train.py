@@ -165,6 +165,9 @@ def _load_train_module():
     (("--data", "/nonexistent/corpus.txt"), 2, "--data path does not exist"),
     (("--timing-skip", "0"), 2, "--timing-skip must be at least 1"),
     (("--steps", "10", "--timing-skip", "10"), 2, "--timing-skip 10 leaves no timed step of --steps 10"),
+    (("--cuda-graph", "--device", "cpu"), 2, "--cuda-graph needs CUDA"),
+    (("--cuda-graph", "--device", "cuda", "--compile-mode", "reduce-overhead"), 2,
+     "--cuda-graph already captures the whole step"),
 ])
 def test_train_example_check_args(args, world, fragment):
     """Each bad combination is named by ``check_args`` (run before any collective); good ones pass."""

@@ -8,10 +8,12 @@ Public API:
 * :func:`quantize_weights` — inference / frozen weights stored in fp8.
 * :func:`fp8_linear` — the functional form of an fp8 Linear.
 * :func:`set_gemm_backend` / :func:`gemm_backend` — GEMM backend choice.
+* :func:`config` / :func:`set_config` / :func:`get_config` — the library's settings (:class:`Config`).
 * :func:`graph_step` — a training step's forward + backward captured as one CUDA graph (no host waits).
 * :class:`Fp8PrepareModuleInput` / :func:`fp8_sequence_parallel_plan` — fp8 all-gather of sequence-parallel
   activations (per-token scales), see ``docs/sp_fp8.md``.
 """
+from .settings import Config, config, get_config, set_config
 from .quantize import E4M3, E5M2, quantize_rowwise
 from .tensor import ScaledFp8Tensor, dequantize
 from . import ops as _ops  # noqa: F401  (registers the non-GEMM op table entries)
@@ -42,6 +44,10 @@ __all__ = [
     "set_gemm_backend",
     "GraphedStep",
     "graph_step",
+    "Config",
+    "config",
+    "get_config",
+    "set_config",
 ]
 try:  # fp8 sequence-parallel communication (needs torch.distributed)
     from .parallel import Fp8PrepareModuleInput, fp8_sequence_all_gather, fp8_sequence_parallel_plan

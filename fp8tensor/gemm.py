@@ -32,14 +32,13 @@ This module registers the ``aten.mm`` / ``aten.addmm`` entries of the op table o
 """
 from __future__ import annotations
 
-import contextlib
 import functools
-import threading
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 
 from .quantize import E4M3, E5M2, quantize
+from .settings import GEMM_BACKENDS, config, get_config, set_config
 from .tensor import ScaledFp8Tensor, implements, make_scaled
 
 __all__ = [
@@ -48,9 +47,7 @@ __all__ = [
 
 aten = torch.ops.aten
 
-BACKENDS = ("auto", "rowwise", "tensorwise", "emulated")
-_state = threading.local()
-_default_backend = "auto"
+BACKENDS = GEMM_BACKENDS
 
 
 def _check_backend(name: str) -> str:
@@ -60,30 +57,28 @@ def _check_backend(name: str) -> str:
 
 
 def set_gemm_backend(name: str) -> None:
-    """Set the process-wide GEMM backend: ``"auto"`` (default), ``"rowwise"``, ``"tensorwise"`` or ``"emulated"``.
+    """Set the process-wide GEMM backend: ``"auto"`` (default), ``"rowwise"``, ``"tensorwise"`` or ``"emulated"``
+    (the same as ``fp8tensor.set_config(gemm_backend=name)``).
 
     Raises:
         ValueError: unknown backend name.
     """
-    global _default_backend
-    _default_backend = _check_backend(name)
+    set_config(gemm_backend=_check_backend(name))
 
 
 def get_gemm_backend() -> str:
-    """The backend in force in this thread (the innermost :func:`gemm_backend` context, else the global one)."""
-    return getattr(_state, "backend", None) or _default_backend
+    """The backend in force in this thread (``fp8tensor.get_config().gemm_backend``)."""
+    return get_config().gemm_backend
 
 
-@contextlib.contextmanager
-def gemm_backend(name: str) -> Iterator[None]:
-    """Context manager choosing the GEMM backend in this thread (read when an fp8 GEMM is traced or run)."""
-    _check_backend(name)
-    prev = getattr(_state, "backend", None)
-    _state.backend = name
-    try:
-        yield
-    finally:
-        _state.backend = prev
+def gemm_backend(name: str):
+    """Context manager choosing the GEMM backend in this thread (``fp8tensor.config(gemm_backend=name)``; read when
+    an fp8 GEMM is traced or run).
+
+    Raises:
+        ValueError: unknown backend name.
+    """
+    return config(gemm_backend=_check_backend(name))
 
 
 # ---------------------------------------------------------------------------------------------- backends

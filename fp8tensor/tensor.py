@@ -14,6 +14,7 @@ from torch.utils._pytree import tree_map_only
 
 from . import fsdp as _payload
 from .quantize import E4M3, FLOAT8_DTYPES, check_float8_dtype, quantize
+from .settings import get_config
 
 __all__ = [
     "ScaledFp8Tensor",
@@ -76,7 +77,8 @@ def _dispatch(cls, func, types, args=(), kwargs=None):
 
     * composite ops (a ``CompositeImplicitAutograd`` kernel; they arrive here only below autograd): decomposed, as
       the dispatcher does above autograd;
-    * out-of-place: run on the dequantized tensors, return plain tensors;
+    * out-of-place: run on the dequantized tensors, return plain tensors, after a warning once per op (or an error,
+      or nothing: ``fp8tensor.config(unknown_ops=...)``);
     * in-place or ``out=`` writing into a ScaledFp8Tensor, and collectives: ``NotImplementedError`` naming the op
       (in-place arithmetic says to train with a high-precision master weight instead).
     """
@@ -101,8 +103,31 @@ def _dispatch(cls, func, types, args=(), kwargs=None):
             f"ScaledFp8Tensor: in-place op {name} would modify fp8-stored data, which loses updates to rounding. "
             "Train with a high-precision master weight (fp8tensor.convert_to_fp8) and quantize on use instead."
         )
+    _unknown_op(name)
     args, kwargs = tree_map_only(ScaledFp8Tensor, lambda t: t.to_hp(), (args, kwargs))
     return func(*args, **kwargs)
+
+
+#: Ops already warned about by :func:`_unknown_op` (once per op and process).
+_WARNED_OPS: set = set()
+
+
+def _unknown_op(name: str) -> None:
+    """An out-of-place op without an fp8 implementation is about to run on the dequantized tensors: per
+    ``fp8tensor.get_config().unknown_ops``, warn once per op (default), raise, or allow silently."""
+    policy = get_config().unknown_ops
+    if policy == "allow":
+        return
+    what = (f"ScaledFp8Tensor: {name} has no fp8 implementation; it runs in high precision on the dequantized "
+            "tensors (correct, but not fp8: a missing op table entry")
+    if policy == "raise":
+        raise NotImplementedError(what + "). fp8tensor.config(unknown_ops='warn') runs it dequantized")
+    if name not in _WARNED_OPS:
+        _WARNED_OPS.add(name)
+        import warnings
+
+        warnings.warn(what + "; dequantize explicitly with fp8tensor.dequantize(t) to silence this, or set "
+                      "fp8tensor.set_config(unknown_ops='allow'))", UserWarning, stacklevel=3)
 
 
 _PRE_ALL_GATHER_CALLBACKS: list = []

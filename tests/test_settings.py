@@ -1,0 +1,95 @@
+"""``fp8tensor.config`` / ``set_config`` / ``get_config``: scoping, validation, and the policy for ops without an fp8
+implementation (warn once per op by default, raise under ``unknown_ops="raise"``)."""
+from __future__ import annotations
+
+import threading
+import warnings
+
+import pytest
+import torch
+
+import fp8tensor
+from fp8tensor import ScaledFp8Tensor
+from fp8tensor import tensor as tensor_mod
+
+
+def test_config_scopes_and_restores():
+    base = fp8tensor.get_config()
+    with fp8tensor.config(gemm_backend="emulated") as c:
+        assert c.gemm_backend == "emulated" and fp8tensor.get_gemm_backend() == "emulated"
+        with fp8tensor.gemm_backend("tensorwise"):
+            assert fp8tensor.get_config().gemm_backend == "tensorwise"
+            assert fp8tensor.get_config().unknown_ops == base.unknown_ops
+        assert fp8tensor.get_config().gemm_backend == "emulated"
+    assert fp8tensor.get_config() == base
+
+
+def test_config_is_per_thread():
+    seen = []
+    with fp8tensor.config(unknown_ops="raise"):
+        t = threading.Thread(target=lambda: seen.append(fp8tensor.get_config().unknown_ops))
+        t.start()
+        t.join()
+    assert seen == [fp8tensor.get_config().unknown_ops]
+
+
+def test_set_config_process_wide():
+    old = fp8tensor.get_config()
+    try:
+        fp8tensor.set_config(gemm_backend="emulated")
+        assert fp8tensor.get_gemm_backend() == "emulated"
+        fp8tensor.set_gemm_backend("auto")
+        assert fp8tensor.get_config().gemm_backend == "auto"
+    finally:
+        fp8tensor.set_config(**{f: getattr(old, f) for f in ("gemm_backend", "unknown_ops")})
+
+
+@pytest.mark.parametrize("changes, err, match", [
+    (dict(gemm_backend="fast"), ValueError, "unknown gemm_backend 'fast'"),
+    (dict(unknown_ops="ignore"), ValueError, "unknown unknown_ops 'ignore'"),
+    (dict(backend="auto"), TypeError, r"unknown setting\(s\) \['backend'\]"),
+])
+def test_bad_settings_raise_and_change_nothing(changes, err, match):
+    before = fp8tensor.get_config()
+    with pytest.raises(err, match=match):
+        fp8tensor.set_config(**changes)
+    with pytest.raises(err, match=match):
+        with fp8tensor.config(**changes):
+            pass
+    assert fp8tensor.get_config() == before
+
+
+def _fp8(shape=(8, 16)):
+    """A ScaledFp8Tensor with values inside erfinv's domain (-1, 1): erfinv has no fp8 implementation."""
+    return ScaledFp8Tensor.from_hp(torch.rand(*shape) * 1.8 - 0.9)
+
+
+def test_unknown_op_warns_once_and_computes_in_high_precision():
+    x = _fp8()
+    tensor_mod._WARNED_OPS.discard("aten.erfinv.default")
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        out1 = torch.erfinv(x)
+        out2 = torch.erfinv(x)
+    msgs = [str(m.message) for m in w if "has no fp8 implementation" in str(m.message)]
+    assert len(msgs) == 1 and "aten.erfinv.default" in msgs[0] and "fp8tensor.dequantize" in msgs[0], msgs
+    assert type(out1) is torch.Tensor and out1.dtype == torch.float32
+    ref = torch.erfinv(x.to_hp(torch.float64))  # the same op on the exact dequantized values
+    assert ((out1.double() - ref).norm() / ref.norm()).item() < 1e-6
+    assert torch.equal(out1, out2)
+
+
+def test_unknown_op_raises_under_strict_setting():
+    x = _fp8()
+    with fp8tensor.config(unknown_ops="raise"):
+        with pytest.raises(NotImplementedError, match=r"ScaledFp8Tensor: aten\.erfinv\.default has no fp8 implementation"):
+            torch.erfinv(x)
+
+
+def test_unknown_op_allowed_silently():
+    x = _fp8()
+    tensor_mod._WARNED_OPS.clear()
+    with fp8tensor.config(unknown_ops="allow"), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = torch.erfinv(x)
+    assert torch.equal(out, torch.erfinv(x.to_hp()))

@@ -1,4 +1,4 @@
-"""Where the memory of an fp8 training step goes (issue 15): what backward keeps, and peak memory per phase.
+"""Where the memory of an fp8 training step goes: what backward keeps, and peak memory per phase and per run.
 
 For each variant (``bf16``, ``rowwise``, ``rowwise_gw_hp``; ``@eager`` / ``@compile`` overrides ``--compile``) the
 script builds the example Llama (``examples/llama.py``), optionally under
@@ -10,11 +10,19 @@ FSDP2 over a 1-rank mesh (float32 master weights, ``MixedPrecisionPolicy(bf16, f
   ScaledFp8Tensor → qdata + scale, master → data). Bytes are counted once per storage and *at the end of the
   forward*, so storages FSDP2 frees after the forward (``reshard_after_forward``) count 0. Split by dtype and by
   whether the storage is a weight (a parameter or FSDP2's unsharded parameter) or an activation.
-* **CUDA only**: ``memory_allocated`` before the step and after the forward, and ``max_memory_allocated`` of the
-  forward, of the backward and of the optimizer step (GiB).
+* **CUDA only**: ``memory_allocated`` at the variant's start (after collecting the previous variant: an FSDP2 model
+  is freed only by the cycle collector, so without it every later variant carries the previous one's float32
+  parameters), before the step and after the forward; ``max_memory_allocated`` of the warm-up steps (model build,
+  compilation, the optimizer's state creation), of the forward, of the backward and of the optimizer step (GiB); and
+  ``peak_run_GiB``, the peak of the whole run from the model's construction on.
+
+The optimizer is built as users build it: one ``AdamW`` (fused on CUDA) over ``model.parameters()``, master weights
+and plain parameters in one list; ``--optimizer per-kind`` builds one over the parameters whose (local) tensor is an
+``Fp8MasterWeight`` and one over the rest, for comparison (the two have the same peak).
 
 Usage: ``PYTHONPATH=. python benchmarks/memory.py --dim 4096 --ffn 14336 --heads 32 --kv-heads 8 --layers 2
---seq 8192 --fsdp --compile [--variants bf16,rowwise@eager,rowwise_gw_hp] [--history] [--json out.json]``. On CPU use small sizes.
+--seq 8192 --fsdp --compile [--variants bf16,rowwise@eager,rowwise_gw_hp] [--optimizer one|per-kind] [--history]
+[--json out.json]``. On CPU use small sizes.
 """
 from __future__ import annotations
 
@@ -162,6 +170,39 @@ def build(args, variant: str, device):
     return model
 
 
+def make_optimizer(model, how: str, fused: bool):
+    """AdamW (lr 1e-4) over ``model.parameters()``: ``how="one"`` one optimizer over all of them (what users and
+    torchtitan build); ``"per-kind"`` one over the parameters whose tensor (a DTensor's local tensor) is an
+    ``Fp8MasterWeight`` and one over the rest, stepped and zeroed together. Raises ``ValueError`` for another
+    ``how``."""
+    from fp8tensor import Fp8MasterWeight
+
+    params = list(model.parameters())
+    if how == "one":
+        return torch.optim.AdamW(params, lr=1e-4, fused=fused)
+    if how != "per-kind":
+        raise ValueError(f"memory.py: --optimizer must be 'one' or 'per-kind', got {how!r}")
+    is_master = [isinstance(getattr(p, "_local_tensor", p), Fp8MasterWeight) for p in params]
+    groups = [[p for p, m in zip(params, is_master) if m], [p for p, m in zip(params, is_master) if not m]]
+    opts = [torch.optim.AdamW(g, lr=1e-4, fused=fused) for g in groups if g]
+    return opts[0] if len(opts) == 1 else _Optimizers(opts)
+
+
+class _Optimizers:
+    """Several optimizers stepped and zeroed as one."""
+
+    def __init__(self, opts):
+        self.opts = opts
+
+    def step(self):
+        for o in self.opts:
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True):
+        for o in self.opts:
+            o.zero_grad(set_to_none=set_to_none)
+
+
 def run_variant(args, variant: str, device) -> dict:
     variant, _, how = variant.partition("@")
     args = argparse.Namespace(**vars(args))
@@ -171,13 +212,15 @@ def run_variant(args, variant: str, device) -> dict:
         args.compile = True
     torch._dynamo.reset()
     gc.collect()  # a previous variant's FSDP2 model is only freed by the collector (reference cycles)
-    if device.type == "cuda":
+    cuda = device.type == "cuda"
+    if cuda:
         torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
     model = build(args, variant, device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    opt = make_optimizer(model, args.optimizer, fused=cuda)
     tokens = torch.randint(0, 256, (args.batch, args.seq), device=device)
     target = torch.randint(0, 256, (args.batch, args.seq), device=device)
-    cuda = device.type == "cuda"
 
     def loss_fn(logits):
         return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), target.flatten())
@@ -187,9 +230,12 @@ def run_variant(args, variant: str, device) -> dict:
         loss_fn(model(tokens)).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    res = {"variant": variant + ("@compile" if args.compile else "@eager"), "warmup_s": round(time.time() - t0, 1)}
+    res = {"variant": variant + ("@compile" if args.compile else "@eager"), "warmup_s": round(time.time() - t0, 1),
+           "optimizer": args.optimizer}
     if cuda:
         torch.cuda.synchronize()
+        res["start_GiB"] = start / GiB
+        res["peak_warmup_GiB"] = torch.cuda.max_memory_allocated() / GiB
         torch.cuda.reset_peak_memory_stats()
         res["before_step_GiB"] = torch.cuda.memory_allocated() / GiB
     if cuda and args.history:
@@ -215,6 +261,7 @@ def run_variant(args, variant: str, device) -> dict:
         torch.cuda.synchronize()
         res["peak_opt_GiB"] = torch.cuda.max_memory_allocated() / GiB
         res["peak_step_GiB"] = max(res["peak_fwd_GiB"], res["peak_bwd_GiB"], res["peak_opt_GiB"])
+        res["peak_run_GiB"] = max(res["peak_warmup_GiB"], res["peak_step_GiB"])
         if args.history:
             snap = torch.cuda.memory._snapshot()
             torch.cuda.memory._record_memory_history(enabled=None)
@@ -284,6 +331,8 @@ def main(argv=None):
     p.add_argument("--compile", action="store_true")
     p.add_argument("--ckpt", action="store_true", help="activation checkpointing per block")
     p.add_argument("--variants", default="bf16,rowwise,rowwise_gw_hp")
+    p.add_argument("--optimizer", choices=("one", "per-kind"), default="one",
+                   help="one AdamW over model.parameters() (default), or one per kind of parameter (master / other)")
     p.add_argument("--json", default=None)
     p.add_argument("--history", action="store_true", help="CUDA: record allocations, report what is live at the peak")
     p.add_argument("--top", type=int, default=25)
@@ -306,7 +355,7 @@ def main(argv=None):
             traceback.print_exc()
             r = {"variant": v, "error": f"{type(e).__name__}: {e}"[:500]}
         r["config"] = {k: getattr(args, k) for k in ("dim", "ffn", "heads", "kv_heads", "layers", "seq", "batch",
-                                                     "fsdp", "reshard", "compile", "ckpt")}
+                                                     "fsdp", "reshard", "compile", "ckpt", "optimizer")}
         print(json.dumps(r), flush=True)
         results.append(r)
         if args.json:

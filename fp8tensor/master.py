@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from . import fsdp as _payload
+from .compat import register_foreach_type
 from .gemm import fp8_mm
 from .linear import QuantizeOnUse, _quantize_local, fp8_linear
 from .quantize import FLOAT8_DTYPES
@@ -255,3 +256,8 @@ def _master_mm(func, args, kwargs):
             return torch.addmm(bias, (a.to_hp() if isinstance(a, ScaledFp8Tensor) else a),
                                (b.to_hp() if isinstance(b, ScaledFp8Tensor) else b), beta=beta, alpha=alpha)
     return fp8_mm(a, b, bias, op=str(func))
+
+
+# Optimizers built without ``foreach=`` / ``fused=`` choose their implementation by the exact type of each parameter:
+# a master weight must not send the whole model to the Python for-loop step.
+register_foreach_type(Fp8MasterWeight)

@@ -18,7 +18,7 @@ PKG = pathlib.Path(fp8tensor.__file__).parent
 
 # Bottom to top. A module may import only modules of strictly lower layers (modules of one layer are independent).
 LAYERS = [
-    ["capture", "settings"],  # which CUDA-graph capture is running; the library's settings
+    ["compat", "capture", "settings"],  # which CUDA-graph capture is running; the library's settings
     ["kernels"],
     ["quantize"],
     ["fsdp"],  # the FSDP2 all-gather payload, on plain qdata / scale tensors

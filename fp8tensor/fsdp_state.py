@@ -8,8 +8,8 @@
 * the flat copy FSDP2 keeps of a :class:`~fp8tensor.tensor.ScaledFp8Tensor` shard is dropped before each of its
   all-gathers (registered with :func:`fp8tensor.tensor.register_fsdp_pre_all_gather_callback` on import).
 
-These read and write attributes of FSDP2's ``FSDPParam`` / ``FSDPState`` that are not public API
-(``torch/distributed/fsdp/_fully_shard/``).
+FSDP2's ``FSDPParam`` / ``FSDPState`` attributes are not public API (``torch/distributed/fsdp/_fully_shard/``): they
+are read and written through :mod:`fp8tensor.compat` only.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from . import compat
 from . import fsdp as _payload
 from .master import Fp8MasterWeight
 from .tensor import ScaledFp8Tensor, _is_dtensor, register_fsdp_pre_all_gather_callback
@@ -26,41 +27,16 @@ from .tensor import ScaledFp8Tensor, _is_dtensor, register_fsdp_pre_all_gather_c
 __all__ = ["refresh_fsdp_param", "find_fsdp_param", "check_fsdp_sharded"]
 
 
-def _fsdp_states():
-    """The live FSDP2 states (one per module ``fully_shard`` was applied to)."""
-    try:
-        from torch.distributed._composable_state import _module_state_mapping
-        from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
-    except ImportError:  # pragma: no cover - builds without distributed, very old torch
-        return []
-    states = []
-    for ref in list(_module_state_mapping.values()):
-        state = ref()
-        if isinstance(state, FSDPState) and all(state is not s for s in states):
-            states.append(state)
-    return states
-
-
-def _param_groups(state):
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is None:  # torch < 2.12: a single optional group
-        group = getattr(state, "_fsdp_param_group", None)
-        groups = [group] if group is not None else []
-    return groups
-
-
 def _fsdp_params(module: Optional[torch.nn.Module] = None):
     """All ``FSDPParam`` s, of the FSDP2 states of ``module``'s submodules or (``None``) of every live state."""
-    from torch.distributed._composable_state import _get_module_state
-
     if module is None:
-        states = _fsdp_states()
+        states = compat.fsdp_states()
     else:
-        states = [s for m in module.modules() if (s := _get_module_state(m)) is not None]
+        states = [s for m in module.modules() if (s := compat.fsdp_module_state(m)) is not None]
     out = []
     for state in states:
-        for group in _param_groups(state):
-            out.extend(group.fsdp_params)
+        for group in compat.fsdp_param_groups(state):
+            out.extend(compat.fsdp_params_of(group))
     return out
 
 
@@ -73,25 +49,18 @@ def find_fsdp_param(param: torch.Tensor, module: Optional[torch.nn.Module] = Non
 
 
 def _refresh(fp) -> None:
-    from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
-
-    if fp.sharded_state != ShardedState.SHARDED:
+    if not compat.fsdp_is_sharded(fp):
         raise RuntimeError(
-            f"fp8tensor: cannot convert FSDP2 parameter {fp._param_fqn or fp._module_info.param_name!r} while it is "
-            f"unsharded ({fp.sharded_state.name}); call model.reshard() (or convert before the first forward)"
+            f"fp8tensor: cannot convert FSDP2 parameter {compat.fsdp_param_name(fp)!r} while it is "
+            f"unsharded ({compat.fsdp_state_name(fp)}); call model.reshard() (or convert before the first forward)"
         )
     # FSDP2's reset_sharded_param (run at lazy init and after load_state_dict) compares storages of a plain
     # ``_sharded_param_data`` with the local tensor, which a wrapper subclass has none of: give it the subclass.
     # The extension path never reads ``_sharded_param_data`` otherwise (it is the default path's all-gather input).
-    local = fp._sharded_local_tensor
-    fp._sharded_param_data = local.view(-1) if isinstance(local, Fp8MasterWeight) else local
-    fp._init_extensions()
-    # Buffers sized and typed for the previous all-gather inputs: rebuild them on the next all-gather.
-    fp.all_gather_outputs = []
-    if hasattr(fp, "_unsharded_param"):
-        del fp._unsharded_param
-    if hasattr(fp, "orig_dtype"):
-        fp.init_dtype_attrs(fp.mp_policy)
+    local = compat.fsdp_sharded_local(fp)
+    compat.fsdp_set_flat_shard(fp, local.view(-1) if isinstance(local, Fp8MasterWeight) else local)
+    # Buffers sized and typed for the previous all-gather inputs: rebuilt on the next all-gather.
+    compat.fsdp_reset_extension(fp)
 
 
 def refresh_fsdp_param(param: torch.Tensor, module: Optional[torch.nn.Module] = None) -> bool:
@@ -136,11 +105,11 @@ def check_fsdp_sharded(params, op: str) -> None:
         return
     ids = {id(p) for p in params}
     for fp in fps:
-        unsharded = getattr(fp, "_unsharded_param", None)
-        if unsharded is not None and id(unsharded) in ids and fp.sharded_state.name != "SHARDED":
+        unsharded = compat.fsdp_unsharded_param(fp)
+        if unsharded is not None and id(unsharded) in ids and not compat.fsdp_is_sharded(fp):
             raise RuntimeError(
-                f"{op}: parameter {fp._param_fqn or fp._module_info.param_name!r} is currently unsharded by FSDP2 "
-                f"({fp.sharded_state.name}); call model.reshard() (or convert before the first forward). "
+                f"{op}: parameter {compat.fsdp_param_name(fp)!r} is currently unsharded by FSDP2 "
+                f"({compat.fsdp_state_name(fp)}); call model.reshard() (or convert before the first forward). "
                 "The model was not changed."
             )
 
@@ -161,12 +130,12 @@ def _drop_flat_copy(local: ScaledFp8Tensor) -> None:
     ref = _FSDP_PARAM_OF.get(local)
     fp = ref() if ref is not None else None
     if fp is None:
-        fp = next((f for f in _fsdp_params() if f._sharded_local_tensor is local), None)
+        fp = next((f for f in _fsdp_params() if compat.fsdp_sharded_local(f) is local), None)
         if fp is None:
             return
         _FSDP_PARAM_OF[local] = weakref.ref(fp)  # weak both ways: the FSDPParam holds the local tensor
-    if fp._sharded_param_data is not local:
-        fp._sharded_param_data = local
+    if compat.fsdp_flat_shard(fp) is not local:
+        compat.fsdp_set_flat_shard(fp, local)
 
 
 register_fsdp_pre_all_gather_callback(_drop_flat_copy)
@@ -184,9 +153,9 @@ def _group_locals(local):
     ref = _GROUP_OF.get(local)
     group = ref() if ref is not None else None
     if group is None:
-        for state in _fsdp_states():
-            for g in _param_groups(state):
-                if any(fp._sharded_local_tensor is local for fp in g.fsdp_params):
+        for state in compat.fsdp_states():
+            for g in compat.fsdp_param_groups(state):
+                if any(compat.fsdp_sharded_local(fp) is local for fp in compat.fsdp_params_of(g)):
                     group = g
                     break
             if group is not None:
@@ -194,7 +163,7 @@ def _group_locals(local):
         if group is None:
             return None, []
         _GROUP_OF[local] = weakref.ref(group)
-    return group, [fp._sharded_local_tensor for fp in group.fsdp_params]
+    return group, [compat.fsdp_sharded_local(fp) for fp in compat.fsdp_params_of(group)]
 
 
 _payload.register_group_finder(_group_locals)

@@ -66,3 +66,38 @@ def test_mode_queries():
     with torch.overrides.TorchFunctionMode():
         assert compat.function_modes_active()
     assert torch.func.grad(lambda x: (x * float(compat.functorch_active())).sum())(torch.ones(2)).sum() == 2
+
+
+def test_fsdp2_accessors():
+    """The FSDP2 internals fp8tensor reads and writes exist on this torch: states, groups, params, sharded state,
+    flat shard, extension reset."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 16))
+        fp8tensor.convert_to_fp8(model)
+        fully_shard(model[0], mesh=init_device_mesh("cpu", (1,)))
+        state = compat.fsdp_module_state(model[0])
+        assert state is not None and any(s is state for s in compat.fsdp_states())
+        (group,) = compat.fsdp_param_groups(state)
+        fps = compat.fsdp_params_of(group)
+        assert [compat.fsdp_param_name(fp) for fp in fps] == ["weight", "bias"] or \
+            sorted(compat.fsdp_param_name(fp).split(".")[-1] for fp in fps) == ["bias", "weight"]
+        w = next(fp for fp in fps if compat.fsdp_param_name(fp).endswith("weight"))
+        assert isinstance(compat.fsdp_sharded_local(w), fp8tensor.Fp8MasterWeight)
+        assert compat.fsdp_is_sharded(w) and compat.fsdp_state_name(w) == "SHARDED"
+        assert compat.fsdp_unsharded_param(w) is None or compat.fsdp_is_sharded(w)
+        flat = compat.fsdp_flat_shard(w)
+        compat.fsdp_set_flat_shard(w, flat)
+        assert compat.fsdp_flat_shard(w) is flat
+        compat.fsdp_reset_extension(w)
+        out = model(torch.randn(3, 32))
+        assert out.shape == (3, 16) and torch.isfinite(out).all()
+    finally:
+        if own:
+            dist.destroy_process_group()

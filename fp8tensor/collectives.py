@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from . import compat
 from .master import keep_master_through
 from .ops import _scale_fits
 from .tensor import ScaledFp8Tensor, implements, make_scaled
@@ -94,17 +95,8 @@ def _like(t: ScaledFp8Tensor, qbytes: torch.Tensor, scale: torch.Tensor, dims=No
     return make_scaled(qbytes.view(t.qdata.dtype), scale, t.orig_dtype, t.fast_accum, dims)
 
 
-def _group_size(group_name) -> int:
-    from torch.distributed.distributed_c10d import _get_group_size_by_name
-
-    return _get_group_size_by_name(group_name)
-
-
-def _unbox_wait(work) -> None:
-    """Block on a ``c10d`` Work returned by a ``c10d.*_`` op (boxed as a ScriptObject by the dispatcher)."""
-    from torch._C._distributed_c10d import Work
-
-    (Work.unbox(work) if not isinstance(work, Work) else work).wait()
+_group_size = compat.process_group_size
+_unbox_wait = compat.wait_work
 
 
 # --------------------------------------------------------------------------------------------- functional

@@ -12,7 +12,21 @@ __all__ = ["TORCH_VERSION", "register_foreach_type", "local_tensor", "set_local_
            "dispatch_modes_active", "function_modes_active", "functorch_active", "fsdp_states", "fsdp_param_groups",
            "fsdp_module_state", "fsdp_params_of", "fsdp_sharded_local", "fsdp_param_name", "fsdp_is_sharded",
            "fsdp_state_name", "fsdp_unsharded_param", "fsdp_flat_shard", "fsdp_set_flat_shard",
-           "fsdp_reset_extension"]
+           "fsdp_reset_extension", "process_group_size", "wait_work", "tree_flatten", "tree_unflatten", "tree_leaves",
+           "tree_map_only", "is_fake", "local_tensor_cls", "run_per_simulated_rank", "COMPOSITE_IMPLICIT",
+           "DISABLED_TORCH_FUNCTION", "DATA_SETTER", "disable_torch_function_subclass"]
+
+#: The dispatch key of composite ops (decomposed above autograd).
+COMPOSITE_IMPLICIT = torch._C.DispatchKey.CompositeImplicitAutograd
+#: ``__torch_function__`` of a subclass that opts out of torch-function handling (goes straight to dispatch).
+DISABLED_TORCH_FUNCTION = torch._C._disabled_torch_function_impl
+#: What ``__torch_function__`` receives as ``func`` for ``t.data = new``.
+DATA_SETTER = torch._C.TensorBase.data.__set__
+
+
+def disable_torch_function_subclass():
+    """Context manager: subclasses' ``__torch_function__`` is skipped inside (plain tensor behaviour)."""
+    return torch._C.DisableTorchFunctionSubclass()
 
 
 def _version(v: str) -> tuple:
@@ -156,3 +170,71 @@ def fsdp_reset_extension(fp) -> None:
         del fp._unsharded_param
     if hasattr(fp, "orig_dtype"):
         fp.init_dtype_attrs(fp.mp_policy)
+
+
+# ------------------------------------------------------------------------------------------------ c10d
+def process_group_size(group_name: str) -> int:
+    """The size of the process group registered under ``group_name`` (the functional collectives' handle)."""
+    from torch.distributed.distributed_c10d import _get_group_size_by_name
+
+    return _get_group_size_by_name(group_name)
+
+
+def wait_work(work) -> None:
+    """Block on a ``c10d`` Work returned by a ``c10d.*_`` op (the dispatcher boxes it as a ScriptObject)."""
+    from torch._C._distributed_c10d import Work
+
+    (Work.unbox(work) if not isinstance(work, Work) else work).wait()
+
+
+# ------------------------------------------------------------------------------------------------ pytrees, fakes
+def tree_flatten(tree):
+    """``(leaves, spec)`` of a nested structure of lists, tuples and dicts (``torch.utils._pytree``)."""
+    from torch.utils import _pytree
+
+    return _pytree.tree_flatten(tree)
+
+
+def tree_unflatten(leaves, spec):
+    """Inverse of :func:`tree_flatten`."""
+    from torch.utils import _pytree
+
+    return _pytree.tree_unflatten(leaves, spec)
+
+
+def tree_leaves(tree) -> list:
+    """The leaves of a nested structure (``torch.utils._pytree.tree_leaves``)."""
+    from torch.utils import _pytree
+
+    return _pytree.tree_leaves(tree)
+
+
+def tree_map_only(cls, fn, tree):
+    """``fn`` applied to the leaves of type ``cls`` (``torch.utils._pytree.tree_map_only``)."""
+    from torch.utils import _pytree
+
+    return _pytree.tree_map_only(cls, fn, tree)
+
+
+def is_fake(t) -> bool:
+    """Whether ``t`` is a ``FakeTensor`` (shapes without data, as ``torch.compile`` traces)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+# ------------------------------------------------------------------------------------------------ LocalTensorMode
+def local_tensor_cls():
+    """``torch.distributed._local_tensor.LocalTensor`` (one tensor per simulated rank), or None where missing."""
+    try:
+        from torch.distributed._local_tensor import LocalTensor
+    except Exception:  # pragma: no cover - builds without distributed
+        return None
+    return LocalTensor
+
+
+def run_per_simulated_rank(fn):
+    """``fn`` wrapped to run once per simulated rank on a ``LocalTensor`` (``maybe_run_for_local_tensor``)."""
+    from torch.distributed._local_tensor import maybe_run_for_local_tensor
+
+    return maybe_run_for_local_tensor(fn)

@@ -15,6 +15,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
+from . import compat
 from .quantize import E4M3, check_float8_dtype
 from .fsdp_state import check_fsdp_sharded as _check_fsdp_sharded
 from .fsdp_state import refresh_fsdp_param
@@ -281,7 +282,7 @@ def _swap_local(param: torch.Tensor, fn) -> Optional[nn.Parameter]:
     refreshed); plain parameters return a new Parameter to set on the module.
     """
     if _is_dtensor(param):
-        param._local_tensor = map_shard(param._local_tensor, fn)
+        compat.set_local_tensor(param, map_shard(compat.local_tensor(param), fn))
         refresh_fsdp_param(param)
         return None
     return nn.Parameter(fn(param.data), requires_grad=param.requires_grad)
@@ -346,7 +347,7 @@ def _plain_state_dict_hook(module, state_dict, prefix, local_metadata):
         if t is None:
             continue
         if _is_dtensor(t):
-            local = t._local_tensor
+            local = compat.local_tensor(t)
             if isinstance(local, Fp8MasterWeight):
                 from torch.distributed.tensor import DTensor
 
@@ -360,7 +361,7 @@ def _plain_state_dict_hook(module, state_dict, prefix, local_metadata):
 def _rewrap_after_load(module, incompatible_keys):
     """After ``load_state_dict(assign=True)`` replaced the weight with a plain tensor, wrap it again."""
     w = module.weight
-    local = w._local_tensor if _is_dtensor(w) else w
+    local = compat.local_tensor(w) if _is_dtensor(w) else w
     if isinstance(local, (Fp8MasterWeight, ScaledFp8Tensor)):
         return
     new = _swap_local(w, lambda lt: Fp8MasterWeight(lt, module.fp8_recipe))
@@ -421,7 +422,7 @@ def convert_to_fp8(
     classes = {fqn: _fp8_class(type(lin)) for fqn, lin in chosen}  # before any change: a failure leaves no trace
     for fqn, lin in chosen:
         w = lin.weight
-        local = w._local_tensor if _is_dtensor(w) else w
+        local = compat.local_tensor(w) if _is_dtensor(w) else w
         if isinstance(local, Fp8MasterWeight):
             # Converted before (only the recipe may change), or a master swapped in by hand: the module's forward
             # becomes fp8_linear too (a bare F.linear on a DTensor master runs grad_weight in high precision).
@@ -487,7 +488,7 @@ def quantize_weights(
     shared: dict = {}  # id(old weight) -> (old weight, its fp8 Parameter): Linears sharing a weight share the fp8 one
     for fqn, lin in chosen:
         w = lin.weight
-        local = w._local_tensor if _is_dtensor(w) else w
+        local = compat.local_tensor(w) if _is_dtensor(w) else w
         if isinstance(local, ScaledFp8Tensor):
             continue
 
@@ -497,7 +498,7 @@ def quantize_weights(
 
         if _is_dtensor(w):
             w.requires_grad_(False)
-            w._local_tensor = map_shard(w._local_tensor, q)
+            compat.set_local_tensor(w, map_shard(compat.local_tensor(w), q))
             refresh_fsdp_param(w)
         else:
             new = shared.get(id(w))

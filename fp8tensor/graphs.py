@@ -17,8 +17,8 @@ import warnings
 from typing import Any, Callable, Iterable, Optional
 
 import torch
-from torch.utils import _pytree as pytree
 
+from . import compat
 from .capture import begin_capture
 
 __all__ = ["GraphedStep", "graph_step"]
@@ -32,7 +32,7 @@ def _describe(leaf) -> tuple:
 
 
 def _tensor_leaves(tree) -> list:
-    return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+    return [t for t in compat.tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
 class GraphedStep:
@@ -105,7 +105,7 @@ class GraphedStep:
         if self._eager:  # (decided on the first call: capture impossible here)
             self.calls += 1
             return self.fn(*args, **kwargs)
-        leaves, spec = pytree.tree_flatten((args, kwargs))
+        leaves, spec = compat.tree_flatten((args, kwargs))
         desc = tuple(_describe(leaf) for leaf in leaves)
         if self.calls == 0:
             self._eager = not self._can_capture(leaves)
@@ -177,7 +177,7 @@ class GraphedStep:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
         self._static_leaves = [t.detach().clone() if isinstance(t, torch.Tensor) else None for t in leaves]
-        static_args, static_kwargs = pytree.tree_unflatten(
+        static_args, static_kwargs = compat.tree_unflatten(
             [s if s is not None else leaf for s, leaf in zip(self._static_leaves, leaves)], spec)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()

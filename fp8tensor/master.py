@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from . import fsdp as _payload
+from . import compat
 from .compat import register_foreach_type
 from .gemm import fp8_mm
 from .linear import QuantizeOnUse, _quantize_local, fp8_linear
@@ -118,15 +119,15 @@ class Fp8MasterWeight(torch.Tensor, QuantizeOnUse):
                 inp = args[0] if args else kwargs["input"]
                 bias = args[2] if len(args) > 2 else kwargs.get("bias")
                 return fp8_linear(inp, weight, bias, recipe=weight.recipe)
-        if func == torch._C.TensorBase.data.__set__ and isinstance(args[0], Fp8MasterWeight):
+        if func == compat.DATA_SETTER and isinstance(args[0], Fp8MasterWeight):
             # ``w.data = t`` (also how ``Module.to(dtype)`` converts parameters): replace the wrapped data too,
             # else the wrapper would report t's dtype while still computing with the old ``_data``.
             new = args[1] if isinstance(args[1], Fp8MasterWeight) else Fp8MasterWeight(args[1], args[0].recipe)
-            with torch._C.DisableTorchFunctionSubclass():
+            with compat.disable_torch_function_subclass():
                 func(args[0], new)
             args[0]._data = new._data
             return None
-        with torch._C.DisableTorchFunctionSubclass():
+        with compat.disable_torch_function_subclass():
             return func(*args, **kwargs)
 
     @classmethod

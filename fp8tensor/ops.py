@@ -12,6 +12,7 @@ from typing import Sequence
 
 import torch
 
+from . import compat
 from .quantize import FLOAT8_DTYPES, amax_to_scale, cast_to_fp8
 from .tensor import ScaledFp8Tensor, implements, make_scaled
 
@@ -368,9 +369,7 @@ def _unbind_scale(func, args, kwargs):
 
 def _all_equal(scales) -> bool:
     """Whether scales are equal (eager only: under tracing we cannot look at values and say no)."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    if any(isinstance(s, FakeTensor) or type(s) is not torch.Tensor for s in scales):
+    if any(compat.is_fake(s) or type(s) is not torch.Tensor for s in scales):
         return False
     first = scales[0]
     return all(s.shape == first.shape and torch.equal(s, first) for s in scales[1:])

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any, Callable, Optional, Sequence
 
 import torch
-from torch.utils._pytree import tree_map_only
 
+from . import compat
 from . import fsdp as _payload
 from .quantize import E4M3, FLOAT8_DTYPES, check_float8_dtype, quantize
 from .settings import get_config
@@ -69,7 +69,7 @@ def _writes_into_fp8(func, args, kwargs) -> bool:
     return False
 
 
-_IMPLICIT = torch._C.DispatchKey.CompositeImplicitAutograd
+_IMPLICIT = compat.COMPOSITE_IMPLICIT
 
 
 def _dispatch(cls, func, types, args=(), kwargs=None):
@@ -104,7 +104,7 @@ def _dispatch(cls, func, types, args=(), kwargs=None):
             "Train with a high-precision master weight (fp8tensor.convert_to_fp8) and quantize on use instead."
         )
     _unknown_op(name)
-    args, kwargs = tree_map_only(ScaledFp8Tensor, lambda t: t.to_hp(), (args, kwargs))
+    args, kwargs = compat.tree_map_only(ScaledFp8Tensor, lambda t: t.to_hp(), (args, kwargs))
     return func(*args, **kwargs)
 
 
@@ -188,11 +188,8 @@ def _is_local_tensor(t: Any) -> bool:
     cls = type(t)
     if cls is torch.Tensor or cls.__name__ != "LocalTensor":
         return False
-    try:
-        from torch.distributed._local_tensor import LocalTensor
-    except Exception:  # pragma: no cover - builds without distributed
-        return False
-    return isinstance(t, LocalTensor)
+    cls = compat.local_tensor_cls()
+    return cls is not None and isinstance(t, cls)
 
 
 def map_local(t: Any, fn):
@@ -214,10 +211,10 @@ def map_local(t: Any, fn):
         # separate bug); keep what from_local gives until that is fixed, so results do not depend on this path
         and not torch.is_inference_mode_enabled()
     ):
-        local = t._local_tensor
+        local = compat.local_tensor(t)
         out = map_shard(local, fn)
         if out.shape == local.shape and out.dtype == t.dtype and not out.requires_grad:
-            return cls(out, t._spec, requires_grad=False)
+            return cls(out, compat.dtensor_spec(t), requires_grad=False)
         return cls.from_local(out, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
     return cls.from_local(
         map_shard(t.to_local(), fn), t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
@@ -228,12 +225,9 @@ def map_shard(local: torch.Tensor, fn):
     """``fn(local)`` for a DTensor's local tensor; under ``torch.distributed._local_tensor.LocalTensorMode`` (the
     single-process simulation of SPMD ranks) ``fn`` runs on each simulated rank's shard, so that a subclass it
     builds (a ScaledFp8Tensor, a master weight) ends up *inside* the ``LocalTensor``, as on real ranks."""
-    try:
-        from torch.distributed._local_tensor import LocalTensor, maybe_run_for_local_tensor
-    except Exception:  # pragma: no cover - builds without distributed
-        return fn(local)
-    if isinstance(local, LocalTensor):
-        return maybe_run_for_local_tensor(fn)(local)
+    cls = compat.local_tensor_cls()
+    if cls is not None and isinstance(local, cls):
+        return compat.run_per_simulated_rank(fn)(local)
     return fn(local)
 
 
@@ -418,7 +412,7 @@ class ScaledFp8Tensor(torch.Tensor):
 
     __torch_dispatch__ = classmethod(_dispatch)
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = compat.DISABLED_TORCH_FUNCTION
 
     def __repr__(self) -> str:
         return (
@@ -527,7 +521,7 @@ def _values_checkable(scale: torch.Tensor) -> bool:
         type(scale) is torch.Tensor
         and not scale.is_meta
         and not torch.compiler.is_compiling()
-        and torch._C._len_torch_dispatch_stack() == 0
+        and not compat.dispatch_modes_active()
     )
 
 
@@ -607,7 +601,7 @@ def fsdp_post_all_gather(all_gather_outputs, metadata, param_dtype, *, out=None)
         RuntimeError: ``out`` is not a ScaledFp8Tensor of the gathered shape.
     """
     if out is not None:
-        target = out._local_tensor if _is_dtensor(out) else out
+        target = compat.local_tensor(out) if _is_dtensor(out) else out
         if (
             metadata.mode == _payload.LOCAL
             and type(target) is ScaledFp8Tensor

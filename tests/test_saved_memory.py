@@ -533,7 +533,7 @@ def test_compiled_dim0_op_quantizes_one_input_once_and_a_modified_input_again(mo
 
 
 @pytest.mark.parametrize("case", ["dynamic", "automatic_dynamic", "nested_region", "public_op_outputs_owned"])
-def test_compiled_dim0_memo_edge_cases(case):
+def test_compiled_dim0_memo_bypassed_where_unsafe(case):
     """The trace memo stays out of the way where it cannot be right: symbolic shapes (no memo, no crash), a nested
     compile region (a graph of its own: no tensor of another graph is served), and the public op (its results are
     the caller's: modifying one in place must not change a later call's result)."""

@@ -1,4 +1,4 @@
-"""Where the memory of an fp8 training step goes (issue 15): what backward keeps, and peak memory per phase.
+"""Where the memory of an fp8 training step goes: what backward keeps, and peak memory per phase.
 
 For each variant (``bf16``, ``rowwise``, ``rowwise_gw_hp``; ``@eager`` / ``@compile`` overrides ``--compile``) the
 script builds the example Llama (``examples/llama.py``), optionally under

@@ -69,8 +69,8 @@ def test_views_of_empty_and_one_row_tensors_keep_per_row_scales():
 @pytest.mark.parametrize("rows", [0, 1, 2, 5])
 def test_zero_padding_pads_per_row_scales_of_short_shards(rows):
     """DTensor zero-pads uneven shards before a collective: a per-row scale is padded with the data on the row dim
-    also when the shard has a single row (a ``[1, 1]`` scale that must not be taken for a tensor-wide one) or none, and is never padded
-    on the dim it is shared over. The padded tensor dequantizes to the rows followed by zeros."""
+    also when the shard has a single row (a ``[1, 1]`` scale, not to be taken for a tensor-wide one) or none, and is
+    never padded on the dim it is shared over. The padded tensor dequantizes to the rows followed by zeros."""
     import torch.nn.functional as F
 
     x = torch.randn(rows, 6)
@@ -436,7 +436,7 @@ def test_view_as_under_inference_mode_keeps_fp8():
     assert rel_err(v.to_hp(), w) <= 2.0**-4  # e4m3 rounding: at most 2^-4 relative per element (3 mantissa bits)
 
 
-# ============================================================================================ 9. one token, mixed dtypes, dispatch modes
+# ==================================================================================== 9. one token, dtypes, modes
 def test_compile_one_token_training_matches_eager_and_fp64():
     """``torch.compile`` (inductor) of converted Linears with one token: the grad_weight GEMM contracts over a
     single token, where inductor's ``_scaled_mm`` lowering checks the operands' strides ("mat_b must be

@@ -1,6 +1,6 @@
 """End-to-end training step on one GPU: bf16 vs fp8tensor vs torchao, with and without FSDP2, and under DTensor.
 
-Method (docs/benchmarks.md, "issue 11"): ``examples/llama.py``'s Llama (byte vocabulary), random tokens; each block
+Method (docs/benchmarks.md, "Training step"): ``examples/llama.py``'s Llama (byte vocabulary), random tokens; each block
 ``torch.compile``-d; fused AdamW; step = forward + cross-entropy + backward + optimizer step + zero_grad; median
 of ``--steps`` (15) steps after ``--warmup`` (5); ``torch._dynamo.reset()`` between variants. fp8 is applied to the
 block Linears only (``fp8_module_filter``). GPU kernel time per step from ``torch.profiler`` (CUDA activity, 3

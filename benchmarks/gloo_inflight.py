@@ -1,13 +1,12 @@
 """Stress test of torch's gloo backend with two collectives in flight at once (no fp8tensor involved).
 
-Why it is here: fp8tensor's DTensor collectives used to issue the fp8 data's and the scales' all-gathers back to
-back and wait on both later. On CPU (gloo) that intermittently aborted a rank (``malloc(): unaligned tcache chunk
-detected``, a segmentation fault, or ``terminate called without an active exception``). This script shows the
+Why it is here: issuing an fp8 tensor's data and scale all-gathers back to back and waiting on both later
+intermittently aborts a rank on CPU (gloo) (``malloc(): unaligned tcache chunk detected``, a segmentation fault, or ``terminate called without an active exception``). This script shows the
 cause is in torch / gloo, not in the subclass: plain ``float32`` tensors, two all-gathers issued before either is
 waited on. Measured 2026-12-01 on CPU (2 cores), 2 processes, 8000 iterations per run, four runs per mode and torch
 version (torch 2.13.0+cpu and 2.14.1+cu130): ``inflight`` aborted a rank in 3 of 4 runs on each version; ``c10d``
-(``dist.all_gather_into_tensor(async_op=True)`` twice) in none of these 8, but once in 5 earlier runs of the same
-pattern; ``serial`` (wait before issuing the next) in none of 8. On the CPU fp8tensor now waits on each of its
+(``dist.all_gather_into_tensor(async_op=True)`` twice) in none of these 8, but once in 5 further runs of the same
+pattern; ``serial`` (wait before issuing the next) in none of 8. On the CPU fp8tensor waits on each of its
 collectives before issuing the next (:func:`fp8tensor.collectives._serial`), so it never has two of its own in
 flight.
 

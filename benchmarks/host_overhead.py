@@ -12,7 +12,7 @@ repetition by repetition (:func:`time_many`), with shapes small enough that the 
    fp8 subclass adds *inside* DTensor.
 3. ``compiled``: a ``torch.compile``-d stack of ``--layers`` converted Linears vs the compiled stack of bare ones.
 
-Target (issue 11): every ratio <= 1.15x. Runs on CPU (gloo) and on CUDA (nccl)::
+Target: every ratio <= 1.15x. Runs on CPU (gloo) and on CUDA (nccl)::
 
     PYTHONPATH=. python3 benchmarks/host_overhead.py                      # CPU, small shapes
     PYTHONPATH=. python3 benchmarks/host_overhead.py --device cuda --tokens 1024 --dim 1024
@@ -210,8 +210,8 @@ def main(argv=None):
     p.add_argument("--inner", type=int, default=20)
     p.add_argument("--only", default="eager,dtensor,compiled")
     p.add_argument("--no-eager-parts", action="store_true",
-                   help="eager Linears through the general path (fp8tensor.linear.EAGER_PARTS = False: the same bits, "
-                        "the path before session 8) for a before/after comparison")
+                   help="eager Linears through the general path (fp8tensor.linear.EAGER_PARTS = False: the same bits) "
+                        "to compare the two paths")
     p.add_argument("--profile", nargs="?", const="lib", default="",
                    help="cProfile 200 steps of each listed setup (comma-separated: lib, bare, lib_compiled, "
                         "bare_compiled; default lib) and print the top 30 functions by own time")

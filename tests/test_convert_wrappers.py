@@ -1,4 +1,4 @@
-"""convert_to_fp8 / quantize_weights on Linears whose ``forward`` a framework wrapped on the instance (issue 17).
+"""convert_to_fp8 / quantize_weights on Linears whose ``forward`` a framework wrapped on the instance.
 
 torchtitan's TP (``Module.parallelize``) sets ``lin.forward = wrapper``, where the wrapper redistributes its inputs
 and calls the *bound* ``nn.Linear.forward`` it captured. Converting after that must still give the recipe's three
@@ -30,7 +30,7 @@ def _warm():
 
 # Wrappers a framework may set on the instance; each ends in the bound forward it captured.
 def _lambda(lin):
-    inner = lin.forward  # the issue's minimal reproduction
+    inner = lin.forward  # the smallest such wrapper
     lin.forward = lambda *a, **k: inner(*a, **k)
 
 
@@ -73,8 +73,8 @@ def _reference(x64, w, dim_x=-1):
 
 @pytest.mark.parametrize("wrap", WRAPPERS, ids=lambda f: f.__name__.strip("_"))
 def test_wrapped_forward_gets_three_fp8_gemms(wrap):
-    """The issue's reproduction and its variants: converted (class, master weight), no warning, 3 fp8 GEMMs per
-    forward+backward, and bit-identical to converting the unwrapped Linear; values vs float64 within fp8 bounds."""
+    """A wrapped forward (a lambda, and the other shapes a framework uses): converted (class, master weight), no
+    warning, 3 fp8 GEMMs per forward+backward, and bit-identical to converting the unwrapped Linear; values vs float64 within fp8 bounds."""
     _warm()
     model = nn.Sequential(nn.Linear(64, 48))
     plain = copy.deepcopy(model)

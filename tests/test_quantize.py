@@ -182,7 +182,7 @@ def test_cast_saturates_instead_of_overflowing(f8):
 
 def test_amax_to_scale_floor_and_nan():
     """Floor at float32's smallest normal (zero rows, rows below 448 * 2^-126); tiny rows above it are not
-    clamped (1e-30 used to be floored to 1e-12 / 448); NaN / inf propagate."""
+    clamped (1e-30 gets 1e-30 / 448); NaN / inf propagate."""
     tiny = torch.finfo(torch.float32).tiny
     amax = torch.tensor([0.0, 1e-30, 448.0, float("nan"), float("inf"), 1e-40, 448 * tiny], dtype=torch.float64)
     s = amax_to_scale(amax, E4M3)

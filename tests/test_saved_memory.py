@@ -1,4 +1,4 @@
-"""What a converted Linear keeps for backward (issue 15), and that keeping less changed no bit of any gradient.
+"""What a converted Linear keeps for backward, and that keeping only that changes no bit of any gradient.
 
 Memory: every tensor autograd saves is seen through ``torch.autograd.graph.saved_tensors_hooks`` (eager Functions and
 compiled graphs alike). Bytes are counted once per storage, so a tensor several Linears save counts once. What each
@@ -10,10 +10,10 @@ recipe must keep, for a Linear ``(N, K)`` on ``M`` tokens of dtype ``d``:
 * the weight as the forward received it (the master parameter, or the fp8 weight) and never a quantized or transposed
   copy of it; nothing for grad_weight when the weight is frozen, no weight when ``x`` needs no gradient.
 
-Numerics: :class:`_TodayFp8Linear` below is the formulation before issue 15 (saves ``x`` and the weight, quantizes
-both in backward), written with the package's public pieces. Outputs and gradients of the converted modules must be
-*bit-identical* to it — plain tensors, masters in fp32/bf16, frozen fp8 weights, several Linears sharing an input,
-``torch.utils.checkpoint``, ``torch.compile`` and DTensor (``LocalTensorMode``).
+Numerics: :class:`_RequantizingFp8Linear` below is the straightforward formulation (saves ``x`` and the weight,
+quantizes both again in backward), written with the package's public pieces. Outputs and gradients of the converted
+modules must be *bit-identical* to it — plain tensors, masters in fp32/bf16, frozen fp8 weights, several Linears
+sharing an input, ``torch.utils.checkpoint``, ``torch.compile`` and DTensor (``LocalTensorMode``).
 """
 from __future__ import annotations
 
@@ -48,8 +48,8 @@ def _q(t, dim, fast, dtype=torch.float8_e4m3fn):
     return map_local(t, one)
 
 
-class _TodayFp8Linear(torch.autograd.Function):
-    """The formulation before issue 15: save x and W, quantize both again in backward."""
+class _RequantizingFp8Linear(torch.autograd.Function):
+    """The straightforward formulation: save x and W, quantize both again in backward."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, recipe):
@@ -84,14 +84,14 @@ class _TodayFp8Linear(torch.autograd.Function):
 
 
 @pytest.fixture
-def today(monkeypatch):
-    """Context switch: inside ``with today():`` fp8 Linears run :class:`_TodayFp8Linear`."""
+def requantizing(monkeypatch):
+    """Context switch: inside ``with requantizing():`` fp8 Linears run :class:`_RequantizingFp8Linear`."""
     import contextlib
 
     @contextlib.contextmanager
     def ctx():
         with monkeypatch.context() as m:
-            m.setattr(linear_mod, "_Fp8Linear", _TodayFp8Linear)
+            m.setattr(linear_mod, "_Fp8Linear", _RequantizingFp8Linear)
             yield
 
     return ctx
@@ -156,11 +156,12 @@ def _run(mod, x, g):
     return y.detach(), _grads(mod, x)
 
 
-def _compare(mod, x, g, today, names=None):
-    """Outputs and all gradients of ``mod`` equal, bit for bit, those of an identical copy run with today's math."""
+def _compare(mod, x, g, requantizing, names=None):
+    """Outputs and all gradients of ``mod`` equal, bit for bit, those of an identical copy run with the requantizing
+    formulation."""
     ref = copy.deepcopy(mod)
     y, grads = _run(mod, x, g)
-    with today():
+    with requantizing():
         yr, grads_r = _run(ref, x, g)
     _assert_same(y, yr, "output")
     names = names or ["x"] + [n for n, _ in mod.named_parameters()]
@@ -253,7 +254,7 @@ def test_linears_sharing_an_input_share_its_fp8_copy():
     assert all(r() is None for _, e in linear_mod._GRAD_WEIGHT_INPUTS.values() for r in e.values())
 
 
-def test_input_modified_in_place_between_consumers_is_quantized_again(today):
+def test_input_modified_in_place_between_consumers_is_quantized_again(requantizing):
     K, N = 32, 16
     m = convert_to_fp8(nn.ModuleList([nn.Linear(K, N, bias=False), nn.Linear(K, N, bias=False)]), recipe="rowwise")
     ref = copy.deepcopy(m)
@@ -262,14 +263,14 @@ def test_input_modified_in_place_between_consumers_is_quantized_again(today):
     def run(mod, copy_first=False):
         x = x0.clone().requires_grad_()
         h = x * 1.0
-        y0 = mod[0](h.clone() if copy_first else h)  # today's math saved h itself: it needs its own copy
+        y0 = mod[0](h.clone() if copy_first else h)  # the requantizing one saves h itself: needs its own copy
         h.mul_(3.0)  # a new version: mod[1] must not reuse mod[0]'s copy
         y1 = mod[1](h)
         (y0.square().sum() + y1.square().sum()).backward()
         return [x.grad, mod[0].weight.grad, mod[1].weight.grad]
 
     got = run(m)
-    with today():
+    with requantizing():
         want = run(ref, copy_first=True)
     for a, b in zip(got, want):
         _assert_same(a, b, "grad")
@@ -291,21 +292,21 @@ def test_frozen_fp8_weight_is_saved_as_is():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_gradients_bit_identical_to_today(recipe, bias, dtype, today):
+def test_gradients_bit_identical_to_requantizing(recipe, bias, dtype, requantizing):
     m = convert_to_fp8(TwoHeads(64, 48, bias=bias).to(dtype), recipe=recipe)
     x = torch.randn(3, 10, 64, dtype=dtype)
     g = torch.randn(3, 10, 64, dtype=dtype)
-    _compare(m, x, g, today)
+    _compare(m, x, g, requantizing)
 
 
-def test_frozen_fp8_weights_bit_identical_to_today(today):
+def test_frozen_fp8_weights_bit_identical_to_requantizing(requantizing):
     m = TwoHeads(64, 48)
     quantize_weights(m)
-    _compare(m, torch.randn(24, 64), torch.randn(24, 64), today)
+    _compare(m, torch.randn(24, 64), torch.randn(24, 64), requantizing)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_checkpointing_bit_identical_to_today(recipe, today):
+def test_checkpointing_bit_identical_to_requantizing(recipe, requantizing):
     from torch.utils.checkpoint import checkpoint
 
     class Ckpt(nn.Module):
@@ -318,7 +319,7 @@ def test_checkpointing_bit_identical_to_today(recipe, today):
 
     m = convert_to_fp8(Ckpt(), recipe=recipe)
     x, g = torch.randn(2, 12, 64), torch.randn(2, 12, 64)
-    _compare(m, x, g, today)
+    _compare(m, x, g, requantizing)
     # and checkpointing itself changes nothing
     plain = convert_to_fp8(TwoHeads(64, 48), recipe=recipe)
     plain.load_state_dict({k.removeprefix("inner."): v for k, v in m.state_dict().items()})
@@ -331,7 +332,7 @@ def test_checkpointing_bit_identical_to_today(recipe, today):
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_compiled_bit_identical_to_today_compiled(recipe, backend, today):
+def test_compiled_bit_identical_to_requantizing_compiled(recipe, backend, requantizing):
     torch._dynamo.reset()
     m = convert_to_fp8(TwoHeads(64, 48), recipe=recipe)
     ref = copy.deepcopy(m)
@@ -339,7 +340,7 @@ def test_compiled_bit_identical_to_today_compiled(recipe, backend, today):
     mc = torch.compile(m, backend=backend, fullgraph=True)
     y, grads = _run(mc, x, g)
     torch._dynamo.reset()
-    with today():
+    with requantizing():
         rc = torch.compile(ref, backend=backend, fullgraph=True)
         yr, grads_r = _run(rc, x, g)
     torch._dynamo.reset()
@@ -411,7 +412,7 @@ def per_rank(t):
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_dtensor_saves_fp8_shards_and_is_bit_identical(recipe, mesh2, today):
+def test_dtensor_saves_fp8_shards_and_is_bit_identical(recipe, mesh2, requantizing):
     from torch.distributed._local_tensor import LocalTensor
     from torch.distributed.tensor import DTensor
 
@@ -449,7 +450,7 @@ def test_dtensor_saves_fp8_shards_and_is_bit_identical(recipe, mesh2, today):
         y.backward(g0)
         grads = [x.grad] + [p.grad for p in m.parameters()]
 
-        with today():
+        with requantizing():
             xr = x0.clone().requires_grad_()
             yr = ref(xr)
             yr.backward(g0)
@@ -464,20 +465,20 @@ def test_dtensor_saves_fp8_shards_and_is_bit_identical(recipe, mesh2, today):
 
 @pytest.mark.parametrize("shape", [(1, 16, 8), (5, 1, 8), (5, 16, 1), (0, 16, 8)], ids=["1tok", "K1", "N1", "0tok"])
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_small_shapes_bit_identical_to_today(recipe, shape, today):
+def test_small_shapes_bit_identical_to_requantizing(recipe, shape, requantizing):
     M, K, N = shape
     lin = convert_to_fp8(nn.Linear(K, N, bias=True), recipe=recipe)
     frozen = quantize_weights(nn.Linear(K, N, bias=False))
     for mod in (lin, frozen):  # 0 and 1 tokens, 1 input / 1 output feature are ordinary shapes
         x, g = torch.randn(M, K), torch.randn(M, N)
         try:
-            with today():
+            with requantizing():
                 _run(copy.deepcopy(mod), x, g)
         except Exception as e:  # noqa: BLE001 - a shape the previous formulation refused must still be refused
             with pytest.raises(type(e)):
                 _run(mod, x, g)
             continue
-        _compare(mod, x, g, today)
+        _compare(mod, x, g, requantizing)
 
 
 # ================================================================================================ compiled sharing
@@ -533,7 +534,7 @@ def test_compiled_dim0_op_quantizes_one_input_once_and_a_modified_input_again(mo
 
 
 @pytest.mark.parametrize("case", ["dynamic", "automatic_dynamic", "nested_region", "public_op_outputs_owned"])
-def test_compiled_dim0_memo_edge_cases(case):
+def test_compiled_dim0_memo_bypassed_where_unsafe(case):
     """The trace memo stays out of the way where it cannot be right: symbolic shapes (no memo, no crash), a nested
     compile region (a graph of its own: no tensor of another graph is served), and the public op (its results are
     the caller's: modifying one in place must not change a later call's result)."""

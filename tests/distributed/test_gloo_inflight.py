@@ -1,12 +1,12 @@
 """Repeated fp8 redistributions on real gloo processes: no rank aborts, every result bit-exact.
 
 torch's gloo backend can corrupt the heap when two collectives of one process group are in flight at once
-(``benchmarks/gloo_inflight.py`` shows it with plain float32 tensors, torch 2.13 and 2.14). fp8tensor's all-gather
-and all-to-all handlers used to issue the data's and the scale's collectives back to back; a full test run then
-aborted a rank in about one run in five (``malloc(): unaligned tcache chunk detected``). On the CPU the handlers
-now wait on each collective before issuing the next (``fp8tensor.collectives._serial``).
+(``benchmarks/gloo_inflight.py`` shows it with plain float32 tensors, torch 2.13 and 2.14). Were fp8tensor's all-gather
+and all-to-all handlers to issue the data's and the scale's collectives back to back, a full test run would abort a
+rank in about one run in five (``malloc(): unaligned tcache chunk detected``). On the CPU the handlers wait on each
+collective before issuing the next (``fp8tensor.collectives._serial``).
 
-Each rank redistributes small fp8 DTensors (one-row and one-column shards, the sizes that aborted; row scales and,
+Each rank redistributes small fp8 DTensors (one-row and one-column shards, the sizes that abort most often; row scales and,
 through a transposed tensor, scales compact on the gathered dim) many times and compares every result with a
 reference built without any collective: each rank's ``from_hp`` of its own shard, dequantized and concatenated. The
 parent asserts that every rank finished and found nothing wrong. The abort itself is intermittent: on the code

@@ -1,4 +1,4 @@
-"""fp8tensor inside torchtitan 0.3.0 (issue 17): the real package's Llama3 debug model (6 blocks, dim 256, vocab 2048),
+"""fp8tensor inside torchtitan 0.3.0: the real package's Llama3 debug model (6 blocks, dim 256, vocab 2048),
 its TP sharding with sequence parallelism and its FSDP2 (bf16 mixed precision), on 4 gloo processes (FSDP 2 x TP 2),
 for the DTensor SPMD backends ``partial_dtensor`` and ``full_dtensor``, trained 3 AdamW steps from the same
 weights on the same tokens in every conversion order (see ``_titan_worker.py``):

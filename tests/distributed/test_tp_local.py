@@ -58,7 +58,7 @@ BLOCK_GRAD_BOUND = 4 * FP8_GEMM_BOUND
 #: that a last-bit difference occasionally flips one fp8 rounding downstream: one element by an fp8 ulp (~1e-3 of a
 #: norm at these sizes, seen: 1.5e-4) or, rarer, one row's amax (a few 1e-3). A wrong scale, slice or reduction
 #: is an fp8-level error (> 3e-2). A flipped amax measured 7.6e-3 on one seed (FP8TENSOR_TEST_SEED=1021285642, the
-#: rowwise SP block on 4 ranks; same on the code before session 6), so the bound keeps a 3x margin below 3e-2.
+#: rowwise SP block on 4 ranks), so the bound keeps a 3x margin below 3e-2.
 SAME_NUMERICS = 1e-2
 
 #: A single row-parallel layer vs the per-slice GEMM sum: float32 rounding of the same operations.

@@ -1,4 +1,4 @@
-"""Converting after tensor parallelism when a framework wrapped the Linears' forward (issue 17), on 2 gloo processes,
+"""Converting after tensor parallelism when a framework wrapped the Linears' forward, on 2 gloo processes,
 without torchtitan: ``parallelize_module`` (ColwiseParallel -> RowwiseParallel) and then, on every Linear, the
 wrapper torchtitan's ``Module.parallelize`` sets (``lin.forward = forward_with_redistribution`` calling the bound
 ``nn.Linear.forward`` it captured, through a ``functools.partial`` as ``local_map`` builds).

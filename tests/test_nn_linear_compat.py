@@ -1,4 +1,4 @@
-"""Drop-in behaviours a user of ``nn.Linear`` relies on, kept by converted models (found by a new-user review):
+"""Drop-in behaviours a user of ``nn.Linear`` relies on, kept by converted models:
 
 * ``torch.autocast``: the output (and the GEMMs) in the autocast dtype, as ``nn.Linear`` under autocast, with the
   fp8 GEMMs still running (autocast must not dequantize them into a high-precision ``mm``);
@@ -260,7 +260,7 @@ def test_frozen_master_pickles_frozen():
 # ------------------------------------------------------------------------------------------------- clear errors
 @pytest.mark.parametrize("recipe", ["rowwise", "rowwise_gw_hp"])
 def test_double_backward_raises(recipe):
-    """``create_graph=True`` through an fp8 Linear raises (it used to return a weight gradient missing a term)."""
+    """``create_graph=True`` through an fp8 Linear raises (rather than return a weight gradient missing a term)."""
     m = fp8tensor.convert_to_fp8(_lin(32, 16), recipe=recipe)
     x = torch.randn(4, 32, requires_grad=True)
     w0 = m.weight._data.clone()

@@ -1,4 +1,4 @@
-"""Ranks holding one row, or none (issue 13, item 1), over real gloo processes: 2, 3 and 4 ranks.
+"""Ranks holding one row, or none, over real gloo processes: 2, 3 and 4 ranks.
 
 Global sizes are chosen so that ``torch.chunk`` sharding (DTensor's and FSDP2's) gives shards of 0, 1 and 2 rows
 (or columns) on every mesh: 2 ranks: 1 -> [1, 0], 2 -> [1, 1], 3 -> [2, 1]; 3 ranks: 1 -> [1, 0, 0],
@@ -213,7 +213,7 @@ def worker(rank: int, world: int, seed: int) -> dict:
 # ============================================================================================ tests
 @pytest.fixture(scope="module", params=[2, 3, 4], ids=["2ranks", "3ranks", "4ranks"])
 def run(request, tmp_path_factory):
-    return spawn(request.param, tmp_path_factory.mktemp(f"edge{request.param}"))
+    return spawn(request.param, tmp_path_factory.mktemp(f"shards{request.param}"))
 
 
 def _no_fails(run, key):

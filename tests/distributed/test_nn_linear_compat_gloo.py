@@ -1,5 +1,5 @@
 """``torch.autocast`` and tied weights with tensor parallelism and FSDP2, on 2 gloo processes (see
-``tests/test_dropin.py`` for the single-process checks).
+``tests/test_nn_linear_compat.py`` for the single-process checks).
 
 Per rank, on an fp32 model converted with ``convert_to_fp8``, under ``torch.autocast("cpu", bfloat16)``:
 
@@ -127,7 +127,7 @@ def gloo_entry(rank: int, world: int, seed: int) -> dict:
 def results(tmp_path_factory):
     from _spawn import spawn
 
-    return spawn(__name__, "gloo_entry", WORLD, tmp_path_factory.mktemp("dropin"), timeout=600)
+    return spawn(__name__, "gloo_entry", WORLD, tmp_path_factory.mktemp("compat"), timeout=600)
 
 
 def test_tp_under_autocast(results):

@@ -1,9 +1,9 @@
-"""Edge shapes and modes (issue 13), single process: empty and one-row tensors, zero tokens, inference mode,
+"""Edge shapes and modes, single process: empty and one-row tensors, zero tokens, inference mode,
 ``torch.compile`` with dynamic shapes, ``LocalTensor`` inputs, ``.to(fp8)``, tiny rows, constructor validation.
 
 Every check goes through the public API. References: the same computation on the dequantized values in float64
 (GEMMs, within the e4m3 GEMM bound), or bit equality where the math is the same (quantizing a slice, a view, the
-simulated collectives). Collectives on real gloo processes are in ``tests/distributed/test_edge_gloo.py``.
+simulated collectives). Collectives on real gloo processes are in ``tests/distributed/test_small_shards_gloo.py``.
 """
 from __future__ import annotations
 
@@ -69,8 +69,8 @@ def test_views_of_empty_and_one_row_tensors_keep_per_row_scales():
 @pytest.mark.parametrize("rows", [0, 1, 2, 5])
 def test_zero_padding_pads_per_row_scales_of_short_shards(rows):
     """DTensor zero-pads uneven shards before a collective: a per-row scale is padded with the data on the row dim
-    also when the shard has a single row (its ``[1, 1]`` scale used to look unscaled) or none, and is never padded
-    on the dim it is shared over. The padded tensor dequantizes to the rows followed by zeros."""
+    also when the shard has a single row (a ``[1, 1]`` scale, not to be taken for a tensor-wide one) or none, and is
+    never padded on the dim it is shared over. The padded tensor dequantizes to the rows followed by zeros."""
     import torch.nn.functional as F
 
     x = torch.randn(rows, 6)
@@ -89,8 +89,8 @@ def test_zero_padding_pads_per_row_scales_of_short_shards(rows):
 def test_aten_pad_keeps_fp8(rows):
     """``aten.pad`` (what ``F.pad`` calls) reaches the op table itself below autograd, where DTensor runs its local
     ops (DTensor pads uneven shards with ``F.pad`` before an all-gather). It pads like ``constant_pad_nd``: fp8 zeros,
-    per-row scales padded with ones. It used to come back dequantized, so a rank whose shard needed padding sent a
-    plain all-gather while the others sent fp8 ones (a hang on gloo, torch 2.14, ``.t()`` of an unevenly sharded fp8
+    per-row scales padded with ones: a dequantized result would make a rank whose shard needs padding send a plain
+    all-gather while the others send fp8 ones (a hang on gloo, torch 2.14, ``.t()`` of an unevenly sharded fp8
     DTensor). Other modes and non-zero values dequantize."""
     import torch.nn.functional as F
 
@@ -118,7 +118,7 @@ def test_aten_pad_keeps_fp8(rows):
 def test_chunk_below_autograd_keeps_fp8(shape, chunks):
     """``torch.chunk`` and ``narrow`` reach the op table itself below autograd, where DTensor runs its local ops (a gather along
     dim 1 chunks and concatenates). It splits like ``torch.chunk`` on the dequantized tensor, along rows and columns,
-    for row-scaled and column-scaled (``w.T``) tensors; it used to come back dequantized."""
+    for row-scaled and column-scaled (``w.T``) tensors, and the pieces stay fp8."""
     for t in (ScaledFp8Tensor.from_hp(torch.randn(*shape)), ScaledFp8Tensor.from_hp(torch.randn(*shape[::-1])).t()):
         for dim in (0, 1):
             with torch._C._AutoDispatchBelowAutograd():  # as inside DTensor's dispatch
@@ -221,8 +221,8 @@ def test_views_under_inference_mode_of_tensor_created_outside():
 
 # ============================================================================================ 4. dynamic shapes
 def test_compile_dynamic_chained_linears_backward():
-    """``torch.compile(dynamic=True)`` of two chained converted Linears with a backward (dynamo used to fail with
-    "lift_tracked_freevar_to_input"); equals eager, then runs other token counts without failing."""
+    """``torch.compile(dynamic=True)`` of two chained converted Linears with a backward (no dynamo
+    "lift_tracked_freevar_to_input" failure); equals eager, then runs other token counts without failing."""
     torch._dynamo.reset()
     base = nn.Sequential(nn.Linear(32, 48), nn.Linear(48, 16))
     eager = convert_to_fp8(copy.deepcopy(base))
@@ -359,9 +359,9 @@ def test_tiny_rows_keep_relative_precision(f8):
     assert bool((tb.to_hp().abs() <= below.abs() * 1.5).all()) and not bool(tb.to_hp().isnan().any())
 
 
-def test_ordinary_rows_quantize_as_before():
-    """Rows with amax >= 1e-12 (every row the old amax floor did not touch) get ``amax / fp8_max`` in float32, as
-    before the change of the floor: the recipes' numerics are unchanged."""
+def test_ordinary_rows_scale_is_amax_over_fp8_max():
+    """Rows with amax >= 1e-12 get exactly ``amax / fp8_max`` in float32: the scale floor only touches rows far
+    below that."""
     x = torch.randn(64, 48) * torch.logspace(-12, 4, 64).unsqueeze(1)
     for f8 in (E4M3, E5M2):
         t = ScaledFp8Tensor.from_hp(x, f8)
@@ -436,11 +436,11 @@ def test_view_as_under_inference_mode_keeps_fp8():
     assert rel_err(v.to_hp(), w) <= 2.0**-4  # e4m3 rounding: at most 2^-4 relative per element (3 mantissa bits)
 
 
-# ============================================================================================ 5. session 6 fixes
+# ==================================================================================== 9. one token, dtypes, modes
 def test_compile_one_token_training_matches_eager_and_fp64():
     """``torch.compile`` (inductor) of converted Linears with one token: the grad_weight GEMM contracts over a
-    single token, where inductor's ``_scaled_mm`` lowering checks the operands' strides (it used to fail with
-    "mat_b must be col_major"). Equals eager; output within the fp8 GEMM bound of float64."""
+    single token, where inductor's ``_scaled_mm`` lowering checks the operands' strides ("mat_b must be
+    col_major"). Equals eager; output within the fp8 GEMM bound of float64."""
     torch._dynamo.reset()
     base = nn.Sequential(nn.Linear(96, 64, bias=False), nn.Linear(64, 32, bias=False))
     eager = convert_to_fp8(copy.deepcopy(base))
@@ -466,8 +466,8 @@ def test_compile_one_token_training_matches_eager_and_fp64():
 @pytest.mark.parametrize("x_dtype,w_dtype", [(torch.bfloat16, torch.float32), (torch.float16, torch.bfloat16)])
 def test_mixed_input_and_weight_dtypes_train(recipe, x_dtype, w_dtype):
     """An input whose dtype differs from the weight's: the output has the promoted dtype, each gradient its
-    tensor's dtype, and all are within the fp8 GEMM bound of float64 (``rowwise_gw_hp``'s high-precision
-    grad_weight GEMM used to fail on the mixed operands)."""
+    tensor's dtype, and all are within the fp8 GEMM bound of float64 (also ``rowwise_gw_hp``'s high-precision
+    grad_weight GEMM, which takes the mixed operands)."""
     x = torch.randn(16, 64, dtype=x_dtype, requires_grad=True)
     w = torch.randn(32, 64, dtype=w_dtype, requires_grad=True)
     y = fp8_linear(x, w, recipe=recipe)

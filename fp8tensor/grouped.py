@@ -37,7 +37,8 @@ from .quantize import E4M3, FLOAT8_DTYPES, SCALE_FLOOR, amax_to_scale, cast_to_f
 from .recipes import Recipe, get_recipe
 from .tensor import ScaledFp8Tensor, implements
 
-__all__ = ["fp8_grouped_mm", "quantize_group_cols", "quantize_expert_cols", "padded_offsets", "USE_FUSED", "ALIGN"]
+__all__ = ["fp8_grouped_mm", "Fp8GroupedMMMode", "quantize_group_cols", "quantize_expert_cols", "padded_offsets",
+           "grouped_2d3d", "grouped_2d2d", "USE_FUSED", "ALIGN"]
 
 #: Token alignment of the groups of the fp8 2-D x 2-D grouped GEMM (``torch._scaled_grouped_mm`` on CUDA reads each
 #: group of the token dim from a 16-byte aligned address).
@@ -430,3 +431,100 @@ def _grouped_mm_fp8(func, args, kwargs):
             return grouped_2d3d(aq, as_.reshape(-1), fp8[0].transpose(-2, -1), fp8[1], offs, od, fast_accum=True)
     a, b = (t.to_hp() if isinstance(t, ScaledFp8Tensor) else t for t in (a, b))
     return func(a, b, offs, bias, out_dtype)
+
+
+# ---------------------------------------------------------------------------------------------- modules
+_GROUPED_FUNCS = {torch._grouped_mm}
+try:
+    import torch.nn.functional as _F
+
+    if hasattr(_F, "grouped_mm"):
+        _GROUPED_FUNCS.add(_F.grouped_mm)
+except ImportError:  # pragma: no cover
+    pass
+_CASTS = {torch.Tensor.to, torch.Tensor.bfloat16, torch.Tensor.half, torch.Tensor.float, torch.Tensor.type_as}
+
+
+def is_grouped_mm(func) -> bool:
+    """Whether ``func`` is ``torch._grouped_mm`` or ``torch.nn.functional.grouped_mm``."""
+    return func in _GROUPED_FUNCS
+
+
+def fp8_weight_call(args, kwargs, recipe=None) -> Optional[tuple]:
+    """``(a, b, offs, out_dtype, recipe)`` when a ``torch._grouped_mm`` call with these arguments should run
+    :func:`fp8_grouped_mm`: 2-D tokens (a plain tensor) and 3-D expert weights that are a master weight or a
+    ScaledFp8Tensor, no bias; else None. ``recipe``: the recipe to use when ``b`` is not a master (a master's own
+    recipe wins)."""
+    a, b, offs, bias, out_dtype = grouped_mm_args(args, kwargs)
+    if bias is not None or offs is None or not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        return None
+    if isinstance(a, (ScaledFp8Tensor, QuantizeOnUse)) or a.dim() != 2 or b.dim() != 3:
+        return None
+    if isinstance(b, QuantizeOnUse):
+        return a, b, offs, out_dtype, b.recipe
+    if isinstance(b, ScaledFp8Tensor):
+        return a, b, offs, out_dtype, recipe or "rowwise"
+    return None
+
+
+class _CastMaster(torch.autograd.Function):
+    """``master.to(dtype)`` as a master of ``dtype`` (its gradient cast back), so that ``w.bfloat16()`` of a master
+    inside a converted grouped-experts module still reaches the grouped GEMM as a master."""
+
+    @staticmethod
+    def forward(ctx, m, dtype):
+        ctx.dtype = m.dtype
+        return type(m)(m._data.to(dtype), m.recipe)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.to(ctx.dtype), None
+
+
+def _cast_target(func, args, kwargs) -> Optional[torch.dtype]:
+    """The dtype a cast call on a master converts to, when it only changes the (floating) dtype; else None."""
+    if func is torch.Tensor.bfloat16:
+        return torch.bfloat16
+    if func is torch.Tensor.half:
+        return torch.float16
+    if func is torch.Tensor.float:
+        return torch.float32
+    if func is torch.Tensor.type_as:
+        other = args[1] if len(args) > 1 else kwargs.get("other")
+        return other.dtype if isinstance(other, torch.Tensor) and other.device == args[0].device else None
+    try:
+        device, dtype, _, memory_format = torch._C._nn._parse_to(*args[1:], **kwargs)
+    except Exception:
+        return None
+    if dtype is None or (device is not None and torch.device(device) != args[0].device):
+        return None
+    return dtype
+
+
+class Fp8GroupedMMMode(torch.overrides.TorchFunctionMode):
+    """While active, ``torch._grouped_mm`` / ``F.grouped_mm`` of 2-D tokens with 3-D expert weights that are a master
+    weight or a ScaledFp8Tensor (e.g. the fp8 weight FSDP2 all-gathered) runs :func:`fp8_grouped_mm`, and a dtype
+    cast of a master (``w.bfloat16()``) keeps it a master. Converted grouped-experts modules run their ``forward``
+    under it (:func:`fp8tensor.convert_to_fp8`). Everything else runs unchanged.
+
+    Args:
+        recipe: the recipe for ScaledFp8Tensor weights (a master uses its own).
+    """
+
+    def __init__(self, recipe="rowwise"):
+        super().__init__()
+        self.recipe = get_recipe(recipe)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _GROUPED_FUNCS:
+            call = fp8_weight_call(args, kwargs, self.recipe)
+            if call is not None:
+                a, b, offs, out_dtype, recipe = call
+                return fp8_grouped_mm(a, b, offs, recipe=recipe, out_dtype=out_dtype)
+        elif func in _CASTS and args and isinstance(args[0], QuantizeOnUse):
+            dtype = _cast_target(func, args, kwargs)
+            if dtype is not None and dtype.is_floating_point and dtype not in FLOAT8_DTYPES:
+                m = args[0]
+                return m if dtype == m.dtype else _CastMaster.apply(m, dtype)
+        return func(*args, **kwargs)

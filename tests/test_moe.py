@@ -251,3 +251,41 @@ def test_grouped_mm_on_a_plain_tensor_is_unchanged():
     x, w = torch.randn(32, K), torch.randn(E, N, K)
     y = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
     assert _rel(y, _ref(x, w, offs)) <= 1e-6
+
+
+def _graph_names(t):
+    seen, stack, names = set(), [t.grad_fn], set()
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        names.add(fn.name())
+        stack.extend(f for f, _ in fn.next_functions)
+    return names
+
+
+def test_torchtitan_grouped_experts_converter():
+    pytest.importorskip("torchtitan")
+    from torchtitan.models.common.moe import GroupedExperts
+
+    from fp8tensor.torchtitan import Fp8TensorGroupedExperts, convert_model_config
+
+    cfg = convert_model_config(GroupedExperts.Config(dim=32, hidden_dim=64, num_experts=E), recipe="rowwise")
+    assert type(cfg) is Fp8TensorGroupedExperts.Config
+    assert type(convert_model_config(GroupedExperts.Config(dim=32, hidden_dim=64, num_experts=E),
+                                     filter_fqns=[""])) is GroupedExperts.Config  # filtered out
+    m = cfg.build()
+    assert all(isinstance(p, Fp8MasterWeight) for p in m.parameters())
+    for p in m.parameters():
+        nn.init.normal_(p, std=0.1)
+    counts = torch.tensor([5, 0, 10, 7])
+    x = torch.randn(22, 32, requires_grad=True)
+    y = m(x, counts)  # torchtitan: torch._grouped_mm(x.bfloat16(), w.bfloat16().transpose(-2, -1), offs=offs)
+    assert "_Fp8GroupedMMBackward" in _graph_names(y)
+    y.sum().backward()
+    assert m.w1_EFD.grad.shape == (E, 64, 32) and m.w2_EDF.grad.shape == (E, 32, 64)
+    plain = GroupedExperts.Config(dim=32, hidden_dim=64, num_experts=E).build()
+    plain.load_state_dict(m.state_dict())
+    y_ref = plain(x.detach().double().float(), counts).double()
+    assert _rel(y, y_ref) <= math.sqrt(3) * TWO + 3 * 2.0**-8

@@ -15,8 +15,9 @@ Recipes (:mod:`fp8tensor.recipes`); every operand is scaled along its GEMM's con
   (``torch._grouped_mm`` / per-group ``mm``).
 
 The fp8 kernel (CUDA) needs every token group of the 2-D x 2-D GEMM to start at a multiple of 16 tokens: the
-quantization writes both operands into a padded token layout (each group rounded up to 16 tokens, zeros in the
-padding, which add nothing), so any offsets work — groups of 0 tokens, uneven groups, totals of any size. Without
+quantization writes both operands into a padded token layout (each group rounded up to 16 tokens, an empty group
+given 16, zeros in the padding, which add nothing: an expert without tokens gets an exact zero gradient from the
+GEMM itself), so any offsets work — groups of 0 tokens, uneven groups, totals of any size. Without
 ``torch._scaled_grouped_mm`` (CPU, or :data:`USE_FUSED` False) the same quantized operands go through a per-group
 loop over ``torch._scaled_mm`` (CPU supports it for e4m3 with row-wise scales), so CPU runs the same numerics.
 
@@ -48,10 +49,6 @@ ALIGN = 16
 #: ``torch._scaled_mm`` everywhere (the CPU path; used by the GPU tests to compare the two).
 USE_FUSED = True
 
-#: Zero the grad_weight of experts that received no tokens after the fused 2-D x 2-D GEMM (a masked fill of the
-#: result, no host sync), in case the kernel leaves a group with an empty contraction unwritten.
-ZERO_EMPTY_GROUPS = True
-
 _HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
@@ -65,17 +62,18 @@ def padded_offsets(offs: torch.Tensor, M: int, align: int = ALIGN):
         align: the group alignment.
 
     Returns:
-        ``(M_pad, pad_ends, pad_starts)``: ``M_pad`` a Python int (``round_up(M + (align - 1) * E, align) + align``:
-        room for every group rounded up to ``align``, plus one spare block), ``pad_ends`` int32 ``(E,)`` the padded
-        cumulative ends (each group's size rounded up to ``align``), ``pad_starts`` int32 ``(E,)``.
+        ``(M_pad, pad_ends, pad_starts)``: ``M_pad`` a Python int (``round_up(M + (2 * align - 1) * E, align) +
+        align``: room for every group rounded up to ``align``, at least ``align``, plus one spare block),
+        ``pad_ends`` int32 ``(E,)`` the padded cumulative ends (each group's size rounded up to ``align``; an empty
+        group gets ``align`` zero columns, so the GEMM itself writes its zero result), ``pad_starts`` int32 ``(E,)``.
     """
     E = offs.numel()
     ends = offs.to(torch.int64)
     starts = torch.cat([ends.new_zeros(1), ends[:-1]])
     sizes = (ends - starts).clamp(min=0)
-    psizes = (sizes + align - 1) // align * align
+    psizes = ((sizes + align - 1) // align * align).clamp(min=align)
     pends = torch.cumsum(psizes, 0)
-    M_pad = (M + (align - 1) * E + align - 1) // align * align + align
+    M_pad = (M + (2 * align - 1) * E + align - 1) // align * align + align
     return M_pad, pends.to(torch.int32), (pends - psizes).to(torch.int32)
 
 
@@ -97,7 +95,8 @@ def quantize_group_cols(x: torch.Tensor, offs: torch.Tensor, M_pad: int, pad_sta
 
     Returns:
         ``(q, scale)``: ``q`` ``(C, M_pad)`` row-major ``float8_dtype``, where group ``e``'s ``r``-th row is column
-        ``pad_starts[e] + r`` (zeros in each group's padding and in the columns past the last group's padding), and
+        ``pad_starts[e] + r`` (zeros in each group's padding — ``align`` zero columns for an empty group — and in the
+        spare block at the end), and
         ``scale`` float32 ``(E, C)``: ``q[:, pad_starts[e] + r].float() * scale[e] ≈ x[offs[e-1] + r]``. A group of
         no rows gets the floor scale.
     """
@@ -109,7 +108,7 @@ def quantize_group_cols(x: torch.Tensor, offs: torch.Tensor, M_pad: int, pad_sta
         if M_pad:
             q[:, M_pad - align:].view(torch.uint8).zero_()  # the spare block (read by nothing; kept defined)
         kernels.launch_group_cols_t(x, offs, pad_starts, q, scale, stride_qg=0, stride_qc=M_pad, q_cols=M_pad,
-                                    align=align, float8_dtype=float8_dtype, scale_floor=SCALE_FLOOR)
+                                    align=align, float8_dtype=float8_dtype, scale_floor=SCALE_FLOOR, min_pad=align)
         # the columns between the last group's padded end and the spare block are never read by the GEMM
         return q, scale
     gid = _group_ids(offs, M)  # E for rows outside every group
@@ -217,7 +216,7 @@ def grouped_2d2d(aq_t, a_scale, bq_t, b_scale, pad_ends, out_dtype, *, fast_accu
         pad_ends: int32 ``(E,)`` cumulative group ends in the padded layout (multiples of 16 for the fused kernel).
 
     Returns:
-        ``(E, N, K)`` of ``out_dtype``; an expert with no tokens gets zeros.
+        ``(E, N, K)`` of ``out_dtype``; an expert with no tokens (all-zero columns) gets zeros.
     """
     N, M_pad = aq_t.shape
     K = bq_t.shape[0]
@@ -225,9 +224,6 @@ def grouped_2d2d(aq_t, a_scale, bq_t, b_scale, pad_ends, out_dtype, *, fast_accu
     if _fused_ok(aq_t, bq_t) and K % 16 == 0 and N % 16 == 0 and E > 0:
         out = torch._scaled_grouped_mm(aq_t, bq_t.t(), a_scale.reshape(-1), b_scale.reshape(-1), offs=pad_ends,
                                        out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
-        if ZERO_EMPTY_GROUPS:
-            sizes = torch.diff(pad_ends, prepend=pad_ends.new_zeros(1))
-            out = out.masked_fill((sizes == 0).view(E, 1, 1), 0)
         return out if out.dtype == out_dtype else out.to(out_dtype)
     out = torch.zeros(E, N, K, dtype=out_dtype, device=aq_t.device)
     start = 0

@@ -163,11 +163,12 @@ if _HAS_TRITON:
     @triton.jit
     def _group_col_quant_t_kernel(x_ptr, ends_ptr, dst_ptr, q_ptr, scale_ptr, M, C, stride_xm, stride_qg, stride_qc,
                                   Q_COLS, FMAX: tl.constexpr, EPS: tl.constexpr, ALIGN: tl.constexpr,
-                                  BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+                                  MIN_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
         # Program (pid_c, g): columns pid_c * BLOCK_C ... of the rows [ends[g-1], ends[g]) of x (M, C) (row stride
         # stride_xm, unit column stride). Pass 1: the column amax over the group's rows; pass 2 (mostly from L2):
         # divide, saturate, cast and store transposed: q[g * stride_qg + c * stride_qc + dst[g] + r] for the group's
-        # r-th row, r < round_up(size, ALIGN) (rows past the group's end are stored as zeros: the padding).
+        # r-th row, r < max(round_up(size, ALIGN), MIN_PAD) (rows past the group's end are stored as zeros: the
+        # padding; MIN_PAD gives an empty group zero columns, so a GEMM over it computes zeros).
         pid_c = tl.program_id(0)
         g = tl.program_id(1)
         end = tl.load(ends_ptr + g).to(tl.int64)
@@ -188,7 +189,7 @@ if _HAS_TRITON:
             acc = tl.maximum(acc, tl.max(a, axis=0))
         scale = tl.maximum(acc / FMAX, EPS)
         tl.store(scale_ptr + g * C + offs_c, scale, mask=cmask)
-        psize = (size + ALIGN - 1) // ALIGN * ALIGN
+        psize = tl.maximum((size + ALIGN - 1) // ALIGN * ALIGN, MIN_PAD)
         q_base = q_ptr + g.to(tl.int64) * stride_qg
         for r0 in range(0, psize, BLOCK_M):
             r = r0 + tl.arange(0, BLOCK_M)
@@ -619,15 +620,15 @@ def group_col_kernel_available(x: torch.Tensor) -> bool:
 
 def launch_group_cols_t(x: torch.Tensor, ends: torch.Tensor, dst: torch.Tensor, q: torch.Tensor,
                         scale: torch.Tensor, *, stride_qg: int, stride_qc: int, q_cols: int, align: int,
-                        float8_dtype: torch.dtype, scale_floor: float) -> None:
+                        float8_dtype: torch.dtype, scale_floor: float, min_pad: int = 0) -> None:
     """Per-group column quantization of ``x`` ``(M, C)`` written transposed into ``q`` (check
     :func:`group_col_kernel_available` first).
 
     Group ``g`` holds rows ``[ends[g-1], ends[g])`` (``ends`` int32 ``(G,)``, cumulative; ``ends[-1]`` of 0 for
     ``g == 0``). Its column scales ``max(amax / fmax, scale_floor)`` go to ``scale[g, c]`` (float32 ``(G, C)``,
     contiguous) and its ``r``-th row, quantized, to ``q.flat[g * stride_qg + c * stride_qc + dst[g] + r]`` for
-    ``r < round_up(size, align)`` (zeros past the group's rows) and ``dst[g] + r < q_cols``. One read of ``x`` for
-    the amax and one (mostly from L2) for the cast."""
+    ``r < max(round_up(size, align), min_pad)`` (zeros past the group's rows) and ``dst[g] + r < q_cols``. One read
+    of ``x`` for the amax and one (mostly from L2) for the cast."""
     M, C = x.shape
     G = ends.numel()
     if G == 0 or C == 0:
@@ -636,6 +637,6 @@ def launch_group_cols_t(x: torch.Tensor, ends: torch.Tensor, dst: torch.Tensor, 
     _launcher(_group_col_quant_t_kernel)(
         (triton.cdiv(C, c["block_c"]), G),
         (x, ends, dst, q, scale, M, C, x.stride(0), stride_qg, stride_qc, q_cols),
-        dict(FMAX=torch.finfo(float8_dtype).max, EPS=scale_floor, ALIGN=align, BLOCK_M=c["block_m"],
-             BLOCK_C=c["block_c"]),
+        dict(FMAX=torch.finfo(float8_dtype).max, EPS=scale_floor, ALIGN=align, MIN_PAD=min_pad,
+             BLOCK_M=c["block_m"], BLOCK_C=c["block_c"]),
         c["warps"], x.device)

@@ -99,7 +99,7 @@ def test_group_cols_layout_and_scales():
     M = 30  # two rows past the last group
     x = torch.randn(M, 24)
     M_pad, pad_ends, pad_starts = padded_offsets(offs, M)
-    assert pad_ends.tolist() == [16, 16, 48, 64] and pad_starts.tolist() == [0, 16, 16, 48]
+    assert pad_ends.tolist() == [16, 32, 64, 80] and pad_starts.tolist() == [0, 16, 32, 64]  # empty group: 16 zeros
     assert M_pad % 16 == 0 and M_pad >= int(pad_ends[-1]) + 16
     q, s = quantize_group_cols(x, offs, M_pad, pad_starts)
     assert q.shape == (24, M_pad) and s.shape == (E, 24)

@@ -3,7 +3,8 @@
 The op is PyTorch's ``torch._grouped_mm(a, b, offs)`` in its 2-D x 3-D form, what a grouped-experts module (e.g.
 torchtitan's ``GroupedExperts``) calls: ``a`` ``(M, K)`` holds the routed tokens sorted by expert, ``b`` ``(E, K, N)``
 is the expert weights ``W`` ``(E, N, K)`` transposed, ``offs`` int32 ``(E,)`` are the cumulative ends of the token
-groups (group ``e`` is rows ``offs[e-1]:offs[e]``). The output ``(M, N)`` has ``out[rows of e] = a[rows of e] @ W[e]^T``.
+groups (group ``e`` is rows ``offs[e-1]:offs[e]``). The output ``(M, N)`` has
+``out[rows of e] = a[rows of e] @ W[e]^T``.
 
 Recipes (:mod:`fp8tensor.recipes`); every operand is scaled along its GEMM's contraction dim:
 
@@ -95,8 +96,8 @@ def quantize_group_cols(x: torch.Tensor, offs: torch.Tensor, M_pad: int, pad_sta
 
     Returns:
         ``(q, scale)``: ``q`` ``(C, M_pad)`` row-major ``float8_dtype``, where group ``e``'s ``r``-th row is column
-        ``pad_starts[e] + r`` (zeros in each group's padding — ``align`` zero columns for an empty group — and in the
-        spare block at the end), and
+        ``pad_starts[e] + r`` (zeros in each group's padding — ``align`` zero columns for an empty group — and in
+        the spare block at the end), and
         ``scale`` float32 ``(E, C)``: ``q[:, pad_starts[e] + r].float() * scale[e] ≈ x[offs[e-1] + r]``. A group of
         no rows gets the floor scale.
     """

@@ -52,6 +52,51 @@ USE_FUSED = True
 
 _HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
+#: Share the quantization of one token tensor between the grouped GEMMs that read it (``w1`` and ``w3`` of SwiGLU
+#: experts read the same tokens): the per-token quantization in the forward and the per-group column quantization
+#: for grad_weight are each kept in a one-entry memo holding the tensor they were computed from (plus that tensor's
+#: fp8 copy until the next call replaces it). Eager plain tensors only; False: quantize on every call.
+SHARE_TOKEN_QUANT = True
+
+
+class _Memo:
+    """A one-entry memo of a quantization of a plain tensor: hit when called again on the same data (same storage
+    address, shape, strides, dtype, device and version counter, and the same ``extra`` tensors). It holds the source
+    tensors, so their storage cannot be freed and reused while the entry lives."""
+
+    __slots__ = ("key", "refs", "value")
+
+    def __init__(self):
+        self.key = self.refs = self.value = None
+
+    @staticmethod
+    def _key(tensors):
+        if not SHARE_TOKEN_QUANT or torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+            return None
+        key = []
+        for t in tensors:
+            if type(t) is not torch.Tensor:
+                return None
+            key.append((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device, t._version))
+        return tuple(key)
+
+    def get(self, fn, *tensors):
+        key = self._key(tensors)
+        if key is not None and key == self.key:
+            return self.value
+        value = fn()
+        if key is not None:
+            # detached: the entry keeps the storage alive (no address reuse), not an autograd graph
+            self.key, self.refs, self.value = key, tuple(t.detach() for t in tensors), value
+        return value
+
+    def clear(self) -> None:
+        self.key = self.refs = self.value = None
+
+
+_ROWS_MEMO = _Memo()
+_COLS_MEMO = _Memo()
+
 
 # ---------------------------------------------------------------------------------------------- offsets
 def padded_offsets(offs: torch.Tensor, M: int, align: int = ALIGN):
@@ -312,7 +357,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
             ws = ws.reshape(E, N)
         else:
             wq, ws = fp8
-        aq, as_ = _quantize_rows(a, E4M3)
+        aq, as_ = _ROWS_MEMO.get(lambda: _quantize_rows(a, E4M3), a)
         out = grouped_2d3d(aq, as_.reshape(M), wq.transpose(-2, -1), ws, offs, out_dtype,
                            fast_accum=recipe.fast_accum_forward)
         ctx.recipe = recipe
@@ -327,6 +372,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
                 "fp8_grouped_mm: double backward (create_graph=True) is not supported: the fp8 gradient GEMMs are "
                 "not differentiable")
         a, b, offs = ctx.saved_tensors
+        _ROWS_MEMO.clear()  # the forward's token quantizations are not read again
         recipe: Recipe = ctx.recipe
         gy = gy.contiguous()
         M, N = gy.shape
@@ -352,7 +398,8 @@ class _Fp8GroupedMM(torch.autograd.Function):
             if recipe.grad_weight_fp8:
                 M_pad, pad_ends, pad_starts = padded_offsets(offs, M)
                 gq_t, gs = quantize_group_cols(gy, offs, M_pad, pad_starts, E4M3)
-                xq_t, xs = quantize_group_cols(a.contiguous(), offs, M_pad, pad_starts, E4M3)
+                xq_t, xs = _COLS_MEMO.get(
+                    lambda: quantize_group_cols(a.contiguous(), offs, M_pad, pad_starts, E4M3), a, offs)
                 grad_w = grouped_2d2d(gq_t, gs, xq_t, xs, pad_ends, torch.promote_types(gy.dtype, a.dtype),
                                       fast_accum=fast)
             else:

@@ -306,3 +306,44 @@ def test_group_col_kernel_under_the_triton_interpreter():
     proc = subprocess.run([sys.executable, str(root / "tests" / "_group_cols_interp.py"), seed], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), (seed, proc.stdout[-2000:], proc.stderr[-3000:])
+
+
+def test_tokens_read_by_two_gemms_are_quantized_once(monkeypatch):
+    # w1 and w3 of SwiGLU experts read the same tokens: one per-token quantization in the forward and one per-group
+    # column quantization in the backward; a new tensor (or an in-place change) is quantized again.
+    from fp8tensor import grouped as G
+
+    calls = {"rows": 0, "cols": 0}
+    rows, cols = G._quantize_rows, G.quantize_group_cols
+
+    def count_rows(x, *a):
+        calls["rows"] += x.dim() == 2 and x.shape[-1] == K  # the tokens (not the 3-D weights)
+        return rows(x, *a)
+
+    def count_cols(x, *a, **k):
+        calls["cols"] += x.shape[-1] == K
+        return cols(x, *a, **k)
+
+    monkeypatch.setattr(G, "_quantize_rows", count_rows)
+    monkeypatch.setattr(G, "quantize_group_cols", count_cols)
+    offs = _offs([3, 0, 20, 9])
+    x = torch.randn(32, K, requires_grad=True)
+    w1, w3 = (nn.Parameter(Fp8MasterWeight(torch.randn(E, N, K))) for _ in range(2))
+    y = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs) * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
+    assert calls["rows"] == 1
+    y.sum().backward()
+    assert calls["cols"] == 1
+    # same values as without sharing
+    monkeypatch.setattr(G, "SHARE_TOKEN_QUANT", False)
+    x2 = x.detach().clone().requires_grad_()
+    w1b, w3b = (nn.Parameter(Fp8MasterWeight(w._data.clone())) for w in (w1, w3))
+    y2 = torch._grouped_mm(x2, w1b.transpose(-2, -1), offs=offs) * torch._grouped_mm(x2, w3b.transpose(-2, -1), offs=offs)
+    y2.sum().backward()
+    assert calls["rows"] == 3 and calls["cols"] == 3
+    assert torch.equal(y, y2) and torch.equal(x.grad, x2.grad) and torch.equal(w1.grad, w1b.grad)
+    with torch.no_grad():
+        x2.add_(1.0)  # in place: new version, quantized again
+    monkeypatch.setattr(G, "SHARE_TOKEN_QUANT", True)
+    torch._grouped_mm(x2, w1b.transpose(-2, -1), offs=offs)
+    torch._grouped_mm(x2, w1b.transpose(-2, -1), offs=offs)
+    assert calls["rows"] == 4

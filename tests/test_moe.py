@@ -337,7 +337,8 @@ def test_tokens_read_by_two_gemms_are_quantized_once(monkeypatch):
     monkeypatch.setattr(G, "SHARE_TOKEN_QUANT", False)
     x2 = x.detach().clone().requires_grad_()
     w1b, w3b = (nn.Parameter(Fp8MasterWeight(w._data.clone())) for w in (w1, w3))
-    y2 = torch._grouped_mm(x2, w1b.transpose(-2, -1), offs=offs) * torch._grouped_mm(x2, w3b.transpose(-2, -1), offs=offs)
+    y2 = (torch._grouped_mm(x2, w1b.transpose(-2, -1), offs=offs)
+          * torch._grouped_mm(x2, w3b.transpose(-2, -1), offs=offs))
     y2.sum().backward()
     assert calls["rows"] == 3 and calls["cols"] == 3
     assert torch.equal(y, y2) and torch.equal(x.grad, x2.grad) and torch.equal(w1.grad, w1b.grad)

@@ -594,7 +594,10 @@ def convert_to_fp8(
 def quantize_weights(
     module: nn.Module, *, module_filter_fn: Optional[FilterFn] = None, float8_dtype: torch.dtype = E4M3
 ) -> nn.Module:
-    """Store the weight of every ``nn.Linear`` of ``module`` (in place) as a row-wise :class:`ScaledFp8Tensor`.
+    """Store the weight of every ``nn.Linear`` of ``module`` (in place) as a row-wise :class:`ScaledFp8Tensor`, and
+    the 3-D weights ``[E, out, in]`` of every grouped-experts module (as :func:`convert_to_fp8` selects them) as
+    ScaledFp8Tensors with per-expert row scales ``[E, out, 1]`` (their grouped GEMMs then run in fp8, the input
+    gradient through scale folding).
 
     For inference and frozen (e.g. LoRA base) weights: ``weight = ScaledFp8Tensor.from_hp(weight)`` with
     ``requires_grad=False``; the Linear's ``forward`` becomes :func:`~fp8tensor.fp8_linear`, so gradients still
@@ -623,6 +626,11 @@ def quantize_weights(
     chosen = _select_linears(module, module_filter_fn, op)
     _check_fsdp_sharded([lin.weight for _, lin in chosen], op)
     chosen, skipped, redirects = _drop_custom_forwards(chosen, op)
+    experts = _select_experts(module, module_filter_fn, op)
+    _check_fsdp_sharded([getattr(m, n) for _, m, names in experts for n in names], op)
+    for fqn, mod, names in experts:
+        skipped += [f"{fqn + '.' if fqn else ''}{n} ({tuple(getattr(mod, n).shape)})" for n in names
+                    if getattr(mod, n).shape[1] % 16 or getattr(mod, n).shape[2] % 16]
     if skipped:
         warnings.warn(f"{op}: left in high precision: {', '.join(skipped)}", stacklevel=2)
     classes = {fqn: _fp8_class(type(lin)) for fqn, lin in chosen}  # before any change: a failure leaves no trace
@@ -648,4 +656,30 @@ def quantize_weights(
             lin.weight = new[1]
         lin.fp8_recipe = get_recipe("rowwise")
         _install_fp8_forward(lin, classes[fqn], redirects[fqn])
+    for fqn, mod, names in experts:  # grouped experts: each 3-D weight stored as row-wise fp8 ([E, out, 1] scales)
+        done = []
+        for name in names:
+            w = mod._parameters[name]
+            local = w._local_tensor if _is_dtensor(w) else w
+            if not isinstance(local, ScaledFp8Tensor) and (w.shape[1] % 16 or w.shape[2] % 16):
+                continue
+            done.append(name)
+            if isinstance(local, ScaledFp8Tensor):
+                continue
+            q = functools.partial(_quantize_expert_weight, float8_dtype=float8_dtype)
+            if _is_dtensor(w):
+                w.requires_grad_(False)
+                w._local_tensor = map_shard(w._local_tensor, q)
+                refresh_fsdp_param(w)
+            else:
+                setattr(mod, name, nn.Parameter(q(w.data), requires_grad=False))
+        if done:
+            mod.fp8_recipe = get_recipe("rowwise")
+            mod.fp8_expert_params = tuple(done)
+            mod.__class__ = _fp8_experts_class(type(mod))
     return module
+
+
+def _quantize_expert_weight(lt: torch.Tensor, float8_dtype: torch.dtype) -> ScaledFp8Tensor:
+    hp = lt._data if isinstance(lt, Fp8MasterWeight) else lt
+    return ScaledFp8Tensor.from_hp(hp.detach(), float8_dtype)

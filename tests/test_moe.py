@@ -348,3 +348,19 @@ def test_tokens_read_by_two_gemms_are_quantized_once(monkeypatch):
     torch._grouped_mm(x2, w1b.transpose(-2, -1), offs=offs)
     torch._grouped_mm(x2, w1b.transpose(-2, -1), offs=offs)
     assert calls["rows"] == 4
+
+
+def test_quantize_weights_stores_expert_weights_in_fp8():
+    m = Block()
+    w = {n: getattr(m.experts, n).detach().clone() for n in ("w1", "w2", "w3")}
+    fp8tensor.quantize_weights(m)
+    for n in ("w1", "w2", "w3"):
+        p = getattr(m.experts, n)
+        assert isinstance(p, ScaledFp8Tensor) and p.scale.shape == (E, p.shape[1], 1) and not p.requires_grad
+        assert _rel(p.to_hp(), w[n]) <= U
+    counts = torch.tensor([5, 0, 21, 6])
+    x = torch.randn(32, 32, requires_grad=True)
+    y = m.experts(x, counts)
+    assert "_Fp8GroupedMMBackward" in _graph_names(y)
+    y.sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()

@@ -339,19 +339,23 @@ class Llama(nn.Module):
         depth_std = 0.02 / math.sqrt(2 * self.args.n_layers)
         for layer in self.layers:
             ff = layer.feed_forward
-            for lin in (layer.attention.wq, layer.attention.wk, layer.attention.wv):
-                nn.init.normal_(lin.weight, std=0.02)
-            nn.init.normal_(layer.attention.wo.weight, std=depth_std)
             if isinstance(ff, MoE):
+                for lin in (layer.attention.wq, layer.attention.wk, layer.attention.wv):
+                    nn.init.normal_(lin.weight, std=0.02)
+                nn.init.normal_(layer.attention.wo.weight, std=depth_std)
                 nn.init.normal_(ff.router.weight, std=0.02)
                 nn.init.normal_(ff.experts.w1, std=0.02)
                 nn.init.normal_(ff.experts.w3, std=0.02)
                 nn.init.normal_(ff.experts.w2, std=depth_std)
-                ff = ff.shared_expert
-            if ff is not None:
-                nn.init.normal_(ff.w1.weight, std=0.02)
-                nn.init.normal_(ff.w3.weight, std=0.02)
-                nn.init.normal_(ff.w2.weight, std=depth_std)
+                if ff.shared_expert is not None:
+                    for lin in (ff.shared_expert.w1, ff.shared_expert.w3):
+                        nn.init.normal_(lin.weight, std=0.02)
+                    nn.init.normal_(ff.shared_expert.w2.weight, std=depth_std)
+            else:  # (the dense model's order of random draws)
+                for lin in (layer.attention.wq, layer.attention.wk, layer.attention.wv, ff.w1, ff.w3):
+                    nn.init.normal_(lin.weight, std=0.02)
+                for lin in (layer.attention.wo, ff.w2):
+                    nn.init.normal_(lin.weight, std=depth_std)
             layer.attention_norm.reset_parameters()
             layer.ffn_norm.reset_parameters()
         self.norm.reset_parameters()

@@ -181,6 +181,8 @@ def check_args(args: argparse.Namespace, world: int, local_world: int) -> str | 
     if args.moe and args.tp != 1:
         return (f"--moe runs with --tp 1 (data parallel FSDP2; the experts have no tensor-parallel plan), "
                 f"got --tp {args.tp}")
+    if args.moe and args.compile:
+        return "--moe runs eagerly: torch.compile of the fp8 grouped-experts modules is not supported (drop --compile)"
     if args.moe and not 1 <= args.top_k <= args.experts:
         return f"--top-k must be between 1 and --experts {args.experts}, got {args.top_k}"
     if world % args.tp:

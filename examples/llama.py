@@ -563,6 +563,11 @@ def parallelize_moe_experts(model: Llama, ep_mesh, dp_mesh=None, *, mp_policy=No
     token dispatch and combine become all-to-alls over ``ep_mesh`` (high precision). With ``dp_mesh`` the
     experts are then ``fully_shard`` -ed over it (FSDP2 shards each rank's local experts again; with fp8 master
     weights the all-gather sends fp8 rows and their scales). Call after ``fp8tensor.convert_to_fp8`` or before it.
+
+    Gradients: the all-to-all's backward sums every ep rank's tokens into an expert's gradient and FSDP2 averages
+    over ``dp_mesh``: the experts' gradients are ``ep`` times the mean over all ``dp * ep`` ranks. For that mean
+    (parameters data-parallel over all ranks), divide them by ``ep`` (with NCCL:
+    ``experts.set_gradient_divide_factor(dp * ep)``; gloo has no pre-multiplied sum).
     """
     from torch.distributed.tensor import Shard, distribute_tensor
 

@@ -270,3 +270,7 @@ def test_train_example_moe_needs_tp1():
     _assert_one_line_error(_run_plain("--tp", "2", "--moe"),
                            "--moe runs with --tp 1 (data parallel FSDP2; the experts have no tensor-parallel plan), "
                            "got --tp 2")
+
+
+def test_train_example_moe_refuses_compile():
+    _assert_one_line_error(_run_plain("--tp", "1", "--moe", "--compile"), "--moe runs eagerly", "drop --compile")

@@ -41,6 +41,9 @@ __all__ = [
     "parallelize_llama",
     "block_tp_plan",
     "fp8_module_filter",
+    "GroupedExperts",
+    "MoE",
+    "parallelize_moe_experts",
 ]
 
 
@@ -63,6 +66,19 @@ class ModelArgs:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     max_seq_len: int = 2048
+    # mixture of experts (``moe=True``: every block's MLP is a :class:`MoE`)
+    moe: bool = False
+    n_experts: int = 8
+    top_k: int = 2
+    moe_hidden: int | None = None  # default: hidden_dim // top_k rounded up to `multiple_of`
+    shared_expert: bool = False
+    aux_loss_coeff: float = 0.01
+
+    @property
+    def expert_hidden_dim(self) -> int:
+        if self.moe_hidden is not None:
+            return self.moe_hidden
+        return self.multiple_of * math.ceil(self.hidden_dim / self.top_k / self.multiple_of)
 
     @property
     def head_dim(self) -> int:
@@ -174,6 +190,107 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+class GroupedExperts(nn.Module):
+    """``E`` SwiGLU experts computed with grouped GEMMs (``torch._grouped_mm``), as torchtitan's ``GroupedExperts``.
+
+    Parameters ``w1``, ``w3``: ``[E, hidden, dim]``; ``w2``: ``[E, dim, hidden]`` (``[E, out, in]``, as ``nn.Linear``
+    weights stacked). ``forward(x, num_tokens_per_expert)``: ``x`` ``[R, dim]`` holds the routed tokens sorted by
+    expert, ``num_tokens_per_expert`` ``[E]`` the group sizes (any, zeros included); returns ``[R, dim]``. With expert
+    parallelism the parameters are DTensors sharded on dim 0 and the forward uses their local experts
+    (``to_local()``), as torchtitan does. ``fp8tensor.convert_to_fp8`` converts the three weights (fp8 grouped GEMMs).
+    """
+
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        w1, w2, w3 = (w.to_local() if hasattr(w, "to_local") else w for w in (self.w1, self.w2, self.w3))
+        offs = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
+        dt = torch.bfloat16 if x.is_cuda else x.dtype  # (torch._grouped_mm takes bf16 on CUDA)
+        xb = x.to(dt)
+        h = F.silu(torch._grouped_mm(xb, w1.to(dt).transpose(-2, -1), offs=offs))
+        h = h * torch._grouped_mm(xb, w3.to(dt).transpose(-2, -1), offs=offs)
+        return torch._grouped_mm(h, w2.to(dt).transpose(-2, -1), offs=offs).type_as(x)
+
+
+def _all_to_all(x: torch.Tensor, out_splits: list, in_splits: list, group) -> torch.Tensor:
+    """Differentiable ``all_to_all_single`` of the rows of ``x`` (token dispatch / combine, high precision)."""
+    from torch.distributed.nn.functional import all_to_all_single
+
+    out = x.new_empty(sum(out_splits), *x.shape[1:])
+    return all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+
+
+class MoE(nn.Module):
+    """Token-choice top-k mixture of experts: router, :class:`GroupedExperts`, optional shared expert.
+
+    ``forward(x)``: ``[B, T, dim] -> [B, T, dim]``. The router (a ``Linear`` ``dim -> E``, high precision) scores
+    every token; each token goes to its ``top_k`` experts, weighted by its softmax probabilities renormalized over
+    the chosen ones. Tokens are sorted by expert (``argsort``) and the experts run as grouped GEMMs. The
+    load-balancing loss of the last forward (Switch Transformer's ``E * sum_e f_e * p_e``: fraction of routed
+    tokens ``f_e`` times mean router probability ``p_e``) is kept in ``self.aux_loss``.
+
+    Expert parallelism (``ep_group`` set by :func:`parallelize_moe_experts`): each rank holds ``E / ep`` experts;
+    routed tokens go to the rank of their expert and back with all-to-alls in high precision.
+    """
+
+    def __init__(self, args: "ModelArgs"):
+        super().__init__()
+        self.num_experts, self.top_k = args.n_experts, args.top_k
+        self.router = nn.Linear(args.dim, args.n_experts, bias=False)
+        self.experts = GroupedExperts(args.n_experts, args.dim, args.expert_hidden_dim)
+        self.shared_expert = FeedForward(args.dim, args.expert_hidden_dim) if args.shared_expert else None
+        self.ep_group = None
+        self.aux_loss = torch.zeros(())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, D = x.shape
+        xt = x.reshape(B * T, D)
+        probs = F.softmax(self.router(xt).float(), dim=-1)  # [BT, E]
+        top_p, top_e = torch.topk(probs, self.top_k, dim=-1)
+        top_p = top_p / top_p.sum(-1, keepdim=True)
+        E = self.num_experts
+        counts = torch.bincount(top_e.flatten(), minlength=E)
+        f = counts.float() / max(1, top_e.numel())
+        self.aux_loss = E * (f * probs.mean(0)).sum()
+        order = torch.argsort(top_e.flatten(), stable=True)
+        token_of = order // self.top_k
+        routed = xt[token_of]
+        if self.ep_group is None:
+            out = self.experts(routed, counts)
+        else:
+            out = self._expert_parallel(routed, counts)
+        out = out * top_p.flatten()[order, None].to(out.dtype)
+        y = torch.zeros_like(xt).index_add_(0, token_of, out.to(xt.dtype))
+        if self.shared_expert is not None:
+            y = y + self.shared_expert(xt)
+        return y.reshape(B, T, D)
+
+    def _expert_parallel(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        group = self.ep_group
+        W = dist.get_world_size(group)
+        e_loc = self.num_experts // W
+        recv = torch.empty_like(counts)
+        dist.all_to_all_single(recv, counts, group=group)  # recv[r * e_loc + e]: tokens of rank r for expert e
+        in_splits = counts.view(W, e_loc).sum(1).tolist()
+        out_splits = recv.view(W, e_loc).sum(1).tolist()
+        got = _all_to_all(routed, out_splits, in_splits, group)  # blocks [source rank][local expert]
+        rc = recv.view(W, e_loc)
+        starts = torch.cumsum(rc.flatten(), 0) - rc.flatten()
+        # regroup the received rows by local expert (expert-major), as the grouped GEMM wants them
+        idx = torch.cat([torch.arange(int(starts[r * e_loc + e]), int(starts[r * e_loc + e]) + int(rc[r, e]))
+                         for e in range(e_loc) for r in range(W)] or [torch.zeros(0, dtype=torch.long)])
+        local = self.experts(got[idx], rc.sum(0))
+        back = torch.empty_like(local).index_copy_(0, idx, local)
+        return _all_to_all(back, in_splits, out_splits, group)
+
+
 class TransformerBlock(nn.Module):
     """Pre-norm residual block: attention then SwiGLU MLP."""
 
@@ -183,7 +300,7 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.hidden_dim)
+        self.feed_forward = MoE(args) if args.moe else FeedForward(args.dim, args.hidden_dim)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), rope)
@@ -221,11 +338,24 @@ class Llama(nn.Module):
         nn.init.normal_(self.tok_embeddings.weight, std=1.0)
         depth_std = 0.02 / math.sqrt(2 * self.args.n_layers)
         for layer in self.layers:
-            for lin in (layer.attention.wq, layer.attention.wk, layer.attention.wv,
-                        layer.feed_forward.w1, layer.feed_forward.w3):
-                nn.init.normal_(lin.weight, std=0.02)
-            for lin in (layer.attention.wo, layer.feed_forward.w2):
-                nn.init.normal_(lin.weight, std=depth_std)
+            ff = layer.feed_forward
+            if isinstance(ff, MoE):
+                for lin in (layer.attention.wq, layer.attention.wk, layer.attention.wv):
+                    nn.init.normal_(lin.weight, std=0.02)
+                nn.init.normal_(layer.attention.wo.weight, std=depth_std)
+                nn.init.normal_(ff.router.weight, std=0.02)
+                nn.init.normal_(ff.experts.w1, std=0.02)
+                nn.init.normal_(ff.experts.w3, std=0.02)
+                nn.init.normal_(ff.experts.w2, std=depth_std)
+                if ff.shared_expert is not None:
+                    for lin in (ff.shared_expert.w1, ff.shared_expert.w3):
+                        nn.init.normal_(lin.weight, std=0.02)
+                    nn.init.normal_(ff.shared_expert.w2.weight, std=depth_std)
+            else:  # (the dense model's order of random draws)
+                for lin in (layer.attention.wq, layer.attention.wk, layer.attention.wv, ff.w1, ff.w3):
+                    nn.init.normal_(lin.weight, std=0.02)
+                for lin in (layer.attention.wo, ff.w2):
+                    nn.init.normal_(lin.weight, std=depth_std)
             layer.attention_norm.reset_parameters()
             layer.ffn_norm.reset_parameters()
         self.norm.reset_parameters()
@@ -243,17 +373,31 @@ class Llama(nn.Module):
             h = layer(h, self.rope)
         return self.output(self.norm(h))
 
+    def aux_loss(self) -> torch.Tensor:
+        """The load-balancing loss of the last forward, summed over the MoE layers and times ``aux_loss_coeff``
+        (a float32 scalar; 0 for a dense model)."""
+        losses = [layer.feed_forward.aux_loss.float() for layer in self.layers if isinstance(layer.feed_forward, MoE)]
+        if not losses:
+            return torch.zeros(())
+        return torch.stack(losses).sum() * self.args.aux_loss_coeff
+
 
 def fp8_module_filter(module: nn.Module, fqn: str) -> bool:
     """``module_filter_fn`` for ``fp8tensor.convert_to_fp8``.
 
     Converts only the Linears inside the transformer blocks
-    (``layers.<i>.attention.w{q,k,v,o}``, ``layers.<i>.feed_forward.w{1,2,3}``);
-    the embedding and the output head stay in high precision.
+    (``layers.<i>.attention.w{q,k,v,o}``, ``layers.<i>.feed_forward.w{1,2,3}``)
+    and, in an MoE model, the grouped experts (``layers.<i>.feed_forward.experts``)
+    and the shared expert's Linears; the embedding, the router and the output head stay
+    in high precision.
     """
+    parts = fqn.split(".")
+    if isinstance(module, GroupedExperts):
+        return len(parts) == 4 and parts[0] == "layers" and parts[2:] == ["feed_forward", "experts"]
     if not isinstance(module, nn.Linear):
         return False
-    parts = fqn.split(".")
+    if len(parts) == 5 and parts[0] == "layers" and parts[2:4] == ["feed_forward", "shared_expert"]:
+        return parts[4] in ("w1", "w2", "w3")
     return (
         len(parts) == 4
         and parts[0] == "layers"
@@ -410,4 +554,40 @@ def parallelize_llama(
         for block in model.layers:
             fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
         fully_shard(model, **kwargs)
+    return model
+
+
+def parallelize_moe_experts(model: Llama, ep_mesh, dp_mesh=None, *, mp_policy=None,
+                            reshard_after_forward: bool = True) -> Llama:
+    """Expert parallelism over ``ep_mesh`` and FSDP2 of the experts over ``dp_mesh`` (in place).
+
+    Each MoE layer's expert weights become DTensors sharded on the expert dim (``Shard(0)``) over ``ep_mesh``; its
+    token dispatch and combine become all-to-alls over ``ep_mesh`` (high precision). With ``dp_mesh`` the
+    experts are then ``fully_shard`` -ed over it (FSDP2 shards each rank's local experts again; with fp8 master
+    weights the all-gather sends fp8 rows and their scales). Call after ``fp8tensor.convert_to_fp8`` or before it.
+
+    Gradients: the all-to-all's backward sums every ep rank's tokens into an expert's gradient and FSDP2 averages
+    over ``dp_mesh``: the experts' gradients are ``ep`` times the mean over all ``dp * ep`` ranks. For that mean
+    (parameters data-parallel over all ranks), divide them by ``ep`` (with NCCL:
+    ``experts.set_gradient_divide_factor(dp * ep)``; gloo has no pre-multiplied sum).
+    """
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    for layer in model.layers:
+        moe = layer.feed_forward
+        if not isinstance(moe, MoE):
+            continue
+        if moe.num_experts % ep_mesh.size():
+            raise ValueError(f"parallelize_moe_experts: {moe.num_experts} experts do not divide over {ep_mesh.size()} "
+                             "expert-parallel ranks")
+        for name in ("w1", "w2", "w3"):
+            p = getattr(moe.experts, name)
+            setattr(moe.experts, name, nn.Parameter(distribute_tensor(p.data, ep_mesh, [Shard(0)]),
+                                                    requires_grad=p.requires_grad))
+        moe.ep_group = ep_mesh.get_group()
+        if dp_mesh is not None:
+            from torch.distributed.fsdp import fully_shard
+
+            kw = {} if mp_policy is None else {"mp_policy": mp_policy}
+            fully_shard(moe.experts, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, **kw)
     return model

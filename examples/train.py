@@ -123,6 +123,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=4, help="transformer blocks")
     p.add_argument("--heads", type=int, default=8, help="attention heads")
     p.add_argument("--kv-heads", type=int, default=4, help="key/value heads (grouped-query attention)")
+    p.add_argument("--moe", action="store_true",
+                   help="mixture-of-experts MLPs (router, top-k experts as grouped GEMMs; fp8: the experts' grouped "
+                        "GEMMs run in fp8, docs/moe.md); needs --tp 1")
+    p.add_argument("--experts", type=int, default=8, help="experts per MoE layer (with --moe)")
+    p.add_argument("--top-k", type=int, default=2, help="experts per token (with --moe)")
+    p.add_argument("--shared-expert", action="store_true", help="add a shared expert to every MoE layer")
+    p.add_argument("--aux-loss-coeff", type=float, default=0.01, help="weight of the load-balancing loss (--moe)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay of the matrices")
     p.add_argument("--warmup", type=int, default=None,
@@ -179,6 +186,13 @@ def check_args(args: argparse.Namespace, world: int, local_world: int) -> str | 
         return f"--lr must be a positive number, got {args.lr}"
     if not args.grad_clip >= 0:
         return f"--grad-clip must be >= 0 (0 disables clipping), got {args.grad_clip}"
+    if args.moe and args.tp != 1:
+        return (f"--moe runs with --tp 1 (data parallel FSDP2; the experts have no tensor-parallel plan), "
+                f"got --tp {args.tp}")
+    if args.moe and args.compile:
+        return "--moe runs eagerly: torch.compile of the fp8 grouped-experts modules is not supported (drop --compile)"
+    if args.moe and not 1 <= args.top_k <= args.experts:
+        return f"--top-k must be between 1 and --experts {args.experts}, got {args.top_k}"
     if world % args.tp:
         hint = (f"launch with torchrun, e.g. `torchrun --nproc-per-node {max(args.tp, 2 * args.tp)} "
                 f"examples/train.py --tp {args.tp}`, or run one process with --tp 1")
@@ -324,7 +338,9 @@ def build_model(args, mesh, device, fp8: bool) -> torch.nn.Module:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     margs = ModelArgs(dim=args.dim, n_layers=args.layers, n_heads=args.heads,
-                      n_kv_heads=args.kv_heads, max_seq_len=max(args.seq_len, 16))
+                      n_kv_heads=args.kv_heads, max_seq_len=max(args.seq_len, 16),
+                      moe=args.moe, n_experts=args.experts, top_k=args.top_k, shared_expert=args.shared_expert,
+                      aux_loss_coeff=args.aux_loss_coeff)
     torch.manual_seed(args.seed)  # same initial weights for the bf16 and fp8 runs
     model = Llama(margs).to(device)
     # float32 master weights, bf16 compute and all-gathers, float32 gradient reduction: FSDP2's mixed precision,
@@ -393,7 +409,10 @@ def train_one(name: str, args, train_data, val_data, device, mesh) -> dict:
     def fwd_bwd(x, y):
         logits = model(x)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
-        loss.backward()
+        if args.moe:  # the load-balancing loss is trained, the reported loss stays the language-model loss
+            (loss + model.aux_loss().to(loss.device)).backward()
+        else:
+            loss.backward()
         return loss.detach()
 
     if args.cuda_graph:  # forward + loss + backward as one CUDA graph; the optimizer stays outside

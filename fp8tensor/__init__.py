@@ -7,6 +7,8 @@ Public API:
   ``"rowwise"`` and ``"rowwise_gw_hp"``).
 * :func:`quantize_weights` — inference / frozen weights stored in fp8.
 * :func:`fp8_linear` — the functional form of an fp8 Linear.
+* :func:`fp8_grouped_mm` — fp8 ``torch._grouped_mm`` for mixture-of-experts weights (``docs/moe.md``); master
+  weights and ScaledFp8Tensors of 3-D expert weights route ``torch._grouped_mm`` to it.
 * :func:`set_gemm_backend` / :func:`gemm_backend` — GEMM backend choice.
 * :func:`config` / :func:`set_config` / :func:`get_config` — the library's settings (:class:`Config`).
 * :func:`graph_step` — a training step's forward + backward captured as one CUDA graph (no host waits).
@@ -20,6 +22,7 @@ from . import ops as _ops  # noqa: F401  (registers the non-GEMM op table entrie
 from .gemm import BACKENDS, gemm_backend, get_gemm_backend, set_gemm_backend
 from .recipes import Recipe, RECIPES
 from .linear import fp8_linear
+from .grouped import fp8_grouped_mm
 from .master import Fp8MasterWeight
 from . import fsdp_state as _fsdp_state  # noqa: F401  (drops FSDP2's flat copy of fp8 shards)
 from . import collectives as _collectives  # noqa: F401  (fp8 collectives for DTensor / TP)
@@ -31,6 +34,7 @@ __all__ = [
     "Recipe",
     "RECIPES",
     "fp8_linear",
+    "fp8_grouped_mm",
     "convert_to_fp8",
     "quantize_weights",
     "ScaledFp8Tensor",

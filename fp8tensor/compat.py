@@ -14,7 +14,7 @@ __all__ = ["TORCH_VERSION", "register_foreach_type", "local_tensor", "set_local_
            "fsdp_state_name", "fsdp_unsharded_param", "fsdp_flat_shard", "fsdp_set_flat_shard",
            "fsdp_reset_extension", "process_group_size", "wait_work", "tree_flatten", "tree_unflatten", "tree_leaves",
            "tree_map_only", "is_fake", "local_tensor_cls", "run_per_simulated_rank", "COMPOSITE_IMPLICIT",
-           "DISABLED_TORCH_FUNCTION", "DATA_SETTER", "disable_torch_function_subclass"]
+           "DISABLED_TORCH_FUNCTION", "DATA_SETTER", "disable_torch_function_subclass", "parse_to"]
 
 #: The dispatch key of composite ops (decomposed above autograd).
 COMPOSITE_IMPLICIT = torch._C.DispatchKey.CompositeImplicitAutograd
@@ -22,6 +22,11 @@ COMPOSITE_IMPLICIT = torch._C.DispatchKey.CompositeImplicitAutograd
 DISABLED_TORCH_FUNCTION = torch._C._disabled_torch_function_impl
 #: What ``__torch_function__`` receives as ``func`` for ``t.data = new``.
 DATA_SETTER = torch._C.TensorBase.data.__set__
+
+
+def parse_to(*args, **kwargs):
+    """``(device, dtype, non_blocking, memory_format)`` of ``Tensor.to``'s arguments (after ``self``)."""
+    return torch._C._nn._parse_to(*args, **kwargs)
 
 
 def disable_torch_function_subclass():

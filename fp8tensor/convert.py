@@ -19,12 +19,14 @@ from . import compat
 from .quantize import E4M3, check_float8_dtype
 from .fsdp_state import check_fsdp_sharded as _check_fsdp_sharded
 from .fsdp_state import refresh_fsdp_param
+from .grouped import Fp8GroupedMMMode
 from .linear import fp8_linear
 from .master import Fp8MasterWeight
 from .recipes import get_recipe
 from .tensor import ScaledFp8Tensor, _is_dtensor, map_shard
 
-__all__ = ["convert_to_fp8", "quantize_weights", "fp8_linear_forward", "Fp8Linear", "Fp8LinearMixin"]
+__all__ = ["convert_to_fp8", "quantize_weights", "fp8_linear_forward", "Fp8Linear", "Fp8LinearMixin",
+           "Fp8GroupedExpertsMixin", "uses_grouped_mm"]
 
 FilterFn = Callable[[nn.Module, str], bool]
 
@@ -369,6 +371,136 @@ def _rewrap_after_load(module, incompatible_keys):
         module.weight = new
 
 
+# ---------------------------------------------------------------------------------------------- grouped experts
+_GROUPED_SOURCE: dict = {}
+
+
+def uses_grouped_mm(cls: type) -> bool:
+    """Whether module class ``cls`` (or a base class below ``nn.Module``) calls ``torch._grouped_mm`` /
+    ``F.grouped_mm`` in its source: a grouped-experts module (e.g. torchtitan's ``GroupedExperts``), whose 3-D
+    parameters ``(E, out, in)`` :func:`convert_to_fp8` converts. Read with ``inspect.getsource`` (False when the
+    source is not available)."""
+    import inspect
+
+    hit = _GROUPED_SOURCE.get(cls)
+    if hit is None:
+        hit = False
+        for c in cls.__mro__:
+            if c in (nn.Module, object) or issubclass(nn.Module, c):
+                continue
+            try:
+                src = inspect.getsource(c)
+            except (OSError, TypeError):
+                continue
+            if "grouped_mm" in src:
+                hit = True
+                break
+        _GROUPED_SOURCE[cls] = hit
+    return hit
+
+
+def _grouped_experts_forward(self, *args, **kwargs):
+    """``forward`` of converted grouped-experts modules: the module's own forward under
+    :class:`~fp8tensor.grouped.Fp8GroupedMMMode`, so its ``torch._grouped_mm`` calls with the converted expert weights
+    run :func:`~fp8tensor.grouped.fp8_grouped_mm` (also when the weight is the fp8 weight FSDP2 all-gathered)."""
+    with Fp8GroupedMMMode(self.fp8_recipe):
+        return type(self)._fp8_base.forward(self, *args, **kwargs)
+
+
+class Fp8GroupedExpertsMixin:
+    """Marks a converted grouped-experts module ``C`` (class ``Fp8C(Fp8GroupedExpertsMixin, C)``, one per class):
+    its forward is ``C.forward`` under :class:`~fp8tensor.grouped.Fp8GroupedMMMode`; ``fp8_expert_params`` names its
+    converted 3-D parameters. Pickles name the original class."""
+
+    forward = _grouped_experts_forward
+    _fp8_base: type = nn.Module
+
+    def __reduce_ex__(self, protocol):
+        return (_new_converted_experts, (type(self)._fp8_base,), self.__getstate__())
+
+
+_FP8_EXPERT_CLASSES: dict = {}
+
+
+def _fp8_experts_class(cls: type) -> type:
+    if issubclass(cls, Fp8GroupedExpertsMixin):
+        return cls
+    new = _FP8_EXPERT_CLASSES.get(cls)
+    if new is None:
+        new = type(f"Fp8{cls.__name__}", (Fp8GroupedExpertsMixin, cls), {"__module__": cls.__module__,
+                                                                         "_fp8_base": cls})
+        _FP8_EXPERT_CLASSES[cls] = new
+    return new
+
+
+def _new_converted_experts(base: type):
+    """Unpickling helper: an empty instance of the converted class of grouped-experts class ``base``."""
+    return object.__new__(_fp8_experts_class(base))
+
+
+def _select_experts(module: nn.Module, module_filter_fn: Optional[FilterFn], op: str):
+    """``(fqn, module, [names of its 3-D floating parameters])`` of the grouped-experts modules to convert."""
+    chosen = []
+    for fqn, mod in module.named_modules():
+        if isinstance(mod, nn.Linear):
+            continue
+        names = [n for n, p in mod._parameters.items()
+                 if p is not None and p.dim() == 3 and (p.dtype.is_floating_point or isinstance(
+                     p._local_tensor if _is_dtensor(p) else p, ScaledFp8Tensor))]
+        if not names or not (isinstance(mod, Fp8GroupedExpertsMixin) or uses_grouped_mm(type(mod))):
+            continue
+        if module_filter_fn is not None:
+            try:
+                keep = module_filter_fn(mod, fqn)
+            except Exception as e:
+                raise RuntimeError(f"{op}: module_filter_fn raised for module {fqn!r}; the model was not changed") from e
+            if not keep:
+                continue
+        chosen.append((fqn, mod, names))
+    return chosen
+
+
+def _rewrap_experts_after_load(module, incompatible_keys):
+    """After ``load_state_dict(assign=True)`` replaced expert weights with plain tensors, wrap them again."""
+    for name in module.fp8_expert_params:
+        w = getattr(module, name)
+        local = w._local_tensor if _is_dtensor(w) else w
+        if isinstance(local, (Fp8MasterWeight, ScaledFp8Tensor)):
+            continue
+        new = _swap_local(w, lambda lt: Fp8MasterWeight(lt, module.fp8_recipe))
+        if new is not None:
+            setattr(module, name, new)
+
+
+def _convert_experts(root: nn.Module, chosen, r, skipped: list) -> None:
+    for fqn, mod, names in chosen:
+        done = []
+        for name in names:
+            w = mod._parameters[name]
+            local = w._local_tensor if _is_dtensor(w) else w
+            if isinstance(local, Fp8MasterWeight):
+                local.recipe = r
+            elif isinstance(local, ScaledFp8Tensor):
+                pass
+            elif w.shape[1] % 16 or w.shape[2] % 16:
+                skipped.append(f"{fqn + '.' if fqn else ''}{name} ({tuple(w.shape)})")
+                continue
+            else:
+                new = _swap_local(w, lambda lt: Fp8MasterWeight(lt, r))
+                if new is not None:
+                    _adopt_parameter(root, w, new)
+            done.append(name)
+        if not done:
+            continue
+        if not getattr(mod, "_fp8_hooks", False):
+            mod._register_state_dict_hook(_plain_state_dict_hook)
+            mod.register_load_state_dict_post_hook(_rewrap_experts_after_load)
+            mod._fp8_hooks = True
+        mod.fp8_recipe = r
+        mod.fp8_expert_params = tuple(done)
+        mod.__class__ = _fp8_experts_class(type(mod))
+
+
 def convert_to_fp8(
     module: nn.Module, *, recipe="rowwise", module_filter_fn: Optional[FilterFn] = None
 ) -> nn.Module:
@@ -385,6 +517,12 @@ def convert_to_fp8(
     torch refuses the swap (weak references to the Parameter, e.g. after ``torch.compile`` ran the model), the master
     is set in every module of ``module`` that held the Parameter. DTensor weights keep their Parameter object anyway.
 
+    Grouped-experts modules (a module whose class calls ``torch._grouped_mm`` / ``F.grouped_mm``, e.g. torchtitan's
+    ``GroupedExperts``, with 3-D parameters ``(E, out_features, in_features)`` such as ``w1`` / ``w2`` / ``w3``) are
+    converted alike: each 3-D parameter (both inner dims multiples of 16) becomes a master weight and the module's
+    ``forward`` runs under :class:`~fp8tensor.grouped.Fp8GroupedMMMode`, so its grouped GEMMs with these weights run
+    :func:`~fp8tensor.grouped.fp8_grouped_mm` (docs/moe.md). ``module_filter_fn`` is asked about these modules too.
+
     A ``forward`` that a framework set on the instance and that calls the Linear's own bound forward it captured
     (torchtitan's ``Module.parallelize``: ``lin.forward = wrapper`` around the bound ``nn.Linear.forward``) is kept
     and pointed at the fp8 forward, so the Linear still runs all of the recipe's fp8 GEMMs (see :class:`_Redirect`).
@@ -400,7 +538,8 @@ def convert_to_fp8(
     Args:
         module: the model.
         recipe: ``"rowwise"`` (all three GEMMs in fp8) or ``"rowwise_gw_hp"`` (grad_weight in high precision).
-        module_filter_fn: ``fn(linear, fqn) -> bool``; only Linears for which it returns True are converted.
+        module_filter_fn: ``fn(module, fqn) -> bool``; only Linears and grouped-experts modules for which it returns
+            True are converted.
 
     Returns:
         ``module`` itself.
@@ -419,6 +558,8 @@ def convert_to_fp8(
     _check_fsdp_sharded([lin.weight for _, lin in chosen], op)
     chosen, skipped, redirects = _drop_custom_forwards(chosen, op)
     _check_ties(module, chosen, op)
+    experts = _select_experts(module, module_filter_fn, op)
+    _check_fsdp_sharded([getattr(m, n) for _, m, names in experts for n in names], op)
     classes = {fqn: _fp8_class(type(lin)) for fqn, lin in chosen}  # before any change: a failure leaves no trace
     for fqn, lin in chosen:
         w = lin.weight
@@ -442,6 +583,7 @@ def convert_to_fp8(
             lin._fp8_hooks = True
         lin.fp8_recipe = r
         _install_fp8_forward(lin, classes[fqn], redirects[fqn])
+    _convert_experts(module, experts, r, skipped)
     module.fp8_skipped = skipped
     if skipped:
         warnings.warn(
@@ -453,7 +595,10 @@ def convert_to_fp8(
 def quantize_weights(
     module: nn.Module, *, module_filter_fn: Optional[FilterFn] = None, float8_dtype: torch.dtype = E4M3
 ) -> nn.Module:
-    """Store the weight of every ``nn.Linear`` of ``module`` (in place) as a row-wise :class:`ScaledFp8Tensor`.
+    """Store the weight of every ``nn.Linear`` of ``module`` (in place) as a row-wise :class:`ScaledFp8Tensor`, and
+    the 3-D weights ``[E, out, in]`` of every grouped-experts module (as :func:`convert_to_fp8` selects them) as
+    ScaledFp8Tensors with per-expert row scales ``[E, out, 1]`` (their grouped GEMMs then run in fp8, the input
+    gradient through scale folding).
 
     For inference and frozen (e.g. LoRA base) weights: ``weight = ScaledFp8Tensor.from_hp(weight)`` with
     ``requires_grad=False``; the Linear's ``forward`` becomes :func:`~fp8tensor.fp8_linear`, so gradients still
@@ -482,6 +627,11 @@ def quantize_weights(
     chosen = _select_linears(module, module_filter_fn, op)
     _check_fsdp_sharded([lin.weight for _, lin in chosen], op)
     chosen, skipped, redirects = _drop_custom_forwards(chosen, op)
+    experts = _select_experts(module, module_filter_fn, op)
+    _check_fsdp_sharded([getattr(m, n) for _, m, names in experts for n in names], op)
+    for fqn, mod, names in experts:
+        skipped += [f"{fqn + '.' if fqn else ''}{n} ({tuple(getattr(mod, n).shape)})" for n in names
+                    if getattr(mod, n).shape[1] % 16 or getattr(mod, n).shape[2] % 16]
     if skipped:
         warnings.warn(f"{op}: left in high precision: {', '.join(skipped)}", stacklevel=2)
     classes = {fqn: _fp8_class(type(lin)) for fqn, lin in chosen}  # before any change: a failure leaves no trace
@@ -507,4 +657,30 @@ def quantize_weights(
             lin.weight = new[1]
         lin.fp8_recipe = get_recipe("rowwise")
         _install_fp8_forward(lin, classes[fqn], redirects[fqn])
+    for fqn, mod, names in experts:  # grouped experts: each 3-D weight stored as row-wise fp8 ([E, out, 1] scales)
+        done = []
+        for name in names:
+            w = mod._parameters[name]
+            local = w._local_tensor if _is_dtensor(w) else w
+            if not isinstance(local, ScaledFp8Tensor) and (w.shape[1] % 16 or w.shape[2] % 16):
+                continue
+            done.append(name)
+            if isinstance(local, ScaledFp8Tensor):
+                continue
+            q = functools.partial(_quantize_expert_weight, float8_dtype=float8_dtype)
+            if _is_dtensor(w):
+                w.requires_grad_(False)
+                w._local_tensor = map_shard(w._local_tensor, q)
+                refresh_fsdp_param(w)
+            else:
+                setattr(mod, name, nn.Parameter(q(w.data), requires_grad=False))
+        if done:
+            mod.fp8_recipe = get_recipe("rowwise")
+            mod.fp8_expert_params = tuple(done)
+            mod.__class__ = _fp8_experts_class(type(mod))
     return module
+
+
+def _quantize_expert_weight(lt: torch.Tensor, float8_dtype: torch.dtype) -> ScaledFp8Tensor:
+    hp = lt._data if isinstance(lt, Fp8MasterWeight) else lt
+    return ScaledFp8Tensor.from_hp(hp.detach(), float8_dtype)

@@ -29,6 +29,7 @@ import torch
 __all__ = [
     "kernel_available", "launch_dim0_t", "quantize_last_dim", "quantize_last_dim_group", "row_kernel_available",
     "eager_launch_ok", "transpose_available", "launch_transpose", "quantize_last_dim_group_into",
+    "group_col_kernel_available", "launch_group_cols_t",
 ]
 
 try:  # Triton is only present with CUDA builds of torch.
@@ -157,6 +158,51 @@ if _HAS_TRITON:
         # _transpose_kernel with one more argument, never read: a traced launch passes a value computed from the
         # backward's grad_out there, which keeps the kernel in the backward graph (fp8tensor.linear._transpose_after).
         _transpose_kernel(src_ptr, dst_ptr, M, N, stride_m, BLOCK_M, BLOCK_N)
+
+
+    @triton.jit
+    def _group_col_quant_t_kernel(x_ptr, ends_ptr, dst_ptr, q_ptr, scale_ptr, M, C, stride_xm, stride_qg, stride_qc,
+                                  Q_COLS, FMAX: tl.constexpr, EPS: tl.constexpr, ALIGN: tl.constexpr,
+                                  MIN_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+        # Program (pid_c, g): columns pid_c * BLOCK_C ... of the rows [ends[g-1], ends[g]) of x (M, C) (row stride
+        # stride_xm, unit column stride). Pass 1: the column amax over the group's rows; pass 2 (mostly from L2):
+        # divide, saturate, cast and store transposed: q[g * stride_qg + c * stride_qc + dst[g] + r] for the group's
+        # r-th row, r < max(round_up(size, ALIGN), MIN_PAD) (rows past the group's end are stored as zeros: the
+        # padding; MIN_PAD gives an empty group zero columns, so a GEMM over it computes zeros).
+        pid_c = tl.program_id(0)
+        g = tl.program_id(1)
+        end = tl.load(ends_ptr + g).to(tl.int64)
+        start = tl.load(ends_ptr + g - 1, mask=g > 0, other=0).to(tl.int64)
+        dst0 = tl.load(dst_ptr + g).to(tl.int64)
+        size = tl.maximum(end - start, 0)
+        offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+        cmask = offs_c < C
+        acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+        for r0 in range(0, size, BLOCK_M):
+            r = r0 + tl.arange(0, BLOCK_M)
+            rows = start + r
+            m = (r < size) & (rows < M)
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_c[None, :], mask=m[:, None] & cmask[None, :],
+                        other=0.0).to(tl.float32)
+            a = tl.abs(x)
+            a = tl.where(a != a, float("inf"), a)  # NaN -> inf: the column's scale becomes inf, output non-finite
+            acc = tl.maximum(acc, tl.max(a, axis=0))
+        scale = tl.maximum(acc / FMAX, EPS)
+        tl.store(scale_ptr + g * C + offs_c, scale, mask=cmask)
+        psize = tl.maximum((size + ALIGN - 1) // ALIGN * ALIGN, MIN_PAD)
+        q_base = q_ptr + g.to(tl.int64) * stride_qg
+        for r0 in range(0, psize, BLOCK_M):
+            r = r0 + tl.arange(0, BLOCK_M)
+            rows = start + r
+            m = (r < size) & (rows < M)
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_c[None, :], mask=m[:, None] & cmask[None, :],
+                        other=0.0).to(tl.float32)
+            y = tl.div_rn(x, scale[None, :])
+            y = tl.clamp(y, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
+            q = tl.trans(y.to(q_ptr.dtype.element_ty))
+            dst = dst0 + r
+            smask = cmask[:, None] & ((r < psize) & (dst < Q_COLS))[None, :]
+            tl.store(q_base + offs_c.to(tl.int64)[:, None] * stride_qc + dst[None, :], q, mask=smask)
 
 
 # ---------------------------------------------------------------------------------------------- eager launches
@@ -561,3 +607,46 @@ def launch_transpose(src: torch.Tensor, *, dep: Optional[torch.Tensor] = None) -
     _launcher(_transpose_kernel)(grid, (src, dst, M, N, src.stride(0)),
                                  dict(BLOCK_M=c["block_m"], BLOCK_N=c["block_n"]), c["warps"], src.device)
     return dst
+
+
+#: Tiles of the per-group column quantization kernel.
+GROUP_COL_CONFIG = dict(block_m=64, block_c=64, warps=4)
+
+
+def group_col_kernel_available(x: torch.Tensor) -> bool:
+    """Whether :func:`launch_group_cols_t` takes ``x``: a 2-D fp32/bf16/fp16 CUDA tensor with unit column stride,
+    in eager mode (no tracing, no dispatch mode, a plain tensor), below 2^31 elements."""
+    return (
+        _HAS_TRITON
+        and x.is_cuda
+        and x.dim() == 2
+        and x.dtype in _KERNEL_DTYPES
+        and (x.stride(1) == 1 or x.shape[1] <= 1)
+        and x.numel() < 2**31
+        and eager_launch_ok(x)
+        and not (x.requires_grad and torch.is_grad_enabled())
+    )
+
+
+def launch_group_cols_t(x: torch.Tensor, ends: torch.Tensor, dst: torch.Tensor, q: torch.Tensor,
+                        scale: torch.Tensor, *, stride_qg: int, stride_qc: int, q_cols: int, align: int,
+                        float8_dtype: torch.dtype, scale_floor: float, min_pad: int = 0) -> None:
+    """Per-group column quantization of ``x`` ``(M, C)`` written transposed into ``q`` (check
+    :func:`group_col_kernel_available` first).
+
+    Group ``g`` holds rows ``[ends[g-1], ends[g])`` (``ends`` int32 ``(G,)``, cumulative; ``ends[-1]`` of 0 for
+    ``g == 0``). Its column scales ``max(amax / fmax, scale_floor)`` go to ``scale[g, c]`` (float32 ``(G, C)``,
+    contiguous) and its ``r``-th row, quantized, to ``q.flat[g * stride_qg + c * stride_qc + dst[g] + r]`` for
+    ``r < max(round_up(size, align), min_pad)`` (zeros past the group's rows) and ``dst[g] + r < q_cols``. One read
+    of ``x`` for the amax and one (mostly from L2) for the cast."""
+    M, C = x.shape
+    G = ends.numel()
+    if G == 0 or C == 0:
+        return
+    c = GROUP_COL_CONFIG
+    _launcher(_group_col_quant_t_kernel)(
+        (triton.cdiv(C, c["block_c"]), G),
+        (x, ends, dst, q, scale, M, C, x.stride(0), stride_qg, stride_qc, q_cols),
+        dict(FMAX=torch.finfo(float8_dtype).max, EPS=scale_floor, ALIGN=align, MIN_PAD=min_pad,
+             BLOCK_M=c["block_m"], BLOCK_C=c["block_c"]),
+        c["warps"], x.device)

@@ -16,6 +16,7 @@ from . import fsdp as _payload
 from . import compat
 from .compat import register_foreach_type
 from .gemm import fp8_mm
+from .grouped import fp8_grouped_mm, fp8_weight_call, is_grouped_mm
 from .linear import QuantizeOnUse, _quantize_local, fp8_linear
 from .quantize import FLOAT8_DTYPES
 from .recipes import Recipe, get_recipe
@@ -61,7 +62,9 @@ class Fp8MasterWeight(torch.Tensor, QuantizeOnUse):
     ``.to()``, gradient clipping and ``zero_grad`` work; gradients are plain tensors. Layout ops keep the
     wrapper (so DTensor sharding and FSDP2 keep it as the local tensor); other ops return plain tensors.
 
-    ``F.linear(x, w)`` on a master weight runs :func:`fp8_linear` with the weight's recipe (three fp8 GEMMs). On a
+    ``F.linear(x, w)`` on a master weight runs :func:`fp8_linear` with the weight's recipe (three fp8 GEMMs);
+    ``torch._grouped_mm(x, w, offs=offs)`` / ``F.grouped_mm`` with 3-D expert weights ``w`` ``(E, K, N)`` (a master of
+    ``(E, N, K)``, transposed) runs :func:`fp8tensor.grouped.fp8_grouped_mm` (three fp8 grouped GEMMs). On a
     *DTensor* whose local tensor is a master, ``F.linear`` decomposes above autograd (DTensor disables
     ``__torch_function__``): forward and grad_input run in fp8, grad_weight in high precision, with a warning. A
     module converted with :func:`fp8tensor.convert_to_fp8` always routes through :func:`fp8_linear`, also when the
@@ -119,6 +122,11 @@ class Fp8MasterWeight(torch.Tensor, QuantizeOnUse):
                 inp = args[0] if args else kwargs["input"]
                 bias = args[2] if len(args) > 2 else kwargs.get("bias")
                 return fp8_linear(inp, weight, bias, recipe=weight.recipe)
+        if is_grouped_mm(func):
+            call = fp8_weight_call(args, kwargs)
+            if call is not None and isinstance(call[1], Fp8MasterWeight):
+                a, b, offs, out_dtype, recipe = call
+                return fp8_grouped_mm(a, b, offs, recipe=recipe, out_dtype=out_dtype)
         if func == compat.DATA_SETTER and isinstance(args[0], Fp8MasterWeight):
             # ``w.data = t`` (also how ``Module.to(dtype)`` converts parameters): replace the wrapped data too,
             # else the wrapper would report t's dtype while still computing with the old ``_data``.

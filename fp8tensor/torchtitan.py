@@ -13,6 +13,10 @@ each selected ``Linear.Config`` for a ``Float8Linear.Config``. This module does 
   ``model_registry(..., converters=[...])`` of a config function.
 * :func:`llama3_debugmodel_fp8tensor` — torchtitan's Llama3 debug config with the converter, runnable as
   ``--module fp8tensor.torchtitan --config llama3_debugmodel_fp8tensor``.
+* :class:`Fp8TensorGroupedExperts` — torchtitan's MoE ``GroupedExperts`` converted by :func:`fp8tensor.convert_to_fp8`:
+  its 3-D expert weights ``w1_EFD`` / ``w2_EDF`` / ``w3_EFD`` are master weights and its ``torch._grouped_mm`` calls
+  run :func:`fp8tensor.grouped.fp8_grouped_mm` (forward, grad_input and grad_weight in fp8; token groups of any size,
+  padded inside the op). :class:`Fp8TensorConverter` swaps ``GroupedExperts.Config`` nodes too (``docs/moe.md``).
 * ``--override.imports fp8tensor.torchtitan.fp8tensor_linear`` (every Linear) or
   ``fp8tensor.torchtitan.fp8tensor_linear_layers`` (the transformer blocks' Linears, not ``lm_head``): the same
   conversion from the command line of any config, through torchtitan's override registry; a JSON object after
@@ -26,11 +30,12 @@ from __future__ import annotations
 from dataclasses import field, fields
 from typing import Any
 
-from .convert import Fp8LinearMixin, convert_to_fp8
+from .convert import Fp8GroupedExpertsMixin, Fp8LinearMixin, convert_to_fp8
 from .recipes import get_recipe
 
 __all__ = [
     "Fp8TensorLinear",
+    "Fp8TensorGroupedExperts",
     "Fp8TensorConverter",
     "convert_model_config",
     "llama3_debugmodel_fp8tensor",
@@ -46,6 +51,7 @@ try:
     from torchtitan.components.quantization import QuantizationConverter
     from torchtitan.config.override import derive, override
     from torchtitan.models.common.linear import Linear
+    from torchtitan.models.common.moe import GroupedExperts
 except ImportError as e:  # torchtitan (or one of its import-time dependencies) missing
     _IMPORT_ERROR: ImportError | None = e
 else:
@@ -69,6 +75,17 @@ def _selected(config: Any, fqn: str, filter_fqns: list[str]) -> bool:
         type(config) is Linear.Config
         and config.in_features % 16 == 0
         and config.out_features % 16 == 0
+        and not any(f in fqn for f in filter_fqns)
+    )
+
+
+def _experts_selected(config: Any, fqn: str, filter_fqns: list[str]) -> bool:
+    """A plain ``GroupedExperts.Config`` with ``dim`` and ``hidden_dim`` multiples of 16 whose FQN contains none of
+    ``filter_fqns``."""
+    return (
+        type(config) is GroupedExperts.Config
+        and config.dim % 16 == 0
+        and config.hidden_dim % 16 == 0
         and not any(f in fqn for f in filter_fqns)
     )
 
@@ -103,11 +120,42 @@ if _IMPORT_ERROR is None:
             Linear.__init__(self, config)
             convert_to_fp8(self, recipe=config.recipe)
 
+    class Fp8TensorGroupedExperts(Fp8GroupedExpertsMixin, GroupedExperts):
+        """torchtitan ``GroupedExperts`` trained in fp8 by fp8tensor (built from
+        :class:`Fp8TensorGroupedExperts.Config`).
+
+        ``w1_EFD`` / ``w3_EFD`` ``(E, hidden_dim, dim)`` and ``w2_EDF`` ``(E, dim, hidden_dim)`` are
+        :class:`~fp8tensor.Fp8MasterWeight` s (DTensors of them after expert parallelism / FSDP2); ``forward`` is
+        ``GroupedExperts.forward`` under :class:`~fp8tensor.grouped.Fp8GroupedMMMode`, so each ``torch._grouped_mm``
+        runs the fp8 grouped GEMMs of ``config.recipe``. ``state_dict()`` holds the plain high-precision weights.
+
+        Raises:
+            ValueError: ``dim`` or ``hidden_dim`` not a multiple of 16; unknown ``recipe``.
+        """
+
+        _fp8_base = GroupedExperts
+
+        @dataclass(kw_only=True, slots=True)
+        class Config(GroupedExperts.Config):
+            recipe: str = "rowwise"
+            """fp8tensor recipe: ``"rowwise"`` (3 fp8 GEMMs) or ``"rowwise_gw_hp"`` (grad_weight high precision)."""
+
+        def __init__(self, config: Config):
+            if config.dim % 16 or config.hidden_dim % 16:
+                raise ValueError(
+                    f"Fp8TensorGroupedExperts: dim and hidden_dim must be multiples of 16 (fp8 GEMMs), got "
+                    f"{config.dim} and {config.hidden_dim}; keep these experts a GroupedExperts.Config"
+                )
+            GroupedExperts.__init__(self, config)
+            convert_to_fp8(self, recipe=config.recipe)
+
     class Fp8TensorConverter(QuantizationConverter):
         """Swap every selected ``Linear.Config`` of a torchtitan model config for :class:`Fp8TensorLinear.Config`.
 
         Selected: plain ``Linear.Config`` nodes with ``in_features`` and ``out_features`` multiples of 16 whose
-        FQN contains none of ``filter_fqns`` (substring match, as torchao's float8 converter).
+        FQN contains none of ``filter_fqns`` (substring match, as torchao's float8 converter), and plain
+        ``GroupedExperts.Config`` nodes (MoE experts) with ``dim`` and ``hidden_dim`` multiples of 16, which become
+        :class:`Fp8TensorGroupedExperts.Config`.
 
         Raises:
             ValueError: unknown ``recipe`` (when the converter is built).
@@ -132,13 +180,16 @@ if _IMPORT_ERROR is None:
 
     def convert_model_config(model_config, *, recipe: str = "rowwise", filter_fqns: list[str] | None = None):
         """Replace the selected ``Linear.Config`` nodes of ``model_config`` (in place) by
-        :class:`Fp8TensorLinear.Config`; returns the (possibly replaced) root config."""
+        :class:`Fp8TensorLinear.Config` and the selected ``GroupedExperts.Config`` nodes by
+        :class:`Fp8TensorGroupedExperts.Config`; returns the (possibly replaced) root config."""
         get_recipe(recipe)
         filter_fqns = list(filter_fqns or [])
-        for fqn, cfg, parent, attr in list(model_config.traverse(Linear.Config)):
-            if not _selected(cfg, fqn, filter_fqns):
-                continue
-            new = derive(cfg, Fp8TensorLinear.Config, recipe=recipe)
+        nodes = [(n, Fp8TensorLinear.Config) for n in model_config.traverse(Linear.Config)
+                 if _selected(n[1], n[0], filter_fqns)]
+        nodes += [(n, Fp8TensorGroupedExperts.Config) for n in model_config.traverse(GroupedExperts.Config)
+                  if _experts_selected(n[1], n[0], filter_fqns)]
+        for (fqn, cfg, parent, attr), target in nodes:
+            new = derive(cfg, target, recipe=recipe)
             if parent is None:
                 model_config = new
             elif isinstance(parent, list):

@@ -242,3 +242,38 @@ def test_seed_spread_summary_from_finished_runs(tmp_path, capsys):
     assert summary["gap_inside_bf16_range"] is True
     assert "inside bf16's seed-to-seed range" in capsys.readouterr().out
     assert json.loads((tmp_path / "spread.json").read_text())["val_loss"]["1"] == {"bf16": 2.04, "fp8": 2.03}
+
+
+def test_train_example_moe_runs(tmp_path):
+    # MoE MLPs (4 experts, top-2, shared expert): both runs train, the fp8 run's experts use fp8 grouped GEMMs
+    pytest.importorskip("matplotlib")  # loss_curve.png
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        str(TRAIN),
+        "--device", "cpu", "--tp", "1", "--mode", "both", "--steps", "8", "--moe", "--experts", "4",
+        "--top-k", "2", "--shared-expert", "--dim", "64", "--layers", "1", "--heads", "4", "--kv-heads", "2",
+        "--seq-len", "32", "--batch-size", "4", "--lr", "3e-3", "--warmup", "2", "--timing-skip", "1",
+        "--val-batches", "1", "--max-bytes", "100000", "--out", str(tmp_path),
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"train.py --moe failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    m = FINAL_RE.search(proc.stdout)
+    assert m, proc.stdout[-3000:]
+    bf16_val, fp8_val, gap = map(float, m.groups())
+    runs = json.loads((tmp_path / "losses.json").read_text())["runs"]
+    for name, r in runs.items():
+        losses = r["train_loss"]
+        assert len(losses) == 8 and all(math.isfinite(x) for x in losses), name
+        assert sum(losses[-2:]) / 2 < sum(losses[:2]) / 2, name  # learning
+    assert abs(gap) < 5.0  # fp8 experts track bf16 at this scale
+
+
+def test_train_example_moe_needs_tp1():
+    _assert_one_line_error(_run_plain("--tp", "2", "--moe"),
+                           "--moe runs with --tp 1 (data parallel FSDP2; the experts have no tensor-parallel plan), "
+                           "got --tp 2")
+
+
+def test_train_example_moe_refuses_compile():
+    _assert_one_line_error(_run_plain("--tp", "1", "--moe", "--compile"), "--moe runs eagerly", "drop --compile")

@@ -27,6 +27,7 @@ LAYERS = [
     ["gemm"],
     ["recipes"],
     ["linear"],
+    ["grouped"],  # fp8 grouped GEMMs of expert weights (torch._grouped_mm)
     ["master"],
     ["fsdp_state", "collectives", "parallel"],
     ["convert", "graphs"],

@@ -1,0 +1,154 @@
+"""MoE experts forward+backward: bf16 ``torch._grouped_mm`` vs fp8tensor's fp8 grouped GEMMs vs torchao's prototype.
+
+One step = the routed-experts computation of one MoE layer on one rank (tokens already dispatched and sorted by
+expert): ``h = silu(x @ w1[e]^T) * (x @ w3[e]^T)``, ``y = h @ w2[e]^T`` per expert group through
+``torch._grouped_mm``, then backward with a fixed ``grad_output`` (grads for ``x`` and the three weights). Shapes:
+
+* ``deepseek``: DeepSeek-V3-like local shapes: dim 7168, expert hidden 2048, 8 local experts, 16384 routed rows;
+* ``qwen3``: Qwen3-30B-A3B-like: dim 2048, expert hidden 768, 128 experts, top-8 of 8192 tokens = 65536 routed rows.
+
+Group sizes are drawn uneven (a Dirichlet(1) split: some experts far above the mean; the last one gets 0 tokens) and
+rounded to multiples of 16 (torchao's grouped GEMM needs that alignment; fp8tensor pads inside the op, measured in
+the extra row ``fp8tensor rowwise (unaligned)`` with the unrounded sizes). Variants: ``bf16`` (bf16 weights,
+``torch._grouped_mm``), ``fp8tensor rowwise`` / ``rowwise_gw_hp`` (bf16 :class:`~fp8tensor.Fp8MasterWeight`
+weights: the same call dispatches to :func:`fp8tensor.grouped.fp8_grouped_mm`), ``torchao fp8 rowwise``
+(``torchao.prototype.moe_training``'s ``_to_fp8_rowwise_then_scaled_grouped_mm``, when importable). Median times
+from ``triton.testing.do_bench``. Prints a markdown table; ``--out`` writes the rows as JSON.
+
+Usage: ``PYTHONPATH=. python benchmarks/moe.py [--shapes deepseek,qwen3] [--out moe.json] [--profile]``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from _util import bench_ms, env_line, top_kernels  # noqa: E402
+
+import fp8tensor  # noqa: E402
+from fp8tensor import Fp8MasterWeight  # noqa: E402
+
+SHAPES = {
+    "deepseek": dict(dim=7168, hidden=2048, experts=8, rows=16384),
+    "qwen3": dict(dim=2048, hidden=768, experts=128, rows=65536),
+}
+
+
+def group_sizes(rows: int, experts: int, align: int, seed: int = 0) -> list:
+    """Uneven group sizes summing to ``rows`` (multiples of ``align``; the last expert gets 0 tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    w = -torch.rand(experts, generator=g).log()  # exponential(1): Dirichlet(1) after normalizing
+    w[-1] = 0.0
+    sizes = (w / w.sum() * rows / align).floor().long() * align
+    sizes[0] += rows - int(sizes.sum())  # the remainder (a multiple of align when rows is) to the first expert
+    return sizes.tolist()
+
+
+def torchao_gmm():
+    """torchao's fp8 row-wise grouped GEMM, or None."""
+    for mod in ("torchao.prototype.moe_training.scaled_grouped_mm", "torchao.prototype.moe_training"):
+        try:
+            m = __import__(mod, fromlist=["_to_fp8_rowwise_then_scaled_grouped_mm"])
+            fn = getattr(m, "_to_fp8_rowwise_then_scaled_grouped_mm")
+            return lambda a, b, offs: fn(a, b, offs=offs, out_dtype=torch.bfloat16)
+        except Exception as e:  # missing or incompatible
+            err = e
+    print(f"(torchao prototype not available: {type(err).__name__}: {str(err)[:120]})")
+    return None
+
+
+def experts_step(x, ws, offs, gy, gmm):
+    def step():
+        w1, w2, w3 = ws
+        h = F.silu(gmm(x, w1.transpose(-2, -1), offs)) * gmm(x, w3.transpose(-2, -1), offs)
+        y = gmm(h, w2.transpose(-2, -1), offs)
+        y.backward(gy)
+        for t in (x, *ws):
+            t.grad = None
+
+    return step
+
+
+def torch_gmm(a, b, offs):
+    return torch._grouped_mm(a, b, offs=offs)
+
+
+def weights(cfg, dev, master_recipe=None, seed=0):
+    g = torch.Generator(device=dev).manual_seed(seed)
+    E, D, H = cfg["experts"], cfg["dim"], cfg["hidden"]
+    shapes = ((E, H, D), (E, D, H), (E, H, D))
+    out = []
+    for s in shapes:
+        t = (torch.randn(s, device=dev, generator=g) * s[-1] ** -0.5).bfloat16()
+        if master_recipe is not None:
+            t = Fp8MasterWeight(t, master_recipe)
+        out.append(torch.nn.Parameter(t))
+    return out
+
+
+def run_shape(name: str, cfg: dict, dev, ao, profile: bool) -> list:
+    rows = cfg["rows"]
+    offs_al = torch.cumsum(torch.tensor(group_sizes(rows, cfg["experts"], 16), device=dev), 0).to(torch.int32)
+    offs_un = torch.cumsum(torch.tensor(group_sizes(rows, cfg["experts"], 1, seed=1), device=dev), 0).to(torch.int32)
+    x = (torch.randn(rows, cfg["dim"], device=dev)).bfloat16().requires_grad_()
+    gy = torch.randn(rows, cfg["dim"], device=dev).bfloat16()
+    variants = {
+        "bf16": (weights(cfg, dev), torch_gmm, offs_al),
+        "fp8tensor rowwise": (weights(cfg, dev, "rowwise"), torch_gmm, offs_al),
+        "fp8tensor rowwise_gw_hp": (weights(cfg, dev, "rowwise_gw_hp"), torch_gmm, offs_al),
+        "fp8tensor rowwise (unaligned)": (weights(cfg, dev, "rowwise"), torch_gmm, offs_un),
+    }
+    if ao is not None:
+        variants["torchao fp8 rowwise"] = (weights(cfg, dev), ao, offs_al)
+    flops = 3 * 2 * 3 * rows * cfg["dim"] * cfg["hidden"]  # 3 GEMMs forward, 2x that backward
+    out, base = [], None
+    for vname, (ws, gmm, offs) in variants.items():
+        step = experts_step(x, ws, offs, gy, gmm)
+        try:
+            step()
+            ms = bench_ms(step)
+        except Exception as e:  # a peer that does not take these shapes
+            print(f"{name} {vname}: {type(e).__name__}: {str(e)[:200]}")
+            continue
+        if vname == "bf16":
+            base = ms
+        row = dict(shape=name, variant=vname, ms=round(ms, 4), tflops=round(flops / ms / 1e9, 1),
+                   speedup=round(base / ms, 3) if base else None, **cfg)
+        out.append(row)
+        if profile and vname == "fp8tensor rowwise":
+            print(top_kernels(step))
+        del step
+        torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="deepseek,qwen3", help="comma-separated: " + ", ".join(SHAPES))
+    p.add_argument("--out", default=None, help="write the rows as JSON to this path")
+    p.add_argument("--profile", action="store_true", help="print the top kernels of fp8tensor rowwise per shape")
+    p.add_argument("--no-peers", action="store_true", help="skip torchao")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/moe.py: needs a CUDA GPU (torch._scaled_grouped_mm)")
+    dev = torch.device("cuda")
+    ao = None if args.no_peers else torchao_gmm()
+    rows = []
+    for name in args.shapes.split(","):
+        rows += run_shape(name, SHAPES[name], dev, ao, args.profile)
+    print(f"\n# moe experts fwd+bwd · {env_line()}\n")
+    print("| shape | variant | ms | TFLOP/s | speedup vs bf16 |")
+    print("|---|---|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['shape']} | {r['variant']} | {r['ms']:.3f} | {r['tflops']} | {r['speedup']}x |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(env=env_line(), fp8tensor=fp8tensor.__version__, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

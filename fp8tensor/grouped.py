@@ -1,0 +1,575 @@
+"""Row-wise fp8 grouped GEMMs for mixture-of-experts weights: :func:`fp8_grouped_mm`.
+
+The op is PyTorch's ``torch._grouped_mm(a, b, offs)`` in its 2-D x 3-D form, what a grouped-experts module (e.g.
+torchtitan's ``GroupedExperts``) calls: ``a`` ``(M, K)`` holds the routed tokens sorted by expert, ``b`` ``(E, K, N)``
+is the expert weights ``W`` ``(E, N, K)`` transposed, ``offs`` int32 ``(E,)`` are the cumulative ends of the token
+groups (group ``e`` is rows ``offs[e-1]:offs[e]``). The output ``(M, N)`` has
+``out[rows of e] = a[rows of e] @ W[e]^T``.
+
+Recipes (:mod:`fp8tensor.recipes`); every operand is scaled along its GEMM's contraction dim:
+
+* output: ``a`` per token (over ``K``), ``W`` per expert row (over ``K``): ``torch._scaled_grouped_mm`` 2-D x 3-D;
+* grad_input ``gy[e] @ W[e]``: ``gy`` per token (over ``N``), ``W`` per expert and input column (over ``N``; a
+  row-scaled fp8 weight is used as stored, its row scales folded into ``gy``): ``torch._scaled_grouped_mm`` 2-D x 3-D;
+* grad_weight ``gy[e]^T @ a[e]`` (``rowwise``): ``gy`` and ``a`` per feature over *the group's* tokens (one scale per
+  expert and column): ``torch._scaled_grouped_mm`` 2-D x 2-D over the token dim; ``rowwise_gw_hp``: high precision
+  (``torch._grouped_mm`` / per-group ``mm``).
+
+The fp8 kernel (CUDA) needs every token group of the 2-D x 2-D GEMM to start at a multiple of 16 tokens: the
+quantization writes both operands into a padded token layout (each group rounded up to 16 tokens, an empty group
+given 16, zeros in the padding, which add nothing: an expert without tokens gets an exact zero gradient from the
+GEMM itself), so any offsets work — groups of 0 tokens, uneven groups, totals of any size. Without
+``torch._scaled_grouped_mm`` (CPU, or :data:`USE_FUSED` False) the same quantized operands go through a per-group
+loop over ``torch._scaled_mm`` (CPU supports it for e4m3 with row-wise scales), so CPU runs the same numerics.
+
+Quantization: on CUDA with Triton, the row-wise kernel of :mod:`fp8tensor.kernels` for the per-token operands and the
+per-group column kernel (``launch_group_cols_t``: column amax of each group and the cast, written in the GEMM's
+layout, in one launch) for the per-group and the per-expert-column operands; elsewhere the plain ops of
+:mod:`fp8tensor.quantize` (same formula: ``scale = max(amax / fp8_max, 2^-126)``).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import compat, kernels
+from .capture import capture_token
+from .linear import QuantizeOnUse
+from .quantize import E4M3, FLOAT8_DTYPES, SCALE_FLOOR, amax_to_scale, cast_to_fp8, quantize
+from .recipes import Recipe, get_recipe
+from .tensor import ScaledFp8Tensor, implements
+
+__all__ = ["fp8_grouped_mm", "Fp8GroupedMMMode", "quantize_group_cols", "quantize_expert_cols", "padded_offsets",
+           "grouped_2d3d", "grouped_2d2d", "USE_FUSED", "ALIGN"]
+
+#: Token alignment of the groups of the fp8 2-D x 2-D grouped GEMM (``torch._scaled_grouped_mm`` on CUDA reads each
+#: group of the token dim from a 16-byte aligned address).
+ALIGN = 16
+
+#: Run ``torch._scaled_grouped_mm`` where it exists (CUDA, e4m3, dims multiples of 16); False: the per-group loop over
+#: ``torch._scaled_mm`` everywhere (the CPU path; used by the GPU tests to compare the two).
+USE_FUSED = True
+
+_HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+#: Share the quantization of one token tensor between the grouped GEMMs that read it (``w1`` and ``w3`` of SwiGLU
+#: experts read the same tokens): the per-token quantization in the forward and the per-group column quantization
+#: for grad_weight are each kept in a one-entry memo holding the tensor they were computed from (plus that tensor's
+#: fp8 copy until the next call replaces it). Eager plain tensors only; False: quantize on every call.
+SHARE_TOKEN_QUANT = True
+
+
+class _Memo:
+    """A one-entry memo of a quantization of a plain tensor: hit when called again on the same data (same storage
+    address, shape, strides, dtype, device and version counter, and the same ``extra`` tensors). It holds the source
+    tensors, so their storage cannot be freed and reused while the entry lives."""
+
+    __slots__ = ("key", "refs", "value")
+
+    def __init__(self):
+        self.key = self.refs = self.value = None
+
+    @staticmethod
+    def _key(tensors):
+        if not SHARE_TOKEN_QUANT or torch.compiler.is_compiling() or compat.dispatch_modes_active():
+            return None
+        key = [capture_token()]  # (never served across a CUDA-graph capture boundary: fp8tensor.capture)
+        for t in tensors:
+            if type(t) is not torch.Tensor:
+                return None
+            key.append((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device, t._version))
+        return tuple(key)
+
+    def get(self, fn, *tensors):
+        key = self._key(tensors)
+        if key is not None and key == self.key:
+            return self.value
+        value = fn()
+        if key is not None:
+            # detached: the entry keeps the storage alive (no address reuse), not an autograd graph
+            self.key, self.refs, self.value = key, tuple(t.detach() for t in tensors), value
+        return value
+
+    def clear(self) -> None:
+        self.key = self.refs = self.value = None
+
+
+_ROWS_MEMO = _Memo()
+_COLS_MEMO = _Memo()
+
+
+# ---------------------------------------------------------------------------------------------- offsets
+def padded_offsets(offs: torch.Tensor, M: int, align: int = ALIGN):
+    """The padded token layout of the 2-D x 2-D grouped GEMM, without a host sync.
+
+    Args:
+        offs: int32 ``(E,)`` cumulative group ends (non-decreasing, ``offs[-1] <= M``).
+        M: the number of token rows.
+        align: the group alignment.
+
+    Returns:
+        ``(M_pad, pad_ends, pad_starts)``: ``M_pad`` a Python int (``round_up(M + (2 * align - 1) * E, align) +
+        align``: room for every group rounded up to ``align``, at least ``align``, plus one spare block),
+        ``pad_ends`` int32 ``(E,)`` the padded cumulative ends (each group's size rounded up to ``align``; an empty
+        group gets ``align`` zero columns, so the GEMM itself writes its zero result), ``pad_starts`` int32 ``(E,)``.
+    """
+    E = offs.numel()
+    ends = offs.to(torch.int64)
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    sizes = (ends - starts).clamp(min=0)
+    psizes = ((sizes + align - 1) // align * align).clamp(min=align)
+    pends = torch.cumsum(psizes, 0)
+    M_pad = (M + (2 * align - 1) * E + align - 1) // align * align + align
+    return M_pad, pends.to(torch.int32), (pends - psizes).to(torch.int32)
+
+
+def _group_ids(offs: torch.Tensor, M: int) -> torch.Tensor:
+    """The group of each token row (int64 ``(M,)``; ``E`` for rows past ``offs[-1]``)."""
+    rows = torch.arange(M, device=offs.device, dtype=offs.dtype)
+    return torch.searchsorted(offs, rows, right=True)
+
+
+# ---------------------------------------------------------------------------------------------- quantization
+def quantize_group_cols(x: torch.Tensor, offs: torch.Tensor, M_pad: int, pad_starts: torch.Tensor,
+                        float8_dtype: torch.dtype = E4M3, *, align: int = ALIGN):
+    """``x`` ``(M, C)`` quantized per column over each token group, transposed into the padded token layout.
+
+    Args:
+        x: ``(M, C)`` floating-point tensor (unit column stride on the Triton path).
+        offs: int32 ``(E,)`` cumulative group ends.
+        M_pad, pad_starts: from :func:`padded_offsets`.
+
+    Returns:
+        ``(q, scale)``: ``q`` ``(C, M_pad)`` row-major ``float8_dtype``, where group ``e``'s ``r``-th row is column
+        ``pad_starts[e] + r`` (zeros in each group's padding — ``align`` zero columns for an empty group — and in
+        the spare block at the end), and
+        ``scale`` float32 ``(E, C)``: ``q[:, pad_starts[e] + r].float() * scale[e] ≈ x[offs[e-1] + r]``. A group of
+        no rows gets the floor scale.
+    """
+    M, C = x.shape
+    E = offs.numel()
+    if kernels.group_col_kernel_available(x):
+        q = torch.empty(C, M_pad, dtype=float8_dtype, device=x.device)
+        scale = torch.empty(E, C, dtype=torch.float32, device=x.device)
+        if M_pad:
+            q[:, M_pad - align:].view(torch.uint8).zero_()  # the spare block (read by nothing; kept defined)
+        kernels.launch_group_cols_t(x, offs, pad_starts, q, scale, stride_qg=0, stride_qc=M_pad, q_cols=M_pad,
+                                    align=align, float8_dtype=float8_dtype, scale_floor=SCALE_FLOOR, min_pad=align)
+        # the columns between the last group's padded end and the spare block are never read by the GEMM
+        return q, scale
+    gid = _group_ids(offs, M)  # E for rows outside every group
+    xf = x.to(torch.float32)
+    amax = xf.new_zeros(E + 1, C)
+    if M:
+        amax.scatter_reduce_(0, gid[:, None].expand(M, C), xf.abs(), "amax", include_self=True)
+    scale = amax_to_scale(amax[:E], float8_dtype)
+    scale_rows = torch.cat([scale, scale.new_ones(1, C)])[gid]  # rows outside every group: any finite scale
+    y = cast_to_fp8(xf, scale_rows, float8_dtype)
+    starts = torch.cat([offs.new_zeros(1), offs[:-1]]).to(torch.int64)
+    gid_c = gid.clamp(max=max(E - 1, 0))
+    dest = torch.arange(M, device=x.device) - starts[gid_c] + pad_starts.to(torch.int64)[gid_c]
+    dest = torch.where(gid < E, dest, torch.full_like(dest, M_pad - 1))  # outside every group: the spare block
+    q = torch.zeros(C, M_pad, dtype=torch.uint8, device=x.device)
+    if M and E:
+        q.index_copy_(1, dest, y.view(torch.uint8).t().contiguous())
+        q[:, M_pad - align:] = 0
+    return q.view(float8_dtype), scale
+
+
+def quantize_expert_cols(w: torch.Tensor, float8_dtype: torch.dtype = E4M3):
+    """Expert weights ``w`` ``(E, N, K)`` quantized per expert and input column (over ``N``), in the layout the
+    grad_input GEMM takes.
+
+    Returns:
+        ``(q, scale)``: ``q`` ``(E, K, N)`` row-major ``float8_dtype`` (``q[e].t()`` quantizes ``w[e]``), ``scale``
+        float32 ``(E, K)``: ``q[e].float() * scale[e][:, None] ≈ w[e].t()``.
+    """
+    E, N, K = w.shape
+    if N and K and kernels.group_col_kernel_available(w.reshape(E * N, K)) and w.is_contiguous():
+        x = w.reshape(E * N, K)
+        q = torch.empty(E, K, N, dtype=float8_dtype, device=w.device)
+        scale = torch.empty(E, K, dtype=torch.float32, device=w.device)
+        ends = torch.arange(1, E + 1, device=w.device, dtype=torch.int32) * N
+        dst = torch.zeros(E, device=w.device, dtype=torch.int32)
+        kernels.launch_group_cols_t(x, ends, dst, q, scale, stride_qg=K * N, stride_qc=N, q_cols=N, align=1,
+                                    float8_dtype=float8_dtype, scale_floor=SCALE_FLOOR)
+        return q, scale
+    q, s = quantize(w, -2, float8_dtype)  # (E, N, K), (E, 1, K)
+    return q.transpose(-2, -1).contiguous(), s.reshape(E, K)
+
+
+def _quantize_rows(x: torch.Tensor, float8_dtype: torch.dtype = E4M3):
+    """``x`` ``(..., C)`` quantized per row over the last dim: ``(q, scale)``, ``q`` contiguous, ``scale``
+    ``(..., 1)``."""
+    x = x.contiguous()
+    if x.shape[-1] == 0 or x.numel() == 0:
+        return x.to(float8_dtype), amax_to_scale(x.new_zeros((*x.shape[:-1], 1), dtype=torch.float32), float8_dtype)
+    return quantize(x, -1, float8_dtype)
+
+
+# ---------------------------------------------------------------------------------------------- GEMMs
+def _fused_ok(*mats) -> bool:
+    return (
+        USE_FUSED
+        and all(m.is_cuda and m.dtype == E4M3 for m in mats)
+        and hasattr(torch, "_scaled_grouped_mm")
+    )
+
+
+def _mm_dtype(t: torch.Tensor, out_dtype: torch.dtype) -> torch.dtype:
+    # row-wise scaled GEMMs on CUDA write bf16 (fp32 out is rejected for row-wise scales); CPU writes any float
+    return torch.bfloat16 if t.is_cuda else out_dtype
+
+
+def grouped_2d3d(aq, a_scale, bq, b_scale, offs, out_dtype, *, fast_accum: bool) -> torch.Tensor:
+    """``out[rows of e] = (aq * a_scale)[rows of e] @ (bq[e] * b_scale[e])``.
+
+    Args:
+        aq: ``(M, K)`` row-major fp8; a_scale: float32 ``(M,)``.
+        bq: ``(E, K, N)`` fp8, column-major per expert (``stride(-2) == 1``); b_scale: float32 ``(E, N)``.
+        offs: int32 ``(E,)`` cumulative group ends.
+
+    Returns:
+        ``(M, N)`` of ``out_dtype`` (rows past ``offs[-1]``: zeros on the per-group path, unwritten by the fused
+        kernel as by ``torch._grouped_mm``). ``torch._scaled_grouped_mm`` where it runs (:data:`USE_FUSED`; ``K`` and
+        ``N`` multiples of 16), else a per-group loop over ``torch._scaled_mm``.
+    """
+    M, K = aq.shape
+    E, _, N = bq.shape
+    if _fused_ok(aq, bq) and K % 16 == 0 and N % 16 == 0 and M > 0:
+        out = torch._scaled_grouped_mm(aq, bq, a_scale, b_scale, offs=offs, out_dtype=torch.bfloat16,
+                                       use_fast_accum=fast_accum)
+        return out if out.dtype == out_dtype else out.to(out_dtype)
+    out = torch.zeros(M, N, dtype=out_dtype, device=aq.device)
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        end = min(end, M)
+        if end > start:
+            y = torch._scaled_mm(aq[start:end], bq[e], a_scale[start:end, None], b_scale[e][None, :],
+                                 out_dtype=_mm_dtype(aq, out_dtype), use_fast_accum=fast_accum)
+            out[start:end] = y
+        start = max(start, end)
+    return out
+
+
+def grouped_2d2d(aq_t, a_scale, bq_t, b_scale, pad_ends, out_dtype, *, fast_accum: bool) -> torch.Tensor:
+    """``out[e] = (aq_t * a_scale[e])[:, group e] @ ((bq_t * b_scale[e])[:, group e])^T``, contracting each group's
+    (padded) token range.
+
+    Args:
+        aq_t: ``(N, M_pad)`` row-major fp8; a_scale: float32 ``(E, N)``.
+        bq_t: ``(K, M_pad)`` row-major fp8; b_scale: float32 ``(E, K)``.
+        pad_ends: int32 ``(E,)`` cumulative group ends in the padded layout (multiples of 16 for the fused kernel).
+
+    Returns:
+        ``(E, N, K)`` of ``out_dtype``; an expert with no tokens (all-zero columns) gets zeros.
+    """
+    N, M_pad = aq_t.shape
+    K = bq_t.shape[0]
+    E = pad_ends.numel()
+    if _fused_ok(aq_t, bq_t) and K % 16 == 0 and N % 16 == 0 and E > 0:
+        out = torch._scaled_grouped_mm(aq_t, bq_t.t(), a_scale.reshape(-1), b_scale.reshape(-1), offs=pad_ends,
+                                       out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
+        return out if out.dtype == out_dtype else out.to(out_dtype)
+    out = torch.zeros(E, N, K, dtype=out_dtype, device=aq_t.device)
+    start = 0
+    for e, end in enumerate(pad_ends.tolist()):
+        if end > start:
+            a = aq_t[:, start:end].contiguous()
+            b = bq_t[:, start:end].contiguous().t()
+            out[e] = torch._scaled_mm(a, b, a_scale[e][:, None], b_scale[e][None, :],
+                                      out_dtype=_mm_dtype(aq_t, out_dtype), use_fast_accum=fast_accum)
+        start = max(start, end)
+    return out
+
+
+def _grouped_hp_weight_grad(gy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, E: int) -> torch.Tensor:
+    """``out[e] = gy[group e]^T @ x[group e]`` ``(E, N, K)`` in high precision (``torch._grouped_mm`` for bf16, else
+    a per-group ``mm`` in the operands' dtype)."""
+    if gy.dtype == torch.bfloat16 and x.dtype == torch.bfloat16 and E > 0 and gy.shape[0] > 0:
+        return torch._grouped_mm(gy.t(), x, offs=offs)
+    out = gy.new_zeros(E, gy.shape[1], x.shape[1])
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        end = min(end, gy.shape[0])
+        if end > start:
+            out[e] = gy[start:end].t() @ x[start:end]
+        start = max(start, end)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- weights
+def _weight_parts(b: torch.Tensor):
+    """``(W, fp8)`` for the ``(E, K, N)`` operand ``b``: ``fp8`` is ``(qdata (E, N, K) contiguous, scale (E, N))``
+    for a ScaledFp8Tensor with one scale per expert row (the row-wise layout of ``from_hp`` of ``(E, N, K)``,
+    transposed), else None and ``W`` the high-precision ``(E, N, K)`` weight."""
+    if isinstance(b, ScaledFp8Tensor):
+        E, K, N = b.shape
+        if tuple(b.scale.shape) == (E, 1, N):
+            return None, (b.qdata.transpose(-2, -1).contiguous(), b.scale.reshape(E, N))
+        return b.to_hp().transpose(-2, -1), None  # another scale layout: re-quantized from its values
+    if isinstance(b, QuantizeOnUse):
+        b = b._data
+    return b.transpose(-2, -1), None
+
+
+def _check(a, b, offs, op: str) -> None:
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        raise TypeError(f"{op}: expected tensors, got {type(a).__name__} and {type(b).__name__}")
+    bd = b._data if isinstance(b, QuantizeOnUse) else b
+    if a.dim() != 2 or bd.dim() != 3:
+        raise ValueError(
+            f"{op}: fp8 grouped GEMM takes a 2-D input (tokens, K) and 3-D expert weights (E, K, N) (the transpose "
+            f"of (E, N, K)), got shapes {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.shape[1] != bd.shape[1]:
+        raise ValueError(f"{op}: contraction dims differ: input {tuple(a.shape)}, weights {tuple(b.shape)} "
+                         "(expected (M, K) and (E, K, N))")
+    if a.dtype in FLOAT8_DTYPES or not a.dtype.is_floating_point or bd.dtype in FLOAT8_DTYPES:
+        raise TypeError(f"{op}: expected a high-precision input and weights (or a ScaledFp8Tensor), got {a.dtype} "
+                        f"and {bd.dtype}")
+    if not isinstance(offs, torch.Tensor) or offs.dim() != 1 or offs.dtype != torch.int32:
+        raise TypeError(f"{op}: offs must be a 1-D int32 tensor of cumulative group ends, got "
+                        f"{getattr(offs, 'dtype', type(offs))} of shape {tuple(getattr(offs, 'shape', ()))}")
+    if offs.numel() != bd.shape[0]:
+        raise ValueError(f"{op}: offs has {offs.numel()} groups but the weights have {bd.shape[0]} experts")
+    if offs.device != a.device or bd.device != a.device:
+        raise RuntimeError(f"{op}: input, weights and offs must be on one device, got {a.device}, {bd.device} "
+                           f"and {offs.device}")
+    if not offs.is_cuda and offs.numel():  # (a check on CUDA would be a host sync per GEMM)
+        o = offs.to(torch.int64)
+        if bool((o[1:] < o[:-1]).any()) or int(o[0]) < 0 or int(o[-1]) > a.shape[0]:
+            raise ValueError(f"{op}: offs must be non-decreasing cumulative group ends within [0, {a.shape[0]}], "
+                             f"got {offs.tolist()}")
+
+
+class _Fp8GroupedMM(torch.autograd.Function):
+    """``torch._grouped_mm(a, b, offs)`` (2-D x 3-D) with the output, grad_input and grad_weight GEMMs in fp8 per
+    the recipe; see the module docstring. Saves ``a`` (high precision) when the weights need a gradient, ``b`` as
+    received when ``a`` does, and ``offs``."""
+
+    @staticmethod
+    def forward(ctx, a, b, offs, recipe: Recipe, out_dtype):
+        E, K, N = b.shape
+        M = a.shape[0]
+        w, fp8 = _weight_parts(b)
+        if fp8 is None:
+            wq, ws = _quantize_rows(w, recipe.float8_dtype)  # (E, N, K), (E, N, 1)
+            ws = ws.reshape(E, N)
+        else:
+            wq, ws = fp8
+        aq, as_ = _ROWS_MEMO.get(lambda: _quantize_rows(a, E4M3), a)
+        out = grouped_2d3d(aq, as_.reshape(M), wq.transpose(-2, -1), ws, offs, out_dtype,
+                           fast_accum=recipe.fast_accum_forward)
+        ctx.recipe = recipe
+        ctx.a_dtype, ctx.b_dtype = a.dtype, b.dtype
+        ctx.save_for_backward(a if ctx.needs_input_grad[1] else None, b if ctx.needs_input_grad[0] else None, offs)
+        return out
+
+    @staticmethod
+    def backward(ctx, gy):
+        if torch.is_grad_enabled():
+            raise NotImplementedError(
+                "fp8_grouped_mm: double backward (create_graph=True) is not supported: the fp8 gradient GEMMs are "
+                "not differentiable")
+        a, b, offs = ctx.saved_tensors
+        _ROWS_MEMO.clear()  # the forward's token quantizations are not read again
+        recipe: Recipe = ctx.recipe
+        gy = gy.contiguous()
+        M, N = gy.shape
+        E = offs.numel()
+        fast = recipe.fast_accum_backward
+        grad_a = grad_b = None
+        if ctx.needs_input_grad[0]:
+            w, fp8 = _weight_parts(b)
+            K = b.shape[1]
+            if fp8 is None:
+                wq_t, ws_t = quantize_expert_cols(w.contiguous(), recipe.float8_dtype)  # (E, K, N), (E, K)
+                g = gy
+            else:  # scale folding: gy[e] @ (diag(s_e) W8_e) = (gy[e] diag(s_e)) @ W8_e
+                w8, ws = fp8
+                wq_t = w8.transpose(-2, -1).contiguous()
+                ws_t = torch.ones(E, K, dtype=torch.float32, device=gy.device)
+                gid = _group_ids(offs, M).clamp(max=max(E - 1, 0))
+                g = gy.to(torch.float32) * ws[gid] if E else gy.to(torch.float32)
+            gq, gs = _quantize_rows(g, E4M3)
+            grad_a = grouped_2d3d(gq, gs.reshape(M), wq_t.transpose(-2, -1), ws_t, offs, ctx.a_dtype,
+                                  fast_accum=fast)
+        if ctx.needs_input_grad[1]:
+            if recipe.grad_weight_fp8:
+                M_pad, pad_ends, pad_starts = padded_offsets(offs, M)
+                gq_t, gs = quantize_group_cols(gy, offs, M_pad, pad_starts, E4M3)
+                xq_t, xs = _COLS_MEMO.get(
+                    lambda: quantize_group_cols(a.contiguous(), offs, M_pad, pad_starts, E4M3), a, offs)
+                grad_w = grouped_2d2d(gq_t, gs, xq_t, xs, pad_ends, torch.promote_types(gy.dtype, a.dtype),
+                                      fast_accum=fast)
+            else:
+                dt = torch.promote_types(gy.dtype, a.dtype)
+                grad_w = _grouped_hp_weight_grad(gy.to(dt), a.to(dt), offs, E)
+            grad_b = grad_w.transpose(-2, -1).to(ctx.b_dtype)
+        return grad_a, grad_b, None, None, None
+
+
+def fp8_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, *, recipe="rowwise",
+                   out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """fp8 ``torch._grouped_mm(a, b, offs=offs)`` for expert weights: row-wise scaled fp8 output, grad_input and
+    grad_weight GEMMs (see the module docstring for the scaling of each operand).
+
+    Args:
+        a: ``(M, K)`` high-precision tokens, sorted by expert (plain tensor; the local tokens of an expert-parallel
+            rank).
+        b: ``(E, K, N)`` expert weights: the ``transpose(-2, -1)`` of ``(E, N, K)`` weights, given as a plain
+            high-precision tensor, an :class:`~fp8tensor.Fp8MasterWeight` (quantized on use) or a
+            :class:`ScaledFp8Tensor` (``from_hp`` of ``(E, N, K)``: one scale per expert row, used as stored).
+        offs: int32 ``(E,)`` cumulative ends of the token groups (as ``torch.cumsum(tokens_per_expert, 0,
+            dtype=torch.int32)``); groups of 0 tokens and any sizes are allowed; rows past ``offs[-1]`` belong to no
+            expert (their outputs and gradients are not computed).
+        recipe: ``"rowwise"``, ``"rowwise_gw_hp"`` or a :class:`Recipe`.
+        out_dtype: the output dtype (default: the promoted dtype of ``a`` and ``b``). On CUDA the fp8 GEMMs write
+            bf16, which is then cast.
+
+    Returns:
+        ``(M, N)`` tensor.
+
+    Raises:
+        ValueError: wrong ranks or shapes, unknown recipe, ``offs`` with another number of groups than experts, or
+            (on CPU, where it costs no device sync) decreasing offsets or offsets outside ``[0, M]``.
+        TypeError: ``offs`` not int32, an fp8 or non-float input.
+        RuntimeError: operands on different devices.
+        NotImplementedError: double backward.
+    """
+    op = "fp8_grouped_mm"
+    r = get_recipe(recipe)
+    _check(a, b, offs, op)
+    bd = b._data if isinstance(b, QuantizeOnUse) else b
+    if out_dtype is None:
+        out_dtype = torch.promote_types(a.dtype, bd.dtype)
+    return _Fp8GroupedMM.apply(a, b, offs, r, out_dtype)
+
+
+def grouped_mm_args(args, kwargs):
+    """``(a, b, offs, bias, out_dtype)`` of a call of ``torch._grouped_mm`` / ``F.grouped_mm`` /
+    ``aten._grouped_mm`` (positional or keyword arguments)."""
+    names = ("mat_a", "mat_b", "offs", "bias", "out_dtype")
+    vals = dict(zip(names, args))
+    for k, v in kwargs.items():
+        vals[{"self": "mat_a", "input": "mat_a", "mat2": "mat_b"}.get(k, k)] = v
+    return tuple(vals.get(n) for n in names)
+
+
+# ---------------------------------------------------------------------------------------------- op table
+@implements([torch.ops.aten._grouped_mm.default])
+def _grouped_mm_fp8(func, args, kwargs):
+    """``aten._grouped_mm`` with a :class:`ScaledFp8Tensor` operand, reached below autograd (a module that was not
+    converted): a 2-D x 3-D call whose ``b`` is row-scaled expert weights runs the fp8 forward GEMM (the token
+    operand quantized per row); other forms run on the dequantized operands. The full fp8 recipe (fp8 gradients)
+    runs through :func:`fp8_grouped_mm` (``convert_to_fp8``)."""
+    a, b, offs, bias, out_dtype = grouped_mm_args(args, kwargs)
+    if (not isinstance(a, ScaledFp8Tensor) and isinstance(b, ScaledFp8Tensor) and a.dim() == 2 and b.dim() == 3
+            and bias is None and offs is not None):
+        _, fp8 = _weight_parts(b)
+        if fp8 is not None:
+            E, K, N = b.shape
+            _check(a, b, offs, "aten._grouped_mm")
+            aq, as_ = _quantize_rows(a, E4M3)
+            od = out_dtype or torch.promote_types(a.dtype, b.dtype)
+            return grouped_2d3d(aq, as_.reshape(-1), fp8[0].transpose(-2, -1), fp8[1], offs, od, fast_accum=True)
+    a, b = (t.to_hp() if isinstance(t, ScaledFp8Tensor) else t for t in (a, b))
+    return func(a, b, offs, bias, out_dtype)
+
+
+# ---------------------------------------------------------------------------------------------- modules
+_GROUPED_FUNCS = {torch._grouped_mm}
+try:
+    import torch.nn.functional as _F
+
+    if hasattr(_F, "grouped_mm"):
+        _GROUPED_FUNCS.add(_F.grouped_mm)
+except ImportError:  # pragma: no cover
+    pass
+_CASTS = {torch.Tensor.to, torch.Tensor.bfloat16, torch.Tensor.half, torch.Tensor.float, torch.Tensor.type_as}
+
+
+def is_grouped_mm(func) -> bool:
+    """Whether ``func`` is ``torch._grouped_mm`` or ``torch.nn.functional.grouped_mm``."""
+    return func in _GROUPED_FUNCS
+
+
+def fp8_weight_call(args, kwargs, recipe=None) -> Optional[tuple]:
+    """``(a, b, offs, out_dtype, recipe)`` when a ``torch._grouped_mm`` call with these arguments should run
+    :func:`fp8_grouped_mm`: 2-D tokens (a plain tensor) and 3-D expert weights that are a master weight or a
+    ScaledFp8Tensor, no bias; else None. ``recipe``: the recipe to use when ``b`` is not a master (a master's own
+    recipe wins)."""
+    a, b, offs, bias, out_dtype = grouped_mm_args(args, kwargs)
+    if bias is not None or offs is None or not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        return None
+    if isinstance(a, (ScaledFp8Tensor, QuantizeOnUse)) or a.dim() != 2 or b.dim() != 3:
+        return None
+    if isinstance(b, QuantizeOnUse):
+        return a, b, offs, out_dtype, b.recipe
+    if isinstance(b, ScaledFp8Tensor):
+        return a, b, offs, out_dtype, recipe or "rowwise"
+    return None
+
+
+class _CastMaster(torch.autograd.Function):
+    """``master.to(dtype)`` as a master of ``dtype`` (its gradient cast back), so that ``w.bfloat16()`` of a master
+    inside a converted grouped-experts module still reaches the grouped GEMM as a master."""
+
+    @staticmethod
+    def forward(ctx, m, dtype):
+        ctx.dtype = m.dtype
+        return type(m)(m._data.to(dtype), m.recipe)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.to(ctx.dtype), None
+
+
+def _cast_target(func, args, kwargs) -> Optional[torch.dtype]:
+    """The dtype a cast call on a master converts to, when it only changes the (floating) dtype; else None."""
+    if func is torch.Tensor.bfloat16:
+        return torch.bfloat16
+    if func is torch.Tensor.half:
+        return torch.float16
+    if func is torch.Tensor.float:
+        return torch.float32
+    if func is torch.Tensor.type_as:
+        other = args[1] if len(args) > 1 else kwargs.get("other")
+        return other.dtype if isinstance(other, torch.Tensor) and other.device == args[0].device else None
+    try:
+        device, dtype, _, memory_format = compat.parse_to(*args[1:], **kwargs)
+    except Exception:
+        return None
+    if dtype is None or (device is not None and torch.device(device) != args[0].device):
+        return None
+    return dtype
+
+
+class Fp8GroupedMMMode(torch.overrides.TorchFunctionMode):
+    """While active, ``torch._grouped_mm`` / ``F.grouped_mm`` of 2-D tokens with 3-D expert weights that are a master
+    weight or a ScaledFp8Tensor (e.g. the fp8 weight FSDP2 all-gathered) runs :func:`fp8_grouped_mm`, and a dtype
+    cast of a master (``w.bfloat16()``) keeps it a master. Converted grouped-experts modules run their ``forward``
+    under it (:func:`fp8tensor.convert_to_fp8`). Everything else runs unchanged.
+
+    Args:
+        recipe: the recipe for ScaledFp8Tensor weights (a master uses its own).
+    """
+
+    def __init__(self, recipe="rowwise"):
+        super().__init__()
+        self.recipe = get_recipe(recipe)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _GROUPED_FUNCS:
+            call = fp8_weight_call(args, kwargs, self.recipe)
+            if call is not None:
+                a, b, offs, out_dtype, recipe = call
+                return fp8_grouped_mm(a, b, offs, recipe=recipe, out_dtype=out_dtype)
+        elif func in _CASTS and args and isinstance(args[0], QuantizeOnUse):
+            dtype = _cast_target(func, args, kwargs)
+            if dtype is not None and dtype.is_floating_point and dtype not in FLOAT8_DTYPES:
+                m = args[0]
+                return m if dtype == m.dtype else _CastMaster.apply(m, dtype)
+        return func(*args, **kwargs)

@@ -1,0 +1,63 @@
+"""Run the per-group column quantization kernel under Triton's interpreter (CPU) and compare with the plain ops.
+
+Invoked by tests/test_moe.py in a subprocess with TRITON_INTERPRET=1 (read when the kernels are defined). The
+interpreter's float -> fp8 cast is not the GPU's (it rounds ties away from zero and maps some exact powers of two
+to half their value), so the fp8 values are compared within one e4m3 step (2^-3 relative) where the plain result is
+not a power of two; the scales, the layout and the zero padding exactly."""
+import sys
+
+import torch
+import triton
+
+
+def _close(a, b):
+    """Indices where fp8 values ``a`` (interpreter) and ``b`` (plain ops) differ by more than one e4m3 step, leaving
+    out exact powers of two of ``b`` (see the module docstring)."""
+    pow2 = (b != 0) & (torch.log2(b.abs()) == torch.log2(b.abs()).round())
+    return (((a - b).abs() > b.abs() * 2.0**-3 + 2.0**-9) & ~pow2).nonzero()
+
+from fp8tensor import grouped as G
+from fp8tensor import kernels
+from fp8tensor.quantize import SCALE_FLOOR
+
+
+def main():
+    torch.manual_seed(int(sys.argv[1]))
+    offs = torch.cumsum(torch.tensor([13, 0, 40, 1, 0, 20]), 0).to(torch.int32)
+    M = int(offs[-1]) + 3  # rows past the last group
+    x = torch.randn(M, 70) * torch.logspace(-2, 2, 70)
+    M_pad, pad_ends, pad_starts = G.padded_offsets(offs, M)
+    q = torch.full((70, M_pad), 5.0).to(torch.float8_e4m3fn)  # not zero: the kernel must write the padding
+    s = torch.empty(6, 70)
+    kernels._group_col_quant_t_kernel[(triton.cdiv(70, 32), 6)](
+        x, offs, pad_starts, q, s, M, 70, x.stride(0), 0, M_pad, M_pad,
+        FMAX=448.0, EPS=SCALE_FLOOR, ALIGN=16, MIN_PAD=16, BLOCK_M=16, BLOCK_C=32)
+    qp, sp = G.quantize_group_cols(x, offs, M_pad, pad_starts)
+    assert torch.equal(s, sp), (s - sp).abs().max()
+    end = int(pad_ends[-1])
+    a, b = q[:, :end].float(), qp[:, :end].float()
+    bad = _close(a, b)
+    assert bad.numel() == 0, (bad[:5].tolist(), a[tuple(bad[:5].t())].tolist(), b[tuple(bad[:5].t())].tolist())
+    assert float((a != b).float().mean()) < 0.05  # nearly all values agree exactly
+    start = 0
+    for e, stop in enumerate(offs.tolist()):
+        pad = q[:, int(pad_starts[e]) + stop - start:int(pad_ends[e])].float()
+        assert int(pad_ends[e]) - int(pad_starts[e]) >= 16 and torch.count_nonzero(pad) == 0, e
+        start = stop
+    # per-expert columns of (E, N, K) weights, written as (E, K, N)
+    w = torch.randn(5, 48, 80)
+    E, N, K = w.shape
+    qw = torch.empty(E, K, N, dtype=torch.float8_e4m3fn)
+    sw = torch.empty(E, K)
+    kernels._group_col_quant_t_kernel[(triton.cdiv(K, 32), E)](
+        w.reshape(E * N, K), torch.arange(1, E + 1, dtype=torch.int32) * N, torch.zeros(E, dtype=torch.int32), qw,
+        sw, E * N, K, K, K * N, N, N, FMAX=448.0, EPS=SCALE_FLOOR, ALIGN=1, MIN_PAD=0, BLOCK_M=16, BLOCK_C=32)
+    qp, sp = G.quantize_expert_cols(w)
+    assert torch.equal(sw, sp)
+    a, b = qw.float(), qp.float()
+    assert _close(a, b).numel() == 0 and float((a != b).float().mean()) < 0.05
+    print("ok")
+
+
+if __name__ == "__main__":
+    main()

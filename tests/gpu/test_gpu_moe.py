@@ -1,0 +1,138 @@
+"""fp8 grouped GEMMs of expert weights on CUDA (skipped without a GPU): the fused ``torch._scaled_grouped_mm`` path
+against the per-group ``torch._scaled_mm`` path (same quantized operands), the Triton per-group column kernel
+against the plain ops, and forward / grad_input / grad_weight against float64 (bounds: U = 2^-4 / sqrt(3) per
+rounded fp8 operand, sqrt(2) U for a GEMM of two; bf16 output adds 2^-8 / sqrt(3))."""
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+from fp8tensor import Fp8MasterWeight, ScaledFp8Tensor, kernels
+from fp8tensor import grouped as G
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+DEV = "cuda"
+U = 2.0**-4 / math.sqrt(3)
+BOUND = math.sqrt(2 * U**2 + (2.0**-8 / math.sqrt(3)) ** 2)
+
+# uneven groups, empty groups, totals that are not multiples of 16; the last: many experts (Qwen3-like)
+SIZES = [[130, 0, 77, 301, 16, 1, 0, 211], [0, 0, 0, 64, 0, 0, 0, 0], [5] * 8 + [0] * 8 + [33] * 8]
+
+
+def rel(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm())
+
+
+def _offs(sizes):
+    return torch.cumsum(torch.tensor(sizes, device=DEV), 0).to(torch.int32)
+
+
+def _ref(x, w, offs):
+    out = torch.zeros(x.shape[0], w.shape[1], dtype=torch.float64, device=DEV)
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        out[start:end] = x[start:end].double() @ w[e].double().t()
+        start = end
+    return out
+
+
+def _step(x, wp, offs, g, recipe):
+    xr = x.clone().requires_grad_()
+    y = G.fp8_grouped_mm(xr, wp.transpose(-2, -1), offs, recipe=recipe)
+    y.backward(g)
+    return y, xr.grad, wp.grad
+
+
+@pytest.mark.parametrize("sizes", SIZES)
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_gw_hp"])
+def test_fused_matches_per_group_and_float64(sizes, recipe, monkeypatch):
+    E = len(sizes)
+    K, N = 256, 384
+    offs = _offs(sizes)
+    M = int(offs[-1])
+    x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(E, N, K, device=DEV, dtype=torch.bfloat16)
+    g = torch.randn(M, N, device=DEV, dtype=torch.bfloat16)
+    outs = {}
+    for fused in (True, False):
+        monkeypatch.setattr(G, "USE_FUSED", fused)
+        wp = nn.Parameter(Fp8MasterWeight(w.clone(), recipe))
+        outs[fused] = _step(x, wp, offs, g, recipe)
+    for a, b in zip(outs[True], outs[False]):
+        assert rel(a, b) <= 2.0**-7  # same operands: only the accumulation order and the bf16 output differ
+    y, gx, gw = outs[True]
+    assert rel(y, _ref(x, w, offs)) <= BOUND
+    assert rel(gx, _ref(g, w.transpose(-2, -1), offs)) <= BOUND
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end == start:
+            assert torch.count_nonzero(gw[e]) == 0
+        else:
+            ref = g[start:end].double().t() @ x[start:end].double()
+            assert rel(gw[e], ref) <= (BOUND if recipe == "rowwise" else 2.0**-7)
+        start = end
+
+
+def test_fp8_weights_fold_scales_on_cuda():
+    sizes = [40, 0, 25, 63]
+    offs = _offs(sizes)
+    M, K, N = int(offs[-1]), 128, 256
+    x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(4, N, K, device=DEV, dtype=torch.bfloat16)
+    g = torch.randn(M, N, device=DEV, dtype=torch.bfloat16)
+    y = G.fp8_grouped_mm(x, ScaledFp8Tensor.from_hp(w).transpose(-2, -1), offs)
+    y.backward(g)
+    assert rel(y, _ref(x, w, offs)) <= BOUND
+    assert rel(x.grad, _ref(g, w.transpose(-2, -1), offs)) <= BOUND
+
+
+@pytest.mark.skipif(not kernels.HAS_TRITON, reason="needs Triton")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_group_col_kernel_matches_plain_ops(dtype, monkeypatch):
+    sizes = [13, 0, 100, 1, 64, 0, 7]
+    offs = _offs(sizes)
+    M = int(offs[-1]) + 3  # rows past the last group
+    x = torch.randn(M, 96, device=DEV, dtype=dtype) * torch.logspace(-3, 3, 96, device=DEV).to(dtype)
+    M_pad, pad_ends, pad_starts = G.padded_offsets(offs, M)
+    qk, sk = G.quantize_group_cols(x, offs, M_pad, pad_starts)
+    monkeypatch.setattr(kernels, "group_col_kernel_available", lambda t: False)
+    qp, sp = G.quantize_group_cols(x, offs, M_pad, pad_starts)
+    assert torch.equal(sk, sp)
+    end = int(pad_ends[-1])
+    assert torch.equal(qk[:, :end].view(torch.uint8), qp[:, :end].view(torch.uint8))
+    w = torch.randn(5, 48, 80, device=DEV, dtype=dtype)
+    monkeypatch.undo()
+    qk, sk = G.quantize_expert_cols(w)
+    monkeypatch.setattr(kernels, "group_col_kernel_available", lambda t: False)
+    qp, sp = G.quantize_expert_cols(w)
+    assert torch.equal(sk, sp) and torch.equal(qk.view(torch.uint8), qp.view(torch.uint8))
+
+
+def test_converted_grouped_experts_train_on_cuda():
+    from fp8tensor import convert_to_fp8
+
+    class Experts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w1 = nn.Parameter(torch.randn(8, 512, 256, device=DEV) * 0.05)
+            self.w2 = nn.Parameter(torch.randn(8, 256, 512, device=DEV) * 0.05)
+
+        def forward(self, x, counts):
+            offs = torch.cumsum(counts, 0, dtype=torch.int32)
+            h = torch.relu(torch._grouped_mm(x.bfloat16(), self.w1.bfloat16().transpose(-2, -1), offs=offs))
+            return torch._grouped_mm(h, self.w2.bfloat16().transpose(-2, -1), offs=offs).type_as(x)
+
+    m = Experts()
+    ref = Experts()
+    ref.load_state_dict(m.state_dict())
+    convert_to_fp8(m)
+    counts = torch.tensor([100, 0, 37, 300, 5, 64, 0, 17], device=DEV)
+    x = torch.randn(int(counts.sum()), 256, device=DEV)
+    y, y_ref = m(x, counts), ref(x, counts)
+    y.sum().backward()
+    y_ref.sum().backward()
+    assert rel(y, y_ref) <= math.sqrt(2) * BOUND + 2.0**-7
+    assert rel(m.w1.grad, ref.w1.grad) <= 2 * BOUND
+    assert rel(m.w2.grad, ref.w2.grad) <= 2 * BOUND

@@ -1,0 +1,366 @@
+"""fp8 grouped GEMMs of expert weights (fp8tensor.grouped) against float64 references.
+
+Bounds: e4m3 keeps 3 mantissa bits, so one rounding has a relative error of at most 2^-4 and, spread uniformly, an
+RMS of at most U = 2^-4 / sqrt(3). A GEMM of two independently rounded operands has a relative RMS error of at most
+sqrt(2) * U (the two errors add in quadrature); every check compares ``||out - ref|| / ||ref||`` with that bound.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fp8tensor
+from fp8tensor import Fp8MasterWeight, ScaledFp8Tensor, convert_to_fp8
+from fp8tensor.grouped import fp8_grouped_mm, padded_offsets, quantize_expert_cols, quantize_group_cols
+from fp8tensor.quantize import quantize_rowwise
+
+U = 2.0**-4 / math.sqrt(3)
+TWO = math.sqrt(2) * U  # two rounded operands
+
+E, K, N = 4, 32, 48
+
+
+def _offs(sizes):
+    return torch.cumsum(torch.tensor(sizes), 0).to(torch.int32)
+
+
+def _ref(x, w, offs):
+    """float64 reference: out[rows of e] = x[rows of e] @ w[e]^T."""
+    out = torch.zeros(x.shape[0], w.shape[1], dtype=torch.float64)
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        out[start:end] = x[start:end].double() @ w[e].double().t()
+        start = end
+    return out
+
+
+def _rel(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm())
+
+
+def _run(x, w_param, offs, recipe, g):
+    x = x.clone().requires_grad_()
+    y = torch._grouped_mm(x, w_param.transpose(-2, -1), offs=offs)
+    y.backward(g)
+    return y, x.grad, w_param.grad
+
+
+# uneven groups, an empty group, totals that are not a multiple of 16 (and groups of 1 token)
+SIZES = [[13, 0, 29, 5], [0, 0, 40, 1], [16, 16, 32, 16], [1, 7, 0, 19]]
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_gw_hp"])
+@pytest.mark.parametrize("sizes", SIZES)
+def test_master_forward_and_gradients_match_float64(recipe, sizes):
+    offs = _offs(sizes)
+    M = int(offs[-1])
+    x = torch.randn(M, K)
+    w = torch.randn(E, N, K)
+    g = torch.randn(M, N)
+    wp = nn.Parameter(Fp8MasterWeight(w.clone(), recipe))
+    y, gx, gw = _run(x, wp, offs, recipe, g)
+    assert y.grad_fn.name() == "_Fp8GroupedMMBackward"
+    assert _rel(y, _ref(x, w, offs)) <= TWO
+    assert 1e-3 < _rel(y, _ref(x, w, offs))  # fp8 rounding is there (not a high-precision GEMM)
+    # grad_input: gy[e] @ w[e]
+    gx_ref = _ref(g, w.transpose(-2, -1), offs)
+    assert _rel(gx, gx_ref) <= TWO
+    # grad_weight per expert: gy[e]^T @ x[e]; experts with no tokens get exact zeros
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        ref = g[start:end].double().t() @ x[start:end].double()
+        if end == start:
+            assert torch.equal(gw[e], torch.zeros_like(gw[e]))
+        elif recipe == "rowwise":
+            assert _rel(gw[e], ref) <= TWO
+        else:
+            assert _rel(gw[e], ref) <= 1e-6  # high precision (float32)
+        start = end
+
+
+def test_cpu_path_is_the_quantized_operands_product():
+    # The per-group emulation computes exactly the GEMM of the quantized operands (float32 accumulation).
+    offs = _offs([9, 0, 22, 3])
+    x, w = torch.randn(34, K), torch.randn(E, N, K)
+    y = fp8_grouped_mm(x, w.transpose(-2, -1), offs)
+    xq, xs = quantize_rowwise(x, -1)
+    wq, ws = quantize_rowwise(w, -1)
+    ref = _ref(xq.double() * xs.double(), wq.double() * ws.double(), offs)
+    assert _rel(y, ref) <= 1e-6
+
+
+def test_group_cols_layout_and_scales():
+    offs = _offs([5, 0, 18, 1])
+    M = 30  # two rows past the last group
+    x = torch.randn(M, 24)
+    M_pad, pad_ends, pad_starts = padded_offsets(offs, M)
+    assert pad_ends.tolist() == [16, 32, 64, 80] and pad_starts.tolist() == [0, 16, 32, 64]  # empty group: 16 zeros
+    assert M_pad % 16 == 0 and M_pad >= int(pad_ends[-1]) + 16
+    q, s = quantize_group_cols(x, offs, M_pad, pad_starts)
+    assert q.shape == (24, M_pad) and s.shape == (E, 24)
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        ps, pe = int(pad_starts[e]), int(pad_ends[e])
+        block = q[:, ps:pe].float()
+        assert torch.equal(block[:, end - start:], torch.zeros_like(block[:, end - start:]))  # padding
+        if end > start:
+            amax = x[start:end].abs().amax(0)
+            torch.testing.assert_close(s[e], amax / 448.0, rtol=0, atol=0)
+            deq = block[:, : end - start] * s[e][:, None]
+            assert _rel(deq.t(), x[start:end]) <= U
+        start = end
+    assert torch.equal(q[:, int(pad_ends[-1]):].float(), torch.zeros(24, M_pad - int(pad_ends[-1])))
+
+
+def test_expert_cols():
+    w = torch.randn(3, 40, 16)
+    q, s = quantize_expert_cols(w)
+    assert q.shape == (3, 16, 40) and s.shape == (3, 16)
+    torch.testing.assert_close(s, w.abs().amax(1) / 448.0, rtol=0, atol=0)
+    assert _rel(q.float() * s[:, :, None], w.transpose(-2, -1)) <= U
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_gw_hp"])
+def test_scaled_fp8_weights(recipe):
+    # from_hp of (E, N, K): scales (E, N, 1); forward uses them as stored, grad_input folds them into gy.
+    offs = _offs([7, 20, 0, 11])
+    M = int(offs[-1])
+    x, w, g = torch.randn(M, K), torch.randn(E, N, K), torch.randn(M, N)
+    w8 = ScaledFp8Tensor.from_hp(w)
+    assert w8.scale.shape == (E, N, 1)
+    xr = x.clone().requires_grad_()
+    y = fp8_grouped_mm(xr, w8.transpose(-2, -1), offs, recipe=recipe)
+    y.backward(g)
+    assert _rel(y, _ref(x, w, offs)) <= TWO
+    assert _rel(xr.grad, _ref(g, w.transpose(-2, -1), offs)) <= TWO
+    # a module that was not converted: aten._grouped_mm on the ScaledFp8Tensor runs the fp8 forward (op table)
+    y2 = torch._grouped_mm(x, w8.transpose(-2, -1), offs=offs)
+    assert torch.equal(y2, y.detach())
+
+
+def test_bf16_and_functional_grouped_mm():
+    offs = _offs([3, 17, 12, 0])
+    x, w = torch.randn(32, K), torch.randn(E, N, K)
+    wp = nn.Parameter(Fp8MasterWeight(w.bfloat16()))
+    xb = x.bfloat16().requires_grad_()
+    y = F.grouped_mm(xb, wp.transpose(-2, -1), offs=offs)
+    assert y.dtype == torch.bfloat16 and y.grad_fn.name() == "_Fp8GroupedMMBackward"
+    y.float().sum().backward()
+    assert wp.grad.dtype == torch.bfloat16 and xb.grad.dtype == torch.bfloat16
+    assert _rel(y, _ref(x.bfloat16(), w.bfloat16(), offs)) <= TWO + 2.0**-8
+
+
+@pytest.mark.parametrize("M,sizes", [(0, [0, 0, 0, 0]), (1, [0, 1, 0, 0]), (5, [0, 0, 0, 0])])
+def test_empty_and_tiny_inputs(M, sizes):
+    offs = _offs(sizes)
+    x, w = torch.randn(M, K), torch.randn(E, N, K)
+    wp = nn.Parameter(Fp8MasterWeight(w))
+    xr = x.clone().requires_grad_()
+    y = torch._grouped_mm(xr, wp.transpose(-2, -1), offs=offs)
+    assert y.shape == (M, N)
+    y.sum().backward()
+    assert wp.grad.shape == w.shape and xr.grad.shape == x.shape
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end == start:
+            assert torch.equal(wp.grad[e], torch.zeros(N, K))
+        start = end
+    if int(offs[-1]) > 0:
+        assert _rel(y[: int(offs[-1])], _ref(x, w, offs)[: int(offs[-1])]) <= TWO
+    assert torch.equal(y[int(offs[-1]):], torch.zeros(M - int(offs[-1]), N))  # rows of no group (CPU: zeros)
+
+
+def test_errors_name_the_op_and_the_reason():
+    x, w = torch.randn(8, K), torch.randn(E, N, K)
+    b = w.transpose(-2, -1)
+    with pytest.raises(TypeError, match="fp8_grouped_mm: offs must be a 1-D int32"):
+        fp8_grouped_mm(x, b, torch.tensor([2, 4, 6, 8]))
+    with pytest.raises(ValueError, match="offs has 3 groups but the weights have 4 experts"):
+        fp8_grouped_mm(x, b, _offs([2, 2, 4]))
+    with pytest.raises(ValueError, match="non-decreasing"):
+        fp8_grouped_mm(x, b, torch.tensor([4, 2, 6, 8], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"within \[0, 8\]"):
+        fp8_grouped_mm(x, b, _offs([4, 2, 2, 2]))
+    with pytest.raises(ValueError, match="contraction dims differ"):
+        fp8_grouped_mm(torch.randn(8, K + 16), b, _offs([2, 2, 2, 2]))
+    with pytest.raises(ValueError, match="2-D input"):
+        fp8_grouped_mm(x, w[0], _offs([2, 2, 2, 2]))
+    with pytest.raises(ValueError, match="unknown recipe"):
+        fp8_grouped_mm(x, b, _offs([2, 2, 2, 2]), recipe="tensorwise")
+
+
+class GroupedExperts(nn.Module):
+    """A grouped-experts module as torchtitan writes it: SwiGLU experts through torch._grouped_mm."""
+
+    def __init__(self, num_experts, dim, hidden):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(num_experts, hidden, dim) / dim**0.5)
+        self.w2 = nn.Parameter(torch.randn(num_experts, dim, hidden) / hidden**0.5)
+        self.w3 = nn.Parameter(torch.randn(num_experts, hidden, dim) / dim**0.5)
+
+    def forward(self, x, num_tokens_per_expert):
+        offs = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
+        h = F.silu(torch._grouped_mm(x.bfloat16(), self.w1.bfloat16().transpose(-2, -1), offs=offs))
+        h = h * torch._grouped_mm(x.bfloat16(), self.w3.bfloat16().transpose(-2, -1), offs=offs)
+        return torch._grouped_mm(h, self.w2.bfloat16().transpose(-2, -1), offs=offs).type_as(x)
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(32, 32, bias=False)
+        self.experts = GroupedExperts(E, 32, 64)
+
+
+def test_convert_to_fp8_converts_grouped_experts_and_the_filter_excludes_them():
+    m = Block()
+    ref = {k: v.clone() for k, v in m.state_dict().items()}
+    convert_to_fp8(m)
+    assert all(isinstance(getattr(m.experts, n), Fp8MasterWeight) for n in ("w1", "w2", "w3"))
+    assert type(m.experts).__name__ == "Fp8GroupedExperts" and isinstance(m.experts, GroupedExperts)
+    assert isinstance(m.proj.weight, Fp8MasterWeight)  # Linears as before
+    sd = m.state_dict()
+    assert all(type(v) is torch.Tensor and torch.equal(v, ref[k]) for k, v in sd.items())
+    counts = torch.tensor([5, 0, 21, 6])
+    x = torch.randn(32, 32, requires_grad=True)
+    y = m.experts(x, counts)
+    y.sum().backward()
+    assert all(getattr(m.experts, n).grad is not None for n in ("w1", "w2", "w3"))
+    # same computation in float64 from the master weights
+    offs = _offs(counts.tolist())
+    w1, w2, w3 = (getattr(m.experts, n)._data.bfloat16().double() for n in ("w1", "w2", "w3"))
+    xd = x.detach().bfloat16().double()
+    h = F.silu(_ref(xd, w1, offs)) * _ref(xd, w3, offs)
+    ref_y = _ref(h, w2, offs)
+    # three chained fp8 GEMMs (and bf16 activations): each adds at most TWO in quadrature
+    assert _rel(y, ref_y) <= math.sqrt(3) * TWO + 3 * 2.0**-8
+
+    m2 = Block()
+    convert_to_fp8(m2, module_filter_fn=lambda mod, fqn: fqn != "experts")
+    assert type(m2.experts.w1) is nn.Parameter and type(m2.experts) is GroupedExperts
+    assert isinstance(m2.proj.weight, Fp8MasterWeight)
+
+
+def test_grouped_mm_on_a_plain_tensor_is_unchanged():
+    offs = _offs([3, 17, 12, 0])
+    x, w = torch.randn(32, K), torch.randn(E, N, K)
+    y = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+    assert _rel(y, _ref(x, w, offs)) <= 1e-6
+
+
+def _graph_names(t):
+    seen, stack, names = set(), [t.grad_fn], set()
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        names.add(fn.name())
+        stack.extend(f for f, _ in fn.next_functions)
+    return names
+
+
+def test_torchtitan_grouped_experts_converter():
+    pytest.importorskip("torchtitan")
+    from torchtitan.models.common.moe import GroupedExperts
+
+    from fp8tensor.torchtitan import Fp8TensorGroupedExperts, convert_model_config
+
+    cfg = convert_model_config(GroupedExperts.Config(dim=32, hidden_dim=64, num_experts=E), recipe="rowwise")
+    assert type(cfg) is Fp8TensorGroupedExperts.Config
+    assert type(convert_model_config(GroupedExperts.Config(dim=32, hidden_dim=64, num_experts=E),
+                                     filter_fqns=[""])) is GroupedExperts.Config  # filtered out
+    m = cfg.build()
+    assert all(isinstance(p, Fp8MasterWeight) for p in m.parameters())
+    for p in m.parameters():
+        nn.init.normal_(p, std=0.1)
+    counts = torch.tensor([5, 0, 10, 7])
+    x = torch.randn(22, 32, requires_grad=True)
+    y = m(x, counts)  # torchtitan: torch._grouped_mm(x.bfloat16(), w.bfloat16().transpose(-2, -1), offs=offs)
+    assert "_Fp8GroupedMMBackward" in _graph_names(y)
+    y.sum().backward()
+    assert m.w1_EFD.grad.shape == (E, 64, 32) and m.w2_EDF.grad.shape == (E, 32, 64)
+    plain = GroupedExperts.Config(dim=32, hidden_dim=64, num_experts=E).build()
+    plain.load_state_dict(m.state_dict())
+    y_ref = plain(x.detach().double().float(), counts).double()
+    assert _rel(y, y_ref) <= math.sqrt(3) * TWO + 3 * 2.0**-8
+
+
+def test_group_col_kernel_under_the_triton_interpreter():
+    # The Triton kernel of the per-group column quantization (CUDA path), run by Triton's interpreter on CPU:
+    # scales, transposed padded layout and zero padding as the plain ops (tests/_group_cols_interp.py).
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    seed = str(torch.randint(0, 2**31, ()).item())
+    proc = subprocess.run([sys.executable, str(root / "tests" / "_group_cols_interp.py"), seed], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), (seed, proc.stdout[-2000:], proc.stderr[-3000:])
+
+
+def test_tokens_read_by_two_gemms_are_quantized_once(monkeypatch):
+    # w1 and w3 of SwiGLU experts read the same tokens: one per-token quantization in the forward and one per-group
+    # column quantization in the backward; a new tensor (or an in-place change) is quantized again.
+    from fp8tensor import grouped as G
+
+    calls = {"rows": 0, "cols": 0}
+    rows, cols = G._quantize_rows, G.quantize_group_cols
+
+    def count_rows(x, *a):
+        calls["rows"] += x.dim() == 2 and x.shape[-1] == K  # the tokens (not the 3-D weights)
+        return rows(x, *a)
+
+    def count_cols(x, *a, **k):
+        calls["cols"] += x.shape[-1] == K
+        return cols(x, *a, **k)
+
+    monkeypatch.setattr(G, "_quantize_rows", count_rows)
+    monkeypatch.setattr(G, "quantize_group_cols", count_cols)
+    offs = _offs([3, 0, 20, 9])
+    x = torch.randn(32, K, requires_grad=True)
+    w1, w3 = (nn.Parameter(Fp8MasterWeight(torch.randn(E, N, K))) for _ in range(2))
+    y = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs) * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
+    assert calls["rows"] == 1
+    y.sum().backward()
+    assert calls["cols"] == 1
+    # same values as without sharing
+    monkeypatch.setattr(G, "SHARE_TOKEN_QUANT", False)
+    x2 = x.detach().clone().requires_grad_()
+    w1b, w3b = (nn.Parameter(Fp8MasterWeight(w._data.clone())) for w in (w1, w3))
+    y2 = (torch._grouped_mm(x2, w1b.transpose(-2, -1), offs=offs)
+          * torch._grouped_mm(x2, w3b.transpose(-2, -1), offs=offs))
+    y2.sum().backward()
+    assert calls["rows"] == 3 and calls["cols"] == 3
+    assert torch.equal(y, y2) and torch.equal(x.grad, x2.grad) and torch.equal(w1.grad, w1b.grad)
+    with torch.no_grad():
+        x2.add_(1.0)  # in place: new version, quantized again
+    monkeypatch.setattr(G, "SHARE_TOKEN_QUANT", True)
+    torch._grouped_mm(x2, w1b.transpose(-2, -1), offs=offs)
+    torch._grouped_mm(x2, w1b.transpose(-2, -1), offs=offs)
+    assert calls["rows"] == 4
+
+
+def test_quantize_weights_stores_expert_weights_in_fp8():
+    m = Block()
+    w = {n: getattr(m.experts, n).detach().clone() for n in ("w1", "w2", "w3")}
+    fp8tensor.quantize_weights(m)
+    for n in ("w1", "w2", "w3"):
+        p = getattr(m.experts, n)
+        assert isinstance(p, ScaledFp8Tensor) and p.scale.shape == (E, p.shape[1], 1) and not p.requires_grad
+        assert _rel(p.to_hp(), w[n]) <= U
+    counts = torch.tensor([5, 0, 21, 6])
+    x = torch.randn(32, 32, requires_grad=True)
+    y = m.experts(x, counts)
+    assert "_Fp8GroupedMMBackward" in _graph_names(y)
+    y.sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()

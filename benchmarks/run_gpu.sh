@@ -9,7 +9,7 @@
 #                bf16 / fp8tensor rowwise, rowwise_gw_hp / torchao tensorwise, rowwise; plain FSDP2 and DTensor (tp)
 #   linear       benchmarks/linear.py (per-layer forward + backward, M = 16384)
 #   memory-4096  benchmarks/memory.py at dim 4096 (FSDP2, compiled blocks, one AdamW over all parameters)
-#   moe          benchmarks/moe.py (MoE grouped GEMM layer forward + backward)
+#   moe          benchmarks/moe.py (MoE experts forward + backward, DeepSeek-V3-like and Qwen3-30B-A3B-like shapes)
 #   quant        benchmarks/quant_cost.py (quantization passes)
 set -uo pipefail
 out=${OUTDIR:-${OUT:-out}}; mkdir -p "$out"
@@ -40,7 +40,7 @@ for stage in "$@"; do
     memory-4096) timeout 300 $py benchmarks/memory.py --fsdp --dim 4096 --ffn 14336 --heads 32 --kv-heads 8 \
              --layers 4 --seq 8192 --warmup 1 --variants bf16@compile,rowwise@compile,rowwise_gw_hp@compile \
              > "$out/memory_4096.txt" 2>&1; tail -30 "$out/memory_4096.txt" ;;
-    moe) timeout 300 $py benchmarks/moe.py --out "$out/moe.json" > "$out/moe.txt" 2>&1; table "$out/moe.txt" ;;
+    moe) timeout 300 $py benchmarks/moe.py --out "$out/moe.json" --profile > "$out/moe.txt" 2>&1; table "$out/moe.txt" ;;
     quant) timeout 200 $py benchmarks/quant_cost.py > "$out/quant.txt" 2>&1; table "$out/quant.txt" ;;
     *) echo "run_gpu.sh: unknown stage $stage" >&2; exit 2 ;;
   esac

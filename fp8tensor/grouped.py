@@ -222,6 +222,16 @@ def _mm_dtype(t: torch.Tensor, out_dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if t.is_cuda else out_dtype
 
 
+def _rows_to_16(a: torch.Tensor, scale: torch.Tensor):
+    """``a`` (fp8 rows) and its row scales padded with zero rows (unit scales) to a multiple of 16 rows on CUDA, where
+    cuBLAS's fp8 GEMM needs it; unchanged elsewhere."""
+    pad = -a.shape[0] % 16
+    if not a.is_cuda or pad == 0:
+        return a, scale
+    a = torch.cat([a, a.new_zeros(pad, a.shape[1])])
+    return a, torch.cat([scale, scale.new_ones(pad, scale.shape[1])])
+
+
 def grouped_2d3d(aq, a_scale, bq, b_scale, offs, out_dtype, *, fast_accum: bool) -> torch.Tensor:
     """``out[rows of e] = (aq * a_scale)[rows of e] @ (bq[e] * b_scale[e])``.
 
@@ -246,9 +256,10 @@ def grouped_2d3d(aq, a_scale, bq, b_scale, offs, out_dtype, *, fast_accum: bool)
     for e, end in enumerate(offs.tolist()):
         end = min(end, M)
         if end > start:
-            y = torch._scaled_mm(aq[start:end], bq[e], a_scale[start:end, None], b_scale[e][None, :],
+            a, sa = _rows_to_16(aq[start:end], a_scale[start:end, None])
+            y = torch._scaled_mm(a, bq[e], sa, b_scale[e][None, :],
                                  out_dtype=_mm_dtype(aq, out_dtype), use_fast_accum=fast_accum)
-            out[start:end] = y
+            out[start:end] = y[: end - start]
         start = max(start, end)
     return out
 

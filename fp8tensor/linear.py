@@ -21,7 +21,8 @@ from . import kernels
 from . import quantize as _quantize_mod
 from .gemm import _check_mm_args, fp8_mm, scaled_mm
 from .ops import t_view
-from .quantize import _LIB, E4M3, FLOAT8_DTYPES, after_dep, quantize, quantize_dim0_t_after, quantize_tokens
+from .quantize import (_LIB, E4M3, FLOAT8_DTYPES, after_dep, quantize, quantize_dim0_t_after, quantize_rows_and_tokens,
+                       quantize_tokens)
 from .recipes import Recipe, get_recipe
 from .tensor import ScaledFp8Tensor, _is_dtensor, make_scaled, map_local, rowwise_dims
 
@@ -338,11 +339,14 @@ def _forward_parts(x2: torch.Tensor, weight: torch.Tensor, wd: torch.Tensor, rec
                      use_fast_accum=recipe.fast_accum_forward)
 
 
-def _grad_input_parts(g2: torch.Tensor, grad_out: torch.Tensor, weight: torch.Tensor, recipe: Recipe
-                      ) -> Optional[torch.Tensor]:
+def _grad_input_parts(g2: torch.Tensor, grad_out: torch.Tensor, weight: torch.Tensor, recipe: Recipe,
+                      a: Optional[tuple] = None) -> Optional[torch.Tensor]:
     """``grad_x = g2 @ W`` ``(M, K)`` of an eager Linear on plain tensors, or None (general path). Same bits as
     :func:`_weight_for_grad_input` + ``fp8_mm``: a high-precision weight quantized per input column after
-    ``grad_out``; a row-scaled fp8 weight transposed after ``grad_out`` with its row scales folded into ``g2``."""
+    ``grad_out``; a row-scaled fp8 weight transposed after ``grad_out`` with its row scales folded into ``g2``.
+
+    ``a``: ``g2``'s operand ``(q, scale)`` already quantized row-wise (with the fp8 weight's row scales folded in),
+    from :func:`_grad_out_both`."""
     fast = recipe.fast_accum_backward
     if type(weight) is ScaledFp8Tensor:
         if not (WEIGHT_AFTER_GRAD and _rowwise_fp8_weight(weight) and weight.qdata.stride(1) == 1):
@@ -351,7 +355,8 @@ def _grad_input_parts(g2: torch.Tensor, grad_out: torch.Tensor, weight: torch.Te
         b8 = _transpose_after(weight.qdata, grad_out).t()
         out_dtype = torch.promote_types(g2.dtype, weight.dtype)
         if s.shape[0] != 1:  # scale folding, as fp8_mm: (g2 diag(s)) @ W8
-            g2 = g2.to(torch.float32) * s.reshape(1, -1)
+            if a is None:
+                g2 = g2.to(torch.float32) * s.reshape(1, -1)
             s = s.new_ones(1, b8.shape[1])
     else:
         w = weight._data if isinstance(weight, QuantizeOnUse) else weight
@@ -359,19 +364,51 @@ def _grad_input_parts(g2: torch.Tensor, grad_out: torch.Tensor, weight: torch.Te
             return None
         qt, st = quantize_dim0_t_after(w, grad_out, recipe.float8_dtype)
         b8, s, out_dtype = qt.t(), st.t(), torch.promote_types(g2.dtype, w.dtype)
-    a8, sa = quantize(g2, 1, E4M3, gemm_layout=True)
+    a8, sa = a if a is not None else quantize(g2, 1, E4M3, gemm_layout=True)
     return scaled_mm(a8, sa, b8, s, out_dtype, use_fast_accum=fast)
 
 
-def _grad_weight_parts(g2: torch.Tensor, grad_out: torch.Tensor, x_saved: torch.Tensor, recipe: Recipe
-                       ) -> Optional[torch.Tensor]:
+def _grad_out_both(grad_out: torch.Tensor, weight: torch.Tensor, x_saved: torch.Tensor) -> Optional[tuple]:
+    """``grad_out``'s two fp8 GEMM operands from two reads of it (:func:`fp8tensor.quantize.quantize_rows_and_tokens`)
+    when an eager backward on plain tensors needs both (grad_input and an fp8 grad_weight) and the parts functions take
+    the weight and the saved input; else None (each quantized on its own, same bits).
+
+    Returns:
+        ``((a8, sa), (gt8, sgt))``: the grad_input operand ``g2`` (times the fp8 weight's row scales, when it has them)
+        quantized row-wise, and the grad_weight operand quantized per output feature over the tokens."""
+    if not (_quantize_mod.FUSED_GRAD_OUT and WEIGHT_AFTER_GRAD and _saved_tokens_fp8(x_saved)
+            and grad_out.shape[-1] > 1):  # (N == 1: the separate path quantizes g2 with the dim-0 kernels)
+        return None
+    col_mul = None
+    if type(weight) is ScaledFp8Tensor:
+        if not (_rowwise_fp8_weight(weight) and weight.qdata.stride(1) == 1):
+            return None
+        if weight.scale.shape[0] != 1:
+            col_mul = weight.scale.reshape(-1)
+    else:
+        w = weight._data if isinstance(weight, QuantizeOnUse) else weight
+        if not (type(w) in _PLAIN and w.dim() == 2 and w.dtype.is_floating_point):
+            return None
+    return quantize_rows_and_tokens(grad_out, E4M3, col_mul=col_mul)
+
+
+def _saved_tokens_fp8(x_saved) -> bool:
+    """The saved input is the plain-path grad_weight operand: a 2-D ScaledFp8Tensor scaled per input feature."""
+    return (type(x_saved) is ScaledFp8Tensor and x_saved.dim() == 2 and x_saved.scale.shape[0] == 1
+            and type(x_saved.qdata) is torch.Tensor)
+
+
+def _grad_weight_parts(g2: torch.Tensor, grad_out: torch.Tensor, x_saved: torch.Tensor, recipe: Recipe,
+                       gt: Optional[tuple] = None) -> Optional[torch.Tensor]:
     """``grad_w = g2^T @ x`` ``(N, K)`` of the ``rowwise`` recipe on plain tensors, from the saved fp8 ``x`` (scaled
     per input feature), or None (general path). Same bits as the general path: ``grad_out`` quantized per output
-    feature over the tokens (the dim-0 kernels, else ``fp8_mm``'s quantization of ``g2^T``)."""
-    if not (type(x_saved) is ScaledFp8Tensor and x_saved.dim() == 2 and x_saved.scale.shape[0] == 1
-            and type(x_saved.qdata) is torch.Tensor):
+    feature over the tokens (the dim-0 kernels, else ``fp8_mm``'s quantization of ``g2^T``).
+
+    ``gt``: that operand already computed, ``(q, scale)`` as :func:`fp8tensor.quantize.quantize_tokens` returns it
+    (from :func:`_grad_out_both`)."""
+    if not _saved_tokens_fp8(x_saved):
         return None
-    hit = quantize_tokens(grad_out, E4M3) if grad_out.dim() >= 2 else None
+    hit = gt if gt is not None else (quantize_tokens(grad_out, E4M3) if grad_out.dim() >= 2 else None)
     if hit is not None:
         a8, sa = hit[0].t(), hit[1].t()
     else:
@@ -440,8 +477,11 @@ class _Fp8Linear(torch.autograd.Function):
         fast = recipe.fast_accum_backward
         grad_x = grad_w = grad_b = None
         parts = _eager_plain(grad_out)
+        both = None  # grad_out's two fp8 operands from one fused pass, when both GEMMs need them
+        if parts and ctx.needs_input_grad[0] and ctx.needs_input_grad[1] and recipe.grad_weight_fp8:
+            both = _grad_out_both(grad_out, weight, x_saved)
         if ctx.needs_input_grad[0]:
-            grad_x = _grad_input_parts(g2, grad_out, weight, recipe) if parts else None
+            grad_x = _grad_input_parts(g2, grad_out, weight, recipe, both and both[0]) if parts else None
             if grad_x is None:
                 # ``grad_out`` itself (not its reshape) orders the weight operand after it: see _tokens_fp8
                 w_b = _weight_for_grad_input(weight, grad_out, fast, recipe)
@@ -450,7 +490,8 @@ class _Fp8Linear(torch.autograd.Function):
             if grad_x.shape != ctx.x_shape:
                 grad_x = grad_x.reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            grad_w = _grad_weight_parts(g2, grad_out, x_saved, recipe) if parts and recipe.grad_weight_fp8 else None
+            grad_w = (_grad_weight_parts(g2, grad_out, x_saved, recipe, both and both[1])
+                      if parts and recipe.grad_weight_fp8 else None)
             if grad_w is not None:
                 pass
             elif recipe.grad_weight_fp8:

@@ -392,6 +392,38 @@ def _grad_out_both(grad_out: torch.Tensor, weight: torch.Tensor, x_saved: torch.
     return quantize_rows_and_tokens(grad_out, E4M3, col_mul=col_mul)
 
 
+def _grad_input_fused_traced(grad_out: torch.Tensor, weight: torch.Tensor, fast: bool, recipe: Recipe
+                             ) -> Optional[tuple]:
+    """Traced backward (``torch.compile``, :data:`fp8tensor.quantize.FUSED_GRAD_OUT_TRACED`): ``grad_x`` with
+    ``grad_out`` quantized for both gradient GEMMs by the ``fp8tensor::quantize_rows_dim0_t`` triton op, or None
+    (DTensors, weights other than a plain / master / row-scaled fp8 one, tensors the kernels do not take).
+
+    Returns:
+        ``(grad_x, (q_tok, s_tok))``: ``grad_x`` ``(M, K)`` as the general path computes it (an fp8 weight's row
+        scales folded into ``grad_out`` before its row-wise quantization), and the grad_weight operand in the form
+        :func:`fp8tensor.quantize.quantize_tokens` returns."""
+    if _is_dtensor(grad_out) or _is_dtensor(weight) or grad_out.dim() < 2 or grad_out.shape[-1] <= 1:
+        return None
+    col_mul = None
+    if isinstance(weight, ScaledFp8Tensor):
+        if not (weight.dim() == 2 and weight.scale.shape[1] == 1 and weight.qdata.stride(1) == 1):
+            return None
+        if weight.scale.shape[0] != 1:
+            col_mul = weight.scale.reshape(-1)
+    elif not isinstance(weight, (torch.Tensor, QuantizeOnUse)) or _is_fp8(weight):
+        return None
+    hit = quantize_rows_and_tokens(grad_out, E4M3, col_mul=col_mul)
+    if hit is None:
+        return None
+    (qr, sr), tok = hit
+    a = make_scaled(qr, sr, grad_out.dtype, fast, rowwise_dims(2, 1))
+    w_b = _weight_for_grad_input(weight, grad_out, fast, recipe)
+    if col_mul is not None:  # the row scales are in a already (fp8_mm's folding, done by the kernel)
+        w_b = make_scaled(w_b.qdata, w_b.scale.new_ones(1, w_b.shape[1]), w_b.orig_dtype, w_b.fast_accum,
+                          (False, True))
+    return _mm(a, w_b), tok
+
+
 def _saved_tokens_fp8(x_saved) -> bool:
     """The saved input is the plain-path grad_weight operand: a 2-D ScaledFp8Tensor scaled per input feature."""
     return (type(x_saved) is ScaledFp8Tensor and x_saved.dim() == 2 and x_saved.scale.shape[0] == 1
@@ -480,8 +512,14 @@ class _Fp8Linear(torch.autograd.Function):
         both = None  # grad_out's two fp8 operands from one fused pass, when both GEMMs need them
         if parts and ctx.needs_input_grad[0] and ctx.needs_input_grad[1] and recipe.grad_weight_fp8:
             both = _grad_out_both(grad_out, weight, x_saved)
+        gt_traced = None  # traced: grad_out's grad_weight operand, from the fused pass that made grad_x's
         if ctx.needs_input_grad[0]:
             grad_x = _grad_input_parts(g2, grad_out, weight, recipe, both and both[0]) if parts else None
+            if (grad_x is None and _quantize_mod.FUSED_GRAD_OUT_TRACED and torch.compiler.is_compiling()
+                    and ctx.needs_input_grad[1] and recipe.grad_weight_fp8):
+                fused = _grad_input_fused_traced(grad_out, weight, fast, recipe)
+                if fused is not None:
+                    grad_x, gt_traced = fused
             if grad_x is None:
                 # ``grad_out`` itself (not its reshape) orders the weight operand after it: see _tokens_fp8
                 w_b = _weight_for_grad_input(weight, grad_out, fast, recipe)
@@ -500,7 +538,9 @@ class _Fp8Linear(torch.autograd.Function):
                 # map_local: under torch.compile the backward of an autograd.Function is traced with grad placements
                 # guessed from the forward output (Partial), which need not be the runtime ones.
                 gt = g2.t()
-                hit = None if _is_dtensor(grad_out) or grad_out.dim() < 2 else quantize_tokens(grad_out, E4M3)
+                hit = gt_traced
+                if hit is None and not _is_dtensor(grad_out) and grad_out.dim() >= 2:
+                    hit = quantize_tokens(grad_out, E4M3)
                 if hit is not None:  # q (N, M) row-major, scale (N, 1): fp8_mm uses them as they are
                     gt = make_scaled(hit[0].t(), hit[1].t(), grad_out.dtype, fast, rowwise_dims(2, 1))
                 grad_w = _mm(gt, x_saved)

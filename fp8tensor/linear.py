@@ -206,6 +206,32 @@ def _x_for_grad_weight(x: torch.Tensor, x2: torch.Tensor, recipe: Recipe) -> tor
     return x8
 
 
+def _x_both(x: torch.Tensor, recipe: Recipe) -> tuple:
+    """``x``'s two fp8 GEMM operands from two reads of it (:func:`fp8tensor.quantize.quantize_rows_and_tokens`) in an
+    eager forward on a plain CUDA ``x`` whose grad_weight operand is needed and not shared from another Linear yet
+    (:data:`_GRAD_WEIGHT_INPUTS`); else ``(None, None)`` (each quantized on its own, same bits).
+
+    Returns:
+        ``((xq, xs), x8)``: ``x`` ``(M, K)`` quantized row-wise in e4m3 for the output GEMM, and the grad_weight
+        operand (a ScaledFp8Tensor scaled per input feature, stored in :data:`_GRAD_WEIGHT_INPUTS` for the Linears
+        that read the same ``x``)."""
+    if not (_quantize_mod.FUSED_GRAD_OUT and recipe.grad_weight_fp8 and recipe.float8_dtype == E4M3
+            and _eager_plain(x) and x.dim() >= 2 and x.shape[-1] > 1 and not x.is_inference()):
+        return None, None
+    fast = recipe.fast_accum_backward
+    key = (x._version, recipe.float8_dtype, fast)
+    entries = _gw_entries(x)
+    ref = entries.get(key) if entries is not None else None
+    if ref is not None and ref() is not None:  # shared: only the row-wise operand is left to make
+        return None, None
+    hit = quantize_rows_and_tokens(x, E4M3)
+    if hit is None:
+        return None, None
+    x8 = make_scaled(hit[1][0], hit[1][1], x.dtype, fast, _TOKEN_DIMS)
+    _gw_store(x, key, x8)
+    return hit[0], x8
+
+
 def _transpose_after_impl(q: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
     """``fp8tensor::transpose_after``: ``q.t().contiguous()`` (always a copy); ``after`` is not read. CUDA fp8: one
     tiled Triton kernel (:func:`fp8tensor.kernels.launch_transpose`); otherwise ATen's copy."""
@@ -315,9 +341,11 @@ def _rowwise_fp8_weight(weight: torch.Tensor) -> bool:
         type(weight.qdata) is torch.Tensor
 
 
-def _forward_parts(x2: torch.Tensor, weight: torch.Tensor, wd: torch.Tensor, recipe: Recipe) -> Optional[torch.Tensor]:
+def _forward_parts(x2: torch.Tensor, weight: torch.Tensor, wd: torch.Tensor, recipe: Recipe,
+                   a: Optional[tuple] = None) -> Optional[torch.Tensor]:
     """The output GEMM ``x2 @ W^T`` ``(M, N)`` of an eager Linear on plain tensors, or None where the general path
-    must run (DTensors, subclasses other than the master / a row-scaled fp8 weight, tracing, modes).
+    must run (DTensors, subclasses other than the master / a row-scaled fp8 weight, tracing, modes). ``a``: ``x2``
+    already quantized row-wise in e4m3, ``(q, scale)`` (from :func:`_x_both`).
 
     Same bits as the general path: ``W`` quantized per row (a row-scaled fp8 weight used as it is), ``x2`` per row
     in e4m3 (what ``fp8_mm`` does with a high-precision operand), one ``scaled_mm`` with the forward's fast
@@ -334,7 +362,7 @@ def _forward_parts(x2: torch.Tensor, weight: torch.Tensor, wd: torch.Tensor, rec
     else:
         return None
     _check_mm_args("aten.mm", x2, wq_t)
-    xq, xs = quantize(x2, 1, E4M3, gemm_layout=True)
+    xq, xs = a if a is not None else quantize(x2, 1, E4M3, gemm_layout=True)
     return scaled_mm(xq, xs, wq_t, ws_t, torch.promote_types(x2.dtype, w_dtype),
                      use_fast_accum=recipe.fast_accum_forward)
 
@@ -467,7 +495,9 @@ class _Fp8Linear(torch.autograd.Function):
         K = x.shape[-1]
         N = wd.shape[0]
         x2 = x if x.dim() == 2 else x.reshape(-1, K)  # (a reshape to itself still costs a DTensor dispatch)
-        out = _forward_parts(x2, weight, wd, recipe)
+        x_rows, x8 = _x_both(x, recipe) if ctx.needs_input_grad[1] else (None, None)
+        out = _forward_parts(x2, weight, wd, recipe, x_rows)
+        del x_rows
         if out is None:
             w8t = _weight_t_direct(weight, recipe.fast_accum_forward, recipe.float8_dtype) if type(x2) in _DIRECT_TYPES else None
             if w8t is not None:  # (argument checks kept: the devices and dtypes of x are not checked before this)
@@ -485,7 +515,7 @@ class _Fp8Linear(torch.autograd.Function):
         ctx.w_dtype = wd.dtype
         x_saved = None
         if ctx.needs_input_grad[1]:
-            x_saved = _x_for_grad_weight(x, x2, recipe) if recipe.grad_weight_fp8 else x
+            x_saved = (x8 if x8 is not None else _x_for_grad_weight(x, x2, recipe)) if recipe.grad_weight_fp8 else x
         ctx.save_for_backward(x_saved, weight if ctx.needs_input_grad[0] else None)
         # Not a view of ``out`` (as F.linear's output is not): FSDP2 hooks the module output for backward, and an
         # in-place op on a view output would drop that hook (torch warns about it).

@@ -188,7 +188,8 @@ def test_eager_backward_same_bits(weight, monkeypatch):
     monkeypatch.setattr(linear_mod, "quantize_rows_and_tokens", _stand_in(calls))
     monkeypatch.setattr(qmod, "FUSED_GRAD_OUT", True)
     y1, gx1, gw1 = _grads(x, make_w(), gy, bias)
-    assert calls == [weight == "fp8"], calls  # taken once; the fp8 weight's row scales folded in by the kernel
+    # x in forward, grad_out in backward (with the fp8 weight's row scales folded in by the kernel)
+    assert calls == [False, weight == "fp8"], calls
     assert torch.equal(y1, y0) and torch.equal(gx1, gx0) and torch.equal(gw1, gw0)
     gxd, gwd = _ref_grads(x, w_ref, gy, bias)  # and the float64 math
     assert rel_err(gx1, gxd) <= E4M3_GEMM_BOUND and rel_err(gw1, gwd) <= E4M3_GEMM_BOUND
@@ -213,9 +214,26 @@ def test_compiled_backward_same_bits(monkeypatch):
 
 
 def test_backward_skips_fusion_when_one_gradient(monkeypatch):
+    """Only grad_weight reads grad_out: no fused pass in backward (x's still runs in forward)."""
     calls = []
     monkeypatch.setattr(linear_mod, "quantize_rows_and_tokens", _stand_in(calls))
     x = torch.randn(16, 32, dtype=torch.bfloat16)  # no grad for x: only grad_weight reads grad_out
     w = torch.randn(24, 32, dtype=torch.bfloat16, requires_grad=True)
     fp8tensor.fp8_linear(x, w).sum().backward()
-    assert calls == [] and w.grad is not None
+    assert calls == [False] and w.grad is not None  # x in forward only
+
+
+def test_inputs_shared_by_linears_quantized_once(monkeypatch):
+    """Linears reading one input (q/k/v) share its grad_weight operand: the fused pass runs for the first only."""
+    calls = []
+    monkeypatch.setattr(linear_mod, "quantize_rows_and_tokens", _stand_in(calls))
+    x = torch.randn(16, 32, dtype=torch.bfloat16, requires_grad=True)
+    ws = [torch.randn(24, 32, dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
+    ys = [fp8tensor.fp8_linear(x, w) for w in ws]
+    assert calls == [False]
+    sum(y.float().sum() for y in ys).backward()
+    monkeypatch.setattr(qmod, "FUSED_GRAD_OUT", False)
+    x0 = x.detach().clone().requires_grad_()
+    w0 = [w.detach().clone().requires_grad_() for w in ws]
+    sum(fp8tensor.fp8_linear(x0, w).float().sum() for w in w0).backward()
+    assert torch.equal(x.grad, x0.grad) and all(torch.equal(a.grad, b.grad) for a, b in zip(ws, w0))

@@ -67,8 +67,10 @@ def test_linear_grads_unchanged(weight, compiled, monkeypatch):
         torch._dynamo.reset()
         f = torch.compile(fn) if compiled else fn
         xr = x.clone().requires_grad_()
-        f(xr).backward(gy)
-        out[on] = (xr.grad, wt.grad)
+        y = f(xr)
+        y.backward(gy)
+        out[on] = (xr.grad, wt.grad, y.detach())
+    assert torch.equal(out[False][2], out[True][2])  # the forward (x's row-wise operand from the fused pass)
     assert torch.equal(out[False][0], out[True][0])
     assert torch.equal(out[False][1], out[True][1])
     ref_w = (q.double() * s.double()) if weight == "fp8" else w.double()

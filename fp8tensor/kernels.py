@@ -15,6 +15,10 @@ the memory-bound time. Here:
 A third kernel quantizes along the last dim (row-wise, contiguous rows) in one launch for eager CUDA callers
 (``quantize_rowwise``, ``ScaledFp8Tensor.from_hp``, FSDP2's pre-all-gather of master weights).
 
+For an operand two GEMMs consume in both layouts (a backward's ``grad_out``, a forward's ``x``),
+:func:`launch_rows_dim0_t` writes both from two reads: a row-wise kernel that also reduces the column amax
+(``atomic_max``), then the cast kernel of step 2.
+
 This module is a leaf: it imports nothing from fp8tensor. The numerics' constants (the scale floor; the fp8 max
 follows from the fp8 dtype) are passed in by :mod:`fp8tensor.quantize`, which decides when a kernel runs and
 registers the dim-0 kernels as the ``torch.library.triton_op`` ``fp8tensor::quantize_dim0_t`` (``torch.compile`` calls

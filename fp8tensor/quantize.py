@@ -5,7 +5,9 @@ This module is the only place where fp8 rounding happens, and :func:`quantize` i
 ``torch.compile``, tensors the kernels do not take), or the ``fp8tensor::quantize_dim0_t`` triton op (GEMM operands
 reduced over their outer dim, in the transposed layout ``torch._scaled_mm`` wants). ``from_hp``, the GEMM engine's
 operand preparation, training, the FSDP2 pre-all-gather and ``copy_`` all go through it (or, for a scale layout
-given by an existing tensor, through :func:`amax_to_scale` / :func:`cast_to_fp8`).
+given by an existing tensor, through :func:`amax_to_scale` / :func:`cast_to_fp8`). An operand needed in both GEMM
+layouts (the fp8 Linear's ``grad_out`` and ``x``) may instead go through :func:`quantize_rows_and_tokens`: the same
+bits as the two separate calls, from two reads of the tensor instead of three.
 
 Scale convention (used everywhere in fp8tensor): ``scale`` is the *dequantization multiplier*, a float32
 tensor with the same number of dims as the data, of size 1 on every dim it does not vary over::

@@ -206,10 +206,43 @@ def _x_for_grad_weight(x: torch.Tensor, x2: torch.Tensor, recipe: Recipe) -> tor
     return x8
 
 
+#: Eager forwards of Linears that read the same input one after another (q/k/v, w1/w3) share its row-wise e4m3
+#: operand: one slot, ``(weak reference to the input, its version, (q, scale))``, replaced by the next input's and
+#: emptied when a backward starts, so at most one such fp8 copy outlives its forward. False: every Linear quantizes
+#: its input itself (same bits).
+SHARE_X_ROWS = True
+_LAST_ROWS: list = [None]
+
+
+def _rows_get(x: torch.Tensor) -> Optional[tuple]:
+    """The row-wise e4m3 operand of input ``x`` made by the previous Linear's forward, or None."""
+    e = _LAST_ROWS[0]
+    if e is not None and e[0]() is x and e[1] == x._version:
+        return e[2]
+    return None
+
+
+def _rows_set(x: torch.Tensor, rows: tuple) -> None:
+    _LAST_ROWS[0] = (weakref.ref(x), x._version, rows)
+
+
+def _x_rows(x: Optional[torch.Tensor], x2: torch.Tensor) -> tuple:
+    """``x2`` (``x`` as ``(M, K)``) quantized row-wise in e4m3, shared with the previous Linear's forward when it read
+    the same ``x`` (:data:`SHARE_X_ROWS`)."""
+    if x is None or not SHARE_X_ROWS or x.is_inference():
+        return quantize(x2, 1, E4M3, gemm_layout=True)
+    rows = _rows_get(x)
+    if rows is None:
+        rows = quantize(x2, 1, E4M3, gemm_layout=True)
+        _rows_set(x, rows)
+    return rows
+
+
 def _x_both(x: torch.Tensor, recipe: Recipe) -> tuple:
     """``x``'s two fp8 GEMM operands from two reads of it (:func:`fp8tensor.quantize.quantize_rows_and_tokens`) in an
-    eager forward on a plain CUDA ``x`` whose grad_weight operand is needed and not shared from another Linear yet
-    (:data:`_GRAD_WEIGHT_INPUTS`); else ``(None, None)`` (each quantized on its own, same bits).
+    eager forward on a plain CUDA ``x`` whose grad_weight operand is needed and made by no Linear yet (neither
+    operand in :data:`_GRAD_WEIGHT_INPUTS` / :data:`_LAST_ROWS`); else ``(None, None)`` (each quantized on its own,
+    same bits).
 
     Returns:
         ``((xq, xs), x8)``: ``x`` ``(M, K)`` quantized row-wise in e4m3 for the output GEMM, and the grad_weight
@@ -222,13 +255,15 @@ def _x_both(x: torch.Tensor, recipe: Recipe) -> tuple:
     key = (x._version, recipe.float8_dtype, fast)
     entries = _gw_entries(x)
     ref = entries.get(key) if entries is not None else None
-    if ref is not None and ref() is not None:  # shared: only the row-wise operand is left to make
-        return None, None
+    if (ref is not None and ref() is not None) or (SHARE_X_ROWS and _rows_get(x) is not None):
+        return None, None  # one of them is shared: the other is made on its own
     hit = quantize_rows_and_tokens(x, E4M3)
     if hit is None:
         return None, None
     x8 = make_scaled(hit[1][0], hit[1][1], x.dtype, fast, _TOKEN_DIMS)
     _gw_store(x, key, x8)
+    if SHARE_X_ROWS:
+        _rows_set(x, hit[0])
     return hit[0], x8
 
 
@@ -342,10 +377,11 @@ def _rowwise_fp8_weight(weight: torch.Tensor) -> bool:
 
 
 def _forward_parts(x2: torch.Tensor, weight: torch.Tensor, wd: torch.Tensor, recipe: Recipe,
-                   a: Optional[tuple] = None) -> Optional[torch.Tensor]:
+                   a: Optional[tuple] = None, x: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """The output GEMM ``x2 @ W^T`` ``(M, N)`` of an eager Linear on plain tensors, or None where the general path
     must run (DTensors, subclasses other than the master / a row-scaled fp8 weight, tracing, modes). ``a``: ``x2``
-    already quantized row-wise in e4m3, ``(q, scale)`` (from :func:`_x_both`).
+    already quantized row-wise in e4m3, ``(q, scale)`` (from :func:`_x_both`); ``x``: the input ``x2`` is a view of
+    (its row-wise operand may be shared between Linears, :func:`_x_rows`).
 
     Same bits as the general path: ``W`` quantized per row (a row-scaled fp8 weight used as it is), ``x2`` per row
     in e4m3 (what ``fp8_mm`` does with a high-precision operand), one ``scaled_mm`` with the forward's fast
@@ -362,7 +398,7 @@ def _forward_parts(x2: torch.Tensor, weight: torch.Tensor, wd: torch.Tensor, rec
     else:
         return None
     _check_mm_args("aten.mm", x2, wq_t)
-    xq, xs = a if a is not None else quantize(x2, 1, E4M3, gemm_layout=True)
+    xq, xs = a if a is not None else _x_rows(x, x2)
     return scaled_mm(xq, xs, wq_t, ws_t, torch.promote_types(x2.dtype, w_dtype),
                      use_fast_accum=recipe.fast_accum_forward)
 
@@ -496,7 +532,7 @@ class _Fp8Linear(torch.autograd.Function):
         N = wd.shape[0]
         x2 = x if x.dim() == 2 else x.reshape(-1, K)  # (a reshape to itself still costs a DTensor dispatch)
         x_rows, x8 = _x_both(x, recipe) if ctx.needs_input_grad[1] else (None, None)
-        out = _forward_parts(x2, weight, wd, recipe, x_rows)
+        out = _forward_parts(x2, weight, wd, recipe, x_rows, x)
         del x_rows
         if out is None:
             w8t = _weight_t_direct(weight, recipe.fast_accum_forward, recipe.float8_dtype) if type(x2) in _DIRECT_TYPES else None
@@ -535,6 +571,8 @@ class _Fp8Linear(torch.autograd.Function):
             )
         x_saved, weight = ctx.saved_tensors
         recipe: Recipe = ctx.recipe
+        if not torch.compiler.is_compiling():  # the forward is over: no input's row-wise operand is needed again
+            _LAST_ROWS[0] = None
         g2 = grad_out if grad_out.dim() == 2 else grad_out.reshape(-1, ctx.n_out)
         fast = recipe.fast_accum_backward
         grad_x = grad_w = grad_b = None

@@ -237,3 +237,39 @@ def test_inputs_shared_by_linears_quantized_once(monkeypatch):
     w0 = [w.detach().clone().requires_grad_() for w in ws]
     sum(fp8tensor.fp8_linear(x0, w).float().sum() for w in w0).backward()
     assert torch.equal(x.grad, x0.grad) and all(torch.equal(a.grad, b.grad) for a, b in zip(ws, w0))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_row_operand_shared_by_consecutive_linears(fused, monkeypatch):
+    """q/k/v read one input: its row-wise operand is made once (and again after an in-place change); same bits."""
+    if fused:
+        monkeypatch.setattr(linear_mod, "quantize_rows_and_tokens", _stand_in([]))
+    monkeypatch.setattr(qmod, "FUSED_GRAD_OUT", fused)
+    real = linear_mod.quantize
+    x_rows = []
+    monkeypatch.setattr(linear_mod, "quantize",
+                        lambda t, dim=-1, *a, **k: (x_rows.append(1) if t.shape == (16, 32) and dim == 1 else None)
+                        or real(t, dim, *a, **k))
+
+    def run(share):
+        monkeypatch.setattr(linear_mod, "SHARE_X_ROWS", share)
+        torch.manual_seed(0)
+        x = torch.randn(16, 32, dtype=torch.bfloat16, requires_grad=True)
+        ws = [torch.randn(24, 32, dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
+        h = x * 1  # the shared input (a non-leaf, as a norm's output)
+        ys = [fp8tensor.fp8_linear(h, w) for w in ws[:2]]
+        with torch.no_grad():
+            h.mul_(2)  # a new version: quantized again
+        ys.append(fp8tensor.fp8_linear(h, ws[2]))
+        sum(y.float().sum() for y in ys).backward()
+        assert linear_mod._LAST_ROWS[0] is None  # emptied by the backward
+        return [y.detach() for y in ys], x.grad, [w.grad for w in ws]
+
+    x_rows.clear()
+    y1, gx1, gw1 = run(True)
+    n_shared = len(x_rows)
+    x_rows.clear()
+    y0, gx0, gw0 = run(False)
+    assert n_shared == (0 if fused else 2) and len(x_rows) == (1 if fused else 3)
+    assert all(torch.equal(a, b) for a, b in zip(y1, y0)) and torch.equal(gx1, gx0)
+    assert all(torch.equal(a, b) for a, b in zip(gw1, gw0))

@@ -233,6 +233,7 @@ def _x_rows(x: Optional[torch.Tensor], x2: torch.Tensor) -> tuple:
         return quantize(x2, 1, E4M3, gemm_layout=True)
     rows = _rows_get(x)
     if rows is None:
+        _LAST_ROWS[0] = None  # (the previous input's copy dies before this one is made)
         rows = quantize(x2, 1, E4M3, gemm_layout=True)
         _rows_set(x, rows)
     return rows
@@ -257,6 +258,8 @@ def _x_both(x: torch.Tensor, recipe: Recipe) -> tuple:
     ref = entries.get(key) if entries is not None else None
     if (ref is not None and ref() is not None) or (SHARE_X_ROWS and _rows_get(x) is not None):
         return None, None  # one of them is shared: the other is made on its own
+    if SHARE_X_ROWS:
+        _LAST_ROWS[0] = None  # (the previous input's copy dies before this one is made)
     hit = quantize_rows_and_tokens(x, E4M3)
     if hit is None:
         return None, None

@@ -148,14 +148,33 @@ if _HAS_TRITON:
     @triton.jit
     def _rows_col_amax_kernel(x_ptr, mul_ptr, q_ptr, scale_ptr, amax_ptr, M, K, FMAX: tl.constexpr,
                               EPS: tl.constexpr, HAS_MUL: tl.constexpr, BLOCK_M: tl.constexpr,
-                              BLOCK_K: tl.constexpr):
+                              BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr):
         # One read of rows offs_m of a row-major (M, K) tensor for two quantizations: the row-wise one
         # (_quantize_rows' arithmetic, of x * mul[None, :] when HAS_MUL: the grad_input operand with a weight's row
         # scales folded in) and the column amax of x itself (_col_amax_kernel's arithmetic, atomic_max into amax).
-        # The first loop reads x from memory, the second (divide, saturate, cast, store) mostly from L2.
+        # The first loop reads x from memory, the second (divide, saturate, cast, store) mostly from L2; ONE_PASS
+        # (BLOCK_K >= K): the rows stay in registers between the two steps and are read once.
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         mmask = offs_m < M
         rows = offs_m.to(tl.int64)[:, None] * K
+        if ONE_PASS:
+            offs_k = tl.arange(0, BLOCK_K)
+            kmask = offs_k < K
+            mask = mmask[:, None] & kmask[None, :]
+            x = tl.load(x_ptr + rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+            a = tl.abs(x)
+            a = tl.where(a != a, float("inf"), a)
+            tl.atomic_max(amax_ptr + offs_k, tl.max(a, axis=0), mask=kmask)
+            if HAS_MUL:
+                x = x * tl.load(mul_ptr + offs_k, mask=kmask, other=1.0)[None, :]
+                a = tl.abs(x)
+                a = tl.where(a != a, float("inf"), a)
+            scale1 = tl.maximum(tl.max(a, axis=1) / FMAX, EPS)
+            tl.store(scale_ptr + offs_m, scale1, mask=mmask)
+            y = tl.div_rn(x, scale1[:, None])
+            y = tl.clamp(y, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
+            tl.store(q_ptr + rows + offs_k[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
+            return
         acc = tl.zeros([BLOCK_M], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -556,8 +575,10 @@ def _dim0_t_kernels(amax_k, cast_k, x, amax, q, scale, M, K, stride_m, fmax, sca
 
 
 #: Tiles of :func:`launch_rows_dim0_t`'s first kernel (rows per program, columns per step, warps); its second kernel
-#: is the dim-0 cast kernel with :data:`CONFIG`'s cast tiles. Any config gives the same bits.
-ROWS_DIM0_CONFIG = dict(block_m=8, block_k=512, warps=8)
+#: is the dim-0 cast kernel with :data:`CONFIG`'s cast tiles. ``one_pass_elems``: rows of up to this many elements
+#: per program (``block_m`` times K rounded up to a power of two, ``block_m`` halved down to 1 to fit) are read once
+#: and kept in registers; 0 turns that off. Any config gives the same bits.
+ROWS_DIM0_CONFIG = dict(block_m=8, block_k=512, warps=8, one_pass_elems=0)  # one_pass_elems: a power of two
 #: Set to False to never take the one-read path (callers then quantize each layout on its own: same bits).
 USE_ROWS_DIM0 = True
 
@@ -613,10 +634,14 @@ def launch_rows_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype, scale_floor: 
     fmax = torch.finfo(float8_dtype).max
     r, c = ROWS_DIM0_CONFIG, CONFIG
     mul = col_mul if col_mul is not None else s_t  # (never read without HAS_MUL)
-    grid1 = (triton.cdiv(M, r["block_m"]),)
+    block_m, block_k, one_pass = r["block_m"], r["block_k"], False
+    k_pow2 = triton.next_power_of_2(K)
+    if r.get("one_pass_elems", 0) and k_pow2 <= r["one_pass_elems"]:
+        block_m, block_k, one_pass = max(1, min(block_m, r["one_pass_elems"] // k_pow2)), k_pow2, True
+    grid1 = (triton.cdiv(M, block_m),)
     args1 = (x, mul, q_rows, s_rows, amax, M, K)
-    consts1 = dict(FMAX=fmax, EPS=scale_floor, HAS_MUL=col_mul is not None, BLOCK_M=r["block_m"],
-                   BLOCK_K=r["block_k"])
+    consts1 = dict(FMAX=fmax, EPS=scale_floor, HAS_MUL=col_mul is not None, BLOCK_M=block_m, BLOCK_K=block_k,
+                   ONE_PASS=one_pass)
     grid2 = (triton.cdiv(M, c["cast_block_m"]), triton.cdiv(K, c["cast_block_k"]))
     args2 = (x, amax, q_t, s_t, M, K, K)
     consts2 = dict(FMAX=fmax, EPS=scale_floor, BLOCK_M=c["cast_block_m"], BLOCK_K=c["cast_block_k"])

@@ -53,7 +53,8 @@ _INTERPRETER_CHECK = textwrap.dedent(
             x[2] = 0  # an all-zero row: the floor scale
             if K > 3:
                 x[1, 3] = float("nan")  # a NaN: inf row and column scales, as the separate kernels
-            for mul in (None, torch.rand(K) + 0.5):
+            for mul, one_pass in ((None, 0), (torch.rand(K) + 0.5, 0), (None, 1024), (torch.rand(K) + 0.5, 1024)):
+                kernels.ROWS_DIM0_CONFIG.update(one_pass_elems=one_pass)  # two loops over K / rows in registers
                 qr, sr, qt, st = kernels.launch_rows_dim0_t(x, fp8, SCALE_FLOOR, col_mul=mul)
                 xr = x if mul is None else x.float() * mul  # what the separate row-wise kernel is given
                 q2, s2 = torch.empty(M, K, dtype=fp8), torch.empty(M, 1)

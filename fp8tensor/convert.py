@@ -26,9 +26,45 @@ from .recipes import get_recipe
 from .tensor import ScaledFp8Tensor, _is_dtensor, map_shard
 
 __all__ = ["convert_to_fp8", "quantize_weights", "fp8_linear_forward", "Fp8Linear", "Fp8LinearMixin",
-           "Fp8GroupedExpertsMixin", "uses_grouped_mm"]
+           "Fp8GroupedExpertsMixin", "uses_grouped_mm", "fp8_size_rule"]
 
 FilterFn = Callable[[nn.Module, str], bool]
+
+#: The size rule's threshold on ``K * N / (K + N)`` (``K`` = in_features, ``N`` = out_features), see
+#: :func:`fp8_size_rule`.
+SIZE_RULE_MIN = 640
+#: Whether :func:`convert_to_fp8` applies :func:`fp8_size_rule` when its ``size_rule`` argument is left at None.
+DEFAULT_SIZE_RULE = False
+
+
+def fp8_size_rule(in_features: int, out_features: int) -> bool:
+    """Whether a Linear of this size is expected to train faster in fp8 than in high precision (row-wise recipes).
+
+    Per token, the fp8 GEMMs save time in proportion to ``K * N`` (their FLOPs) while the quantizations that feed them
+    cost time in proportion to ``K + N`` (the bytes of ``x``, ``grad_out`` and the weight's rows they read and write);
+    both grow linearly with the number of tokens, so their ratio depends on the shape only. The rule converts a Linear
+    when ``K * N / (K + N) >= SIZE_RULE_MIN`` (640): ``2048 x 2048`` (1024), ``2048 <-> 5632`` (1502),
+    ``1024 <-> 4096`` (819) and anything larger are converted; ``1024 x 1024`` (512), ``768 -> 3072`` (614) and small
+    heads (``4096 -> 16``: 16) stay in high precision.
+
+    The threshold sits between two data points: torchao's size-based filter for its row-wise recipe
+    (``torchao.float8``'s auto filter, measured on H100 with its kernels) keeps ``N <= 2048``, ``K <= 1024`` and
+    ``N <= 4096 and K <= 2048`` in high precision; fp8tensor's end-to-end step at dim 2048 on H200 (8192 tokens)
+    ran its GEMMs 1.84x faster in fp8 (24.3 ms bf16 vs 13.2 ms), quantization included faster than bf16, so a
+    ``2048 x 2048`` Linear must stay fp8 here. Calibrate it with ``benchmarks/size_rule.py`` (per-layer fp8 vs bf16
+    forward + backward on the GPU at hand) and set :data:`SIZE_RULE_MIN`.
+
+    Args:
+        in_features: ``K``, the Linear's input features.
+        out_features: ``N``, its output features.
+
+    Returns:
+        True to convert, False to keep the Linear in high precision.
+    """
+    K, N = int(in_features), int(out_features)
+    if K <= 0 or N <= 0:
+        return False
+    return K * N >= SIZE_RULE_MIN * (K + N)
 
 
 def fp8_linear_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
@@ -502,7 +538,8 @@ def _convert_experts(root: nn.Module, chosen, r, skipped: list) -> None:
 
 
 def convert_to_fp8(
-    module: nn.Module, *, recipe="rowwise", module_filter_fn: Optional[FilterFn] = None
+    module: nn.Module, *, recipe="rowwise", module_filter_fn: Optional[FilterFn] = None,
+    size_rule: Optional[bool] = None,
 ) -> nn.Module:
     """Convert every ``nn.Linear`` of ``module`` (in place) to fp8 training with high-precision master weights.
 
@@ -535,11 +572,17 @@ def convert_to_fp8(
     model again switches its recipe; a Linear whose weight is already an :class:`Fp8MasterWeight` (swapped in by
     hand) gets the fp8 forward.
 
+    With ``size_rule`` (the size-aware choice, :func:`fp8_size_rule`), Linears too small for fp8 to pay for its
+    quantizations stay in high precision too; they are listed as ``"fqn (K->N, size rule)"``.
+
     Args:
         module: the model.
         recipe: ``"rowwise"`` (all three GEMMs in fp8) or ``"rowwise_gw_hp"`` (grad_weight in high precision).
         module_filter_fn: ``fn(module, fqn) -> bool``; only Linears and grouped-experts modules for which it returns
             True are converted.
+        size_rule: keep Linears that :func:`fp8_size_rule` expects to be slower in fp8 in high precision (True),
+            or convert every Linear the filter selects (False); None (default): :data:`DEFAULT_SIZE_RULE` (False).
+            Applied after ``module_filter_fn``.
 
     Returns:
         ``module`` itself.
@@ -554,6 +597,7 @@ def convert_to_fp8(
     """
     op = "convert_to_fp8"
     r = get_recipe(recipe)
+    use_size_rule = DEFAULT_SIZE_RULE if size_rule is None else bool(size_rule)
     chosen = _select_linears(module, module_filter_fn, op)
     _check_fsdp_sharded([lin.weight for _, lin in chosen], op)
     chosen, skipped, redirects = _drop_custom_forwards(chosen, op)
@@ -572,6 +616,9 @@ def convert_to_fp8(
             continue  # stored in fp8 by quantize_weights: nothing to train
         elif lin.in_features % 16 or lin.out_features % 16 or not w.dtype.is_floating_point:
             skipped.append(f"{fqn or '<root>'} ({lin.in_features}->{lin.out_features})")
+            continue
+        elif use_size_rule and not fp8_size_rule(lin.in_features, lin.out_features):
+            skipped.append(f"{fqn or '<root>'} ({lin.in_features}->{lin.out_features}, size rule)")
             continue
         else:
             new = _swap_local(w, lambda lt: Fp8MasterWeight(lt, r))

@@ -22,7 +22,8 @@ from .capture import capture_token
 from . import quantize as _quantize_mod
 from .gemm import _check_mm_args, fp8_mm, scaled_mm
 from .ops import t_view
-from .quantize import _LIB, E4M3, FLOAT8_DTYPES, after_dep, quantize, quantize_dim0_t_after, quantize_tokens
+from .quantize import (_LIB, E4M3, FLOAT8_DTYPES, after_dep, quantize, quantize_dim0_t_after, quantize_rows_and_tokens,
+                       quantize_tokens)
 from .recipes import Recipe, get_recipe
 from .tensor import ScaledFp8Tensor, _is_dtensor, make_scaled, map_local, rowwise_dims
 
@@ -207,6 +208,70 @@ def _x_for_grad_weight(x: torch.Tensor, x2: torch.Tensor, recipe: Recipe) -> tor
     return x8
 
 
+#: Eager forwards of Linears that read the same input one after another (q/k/v, w1/w3) share its row-wise e4m3
+#: operand: one slot, ``(weak reference to the input, its version, (q, scale))``, replaced by the next input's and
+#: emptied when a backward starts, so at most one such fp8 copy outlives its forward. False: every Linear quantizes
+#: its input itself (same bits).
+SHARE_X_ROWS = True
+_LAST_ROWS: list = [None]
+
+
+def _rows_get(x: torch.Tensor) -> Optional[tuple]:
+    """The row-wise e4m3 operand of input ``x`` made by the previous Linear's forward, or None."""
+    e = _LAST_ROWS[0]
+    if e is not None and e[0]() is x and e[1] == x._version:
+        return e[2]
+    return None
+
+
+def _rows_set(x: torch.Tensor, rows: tuple) -> None:
+    _LAST_ROWS[0] = (weakref.ref(x), x._version, rows)
+
+
+def _x_rows(x: Optional[torch.Tensor], x2: torch.Tensor) -> tuple:
+    """``x2`` (``x`` as ``(M, K)``) quantized row-wise in e4m3, shared with the previous Linear's forward when it read
+    the same ``x`` (:data:`SHARE_X_ROWS`)."""
+    if x is None or not SHARE_X_ROWS or x.is_inference():
+        return quantize(x2, 1, E4M3, gemm_layout=True)
+    rows = _rows_get(x)
+    if rows is None:
+        _LAST_ROWS[0] = None  # (the previous input's copy dies before this one is made)
+        rows = quantize(x2, 1, E4M3, gemm_layout=True)
+        _rows_set(x, rows)
+    return rows
+
+
+def _x_both(x: torch.Tensor, recipe: Recipe) -> tuple:
+    """``x``'s two fp8 GEMM operands from two reads of it (:func:`fp8tensor.quantize.quantize_rows_and_tokens`) in an
+    eager forward on a plain CUDA ``x`` whose grad_weight operand is needed and made by no Linear yet (neither
+    operand in :data:`_GRAD_WEIGHT_INPUTS` / :data:`_LAST_ROWS`); else ``(None, None)`` (each quantized on its own,
+    same bits).
+
+    Returns:
+        ``((xq, xs), x8)``: ``x`` ``(M, K)`` quantized row-wise in e4m3 for the output GEMM, and the grad_weight
+        operand (a ScaledFp8Tensor scaled per input feature, stored in :data:`_GRAD_WEIGHT_INPUTS` for the Linears
+        that read the same ``x``)."""
+    if not (_quantize_mod.FUSED_GRAD_OUT and recipe.grad_weight_fp8 and recipe.float8_dtype == E4M3
+            and _eager_plain(x) and x.dim() >= 2 and x.shape[-1] > 1 and not x.is_inference()):
+        return None, None
+    fast = recipe.fast_accum_backward
+    key = (x._version, recipe.float8_dtype, fast)
+    entries = _gw_entries(x)
+    ref = entries.get(key) if entries is not None else None
+    if (ref is not None and ref() is not None) or (SHARE_X_ROWS and _rows_get(x) is not None):
+        return None, None  # one of them is shared: the other is made on its own
+    if SHARE_X_ROWS:
+        _LAST_ROWS[0] = None  # (the previous input's copy dies before this one is made)
+    hit = quantize_rows_and_tokens(x, E4M3)
+    if hit is None:
+        return None, None
+    x8 = make_scaled(hit[1][0], hit[1][1], x.dtype, fast, _TOKEN_DIMS)
+    _gw_store(x, key, x8)
+    if SHARE_X_ROWS:
+        _rows_set(x, hit[0])
+    return hit[0], x8
+
+
 def _transpose_after_impl(q: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
     """``fp8tensor::transpose_after``: ``q.t().contiguous()`` (always a copy); ``after`` is not read. CUDA fp8: one
     tiled Triton kernel (:func:`fp8tensor.kernels.launch_transpose`); otherwise ATen's copy."""
@@ -316,9 +381,12 @@ def _rowwise_fp8_weight(weight: torch.Tensor) -> bool:
         type(weight.qdata) is torch.Tensor
 
 
-def _forward_parts(x2: torch.Tensor, weight: torch.Tensor, wd: torch.Tensor, recipe: Recipe) -> Optional[torch.Tensor]:
+def _forward_parts(x2: torch.Tensor, weight: torch.Tensor, wd: torch.Tensor, recipe: Recipe,
+                   a: Optional[tuple] = None, x: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """The output GEMM ``x2 @ W^T`` ``(M, N)`` of an eager Linear on plain tensors, or None where the general path
-    must run (DTensors, subclasses other than the master / a row-scaled fp8 weight, tracing, modes).
+    must run (DTensors, subclasses other than the master / a row-scaled fp8 weight, tracing, modes). ``a``: ``x2``
+    already quantized row-wise in e4m3, ``(q, scale)`` (from :func:`_x_both`); ``x``: the input ``x2`` is a view of
+    (its row-wise operand may be shared between Linears, :func:`_x_rows`).
 
     Same bits as the general path: ``W`` quantized per row (a row-scaled fp8 weight used as it is), ``x2`` per row
     in e4m3 (what ``fp8_mm`` does with a high-precision operand), one ``scaled_mm`` with the forward's fast
@@ -335,16 +403,19 @@ def _forward_parts(x2: torch.Tensor, weight: torch.Tensor, wd: torch.Tensor, rec
     else:
         return None
     _check_mm_args("aten.mm", x2, wq_t)
-    xq, xs = quantize(x2, 1, E4M3, gemm_layout=True)
+    xq, xs = a if a is not None else _x_rows(x, x2)
     return scaled_mm(xq, xs, wq_t, ws_t, torch.promote_types(x2.dtype, w_dtype),
                      use_fast_accum=recipe.fast_accum_forward)
 
 
-def _grad_input_parts(g2: torch.Tensor, grad_out: torch.Tensor, weight: torch.Tensor, recipe: Recipe
-                      ) -> Optional[torch.Tensor]:
+def _grad_input_parts(g2: torch.Tensor, grad_out: torch.Tensor, weight: torch.Tensor, recipe: Recipe,
+                      a: Optional[tuple] = None) -> Optional[torch.Tensor]:
     """``grad_x = g2 @ W`` ``(M, K)`` of an eager Linear on plain tensors, or None (general path). Same bits as
     :func:`_weight_for_grad_input` + ``fp8_mm``: a high-precision weight quantized per input column after
-    ``grad_out``; a row-scaled fp8 weight transposed after ``grad_out`` with its row scales folded into ``g2``."""
+    ``grad_out``; a row-scaled fp8 weight transposed after ``grad_out`` with its row scales folded into ``g2``.
+
+    ``a``: ``g2``'s operand ``(q, scale)`` already quantized row-wise (with the fp8 weight's row scales folded in),
+    from :func:`_grad_out_both`."""
     fast = recipe.fast_accum_backward
     if type(weight) is ScaledFp8Tensor:
         if not (WEIGHT_AFTER_GRAD and _rowwise_fp8_weight(weight) and weight.qdata.stride(1) == 1):
@@ -353,7 +424,8 @@ def _grad_input_parts(g2: torch.Tensor, grad_out: torch.Tensor, weight: torch.Te
         b8 = _transpose_after(weight.qdata, grad_out).t()
         out_dtype = torch.promote_types(g2.dtype, weight.dtype)
         if s.shape[0] != 1:  # scale folding, as fp8_mm: (g2 diag(s)) @ W8
-            g2 = g2.to(torch.float32) * s.reshape(1, -1)
+            if a is None:
+                g2 = g2.to(torch.float32) * s.reshape(1, -1)
             s = s.new_ones(1, b8.shape[1])
     else:
         w = weight._data if isinstance(weight, QuantizeOnUse) else weight
@@ -361,19 +433,83 @@ def _grad_input_parts(g2: torch.Tensor, grad_out: torch.Tensor, weight: torch.Te
             return None
         qt, st = quantize_dim0_t_after(w, grad_out, recipe.float8_dtype)
         b8, s, out_dtype = qt.t(), st.t(), torch.promote_types(g2.dtype, w.dtype)
-    a8, sa = quantize(g2, 1, E4M3, gemm_layout=True)
+    a8, sa = a if a is not None else quantize(g2, 1, E4M3, gemm_layout=True)
     return scaled_mm(a8, sa, b8, s, out_dtype, use_fast_accum=fast)
 
 
-def _grad_weight_parts(g2: torch.Tensor, grad_out: torch.Tensor, x_saved: torch.Tensor, recipe: Recipe
-                       ) -> Optional[torch.Tensor]:
+def _grad_out_both(grad_out: torch.Tensor, weight: torch.Tensor, x_saved: torch.Tensor) -> Optional[tuple]:
+    """``grad_out``'s two fp8 GEMM operands from two reads of it (:func:`fp8tensor.quantize.quantize_rows_and_tokens`)
+    when an eager backward on plain tensors needs both (grad_input and an fp8 grad_weight) and the parts functions take
+    the weight and the saved input; else None (each quantized on its own, same bits).
+
+    Returns:
+        ``((a8, sa), (gt8, sgt))``: the grad_input operand ``g2`` (times the fp8 weight's row scales, when it has them)
+        quantized row-wise, and the grad_weight operand quantized per output feature over the tokens."""
+    if not (_quantize_mod.FUSED_GRAD_OUT and WEIGHT_AFTER_GRAD and _saved_tokens_fp8(x_saved)
+            and grad_out.shape[-1] > 1):  # (N == 1: the separate path quantizes g2 with the dim-0 kernels)
+        return None
+    col_mul = None
+    if type(weight) is ScaledFp8Tensor:
+        if not (_rowwise_fp8_weight(weight) and weight.qdata.stride(1) == 1):
+            return None
+        if weight.scale.shape[0] != 1:
+            col_mul = weight.scale.reshape(-1)
+    else:
+        w = weight._data if isinstance(weight, QuantizeOnUse) else weight
+        if not (type(w) in _PLAIN and w.dim() == 2 and w.dtype.is_floating_point):
+            return None
+    return quantize_rows_and_tokens(grad_out, E4M3, col_mul=col_mul)
+
+
+def _grad_input_fused_traced(grad_out: torch.Tensor, weight: torch.Tensor, fast: bool, recipe: Recipe
+                             ) -> Optional[tuple]:
+    """Traced backward (``torch.compile``, :data:`fp8tensor.quantize.FUSED_GRAD_OUT_TRACED`): ``grad_x`` with
+    ``grad_out`` quantized for both gradient GEMMs by the ``fp8tensor::quantize_rows_dim0_t`` triton op, or None
+    (DTensors, weights other than a plain / master / row-scaled fp8 one, tensors the kernels do not take).
+
+    Returns:
+        ``(grad_x, (q_tok, s_tok))``: ``grad_x`` ``(M, K)`` as the general path computes it (an fp8 weight's row
+        scales folded into ``grad_out`` before its row-wise quantization), and the grad_weight operand in the form
+        :func:`fp8tensor.quantize.quantize_tokens` returns."""
+    if _is_dtensor(grad_out) or _is_dtensor(weight) or grad_out.dim() < 2 or grad_out.shape[-1] <= 1:
+        return None
+    col_mul = None
+    if isinstance(weight, ScaledFp8Tensor):
+        if not (weight.dim() == 2 and weight.scale.shape[1] == 1 and weight.qdata.stride(1) == 1):
+            return None
+        if weight.scale.shape[0] != 1:
+            col_mul = weight.scale.reshape(-1)
+    elif not isinstance(weight, (torch.Tensor, QuantizeOnUse)) or _is_fp8(weight):
+        return None
+    hit = quantize_rows_and_tokens(grad_out, E4M3, col_mul=col_mul)
+    if hit is None:
+        return None
+    (qr, sr), tok = hit
+    a = make_scaled(qr, sr, grad_out.dtype, fast, rowwise_dims(2, 1))
+    w_b = _weight_for_grad_input(weight, grad_out, fast, recipe)
+    if col_mul is not None:  # the row scales are in a already (fp8_mm's folding, done by the kernel)
+        w_b = make_scaled(w_b.qdata, w_b.scale.new_ones(1, w_b.shape[1]), w_b.orig_dtype, w_b.fast_accum,
+                          (False, True))
+    return _mm(a, w_b), tok
+
+
+def _saved_tokens_fp8(x_saved) -> bool:
+    """The saved input is the plain-path grad_weight operand: a 2-D ScaledFp8Tensor scaled per input feature."""
+    return (type(x_saved) is ScaledFp8Tensor and x_saved.dim() == 2 and x_saved.scale.shape[0] == 1
+            and type(x_saved.qdata) is torch.Tensor)
+
+
+def _grad_weight_parts(g2: torch.Tensor, grad_out: torch.Tensor, x_saved: torch.Tensor, recipe: Recipe,
+                       gt: Optional[tuple] = None) -> Optional[torch.Tensor]:
     """``grad_w = g2^T @ x`` ``(N, K)`` of the ``rowwise`` recipe on plain tensors, from the saved fp8 ``x`` (scaled
     per input feature), or None (general path). Same bits as the general path: ``grad_out`` quantized per output
-    feature over the tokens (the dim-0 kernels, else ``fp8_mm``'s quantization of ``g2^T``)."""
-    if not (type(x_saved) is ScaledFp8Tensor and x_saved.dim() == 2 and x_saved.scale.shape[0] == 1
-            and type(x_saved.qdata) is torch.Tensor):
+    feature over the tokens (the dim-0 kernels, else ``fp8_mm``'s quantization of ``g2^T``).
+
+    ``gt``: that operand already computed, ``(q, scale)`` as :func:`fp8tensor.quantize.quantize_tokens` returns it
+    (from :func:`_grad_out_both`)."""
+    if not _saved_tokens_fp8(x_saved):
         return None
-    hit = quantize_tokens(grad_out, E4M3) if grad_out.dim() >= 2 else None
+    hit = gt if gt is not None else (quantize_tokens(grad_out, E4M3) if grad_out.dim() >= 2 else None)
     if hit is not None:
         a8, sa = hit[0].t(), hit[1].t()
     else:
@@ -400,7 +536,9 @@ class _Fp8Linear(torch.autograd.Function):
         K = x.shape[-1]
         N = wd.shape[0]
         x2 = x if x.dim() == 2 else x.reshape(-1, K)  # (a reshape to itself still costs a DTensor dispatch)
-        out = _forward_parts(x2, weight, wd, recipe)
+        x_rows, x8 = _x_both(x, recipe) if ctx.needs_input_grad[1] else (None, None)
+        out = _forward_parts(x2, weight, wd, recipe, x_rows, x)
+        del x_rows
         if out is None:
             w8t = _weight_t_direct(weight, recipe.fast_accum_forward, recipe.float8_dtype) if type(x2) in _DIRECT_TYPES else None
             if w8t is not None:  # (argument checks kept: the devices and dtypes of x are not checked before this)
@@ -418,7 +556,7 @@ class _Fp8Linear(torch.autograd.Function):
         ctx.w_dtype = wd.dtype
         x_saved = None
         if ctx.needs_input_grad[1]:
-            x_saved = _x_for_grad_weight(x, x2, recipe) if recipe.grad_weight_fp8 else x
+            x_saved = (x8 if x8 is not None else _x_for_grad_weight(x, x2, recipe)) if recipe.grad_weight_fp8 else x
         ctx.save_for_backward(x_saved, weight if ctx.needs_input_grad[0] else None)
         # Not a view of ``out`` (as F.linear's output is not): FSDP2 hooks the module output for backward, and an
         # in-place op on a view output would drop that hook (torch warns about it).
@@ -438,12 +576,23 @@ class _Fp8Linear(torch.autograd.Function):
             )
         x_saved, weight = ctx.saved_tensors
         recipe: Recipe = ctx.recipe
+        if not torch.compiler.is_compiling():  # the forward is over: no input's row-wise operand is needed again
+            _LAST_ROWS[0] = None
         g2 = grad_out if grad_out.dim() == 2 else grad_out.reshape(-1, ctx.n_out)
         fast = recipe.fast_accum_backward
         grad_x = grad_w = grad_b = None
         parts = _eager_plain(grad_out)
+        both = None  # grad_out's two fp8 operands from one fused pass, when both GEMMs need them
+        if parts and ctx.needs_input_grad[0] and ctx.needs_input_grad[1] and recipe.grad_weight_fp8:
+            both = _grad_out_both(grad_out, weight, x_saved)
+        gt_traced = None  # traced: grad_out's grad_weight operand, from the fused pass that made grad_x's
         if ctx.needs_input_grad[0]:
-            grad_x = _grad_input_parts(g2, grad_out, weight, recipe) if parts else None
+            grad_x = _grad_input_parts(g2, grad_out, weight, recipe, both and both[0]) if parts else None
+            if (grad_x is None and _quantize_mod.FUSED_GRAD_OUT_TRACED and torch.compiler.is_compiling()
+                    and ctx.needs_input_grad[1] and recipe.grad_weight_fp8):
+                fused = _grad_input_fused_traced(grad_out, weight, fast, recipe)
+                if fused is not None:
+                    grad_x, gt_traced = fused
             if grad_x is None:
                 # ``grad_out`` itself (not its reshape) orders the weight operand after it: see _tokens_fp8
                 w_b = _weight_for_grad_input(weight, grad_out, fast, recipe)
@@ -452,7 +601,8 @@ class _Fp8Linear(torch.autograd.Function):
             if grad_x.shape != ctx.x_shape:
                 grad_x = grad_x.reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            grad_w = _grad_weight_parts(g2, grad_out, x_saved, recipe) if parts and recipe.grad_weight_fp8 else None
+            grad_w = (_grad_weight_parts(g2, grad_out, x_saved, recipe, both and both[1])
+                      if parts and recipe.grad_weight_fp8 else None)
             if grad_w is not None:
                 pass
             elif recipe.grad_weight_fp8:
@@ -461,7 +611,9 @@ class _Fp8Linear(torch.autograd.Function):
                 # map_local: under torch.compile the backward of an autograd.Function is traced with grad placements
                 # guessed from the forward output (Partial), which need not be the runtime ones.
                 gt = g2.t()
-                hit = None if _is_dtensor(grad_out) or grad_out.dim() < 2 else quantize_tokens(grad_out, E4M3)
+                hit = gt_traced
+                if hit is None and not _is_dtensor(grad_out) and grad_out.dim() >= 2:
+                    hit = quantize_tokens(grad_out, E4M3)
                 if hit is not None:  # q (N, M) row-major, scale (N, 1): fp8_mm uses them as they are
                     gt = make_scaled(hit[0].t(), hit[1].t(), grad_out.dtype, fast, rowwise_dims(2, 1))
                 grad_w = _mm(gt, x_saved)

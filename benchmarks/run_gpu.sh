@@ -10,7 +10,9 @@
 #   linear       benchmarks/linear.py (per-layer forward + backward, M = 16384)
 #   memory-4096  benchmarks/memory.py at dim 4096 (FSDP2, compiled blocks, one AdamW over all parameters)
 #   moe          benchmarks/moe.py (MoE experts forward + backward, DeepSeek-V3-like and Qwen3-30B-A3B-like shapes)
-#   quant        benchmarks/quant_cost.py (quantization passes)
+#   quant        benchmarks/quant_cost.py (grad_out quantization: separate passes vs one fused pass)
+#   size-rule    benchmarks/size_rule.py --quick (fp8 vs bf16 per Linear shape at small sizes)
+#   train        examples/train.py --cuda-graph on the README model (1200 steps, bf16 / rowwise / rowwise_gw_hp)
 set -uo pipefail
 out=${OUTDIR:-${OUT:-out}}; mkdir -p "$out"
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
@@ -19,11 +21,13 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
 fi
 py=python3
 table() { grep -E "^\||^# e2e|FAILED|Error" "$1" | cut -c1-220; }
-e2e_variants() {  # $1: size
-  local v="bf16@fsdp,rowwise@fsdp,ao_tensorwise@fsdp"
-  v="$v,bf16@fsdp+graph,rowwise@fsdp+graph,rowwise_gw_hp@fsdp+graph,ao_tensorwise@fsdp+graph,ao_rowwise@fsdp+graph"
-  v="$v,bf16@tp+graph,rowwise@tp+graph"
-  echo "$v"
+e2e_variants() {  # $1: size. Default compile and whole-step graph rows, bf16 / fp8tensor / torchao
+  local g="bf16@fsdp+graph,rowwise@fsdp+graph,ao_tensorwise@fsdp+graph"
+  case "$1" in
+    2048) echo "bf16@fsdp,rowwise@fsdp,ao_tensorwise@fsdp,$g,rowwise_gw_hp@fsdp+graph,ao_rowwise@fsdp+graph,bf16@tp+graph,rowwise@tp+graph" ;;
+    readme) echo "bf16@fsdp,rowwise@fsdp,$g,rowwise_gw_hp@fsdp+graph" ;;
+    *) echo "bf16@fsdp,rowwise@fsdp,ao_tensorwise@fsdp,$g" ;;
+  esac
 }
 for stage in "$@"; do
   case "$stage" in
@@ -42,6 +46,15 @@ for stage in "$@"; do
              > "$out/memory_4096.txt" 2>&1; tail -30 "$out/memory_4096.txt" ;;
     moe) timeout 300 $py benchmarks/moe.py --out "$out/moe.json" --profile > "$out/moe.txt" 2>&1; table "$out/moe.txt" ;;
     quant) timeout 200 $py benchmarks/quant_cost.py > "$out/quant.txt" 2>&1; table "$out/quant.txt" ;;
+    size-rule) timeout 200 $py benchmarks/size_rule.py --quick > "$out/size_rule.txt" 2>&1; table "$out/size_rule.txt" ;;
+    train) # the main job on one GPU: the README model, 1200 steps, whole-step CUDA graph; bf16 and fp8 rowwise, then
+           # fp8 rowwise_gw_hp
+           args="--tp 1 --device cuda --compile --cuda-graph --steps 1200 --dim 1024 --layers 4 --heads 16 --kv-heads 4
+                 --seq-len 1024 --batch-size 16 --lr 1e-3 --max-bytes 60000000 --val-batches 16"
+           timeout 300 $py examples/train.py $args --out "$out/train" > "$out/train.txt" 2>&1
+           timeout 200 $py examples/train.py $args --mode fp8 --recipe rowwise_gw_hp --out "$out/train_gw_hp" \
+             > "$out/train_gw_hp.txt" 2>&1
+           grep -hE "tok/s|final val|Error" "$out/train.txt" "$out/train_gw_hp.txt" | cut -c1-220 ;;
     *) echo "run_gpu.sh: unknown stage $stage" >&2; exit 2 ;;
   esac
 done

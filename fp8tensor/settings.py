@@ -7,7 +7,9 @@
         model(x)
     fp8tensor.set_config(gemm_backend="emulated")   # process-wide
 
-Knobs are read when an op runs or is traced: a compiled graph keeps what was in force when it was traced.
+Knobs are read when an op runs or is traced: a compiled graph keeps what was in force when it was traced. A
+:func:`config` block holds in its own thread only: the backward of CUDA tensors runs in autograd's device threads,
+which see the process-wide settings (use :func:`set_config` for knobs that must reach a backward there).
 """
 from __future__ import annotations
 

@@ -250,9 +250,11 @@ def _x_both(x: torch.Tensor, recipe: Recipe) -> tuple:
         ``((xq, xs), x8)``: ``x`` ``(M, K)`` quantized row-wise in e4m3 for the output GEMM, and the grad_weight
         operand (a ScaledFp8Tensor scaled per input feature, stored in :data:`_GRAD_WEIGHT_INPUTS` for the Linears
         that read the same ``x``)."""
-    cfg = get_config()
-    if not (cfg.fused_grad_out != "never" and recipe.grad_weight_fp8 and recipe.float8_dtype == E4M3
-            and _eager_plain(x) and x.dim() >= 2 and x.shape[-1] > 1 and not x.is_inference()):
+    if not (recipe.grad_weight_fp8 and recipe.float8_dtype == E4M3 and _eager_plain(x) and x.dim() >= 2
+            and x.shape[-1] > 1 and not x.is_inference()):
+        return None, None
+    cfg = get_config()  # (read in eager mode only: _eager_plain)
+    if cfg.fused_grad_out == "never":
         return None, None
     share = cfg.share_input_quantization
     fast = recipe.fast_accum_backward

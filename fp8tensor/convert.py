@@ -575,7 +575,8 @@ def convert_to_fp8(
         module_filter_fn: ``fn(module, fqn) -> bool``; only Linears and grouped-experts modules for which it returns
             True are converted.
         size_rule: keep Linears that :func:`fp8_size_rule` expects to be slower in fp8 in high precision (True),
-            or convert every Linear the filter selects (False); None (default): ``fp8tensor.get_config().size_rule`` (default False).
+            or convert every Linear the filter selects (False); None (default): ``fp8tensor.get_config().size_rule``
+            (default False).
             Applied after ``module_filter_fn``.
 
     Returns:

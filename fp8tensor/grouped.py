@@ -52,7 +52,6 @@ ALIGN = 16
 _HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
-
 class _Memo:
     """A one-entry memo of a quantization of a plain tensor: hit when called again on the same data (same storage
     address, shape, strides, dtype, device and version counter, and the same ``extra`` tensors). It holds the source

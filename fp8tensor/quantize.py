@@ -407,8 +407,8 @@ def after_dep(after: torch.Tensor) -> torch.Tensor:
     A traced op that reads it cannot run before ``after`` exists. :func:`quantize_dim0_t_after` uses it to keep a
     master weight's GEMM operand (its per-column quantization, as plain ops where the dim-0 kernels do not run) in
     the backward graph, right after ``grad_out``: computed from the weight alone, the compiled partitioner would move
-    it into the forward graph and keep an fp8 copy of every weight until backward. Reading one element (a view, no copy of ``after``) keeps
-    inductor from writing ``after`` out for it."""
+    it into the forward graph and keep an fp8 copy of every weight until backward. Reading one element (a view, no
+    copy of ``after``) keeps inductor from writing ``after`` out for it."""
     first = after[(slice(0, 1),) * after.dim()]  # (1, ..., 1), a view
     if after.numel() == 0:
         return after.float().sum().reshape(1)  # 0.0 (NaN and inf are impossible: nothing is summed)

@@ -92,11 +92,10 @@ def parse(argv=None):
     p.add_argument("--trace-dir", default=os.environ.get("OUT"), help="write chrome traces here with --profile")
     p.add_argument("--json", default=None, help="write the rows as JSON here")
     p.add_argument("--kernels", action="store_true", help="print the top GPU kernels of every variant")
-    p.add_argument("--weight-after-grad", type=int, default=None, choices=(0, 1),
-                   help="set fp8tensor.linear.WEIGHT_AFTER_GRAD (default: the library's)")
-    p.add_argument("--inline-after-ops", type=int, default=None, choices=(0, 1),
-                   help="set fp8tensor.quantize.INLINE_AFTER_OPS: 1 runs the compiled backward's weight operands as "
-                        "inline triton_ops, 0 as the opaque ops (default: the library's; recorded in the header)")
+    p.add_argument("--fused-grad-out", default=None, choices=("eager", "always", "never"),
+                   help="fp8tensor.set_config(fused_grad_out=...): 'always' also quantizes grad_out for both "
+                        "gradient GEMMs in one fused pass in compiled backwards (default: the library's; recorded in "
+                        "the header and the JSON)")
     p.add_argument("--gc", default="on", choices=("on", "step"),
                    help="Python garbage collector: on (default) or step (disabled in steps, gc.collect() between "
                         "measured steps outside the timing, as torchtitan's GarbageCollection does)")
@@ -144,14 +143,8 @@ def build(precision: str, setup: str, args, mesh, device, mode=None):
         import fp8tensor
 
         print(f"# {precision}: fp8tensor from {os.path.dirname(fp8tensor.__file__)}", flush=True)
-        if args.weight_after_grad is not None:
-            import fp8tensor.linear
-
-            fp8tensor.linear.WEIGHT_AFTER_GRAD = bool(args.weight_after_grad)
-        if args.inline_after_ops is not None:
-            import fp8tensor.quantize
-
-            fp8tensor.quantize.INLINE_AFTER_OPS = bool(args.inline_after_ops)
+        if args.fused_grad_out is not None:
+            fp8tensor.set_config(fused_grad_out=args.fused_grad_out)  # process-wide: backward threads see it too
 
         fp8tensor.convert_to_fp8(model, recipe=precision, module_filter_fn=fp8_module_filter)
     elif precision.startswith("ao_"):
@@ -498,7 +491,7 @@ def main(argv=None):
           f"heads, {c['layers']} layers, seq {c['seq']} x batch {c['batch']}; compile "
           f"{'off' if args.no_compile else (args.mode or 'default')}"
           f"{'; parameters copied into CUDA graphs (--cudagraph-params copy)' if args.cudagraph_params == 'copy' else ''}"
-          f"{'' if args.inline_after_ops is None else f'; INLINE_AFTER_OPS={bool(args.inline_after_ops)}'}"
+          f"{'' if args.fused_grad_out is None else f'; fused_grad_out={args.fused_grad_out}'}"
           f"; {env}\n")
     print("| variant | step ms | tokens/s | vs bf16 | GPU ms/step | wall / GPU | peak GiB |")
     print("|---|---|---|---|---|---|---|")
@@ -516,7 +509,7 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(size=args.size, cfg=c, env=env, mode=args.mode, cudagraph_params=args.cudagraph_params,
-                           inline_after_ops=args.inline_after_ops, rows=rows), f, indent=1)
+                           fused_grad_out=args.fused_grad_out, rows=rows), f, indent=1)
     import torch.distributed as dist
 
     dist.destroy_process_group()

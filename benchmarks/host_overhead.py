@@ -210,8 +210,8 @@ def main(argv=None):
     p.add_argument("--inner", type=int, default=20)
     p.add_argument("--only", default="eager,dtensor,compiled")
     p.add_argument("--no-eager-parts", action="store_true",
-                   help="eager Linears through the general path (fp8tensor.linear.EAGER_PARTS = False: the same bits) "
-                        "to compare the two paths")
+                   help="eager Linears through the general path (fp8tensor.set_config(eager_fast_path=False): the "
+                        "same bits) to compare the two paths")
     p.add_argument("--profile", nargs="?", const="lib", default="",
                    help="cProfile 200 steps of each listed setup (comma-separated: lib, bare, lib_compiled, "
                         "bare_compiled; default lib) and print the top 30 functions by own time")
@@ -219,9 +219,7 @@ def main(argv=None):
     dev = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     if args.no_eager_parts:
-        import fp8tensor.linear
-
-        fp8tensor.linear.EAGER_PARTS = False
+        fp8tensor.set_config(eager_fast_path=False)
     cuda = dev.type == "cuda"
     M = args.tokens or (1024 if cuda else 16)
     D = args.dim or (1024 if cuda else 64)
@@ -269,7 +267,7 @@ def main(argv=None):
 
     gpu = torch.cuda.get_device_name(dev) if cuda else "cpu"
     env = f"{time.strftime('%Y-%m-%d')} · {gpu} · torch {torch.__version__}"
-    path = "general path (EAGER_PARTS=False)" if args.no_eager_parts else "default paths"
+    path = "general path (eager_fast_path=False)" if args.no_eager_parts else "default paths"
     print(f"\n# host overhead, {M} tokens x {D}->{D} {args.dtype}, recipe {args.recipe}, forward+backward, {path}; {env}\n")
     print("| comparison | fp8tensor µs | reference µs | ratio | note |")
     print("|---|---|---|---|---|")

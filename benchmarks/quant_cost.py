@@ -10,8 +10,8 @@ of fused projections: N in 2048, 5632, 6144), bf16. Sections (markdown tables):
    * the same with an fp8 weight's row scales folded in (``g.float() * s`` then row-wise, as the eager backward of an
      FSDP2-gathered fp8 weight does) vs ``col_mul=s``.
 2. A sweep of the fused first kernel's tiles (``kernels.ROWS_DIM0_CONFIG``); bits must not change.
-3. One fp8 Linear forward + backward at M = 8192 (eager: ``FUSED_GRAD_OUT`` off / on; compiled:
-   ``FUSED_GRAD_OUT_TRACED`` off / on), gradients bit-compared between off and on.
+3. One fp8 Linear forward + backward at M = 8192 (``fp8tensor.config``'s ``fused_grad_out``: eager ``"never"`` /
+   ``"eager"``; compiled ``"eager"`` / ``"always"``), gradients bit-compared between off and on.
 
 Usage: ``PYTHONPATH=. python benchmarks/quant_cost.py [--no-sweep] [--no-linear]``.
 """
@@ -28,7 +28,6 @@ from _util import bench_ms, env_line  # noqa: E402
 
 import fp8tensor  # noqa: E402
 from fp8tensor import kernels  # noqa: E402
-from fp8tensor import quantize as qmod  # noqa: E402
 from fp8tensor.quantize import E4M3, quantize, quantize_rows_and_tokens, quantize_tokens  # noqa: E402
 
 M = 8192
@@ -108,10 +107,11 @@ def section_linear() -> None:
         gy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
         lin0 = torch.nn.Linear(K, N, bias=False, device="cuda", dtype=torch.bfloat16)
         for mode in ("eager", "compiled"):
-            flag = "FUSED_GRAD_OUT" if mode == "eager" else "FUSED_GRAD_OUT_TRACED"
             res = {}
             for on in (False, True):
-                setattr(qmod, flag, on)
+                # process-wide (set_config): the backward runs in autograd's device thread
+                fp8tensor.set_config(fused_grad_out=("eager" if on else "never") if mode == "eager" else
+                                     ("always" if on else "eager"))
                 lin = fp8tensor.convert_to_fp8(torch.nn.Linear(K, N, bias=False, device="cuda",
                                                                dtype=torch.bfloat16))
                 with torch.no_grad():
@@ -128,8 +128,7 @@ def section_linear() -> None:
                 step()
                 grads = (xr.grad.clone(), lin.weight.grad.clone())
                 res[on] = (bench_ms(step), grads)
-            setattr(qmod, "FUSED_GRAD_OUT", True)
-            setattr(qmod, "FUSED_GRAD_OUT_TRACED", False)
+            fp8tensor.set_config(fused_grad_out="eager")
             same = all(torch.equal(a, b) for a, b in zip(res[False][1], res[True][1]))
             print(f"| {K}→{N} | {mode} | {res[False][0]:.3f} | {res[True][0]:.3f} | "
                   f"{res[False][0] / res[True][0]:.2f}x | {same} |")

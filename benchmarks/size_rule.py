@@ -2,8 +2,8 @@
 
 1. Per-layer forward + backward, bf16 vs ``convert_to_fp8`` (rowwise), compiled, for square and MLP-shaped Linears
    from 512 to 4096 features at M = 8192 and 16384 tokens; prints the fp8 / bf16 time ratio next to the rule's
-   decision (``K * N / (K + N) >= SIZE_RULE_MIN``) and the smallest ``K * N / (K + N)`` at which fp8 was faster
-   at every M measured: the value to set ``SIZE_RULE_MIN`` to.
+   decision (``K * N / (K + N) >= size_rule_min``) and the smallest ``K * N / (K + N)`` at which fp8 was faster
+   at every M measured: the value to set ``size_rule_min`` to (``fp8tensor.set_config(size_rule_min=...)``).
 2. The GEMM kernels themselves at the small shapes: ``torch._scaled_mm`` (row-wise scales, fast accumulation as the
    forward, slow as the gradients) vs ``torch.mm`` in bf16, each shape's kernel name (CUTLASS / cuBLAS names carry
    their tile and cluster sizes) and time, to see whether the fp8 GEMM picks a tile as good as bf16's.
@@ -69,7 +69,7 @@ def section_layers(quick: bool) -> None:
         print(f"| {K}→{N} | {inten:.0f} | {'fp8' if convert_mod.fp8_size_rule(K, N) else 'bf16'} | {cells} |")
     losing = [i for i, w in wins if not w]
     above = [i for i, w in sorted(wins) if w and all(i > j for j in losing)]
-    print(f"\nSIZE_RULE_MIN now {convert_mod.SIZE_RULE_MIN}; smallest K·N/(K+N) above every shape where fp8 lost: "
+    print(f"\nsize_rule_min now {fp8tensor.get_config().size_rule_min}; smallest K·N/(K+N) above every shape where fp8 lost: "
           f"{min(above) if above else 'none'} (shapes where fp8 lost: {sorted(round(i) for i in losing)})")
 
 

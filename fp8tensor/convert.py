@@ -23,6 +23,7 @@ from .grouped import Fp8GroupedMMMode
 from .linear import fp8_linear
 from .master import Fp8MasterWeight
 from .recipes import get_recipe
+from .settings import get_config
 from .tensor import ScaledFp8Tensor, _is_dtensor, map_shard
 
 __all__ = ["convert_to_fp8", "quantize_weights", "fp8_linear_forward", "Fp8Linear", "Fp8LinearMixin",
@@ -30,29 +31,22 @@ __all__ = ["convert_to_fp8", "quantize_weights", "fp8_linear_forward", "Fp8Linea
 
 FilterFn = Callable[[nn.Module, str], bool]
 
-#: The size rule's threshold on ``K * N / (K + N)`` (``K`` = in_features, ``N`` = out_features), see
-#: :func:`fp8_size_rule`.
-SIZE_RULE_MIN = 640
-#: Whether :func:`convert_to_fp8` applies :func:`fp8_size_rule` when its ``size_rule`` argument is left at None.
-DEFAULT_SIZE_RULE = False
-
-
 def fp8_size_rule(in_features: int, out_features: int) -> bool:
     """Whether a Linear of this size is expected to train faster in fp8 than in high precision (row-wise recipes).
 
     Per token, the fp8 GEMMs save time in proportion to ``K * N`` (their FLOPs) while the quantizations that feed them
     cost time in proportion to ``K + N`` (the bytes of ``x``, ``grad_out`` and the weight's rows they read and write);
     both grow linearly with the number of tokens, so their ratio depends on the shape only. The rule converts a Linear
-    when ``K * N / (K + N) >= SIZE_RULE_MIN`` (640): ``2048 x 2048`` (1024), ``2048 <-> 5632`` (1502),
-    ``1024 <-> 4096`` (819) and anything larger are converted; ``1024 x 1024`` (512), ``768 -> 3072`` (614) and small
-    heads (``4096 -> 16``: 16) stay in high precision.
+    when ``K * N / (K + N) >= size_rule_min`` (a field of :class:`fp8tensor.Config`, default 640): ``2048 x 2048``
+    (1024), ``2048 <-> 5632`` (1502), ``1024 <-> 4096`` (819) and anything larger are converted; ``1024 x 1024``
+    (512), ``768 -> 3072`` (614) and small heads (``4096 -> 16``: 16) stay in high precision.
 
     The threshold sits between two data points: torchao's size-based filter for its row-wise recipe
     (``torchao.float8``'s auto filter, measured on H100 with its kernels) keeps ``N <= 2048``, ``K <= 1024`` and
     ``N <= 4096 and K <= 2048`` in high precision; fp8tensor's end-to-end step at dim 2048 on H200 (8192 tokens)
     ran its GEMMs 1.84x faster in fp8 (24.3 ms bf16 vs 13.2 ms), quantization included faster than bf16, so a
     ``2048 x 2048`` Linear must stay fp8 here. Calibrate it with ``benchmarks/size_rule.py`` (per-layer fp8 vs bf16
-    forward + backward on the GPU at hand) and set :data:`SIZE_RULE_MIN`.
+    forward + backward on the GPU at hand) and set it with ``fp8tensor.set_config(size_rule_min=...)``.
 
     Args:
         in_features: ``K``, the Linear's input features.
@@ -64,7 +58,7 @@ def fp8_size_rule(in_features: int, out_features: int) -> bool:
     K, N = int(in_features), int(out_features)
     if K <= 0 or N <= 0:
         return False
-    return K * N >= SIZE_RULE_MIN * (K + N)
+    return K * N >= get_config().size_rule_min * (K + N)
 
 
 def fp8_linear_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
@@ -581,7 +575,8 @@ def convert_to_fp8(
         module_filter_fn: ``fn(module, fqn) -> bool``; only Linears and grouped-experts modules for which it returns
             True are converted.
         size_rule: keep Linears that :func:`fp8_size_rule` expects to be slower in fp8 in high precision (True),
-            or convert every Linear the filter selects (False); None (default): :data:`DEFAULT_SIZE_RULE` (False).
+            or convert every Linear the filter selects (False); None (default): ``fp8tensor.get_config().size_rule``
+            (default False).
             Applied after ``module_filter_fn``.
 
     Returns:
@@ -597,7 +592,7 @@ def convert_to_fp8(
     """
     op = "convert_to_fp8"
     r = get_recipe(recipe)
-    use_size_rule = DEFAULT_SIZE_RULE if size_rule is None else bool(size_rule)
+    use_size_rule = get_config().size_rule if size_rule is None else bool(size_rule)
     chosen = _select_linears(module, module_filter_fn, op)
     _check_fsdp_sharded([lin.weight for _, lin in chosen], op)
     chosen, skipped, redirects = _drop_custom_forwards(chosen, op)

@@ -19,8 +19,9 @@ The fp8 kernel (CUDA) needs every token group of the 2-D x 2-D GEMM to start at 
 quantization writes both operands into a padded token layout (each group rounded up to 16 tokens, an empty group
 given 16, zeros in the padding, which add nothing: an expert without tokens gets an exact zero gradient from the
 GEMM itself), so any offsets work — groups of 0 tokens, uneven groups, totals of any size. Without
-``torch._scaled_grouped_mm`` (CPU, or :data:`USE_FUSED` False) the same quantized operands go through a per-group
-loop over ``torch._scaled_mm`` (CPU supports it for e4m3 with row-wise scales), so CPU runs the same numerics.
+``torch._scaled_grouped_mm`` (CPU, or ``fp8tensor.config(grouped_gemm_kernel=False)``) the same quantized operands go
+through a per-group loop over ``torch._scaled_mm`` (CPU supports it for e4m3 with row-wise scales), so CPU runs the
+same numerics.
 
 Quantization: on CUDA with Triton, the row-wise kernel of :mod:`fp8tensor.kernels` for the per-token operands and the
 per-group column kernel (``launch_group_cols_t``: column amax of each group and the cast, written in the GEMM's
@@ -38,32 +39,28 @@ from .capture import capture_token
 from .linear import QuantizeOnUse
 from .quantize import E4M3, FLOAT8_DTYPES, SCALE_FLOOR, amax_to_scale, cast_to_fp8, quantize
 from .recipes import Recipe, get_recipe
+from .settings import get_config
 from .tensor import ScaledFp8Tensor, implements
 
 __all__ = ["fp8_grouped_mm", "Fp8GroupedMMMode", "quantize_group_cols", "quantize_expert_cols", "padded_offsets",
-           "grouped_2d3d", "grouped_2d2d", "USE_FUSED", "ALIGN"]
+           "grouped_2d3d", "grouped_2d2d", "ALIGN"]
 
 #: Token alignment of the groups of the fp8 2-D x 2-D grouped GEMM (``torch._scaled_grouped_mm`` on CUDA reads each
 #: group of the token dim from a 16-byte aligned address).
 ALIGN = 16
 
-#: Run ``torch._scaled_grouped_mm`` where it exists (CUDA, e4m3, dims multiples of 16); False: the per-group loop over
-#: ``torch._scaled_mm`` everywhere (the CPU path; used by the GPU tests to compare the two).
-USE_FUSED = True
-
 _HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
-#: Share the quantization of one token tensor between the grouped GEMMs that read it (``w1`` and ``w3`` of SwiGLU
-#: experts read the same tokens): the per-token quantization in the forward and the per-group column quantization
-#: for grad_weight are each kept in a one-entry memo holding the tensor they were computed from (plus that tensor's
-#: fp8 copy until the next call replaces it). Eager plain tensors only; False: quantize on every call.
-SHARE_TOKEN_QUANT = True
 
 
 class _Memo:
     """A one-entry memo of a quantization of a plain tensor: hit when called again on the same data (same storage
     address, shape, strides, dtype, device and version counter, and the same ``extra`` tensors). It holds the source
-    tensors, so their storage cannot be freed and reused while the entry lives."""
+    tensors, so their storage cannot be freed and reused while the entry lives.
+
+    Shares the quantization of one token tensor between the grouped GEMMs that read it (``w1`` and ``w3`` of SwiGLU
+    experts read the same tokens): the per-token quantization in the forward and the per-group column quantization
+    for grad_weight each have one (plus that tensor's fp8 copy until the next call replaces it). Eager plain tensors
+    only; ``fp8tensor.config(share_input_quantization=False)``: quantize on every call (same bits)."""
 
     __slots__ = ("key", "refs", "value")
 
@@ -72,7 +69,8 @@ class _Memo:
 
     @staticmethod
     def _key(tensors):
-        if not SHARE_TOKEN_QUANT or torch.compiler.is_compiling() or compat.dispatch_modes_active():
+        if (torch.compiler.is_compiling() or not get_config().share_input_quantization
+                or compat.dispatch_modes_active()):
             return None
         key = [capture_token()]  # (never served across a CUDA-graph capture boundary: fp8tensor.capture)
         for t in tensors:
@@ -211,7 +209,7 @@ def _quantize_rows(x: torch.Tensor, float8_dtype: torch.dtype = E4M3):
 # ---------------------------------------------------------------------------------------------- GEMMs
 def _fused_ok(*mats) -> bool:
     return (
-        USE_FUSED
+        get_config().grouped_gemm_kernel
         and all(m.is_cuda and m.dtype == E4M3 for m in mats)
         and hasattr(torch, "_scaled_grouped_mm")
     )
@@ -242,8 +240,8 @@ def grouped_2d3d(aq, a_scale, bq, b_scale, offs, out_dtype, *, fast_accum: bool)
 
     Returns:
         ``(M, N)`` of ``out_dtype`` (rows past ``offs[-1]``: zeros on the per-group path, unwritten by the fused
-        kernel as by ``torch._grouped_mm``). ``torch._scaled_grouped_mm`` where it runs (:data:`USE_FUSED`; ``K`` and
-        ``N`` multiples of 16), else a per-group loop over ``torch._scaled_mm``.
+        kernel as by ``torch._grouped_mm``). ``torch._scaled_grouped_mm`` where it runs (``grouped_gemm_kernel`` of
+        :class:`fp8tensor.Config`; ``K`` and ``N`` multiples of 16), else a per-group loop over ``torch._scaled_mm``.
     """
     M, K = aq.shape
     E, _, N = bq.shape

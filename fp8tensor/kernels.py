@@ -215,13 +215,6 @@ if _HAS_TRITON:
         tl.store(dst_ptr + offs_n.to(tl.int64)[:, None] * M + offs_m[None, :], tl.trans(x),
                  mask=(offs_n[:, None] < N) & (offs_m[None, :] < M))
 
-    @triton.jit
-    def _transpose_dep_kernel(src_ptr, dst_ptr, dep_ptr, M, N, stride_m, BLOCK_M: tl.constexpr,
-                              BLOCK_N: tl.constexpr):
-        # _transpose_kernel with one more argument, never read: a traced launch passes a value computed from the
-        # backward's grad_out there, which keeps the kernel in the backward graph (fp8tensor.linear._transpose_after).
-        _transpose_kernel(src_ptr, dst_ptr, M, N, stride_m, BLOCK_M, BLOCK_N)
-
 
     @triton.jit
     def _group_col_quant_t_kernel(x_ptr, ends_ptr, dst_ptr, q_ptr, scale_ptr, M, C, stride_xm, stride_qg, stride_qc,
@@ -269,11 +262,6 @@ if _HAS_TRITON:
 
 
 # ---------------------------------------------------------------------------------------------- eager launches
-#: Launch eager kernels through :class:`_Launcher` (a compiled kernel's own entry point, once its specialization is
-#: known) instead of ``kernel[grid](...)``; False: always Triton's JIT path (same kernels, more host work).
-FAST_LAUNCH = True
-
-
 def _triton_fast_launch_ok() -> bool:
     # Triton >= 3.3: CompiledKernel.run(grid_x, grid_y, grid_z, stream, function, packed_metadata, launch_metadata,
     # enter_hook, exit_hook, *every argument in signature order), the call JITFunction.run itself makes.
@@ -327,7 +315,7 @@ class _Launcher:
         if switch:  # Triton launches on the current device
             with torch.cuda.device(idx):
                 return self(grid, args, consts, num_warps, device)
-        if not (FAST_LAUNCH and _FAST_OK):
+        if not _FAST_OK:
             self.fn[grid](*args, **consts, num_warps=num_warps)
             return None
         full = list(args)
@@ -365,15 +353,13 @@ class _Launcher:
 
 
 #: Tile sizes of the two kernels (tuned on H200 over the e2e models' shapes: benchmarks/dim0_sweep.py, results in
-#: docs/benchmarks.md "Session 7"; any config gives the same bits).
+#: docs/benchmarks.md; any config gives the same bits).
 CONFIG = dict(amax_block_k=64, amax_block_m=256, amax_chunk_m=256, amax_warps=4, cast_block_m=64, cast_block_k=128,
               cast_warps=4)
 
 
 #: Tiles of the row-wise (last-dim) kernel.
 ROW_CONFIG = dict(block_m=4, block_k=1024, warps=8)
-#: Set to False to quantize with the eager ops everywhere (the kernel is then never launched).
-USE_ROW_KERNEL = True
 
 
 def row_kernel_available(x: torch.Tensor) -> bool:
@@ -384,7 +370,6 @@ def row_kernel_available(x: torch.Tensor) -> bool:
     producer (e.g. a norm); compiled code then rounds as inductor's generated kernels do."""
     return (
         _HAS_TRITON
-        and USE_ROW_KERNEL
         and x.dtype in _KERNEL_DTYPES
         and x.is_cuda
         and x.dim() >= 1
@@ -573,8 +558,8 @@ def _dim0_in_range(x: torch.Tensor) -> bool:
     return rows < 2**31 and M <= 65535 * CONFIG["amax_chunk_m"]
 
 
-def launch_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype, scale_floor: float, *, traced: bool = False,
-                  amax_init: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def launch_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype, scale_floor: float, *, traced: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the dim-0 kernels on ``x`` ``(M, K)`` (check :func:`kernel_available` first; an N-D contiguous ``x``
     ``(..., K)`` is read as ``(numel / K, K)`` without a reshape): ``(q, scale)``, ``q`` ``(K, M)`` row-major
     ``float8_dtype`` holding ``x.T`` quantized row-wise, ``scale`` ``(K, 1)`` float32.
@@ -586,18 +571,11 @@ def launch_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype, scale_floor: float
 
     Traced, the kernels get ``x`` itself, never a view of it: inductor materializes a view of a not yet computed
     (fusible) value into a buffer of its own for *each* kernel argument, so a reshaped gradient would be written out
-    several times.
-
-    ``amax_init``: a float32 tensor holding +0.0 (one element) to start the column amax from instead of a fresh
-    zero buffer: the same values, and a traced graph then computes the amax only once ``amax_init`` exists (how the
-    backward pins the weight's quantization after ``grad_out``, :func:`fp8tensor.quantize.quantize_dim0_t_after`)."""
+    several times."""
     K = x.shape[-1]
     M = x.numel() // K
     stride_m = x.stride(0) if x.dim() == 2 else K
-    if amax_init is None:
-        amax = torch.zeros(K, dtype=torch.float32, device=x.device)
-    else:
-        amax = amax_init.reshape(1).expand(K).contiguous()
+    amax = torch.zeros(K, dtype=torch.float32, device=x.device)
     q = torch.empty(K, M, dtype=float8_dtype, device=x.device)
     scale = torch.empty(K, 1, dtype=torch.float32, device=x.device)
     c = CONFIG
@@ -730,25 +708,15 @@ def transpose_available(src: torch.Tensor) -> bool:
     )
 
 
-def launch_transpose(src: torch.Tensor, *, dep: Optional[torch.Tensor] = None) -> torch.Tensor:
+def launch_transpose(src: torch.Tensor) -> torch.Tensor:
     """``src.t().contiguous()`` for an fp8 ``src`` ``(M, N)`` (check :func:`transpose_available`) in one tiled Triton
     kernel: ``(N, M)`` row-major, same dtype. ATen's generic copy moves 1-byte elements through a strided
     elementwise kernel at a fraction of the copy bandwidth (≈0.2 ms for a 14336×4096 fp8 weight on an H200, against
-    ≈0.04 ms here).
-
-    ``dep`` None: an eager launch. Else the body of the ``triton_op`` ``fp8tensor::transpose_dep``: the kernel goes
-    through ``torch.library.wrap_triton`` and gets ``dep`` (a CUDA tensor, never read) as an argument, which orders it
-    after whatever computed ``dep`` in a traced graph."""
+    ≈0.04 ms here). An eager launch."""
     M, N = src.shape
     dst = torch.empty((N, M), dtype=src.dtype, device=src.device)
     c = TRANSPOSE_CONFIG
     grid = (triton.cdiv(M, c["block_m"]), triton.cdiv(N, c["block_n"]))
-    if dep is not None:
-        from torch.library import wrap_triton
-
-        wrap_triton(_transpose_dep_kernel)[grid](src, dst, dep, M, N, src.stride(0), BLOCK_M=c["block_m"],
-                                                 BLOCK_N=c["block_n"], num_warps=c["warps"])
-        return dst
     _launcher(_transpose_kernel)(grid, (src, dst, M, N, src.stride(0)),
                                  dict(BLOCK_M=c["block_m"], BLOCK_N=c["block_n"]), c["warps"], src.device)
     return dst

@@ -19,12 +19,12 @@ import torch.autograd.forward_ad as _forward_ad
 
 from . import kernels
 from .capture import capture_token
-from . import quantize as _quantize_mod
 from .gemm import _check_mm_args, fp8_mm, scaled_mm
 from .ops import t_view
-from .quantize import (_LIB, E4M3, FLOAT8_DTYPES, after_dep, quantize, quantize_dim0_t_after, quantize_rows_and_tokens,
+from .quantize import (_LIB, E4M3, FLOAT8_DTYPES, quantize, quantize_dim0_t_after, quantize_rows_and_tokens,
                        quantize_tokens)
 from .recipes import Recipe, get_recipe
+from .settings import get_config
 from .tensor import ScaledFp8Tensor, _is_dtensor, make_scaled, map_local, rowwise_dims
 
 __all__ = ["QuantizeOnUse", "fp8_linear"]
@@ -209,10 +209,9 @@ def _x_for_grad_weight(x: torch.Tensor, x2: torch.Tensor, recipe: Recipe) -> tor
 
 
 #: Eager forwards of Linears that read the same input one after another (q/k/v, w1/w3) share its row-wise e4m3
-#: operand: one slot, ``(weak reference to the input, its version, (q, scale))``, replaced by the next input's and
-#: emptied when a backward starts, so at most one such fp8 copy outlives its forward. False: every Linear quantizes
-#: its input itself (same bits).
-SHARE_X_ROWS = True
+#: operand (``fp8tensor.config(share_input_quantization=...)``): one slot, ``(weak reference to the input, its
+#: version, (q, scale))``, replaced by the next input's and emptied when a backward starts, so at most one such fp8
+#: copy outlives its forward.
 _LAST_ROWS: list = [None]
 
 
@@ -230,8 +229,8 @@ def _rows_set(x: torch.Tensor, rows: tuple) -> None:
 
 def _x_rows(x: Optional[torch.Tensor], x2: torch.Tensor) -> tuple:
     """``x2`` (``x`` as ``(M, K)``) quantized row-wise in e4m3, shared with the previous Linear's forward when it read
-    the same ``x`` (:data:`SHARE_X_ROWS`)."""
-    if x is None or not SHARE_X_ROWS or x.is_inference():
+    the same ``x`` (``fp8tensor.config(share_input_quantization=...)``)."""
+    if x is None or not get_config().share_input_quantization or x.is_inference():
         return quantize(x2, 1, E4M3, gemm_layout=True)
     rows = _rows_get(x)
     if rows is None:
@@ -251,23 +250,27 @@ def _x_both(x: torch.Tensor, recipe: Recipe) -> tuple:
         ``((xq, xs), x8)``: ``x`` ``(M, K)`` quantized row-wise in e4m3 for the output GEMM, and the grad_weight
         operand (a ScaledFp8Tensor scaled per input feature, stored in :data:`_GRAD_WEIGHT_INPUTS` for the Linears
         that read the same ``x``)."""
-    if not (_quantize_mod.FUSED_GRAD_OUT and recipe.grad_weight_fp8 and recipe.float8_dtype == E4M3
-            and _eager_plain(x) and x.dim() >= 2 and x.shape[-1] > 1 and not x.is_inference()):
+    if not (recipe.grad_weight_fp8 and recipe.float8_dtype == E4M3 and _eager_plain(x) and x.dim() >= 2
+            and x.shape[-1] > 1 and not x.is_inference()):
         return None, None
+    cfg = get_config()  # (read in eager mode only: _eager_plain)
+    if cfg.fused_grad_out == "never":
+        return None, None
+    share = cfg.share_input_quantization
     fast = recipe.fast_accum_backward
     key = (x._version, recipe.float8_dtype, fast)
     entries = _gw_entries(x)
     ref = entries.get(key) if entries is not None else None
-    if (ref is not None and ref() is not None) or (SHARE_X_ROWS and _rows_get(x) is not None):
+    if (ref is not None and ref() is not None) or (share and _rows_get(x) is not None):
         return None, None  # one of them is shared: the other is made on its own
-    if SHARE_X_ROWS:
+    if share:
         _LAST_ROWS[0] = None  # (the previous input's copy dies before this one is made)
     hit = quantize_rows_and_tokens(x, E4M3)
     if hit is None:
         return None, None
     x8 = make_scaled(hit[1][0], hit[1][1], x.dtype, fast, _TOKEN_DIMS)
     _gw_store(x, key, x8)
-    if SHARE_X_ROWS:
+    if share:
         _rows_set(x, hit[0])
     return hit[0], x8
 
@@ -292,15 +295,6 @@ def _(q, after):
     return q.new_empty((q.shape[1], q.shape[0]))
 
 
-if kernels.HAS_TRITON:
-
-    @torch.library.triton_op("fp8tensor::transpose_dep", mutates_args=())
-    def _transpose_dep(q: torch.Tensor, dep: torch.Tensor) -> torch.Tensor:
-        # q.t().contiguous() by the transpose kernel, which also receives dep (not read): inline in compiled graphs,
-        # ordered after whatever dep was computed from (fp8tensor.quantize.after_dep).
-        return kernels.launch_transpose(q, dep=dep)
-
-
 def _transpose_after(q: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
     """``q.t().contiguous()`` (a copy) for the grad_input GEMM, which needs the fp8 weight column-major, ordered after
     ``after`` (``grad_out``) in a traced graph.
@@ -310,20 +304,11 @@ def _transpose_after(q: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
     made in the backward right before its GEMM and dies with it.
 
     * eager, plain tensors: the copy runs directly (the transpose kernel on CUDA; no dispatcher round trip);
-    * traced, CUDA fp8 with Triton and :data:`fp8tensor.quantize.INLINE_AFTER_OPS`: the ``triton_op``
-      ``fp8tensor::transpose_dep`` on :func:`fp8tensor.quantize.after_dep` ``(after)`` — inductor launches the
-      kernel inline, no Python at run time;
-    * otherwise (the default): the opaque op ``fp8tensor::transpose_after``, which takes ``after`` as an input."""
+    * otherwise (traced, under a mode): the opaque op ``fp8tensor::transpose_after``, which takes ``after`` as an
+      input."""
     if kernels.eager_launch_ok(q) and kernels.eager_launch_ok(after):
         return _transpose_after_impl(q, after)  # eager: the op's body (the kernel on CUDA), no dispatcher trip
-    if _quantize_mod.INLINE_AFTER_OPS and kernels.HAS_TRITON and kernels.transpose_available(q):
-        return torch.ops.fp8tensor.transpose_dep(q, after_dep(after))
     return torch.ops.fp8tensor.transpose_after(q, after)
-
-
-#: Make the grad_input weight operand in backward through the ``*_after`` functions, pinned after ``grad_out`` (saves the compiled forward's fp8
-#: weight copies). False: quantize with the plain path (compiled graphs may then hoist it into the forward).
-WEIGHT_AFTER_GRAD = True
 
 
 def _weight_for_grad_input(weight: torch.Tensor, gy: torch.Tensor, fast: bool, recipe: Recipe) -> torch.Tensor:
@@ -337,8 +322,7 @@ def _weight_for_grad_input(weight: torch.Tensor, gy: torch.Tensor, fast: bool, r
       :func:`fp8tensor.quantize.quantize_dim0_t_after`."""
     if _is_fp8(weight):
         if (
-            WEIGHT_AFTER_GRAD
-            and isinstance(weight, ScaledFp8Tensor)
+            isinstance(weight, ScaledFp8Tensor)
             and weight.dim() == 2
             and weight.scale.shape[1] == 1
             and weight.qdata.stride(1) == 1
@@ -347,7 +331,7 @@ def _weight_for_grad_input(weight: torch.Tensor, gy: torch.Tensor, fast: bool, r
             qt = _transpose_after(weight.qdata, gy)
             return make_scaled(qt.t(), weight.scale, weight.orig_dtype, fast, weight.scaled_dims)
         return _quantize(weight, -1, fast)
-    if WEIGHT_AFTER_GRAD and not _is_dtensor(weight) and not _is_dtensor(gy):
+    if not _is_dtensor(weight) and not _is_dtensor(gy):
         w = weight._data if isinstance(weight, QuantizeOnUse) else weight
         if w.dim() == 2 and w.dtype.is_floating_point:
             qt, st = quantize_dim0_t_after(w, gy, recipe.float8_dtype)
@@ -356,21 +340,23 @@ def _weight_for_grad_input(weight: torch.Tensor, gy: torch.Tensor, fast: bool, r
 
 
 # ---------------------------------------------------------------------------------------------- eager plain path
-#: Run eager Linears on plain tensors through :func:`_forward_parts` / :func:`_backward_parts` (the same quantizations
-#: and ``scaled_mm`` calls as the general path, on ``(qdata, scale)`` pairs: no transient ScaledFp8Tensors and no
-#: dispatch through ``fp8_mm``). False: always the general path (same bits).
-EAGER_PARTS = True
+# Eager Linears on plain tensors run through the ``*_parts`` functions below (the same quantizations
+# and ``scaled_mm`` calls as the general path, on ``(qdata, scale)`` pairs: no transient ScaledFp8Tensors and no
+# dispatch through ``fp8_mm``): less host time per Linear, measured by ``benchmarks/host_overhead.py``
+# (``--no-eager-parts`` runs the general path). ``fp8tensor.config(eager_fast_path=False)``: always the general path
+# (same bits).
 
 def _eager_plain(t: torch.Tensor) -> bool:
     """``t`` is a plain tensor and nothing traces or intercepts ops (no compile, no dispatch or torch-function mode,
-    autograd not recording): what :func:`_direct` asks of a GEMM, for the whole Linear."""
+    autograd not recording), and the eager fast path is on (``fp8tensor.config(eager_fast_path=...)``): what
+    :func:`_direct` asks of a GEMM, for the whole Linear."""
     return (
-        EAGER_PARTS
-        and not torch.compiler.is_compiling()  # first: dynamo folds it
+        not torch.compiler.is_compiling()  # first: dynamo folds it
         and type(t) in _PLAIN
         and not torch.is_grad_enabled()
         and torch._C._len_torch_dispatch_stack() == 0
         and torch._C._len_torch_function_stack() == 0
+        and get_config().eager_fast_path
     )
 
 
@@ -418,7 +404,7 @@ def _grad_input_parts(g2: torch.Tensor, grad_out: torch.Tensor, weight: torch.Te
     from :func:`_grad_out_both`."""
     fast = recipe.fast_accum_backward
     if type(weight) is ScaledFp8Tensor:
-        if not (WEIGHT_AFTER_GRAD and _rowwise_fp8_weight(weight) and weight.qdata.stride(1) == 1):
+        if not (_rowwise_fp8_weight(weight) and weight.qdata.stride(1) == 1):
             return None
         s = weight.scale
         b8 = _transpose_after(weight.qdata, grad_out).t()
@@ -429,7 +415,7 @@ def _grad_input_parts(g2: torch.Tensor, grad_out: torch.Tensor, weight: torch.Te
             s = s.new_ones(1, b8.shape[1])
     else:
         w = weight._data if isinstance(weight, QuantizeOnUse) else weight
-        if not (WEIGHT_AFTER_GRAD and type(w) in _PLAIN and w.dim() == 2 and w.dtype.is_floating_point):
+        if not (type(w) in _PLAIN and w.dim() == 2 and w.dtype.is_floating_point):
             return None
         qt, st = quantize_dim0_t_after(w, grad_out, recipe.float8_dtype)
         b8, s, out_dtype = qt.t(), st.t(), torch.promote_types(g2.dtype, w.dtype)
@@ -445,7 +431,7 @@ def _grad_out_both(grad_out: torch.Tensor, weight: torch.Tensor, x_saved: torch.
     Returns:
         ``((a8, sa), (gt8, sgt))``: the grad_input operand ``g2`` (times the fp8 weight's row scales, when it has them)
         quantized row-wise, and the grad_weight operand quantized per output feature over the tokens."""
-    if not (_quantize_mod.FUSED_GRAD_OUT and WEIGHT_AFTER_GRAD and _saved_tokens_fp8(x_saved)
+    if not (get_config().fused_grad_out != "never" and _saved_tokens_fp8(x_saved)
             and grad_out.shape[-1] > 1):  # (N == 1: the separate path quantizes g2 with the dim-0 kernels)
         return None
     col_mul = None
@@ -463,7 +449,7 @@ def _grad_out_both(grad_out: torch.Tensor, weight: torch.Tensor, x_saved: torch.
 
 def _grad_input_fused_traced(grad_out: torch.Tensor, weight: torch.Tensor, fast: bool, recipe: Recipe
                              ) -> Optional[tuple]:
-    """Traced backward (``torch.compile``, :data:`fp8tensor.quantize.FUSED_GRAD_OUT_TRACED`): ``grad_x`` with
+    """Traced backward (``torch.compile``, ``fp8tensor.config(fused_grad_out="always")``): ``grad_x`` with
     ``grad_out`` quantized for both gradient GEMMs by the ``fp8tensor::quantize_rows_dim0_t`` triton op, or None
     (DTensors, weights other than a plain / master / row-scaled fp8 one, tensors the kernels do not take).
 
@@ -588,7 +574,7 @@ class _Fp8Linear(torch.autograd.Function):
         gt_traced = None  # traced: grad_out's grad_weight operand, from the fused pass that made grad_x's
         if ctx.needs_input_grad[0]:
             grad_x = _grad_input_parts(g2, grad_out, weight, recipe, both and both[0]) if parts else None
-            if (grad_x is None and _quantize_mod.FUSED_GRAD_OUT_TRACED and torch.compiler.is_compiling()
+            if (grad_x is None and torch.compiler.is_compiling() and get_config().fused_grad_out == "always"
                     and ctx.needs_input_grad[1] and recipe.grad_weight_fp8):
                 fused = _grad_input_fused_traced(grad_out, weight, fast, recipe)
                 if fused is not None:

@@ -22,7 +22,6 @@ Formats for Deep Learning" (2022) for the formats and PyTorch's ``torch._scaled_
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional
 
 import torch
@@ -239,10 +238,6 @@ def _quantize_dim0_t_shared(x: torch.Tensor, float8_dtype: torch.dtype) -> tuple
     return out
 
 
-#: Deduplicate repeated dim-0 quantizations of one input in compiled graphs (see :func:`_trace_memo`).
-TRACE_MEMO = True
-
-
 def _trace_memo(x: torch.Tensor, float8_dtype: torch.dtype):
     """``(memo, key, inner)`` while ``torch.compile`` traces ``fp8tensor::quantize_dim0_t_shared`` into a graph
     (functionalization under a proxy tracer, when the op is decomposed into its kernels), else
@@ -258,7 +253,7 @@ def _trace_memo(x: torch.Tensor, float8_dtype: torch.dtype):
     unexpected in torch's private tracing APIs: no memo (same values, one quantization per call)."""
     from torch._subclasses.functional_tensor import FunctionalTensor
 
-    if not TRACE_MEMO or not isinstance(x, FunctionalTensor):
+    if not isinstance(x, FunctionalTensor):
         return None, None, None
     try:
         from torch.fx.experimental.proxy_tensor import get_proxy_mode
@@ -344,19 +339,10 @@ def quantize_rows_dim0_t(x: torch.Tensor, col_mul: Optional[torch.Tensor], float
     return _rows_dim0_t_body(x, col_mul, float8_dtype)
 
 
-#: Quantize ``grad_out`` for both gradient GEMMs in one fused pair of kernels (:func:`quantize_rows_and_tokens`) in
-#: eager backwards; False: each layout on its own (same bits).
-FUSED_GRAD_OUT = True
-#: The same inside ``torch.compile`` (the ``fp8tensor::quantize_rows_dim0_t`` triton op). Off by default: compiled
-#: graphs otherwise fuse the row-wise quantization into ``grad_out``'s producer, and which is faster on a GPU is
-#: measured by ``benchmarks/quant_cost.py`` and the end-to-end step (``FP8TENSOR_FUSED_GRAD_OUT_TRACED=1``).
-FUSED_GRAD_OUT_TRACED = os.environ.get("FP8TENSOR_FUSED_GRAD_OUT_TRACED", "0") == "1"
-
-
 def quantize_rows_and_tokens(x: torch.Tensor, float8_dtype: torch.dtype = E4M3, *,
                              col_mul: Optional[torch.Tensor] = None):
     """The two GEMM operands of a backward's ``grad_out`` ``x`` ``(..., N)`` from two reads of it, or None where the
-    fused kernels do not take ``x`` (not CUDA, not contiguous, no Triton, switched off): the caller then quantizes
+    fused kernels do not take ``x`` (not CUDA, not contiguous, no Triton): the caller then quantizes
     each layout on its own (:func:`quantize`, :func:`quantize_tokens`; same values).
 
     Args:
@@ -414,25 +400,15 @@ def _(w, after, float8_dtype):
     return w.new_empty(K, N, dtype=float8_dtype), w.new_empty(K, 1, dtype=torch.float32)
 
 
-#: Traced backward weight operands on CUDA with the Triton kernels: True runs them as inline ``triton_op`` s pinned by
-#: :func:`after_dep` (``fp8tensor::quantize_columns_dep`` here, ``fp8tensor::transpose_dep`` in
-#: :mod:`fp8tensor.linear`: no Python op per Linear in a compiled backward); False (default) keeps the opaque ops
-#: ``fp8tensor::quantize_columns_after`` / ``transpose_after``, which take ``grad_out`` as an unread input. The
-#: inline form has the same bits (tests/gpu) but its speed and peak memory on a GPU are not measured yet (an
-#: earlier inline form raised the peak of a dim-4096 step, docs/benchmarks.md "Session 4"), so it is off. Other
-#: tensors (CPU, no Triton) always trace the plain ops inline, pinned by :func:`after_dep`.
-INLINE_AFTER_OPS = False
-
-
 def after_dep(after: torch.Tensor) -> torch.Tensor:
     """A float32 ``(1,)`` tensor holding +0.0, *computed from* ``after`` (its first element times zero; the sum of
     an empty ``after``): a data dependency on ``after`` with no effect on values.
 
-    A traced op that reads it cannot run before ``after`` exists. The backward uses it to keep the weight's GEMM
-    operand (the master's per-column quantization, the fp8 weight's transposed copy) in the backward graph, right
-    after ``grad_out``: computed from the weight alone, the compiled partitioner would move it into the forward graph
-    and keep an fp8 copy of every weight until backward. Reading one element (a view, no copy of ``after``) keeps
-    inductor from writing ``after`` out for it."""
+    A traced op that reads it cannot run before ``after`` exists. :func:`quantize_dim0_t_after` uses it to keep a
+    master weight's GEMM operand (its per-column quantization, as plain ops where the dim-0 kernels do not run) in
+    the backward graph, right after ``grad_out``: computed from the weight alone, the compiled partitioner would move
+    it into the forward graph and keep an fp8 copy of every weight until backward. Reading one element (a view, no
+    copy of ``after``) keeps inductor from writing ``after`` out for it."""
     first = after[(slice(0, 1),) * after.dim()]  # (1, ..., 1), a view
     if after.numel() == 0:
         return after.float().sum().reshape(1)  # 0.0 (NaN and inf are impossible: nothing is summed)
@@ -450,22 +426,6 @@ def _dim0_t_dep_plain(w: torch.Tensor, dep: torch.Tensor, float8_dtype: torch.dt
     return cast_to_fp8(x, scale, float8_dtype).contiguous(), scale
 
 
-def _dim0_t_dep_body(w: torch.Tensor, dep: torch.Tensor, float8_dtype: torch.dtype):
-    if kernels.kernel_available(w):
-        return kernels.launch_dim0_t(w, float8_dtype, SCALE_FLOOR, traced=True, amax_init=dep)
-    return _dim0_t_dep_plain(w, dep, float8_dtype)
-
-
-if kernels.HAS_TRITON:
-
-    @torch.library.triton_op("fp8tensor::quantize_columns_dep", mutates_args=())
-    def _quantize_columns_dep(w: torch.Tensor, dep: torch.Tensor, float8_dtype: torch.dtype
-                              ) -> tuple[torch.Tensor, torch.Tensor]:
-        # quantize_dim0_t(w) with the column amax started from dep (after_dep): the dim-0 kernels inline in
-        # compiled graphs, ordered after whatever dep was computed from.
-        return _dim0_t_dep_body(w, dep, float8_dtype)
-
-
 def quantize_dim0_t_after(
     w: torch.Tensor, after: torch.Tensor, float8_dtype: torch.dtype = E4M3
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -479,17 +439,13 @@ def quantize_dim0_t_after(
     * eager, plain tensors: the quantization runs directly (the dim-0 kernels on CUDA; no dispatcher round trip);
     * traced (``torch.compile``) or under a mode, a tensor the dim-0 kernels take (CUDA, Triton): the opaque op
       ``fp8tensor::quantize_columns_after`` (``after`` an unread input; one Python call per Linear per compiled
-      backward), or with :data:`INLINE_AFTER_OPS` the ``triton_op`` ``fp8tensor::quantize_columns_dep`` on
-      :func:`after_dep` ``(after)``, whose kernels inductor launches from its generated code (the column amax starts
-      from the dependency's +0.0);
+      backward);
     * traced, other tensors (CPU): the plain ops with the column amax max-ed with :func:`after_dep` ``(after)``,
       inline (inductor fuses them into its own kernels; no Python op at run time)."""
     if (kernels.eager_launch_ok(w) and kernels.eager_launch_ok(after)
             and not (w.requires_grad and torch.is_grad_enabled())):
         return _quantize_columns_after_impl(w, after, float8_dtype)  # eager: the op's body, no dispatcher trip
     if kernels.kernel_available(w):
-        if INLINE_AFTER_OPS:
-            return torch.ops.fp8tensor.quantize_columns_dep(w, after_dep(after), float8_dtype)
         return torch.ops.fp8tensor.quantize_columns_after(w, after, float8_dtype)
     return _dim0_t_dep_plain(w, after_dep(after), float8_dtype)
 

@@ -7,7 +7,9 @@
         model(x)
     fp8tensor.set_config(gemm_backend="emulated")   # process-wide
 
-Knobs are read when an op runs or is traced: a compiled graph keeps what was in force when it was traced.
+Knobs are read when an op runs or is traced: a compiled graph keeps what was in force when it was traced. A
+:func:`config` block holds in its own thread only: the backward of CUDA tensors runs in autograd's device threads,
+which see the process-wide settings (use :func:`set_config` for knobs that must reach a backward there).
 """
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ import dataclasses
 import threading
 from typing import Iterator
 
-__all__ = ["Config", "config", "get_config", "set_config", "GEMM_BACKENDS", "UNKNOWN_OPS"]  # public as fp8tensor.*
+__all__ = ["Config", "config", "get_config", "set_config", "GEMM_BACKENDS", "UNKNOWN_OPS",
+           "FUSED_GRAD_OUT_MODES"]  # public as fp8tensor.*
 
 #: GEMM backends (see :mod:`fp8tensor.gemm`): ``auto`` picks row-wise ``torch._scaled_mm`` where the device supports
 #: it, else tensor-wise with the row scales applied to the output, else an emulation in high precision.
@@ -25,25 +28,71 @@ GEMM_BACKENDS = ("auto", "rowwise", "tensorwise", "emulated")
 #: ``out=`` and collectives always raise): ``warn`` runs it on the dequantized tensors and warns once per op,
 #: ``raise`` raises ``NotImplementedError``, ``allow`` runs it dequantized silently.
 UNKNOWN_OPS = ("warn", "raise", "allow")
+#: Where ``grad_out`` is quantized for both gradient GEMMs in one fused pass (see :attr:`Config.fused_grad_out`).
+FUSED_GRAD_OUT_MODES = ("eager", "always", "never")
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
     """fp8tensor's settings (immutable; change them with :func:`set_config` or :func:`config`).
 
+    Every field but ``gemm_backend`` (on devices where several backends run) and ``size_rule`` /
+    ``size_rule_min`` (which Linears are converted) leaves the numbers unchanged: the others choose between code
+    paths that compute the same bits, and exist to measure one against the other or to rule a fast path out while
+    looking for a problem.
+
     Attributes:
         gemm_backend: one of :data:`GEMM_BACKENDS` (default ``"auto"``).
         unknown_ops: one of :data:`UNKNOWN_OPS` (default ``"warn"``): an out-of-place op that fp8tensor does not
             implement in fp8 runs in high precision on the dequantized tensors (correct, but a missing fp8 op looks
             like a working one, hence the warning; ``"raise"`` is for tests that must prove a path stays in fp8).
+        eager_fast_path: (default True) eager fp8 Linears on plain tensors run on ``(qdata, scale)`` pairs: the same
+            quantizations and ``scaled_mm`` calls as the general path, without transient ``ScaledFp8Tensor`` s and
+            the dispatch through ``fp8_mm`` (less host time per Linear, ``benchmarks/host_overhead.py``). False: every
+            Linear takes the general path (same bits; to compare the two or to rule the fast path out).
+        share_input_quantization: (default True) an input read by several GEMMs one after another is quantized once
+            and shared: the row-wise e4m3 input of eager fp8 Linears (q/k/v, w1/w3; one slot, emptied when a
+            backward starts) and the token tensor of eager fp8 grouped GEMMs (one-entry memos for the per-token and
+            the per-group column quantizations). Eager plain tensors only; False: every GEMM quantizes its input
+            itself (same bits, more quantization work, less fp8 memory held between Linears).
+        fused_grad_out: one of :data:`FUSED_GRAD_OUT_MODES` (default ``"eager"``): where an operand needed in both
+            GEMM layouts (a backward's ``grad_out``, an eager forward's input) is quantized for both from two reads
+            of it (:func:`fp8tensor.quantize.quantize_rows_and_tokens`; CUDA with Triton) instead of each layout on
+            its own. ``"eager"``: in eager Linears only; ``"always"``: also ``grad_out`` in compiled backwards
+            (the ``fp8tensor::quantize_rows_dim0_t`` triton op; off by default because a compiled graph otherwise
+            fuses the row-wise quantization into ``grad_out``'s producer: measure with ``benchmarks/quant_cost.py``
+            and the end-to-end step before switching it on); ``"never"``: each layout on its own everywhere. Same
+            bits in every mode.
+        grouped_gemm_kernel: (default True) fp8 grouped GEMMs (MoE) run ``torch._scaled_grouped_mm`` where it exists
+            (CUDA, e4m3, dims multiples of 16). False: a loop of ``torch._scaled_mm`` over the groups everywhere
+            (the CPU path; to compare the two on a GPU).
+        size_rule: (default False) whether :func:`fp8tensor.convert_to_fp8` applies
+            :func:`fp8tensor.convert.fp8_size_rule` (Linears too small for fp8 to pay stay in high precision) when
+            its ``size_rule`` argument is left at None. Off until ``size_rule_min`` is calibrated on the target GPU.
+        size_rule_min: (default 640) the size rule's threshold on ``K * N / (K + N)`` (``K`` in_features, ``N``
+            out_features); calibrate it with ``benchmarks/size_rule.py``. A positive number.
     """
 
     gemm_backend: str = "auto"
     unknown_ops: str = "warn"
+    eager_fast_path: bool = True
+    share_input_quantization: bool = True
+    fused_grad_out: str = "eager"
+    grouped_gemm_kernel: bool = True
+    size_rule: bool = False
+    size_rule_min: float = 640
 
     def __post_init__(self):
         _check_choice("gemm_backend", self.gemm_backend, GEMM_BACKENDS)
         _check_choice("unknown_ops", self.unknown_ops, UNKNOWN_OPS)
+        _check_choice("fused_grad_out", self.fused_grad_out, FUSED_GRAD_OUT_MODES)
+        for name in ("eager_fast_path", "share_input_quantization", "grouped_gemm_kernel", "size_rule"):
+            value = getattr(self, name)
+            if type(value) is not bool:
+                raise ValueError(f"fp8tensor.config: {name} must be True or False, got {value!r}")
+        m = self.size_rule_min
+        if type(m) not in (int, float) or not (0 < m < float("inf")):
+            raise ValueError(f"fp8tensor.config: size_rule_min must be a positive finite number, got {m!r}")
 
 
 def _check_choice(name: str, value, choices) -> None:

@@ -18,6 +18,7 @@ import random
 import pytest
 import torch
 
+import fp8tensor
 from fp8tensor.quantize import quantize_rowwise
 
 #: Relative Frobenius error bound of a GEMM with both operands rounded to e4m3 (typical value ≈ 3.6e-2).
@@ -41,6 +42,16 @@ def _fresh_seed():
     torch.manual_seed(seed)
     print(f"FP8TENSOR_TEST_SEED={seed}")
     yield seed
+
+
+def set_knobs(monkeypatch, **changes) -> None:
+    """``fp8tensor.set_config(**changes)`` until the end of the test (``monkeypatch`` restores the settings). Process-wide
+    rather than a ``with fp8tensor.config(...)`` block: the backward of CUDA tensors runs in autograd's device threads,
+    which a thread-local block does not reach."""
+    from fp8tensor import settings
+
+    monkeypatch.setattr(settings, "_global", fp8tensor.set_config())  # (records the settings to restore)
+    fp8tensor.set_config(**changes)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

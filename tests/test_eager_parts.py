@@ -1,4 +1,5 @@
-"""The eager fp8 Linear's plain-tensor path (``fp8tensor.linear.EAGER_PARTS``) gives the same bits as the general path.
+"""The eager fp8 Linear's plain-tensor path (``fp8tensor.config(eager_fast_path=...)``) gives the same bits as the
+general path.
 
 The plain path runs the same quantizations and ``scaled_mm`` calls on ``(qdata, scale)`` pairs instead of building
 ScaledFp8Tensors and dispatching through ``fp8_mm``; outputs and all gradients must be bit-identical, and both must
@@ -16,13 +17,13 @@ from fp8tensor import gemm as gemm_mod
 from fp8tensor import linear as linear_mod
 from fp8tensor.tensor import ScaledFp8Tensor
 
-from conftest import E4M3_GEMM_BOUND, rel_err
+from conftest import E4M3_GEMM_BOUND, rel_err, set_knobs
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _run(parts: bool, make, x, gy, monkeypatch):
-    monkeypatch.setattr(linear_mod, "EAGER_PARTS", parts)
+    set_knobs(monkeypatch, eager_fast_path=parts)
     lin = make()
     xr = x.detach().clone().requires_grad_(x.requires_grad)
     y = lin(xr)
@@ -136,7 +137,7 @@ def test_bad_dtypes_raise_the_general_paths_errors(monkeypatch):
     for a, b in cases:
         errors = []
         for parts in (True, False):
-            monkeypatch.setattr(linear_mod, "EAGER_PARTS", parts)
+            set_knobs(monkeypatch, eager_fast_path=parts)
             a0, b0 = a.clone(), b.clone()
             with pytest.raises(Exception) as info:
                 fp8tensor.fp8_linear(a, b)
@@ -147,3 +148,30 @@ def test_bad_dtypes_raise_the_general_paths_errors(monkeypatch):
         assert errors[0] == errors[1], errors
         if a.dtype.is_floating_point and not b.dtype.is_floating_point or a.dtype == torch.int64:
             assert "aten.mm: expected floating-point operands" in errors[0][1]
+
+
+@pytest.mark.skipif(DEV != "cpu", reason="the backward of CUDA tensors runs in autograd's device threads")
+def test_config_block_selects_the_general_path(monkeypatch):
+    """``with fp8tensor.config(eager_fast_path=False)`` (thread-local) reaches the forward and the CPU backward: every
+    GEMM goes through ``fp8_mm``; outside the block none does; the same bits."""
+    K, N = 64, 48
+    x = torch.randn(4, K, dtype=torch.bfloat16)
+    gy = torch.randn(4, N, dtype=torch.bfloat16)
+    calls = []
+    real = gemm_mod.fp8_mm
+    monkeypatch.setattr(linear_mod, "fp8_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def run():
+        lin = fp8tensor.convert_to_fp8(_linear(K, N, torch.bfloat16, True, 0))
+        xr = x.clone().requires_grad_()
+        y = lin(xr)
+        y.backward(gy)
+        return y.detach(), xr.grad, lin.weight.grad
+
+    with fp8tensor.config(eager_fast_path=False):
+        general = run()
+    assert len(calls) == 3  # output, grad_input, grad_weight
+    calls.clear()
+    fast = run()
+    assert calls == []
+    assert all(torch.equal(a, b) for a, b in zip(fast, general))

@@ -27,7 +27,7 @@ from fp8tensor import quantize as qmod
 from fp8tensor.quantize import SCALE_FLOOR, quantize, quantize_dim0_t
 from fp8tensor.tensor import make_scaled
 
-from conftest import E4M3_GEMM_BOUND, rel_err
+from conftest import E4M3_GEMM_BOUND, rel_err, set_knobs
 
 F8 = torch.float8_e4m3fn
 
@@ -183,11 +183,11 @@ def test_eager_backward_same_bits(weight, monkeypatch):
     else:
         make_w = lambda: w_hp  # noqa: E731
         w_ref = w_hp
-    monkeypatch.setattr(qmod, "FUSED_GRAD_OUT", False)
+    set_knobs(monkeypatch, fused_grad_out="never")
     y0, gx0, gw0 = _grads(x, make_w(), gy, bias)
     calls = []
     monkeypatch.setattr(linear_mod, "quantize_rows_and_tokens", _stand_in(calls))
-    monkeypatch.setattr(qmod, "FUSED_GRAD_OUT", True)
+    set_knobs(monkeypatch, fused_grad_out="eager")
     y1, gx1, gw1 = _grads(x, make_w(), gy, bias)
     # x in forward, grad_out in backward (with the fp8 weight's row scales folded in by the kernel)
     assert calls == [False, weight == "fp8"], calls
@@ -202,10 +202,10 @@ def test_compiled_backward_same_bits(monkeypatch):
     gy = torch.randn(3, 8, N, dtype=torch.bfloat16)
     w = torch.randn(N, K, dtype=torch.bfloat16) * K ** -0.5
     monkeypatch.setattr(linear_mod, "quantize_rows_and_tokens", _stand_in([]))
-    monkeypatch.setattr(qmod, "FUSED_GRAD_OUT_TRACED", False)
+    set_knobs(monkeypatch, fused_grad_out="eager")
     ops0, ops1 = set(), set()
     y0, gx0, gw0 = _grads_compiled(x, w, gy, ops0)
-    monkeypatch.setattr(qmod, "FUSED_GRAD_OUT_TRACED", True)
+    set_knobs(monkeypatch, fused_grad_out="always")
     y1, gx1, gw1 = _grads_compiled(x, w, gy, ops1)
     fused = [o for o in ops1 if "quantize_rows_dim0_t" in o]
     assert fused and not [o for o in ops0 if "quantize_rows_dim0_t" in o], sorted(ops1)  # in the compiled backward
@@ -233,7 +233,7 @@ def test_inputs_shared_by_linears_quantized_once(monkeypatch):
     ys = [fp8tensor.fp8_linear(x, w) for w in ws]
     assert calls == [False]
     sum(y.float().sum() for y in ys).backward()
-    monkeypatch.setattr(qmod, "FUSED_GRAD_OUT", False)
+    set_knobs(monkeypatch, fused_grad_out="never")
     x0 = x.detach().clone().requires_grad_()
     w0 = [w.detach().clone().requires_grad_() for w in ws]
     sum(fp8tensor.fp8_linear(x0, w).float().sum() for w in w0).backward()
@@ -245,7 +245,7 @@ def test_row_operand_shared_by_consecutive_linears(fused, monkeypatch):
     """q/k/v read one input: its row-wise operand is made once (and again after an in-place change); same bits."""
     if fused:
         monkeypatch.setattr(linear_mod, "quantize_rows_and_tokens", _stand_in([]))
-    monkeypatch.setattr(qmod, "FUSED_GRAD_OUT", fused)
+    set_knobs(monkeypatch, fused_grad_out="eager" if fused else "never")
     real = linear_mod.quantize
     x_rows = []
     monkeypatch.setattr(linear_mod, "quantize",
@@ -253,7 +253,7 @@ def test_row_operand_shared_by_consecutive_linears(fused, monkeypatch):
                         or real(t, dim, *a, **k))
 
     def run(share):
-        monkeypatch.setattr(linear_mod, "SHARE_X_ROWS", share)
+        set_knobs(monkeypatch, share_input_quantization=share)
         torch.manual_seed(0)
         x = torch.randn(16, 32, dtype=torch.bfloat16, requires_grad=True)
         ws = [torch.randn(24, 32, dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]

@@ -53,7 +53,7 @@ class _FakeJit:
 def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda idx: 1234, raising=False)
-    monkeypatch.setattr(kernels, "FAST_LAUNCH", True)
+    monkeypatch.setattr(kernels, "_FAST_OK", True)
     return torch.device("cuda", 0)
 
 
@@ -104,8 +104,9 @@ def test_new_argument_class_goes_through_jit(fake_cuda, change):
     assert len(fn.jit_calls) == 2 and len(fn.runs) == 1
 
 
-def test_switch_off_always_jit(fake_cuda, monkeypatch):
-    monkeypatch.setattr(kernels, "FAST_LAUNCH", False)
+def test_triton_without_direct_entry_always_jit(fake_cuda, monkeypatch):
+    """A Triton whose compiled kernels cannot be called directly (before 3.3): every launch through its JIT."""
+    monkeypatch.setattr(kernels, "_FAST_OK", False)
     fn = _FakeJit()
     launch = kernels._Launcher(fn)
     x = torch.zeros(64, dtype=torch.uint8)

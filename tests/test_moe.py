@@ -18,6 +18,8 @@ from fp8tensor import Fp8MasterWeight, ScaledFp8Tensor, convert_to_fp8
 from fp8tensor.grouped import fp8_grouped_mm, padded_offsets, quantize_expert_cols, quantize_group_cols
 from fp8tensor.quantize import quantize_rowwise
 
+from conftest import set_knobs
+
 U = 2.0**-4 / math.sqrt(3)
 TWO = math.sqrt(2) * U  # two rounded operands
 
@@ -334,7 +336,7 @@ def test_tokens_read_by_two_gemms_are_quantized_once(monkeypatch):
     y.sum().backward()
     assert calls["cols"] == 1
     # same values as without sharing
-    monkeypatch.setattr(G, "SHARE_TOKEN_QUANT", False)
+    set_knobs(monkeypatch, share_input_quantization=False)
     x2 = x.detach().clone().requires_grad_()
     w1b, w3b = (nn.Parameter(Fp8MasterWeight(w._data.clone())) for w in (w1, w3))
     y2 = (torch._grouped_mm(x2, w1b.transpose(-2, -1), offs=offs)
@@ -344,7 +346,7 @@ def test_tokens_read_by_two_gemms_are_quantized_once(monkeypatch):
     assert torch.equal(y, y2) and torch.equal(x.grad, x2.grad) and torch.equal(w1.grad, w1b.grad)
     with torch.no_grad():
         x2.add_(1.0)  # in place: new version, quantized again
-    monkeypatch.setattr(G, "SHARE_TOKEN_QUANT", True)
+    set_knobs(monkeypatch, share_input_quantization=True)
     torch._grouped_mm(x2, w1b.transpose(-2, -1), offs=offs)
     torch._grouped_mm(x2, w1b.transpose(-2, -1), offs=offs)
     assert calls["rows"] == 4

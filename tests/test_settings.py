@@ -2,6 +2,7 @@
 implementation (warn once per op by default, raise under ``unknown_ops="raise"``)."""
 from __future__ import annotations
 
+import dataclasses
 import threading
 import warnings
 
@@ -41,13 +42,42 @@ def test_set_config_process_wide():
         fp8tensor.set_gemm_backend("auto")
         assert fp8tensor.get_config().gemm_backend == "auto"
     finally:
-        fp8tensor.set_config(**{f: getattr(old, f) for f in ("gemm_backend", "unknown_ops")})
+        fp8tensor.set_config(**dataclasses.asdict(old))
+
+
+def test_defaults():
+    assert dataclasses.asdict(fp8tensor.Config()) == dict(
+        gemm_backend="auto", unknown_ops="warn", eager_fast_path=True, share_input_quantization=True,
+        fused_grad_out="eager", grouped_gemm_kernel=True, size_rule=False, size_rule_min=640)
+
+
+def test_every_knob_scopes():
+    base = fp8tensor.get_config()
+    changes = dict(eager_fast_path=False, share_input_quantization=False, fused_grad_out="never",
+                   grouped_gemm_kernel=False, size_rule=True, size_rule_min=1000.5)
+    with fp8tensor.config(**changes) as c:
+        assert {k: getattr(fp8tensor.get_config(), k) for k in changes} == changes and c == fp8tensor.get_config()
+        with fp8tensor.config(fused_grad_out="always"):
+            assert fp8tensor.get_config().fused_grad_out == "always" and fp8tensor.get_config().size_rule is True
+    assert fp8tensor.get_config() == base
 
 
 @pytest.mark.parametrize("changes, err, match", [
     (dict(gemm_backend="fast"), ValueError, "unknown gemm_backend 'fast'"),
     (dict(unknown_ops="ignore"), ValueError, "unknown unknown_ops 'ignore'"),
     (dict(backend="auto"), TypeError, r"unknown setting\(s\) \['backend'\]"),
+    (dict(fused_grad_out="traced"), ValueError, "unknown fused_grad_out 'traced'"),
+    (dict(fused_grad_out=True), ValueError, "unknown fused_grad_out True"),
+    (dict(eager_fast_path=0), ValueError, "eager_fast_path must be True or False, got 0"),
+    (dict(share_input_quantization="yes"), ValueError, "share_input_quantization must be True or False"),
+    (dict(grouped_gemm_kernel=None), ValueError, "grouped_gemm_kernel must be True or False"),
+    (dict(size_rule=1), ValueError, "size_rule must be True or False"),
+    (dict(size_rule_min=0), ValueError, "size_rule_min must be a positive finite number, got 0"),
+    (dict(size_rule_min=-5.0), ValueError, "size_rule_min must be a positive"),
+    (dict(size_rule_min=float("inf")), ValueError, "size_rule_min must be a positive"),
+    (dict(size_rule_min=float("nan")), ValueError, "size_rule_min must be a positive"),
+    (dict(size_rule_min="640"), ValueError, "size_rule_min must be a positive"),
+    (dict(size_rule_min=True), ValueError, "size_rule_min must be a positive"),
 ])
 def test_bad_settings_raise_and_change_nothing(changes, err, match):
     before = fp8tensor.get_config()

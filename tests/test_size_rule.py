@@ -7,9 +7,10 @@ import torch
 import torch.nn as nn
 
 import fp8tensor
-from fp8tensor import convert as convert_mod
 from fp8tensor.convert import fp8_size_rule
 from fp8tensor.master import Fp8MasterWeight
+
+from conftest import set_knobs
 
 
 @pytest.mark.parametrize("k, n, fp8", [
@@ -23,7 +24,7 @@ def test_rule_values(k, n, fp8):
 
 
 def test_rule_threshold_is_exact(monkeypatch):
-    monkeypatch.setattr(convert_mod, "SIZE_RULE_MIN", 1024)
+    set_knobs(monkeypatch, size_rule_min=1024)
     assert fp8_size_rule(2048, 2048)  # 2048 * 2048 / 4096 == 1024
     assert not fp8_size_rule(2048, 2032)
 
@@ -47,9 +48,9 @@ def test_convert_with_size_rule_keeps_small_linears():
 
 def test_convert_default_converts_everything_selected(monkeypatch):
     model = _model()
-    fp8tensor.convert_to_fp8(model)  # size_rule None: DEFAULT_SIZE_RULE (False)
+    fp8tensor.convert_to_fp8(model)  # size_rule None: the configured default (False)
     assert model.fp8_skipped == [] and all(isinstance(m.weight, Fp8MasterWeight) for m in model)
-    monkeypatch.setattr(convert_mod, "DEFAULT_SIZE_RULE", True)
+    set_knobs(monkeypatch, size_rule=True)
     model = _model()
     with pytest.warns(UserWarning, match="size rule"):
         fp8tensor.convert_to_fp8(model)

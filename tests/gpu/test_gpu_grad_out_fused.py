@@ -4,9 +4,10 @@ import pytest
 import torch
 
 import fp8tensor
-from fp8tensor import quantize as qmod
 from fp8tensor.quantize import E4M3, quantize, quantize_rows_and_tokens, quantize_tokens
 from fp8tensor.tensor import make_scaled
+
+from conftest import set_knobs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 DEV = "cuda"
@@ -71,14 +72,14 @@ def test_linear_grads_unchanged(weight, monkeypatch):
     x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
     gy = torch.randn(M, N, device=DEV, dtype=torch.bfloat16)
     w = torch.randn(N, K, device=DEV, dtype=torch.bfloat16) * K ** -0.5
-    monkeypatch.setattr(qmod, "FUSED_GRAD_OUT", False)
+    set_knobs(monkeypatch, fused_grad_out="never")
     y0, gx0, gw0 = _linear_grads(weight, w, x, gy, False)
-    monkeypatch.setattr(qmod, "FUSED_GRAD_OUT", True)
+    set_knobs(monkeypatch, fused_grad_out="eager")
     y1, gx1, gw1 = _linear_grads(weight, w, x, gy, False)
     assert torch.equal(y0, y1) and torch.equal(gx0, gx1) and torch.equal(gw0, gw1)
-    monkeypatch.setattr(qmod, "FUSED_GRAD_OUT_TRACED", False)
+    set_knobs(monkeypatch, fused_grad_out="eager")
     _, gxc0, gwc0 = _linear_grads(weight, w, x, gy, True)
-    monkeypatch.setattr(qmod, "FUSED_GRAD_OUT_TRACED", True)
+    set_knobs(monkeypatch, fused_grad_out="always")
     _, gxc1, gwc1 = _linear_grads(weight, w, x, gy, True)
     assert torch.equal(gxc1, gx1) and torch.equal(gwc1, gw1)
     if weight == "fp8":

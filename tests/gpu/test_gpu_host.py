@@ -120,10 +120,9 @@ def test_fsdp_one_rank_grouped_packed_matches_per_weight(reshard):
 @pytest.mark.parametrize("shape", [(14336, 4096), (300, 1030), (1, 77), (129, 1)])
 @pytest.mark.parametrize("float8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_transpose_kernel_bit_identical(shape, float8_dtype):
-    """The tiled fp8 transpose (eager launch, the ops, compiled inline) is ``q.t().contiguous()`` bit for bit, also
-    for a row-sliced view (row stride larger than its width)."""
+    """The tiled fp8 transpose (eager launch, the op, compiled) is ``q.t().contiguous()`` bit for bit, also for a
+    row-sliced view (row stride larger than its width)."""
     from fp8tensor.linear import _transpose_after
-    from fp8tensor.quantize import after_dep
 
     q = (torch.randn(*shape, device=DEV) * 50).to(float8_dtype)
     g = torch.randn(8, 8, device=DEV)
@@ -131,49 +130,39 @@ def test_transpose_kernel_bit_identical(shape, float8_dtype):
     for src in (q, torch.cat([q, q], dim=1)[:, : shape[1]]):
         ref = src.t().contiguous()
         for got in (kernels.launch_transpose(src), _transpose_after(src, g),
-                    torch.ops.fp8tensor.transpose_after(src, g),
-                    torch.ops.fp8tensor.transpose_dep(src, after_dep(g))):
+                    torch.ops.fp8tensor.transpose_after(src, g)):
             assert got.shape == ref.shape and got.is_contiguous() and got.dtype == float8_dtype
             assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
-    for inline in (False, True):  # the opaque op (default) and the inline triton op (INLINE_AFTER_OPS)
-        torch._dynamo.reset()
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(fp8tensor.quantize, "INLINE_AFTER_OPS", inline)
-            got = torch.compile(lambda a, b: _transpose_after(a, b * 2), fullgraph=True)(q, g)
-        assert torch.equal(got.view(torch.uint8), q.t().contiguous().view(torch.uint8))
+    torch._dynamo.reset()
+    got = torch.compile(lambda a, b: _transpose_after(a, b * 2), fullgraph=True)(q, g)
+    assert torch.equal(got.view(torch.uint8), q.t().contiguous().view(torch.uint8))
 
 
 def test_quantize_columns_after_matches_dim0_t():
-    """``quantize_dim0_t_after`` (eager direct launch, the inline op, compiled) gives the bits of
-    ``quantize_dim0_t``, also when the element of ``after`` the dependency reads is NaN or inf."""
-    from fp8tensor.quantize import after_dep, quantize_dim0_t_after
+    """``quantize_dim0_t_after`` (eager direct launch, the op, compiled) gives the bits of ``quantize_dim0_t``, also
+    when ``after`` holds NaN or inf."""
+    from fp8tensor.quantize import quantize_dim0_t_after
 
     w = torch.randn(1000, 300, device=DEV) * torch.rand(1000, 1, device=DEV)
     w[:, 7] = 0.0  # an all-zero column: the floor scale
     qr, sr = quantize_dim0_t(w, torch.float8_e4m3fn)
-    for inline in (False, True):  # the opaque op (default) and the inline triton op (INLINE_AFTER_OPS)
-        torch._dynamo.reset()
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(fp8tensor.quantize, "INLINE_AFTER_OPS", inline)
-            compiled = torch.compile(lambda a, b: quantize_dim0_t_after(a, b), fullgraph=True)
-            for bad in (0.0, float("nan"), float("inf"), -float("inf")):
-                g = torch.randn(4, 4, device=DEV)
-                g[0, 0] = bad
-                for q, s in (quantize_dim0_t_after(w, g),
-                             torch.ops.fp8tensor.quantize_columns_after(w, g, torch.float8_e4m3fn),
-                             torch.ops.fp8tensor.quantize_columns_dep(w, after_dep(g), torch.float8_e4m3fn),
-                             compiled(w, g)):
-                    assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda a, b: quantize_dim0_t_after(a, b), fullgraph=True)
+    for bad in (0.0, float("nan"), float("inf"), -float("inf")):
+        g = torch.randn(4, 4, device=DEV)
+        g[0, 0] = bad
+        for q, s in (quantize_dim0_t_after(w, g),
+                     torch.ops.fp8tensor.quantize_columns_after(w, g, torch.float8_e4m3fn),
+                     compiled(w, g)):
+            assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr)
 
 
-@pytest.mark.parametrize("inline", [False, True], ids=["opaque", "inline"])
 @pytest.mark.parametrize("weights", ["master", "fp8"])
-def test_compiled_backward_weight_ops_in_backward_and_not_saved(weights, inline, monkeypatch):
+def test_compiled_backward_weight_ops_in_backward_and_not_saved(weights):
     """Compiled (inductor, CUDA): the backward's weight operand — the fp8 weight's transposed copy or the master's
     per-column quantization — is made in the *backward* graph (the forward saves nothing of the weight's size); the
     dim-0 quantizations run as inline kernels; Linears reading one input (q/k/v) save one fp8 copy of it, not one
-    each; gradients match eager fp8 within fp8 noise. ``inline``: with ``fp8tensor.quantize.INLINE_AFTER_OPS`` the
-    weight ops are inline triton ops too (no ``torch.ops.fp8tensor`` call left in the compiled code)."""
+    each; gradients match eager fp8 within fp8 noise."""
     import torch.nn as nn
     from torch._inductor.utils import run_and_get_code
     from torch.autograd.graph import saved_tensors_hooks
@@ -188,7 +177,6 @@ def test_compiled_backward_weight_ops_in_backward_and_not_saved(weights, inline,
         def forward(self, x):
             return self.q(x) * self.k(x) + self.v(x)
 
-    monkeypatch.setattr(fp8tensor.quantize, "INLINE_AFTER_OPS", inline)
     torch._dynamo.reset()
     torch.manual_seed(0)
     m = QKV().to(DEV, torch.bfloat16)
@@ -207,12 +195,8 @@ def test_compiled_backward_weight_ops_in_backward_and_not_saved(weights, inline,
     code = "\n".join(codes)
     assert "torch.ops.fp8tensor.quantize_dim0_t" not in code  # dim-0 kernels inline (grad_weight of a master)
     assert ("_col_amax_kernel" in code) == (weights == "master")  # frozen fp8 weights: no grad_weight
-    if inline:
-        assert "torch.ops.fp8tensor" not in code  # the backward weight ops run inline too (no Python op per Linear)
-        assert ("_transpose_kernel" in code) == (weights == "fp8")
-    else:
-        assert ("torch.ops.fp8tensor.transpose_after" in code) == (weights == "fp8")
-        assert ("torch.ops.fp8tensor.quantize_columns_after" in code) == (weights == "master")
+    assert ("torch.ops.fp8tensor.transpose_after" in code) == (weights == "fp8")
+    assert ("torch.ops.fp8tensor.quantize_columns_after" in code) == (weights == "master")
     fp8_saved = []
 
     def pack(t):
@@ -246,8 +230,9 @@ def test_quantize_tokens_nd_matches_reshaped_dim0(shape):
 @pytest.mark.parametrize("fast", [False, True])
 def test_fast_launch_bit_identical_to_jit(fast, monkeypatch):
     """Eager kernels give the same bits through the direct launcher (second and later launches of an argument class)
-    as through Triton's JIT; a misaligned view starts a class of its own (its own compiled kernel)."""
-    monkeypatch.setattr(kernels, "FAST_LAUNCH", fast)
+    as through Triton's JIT (the path of a Triton without the direct entry point); a misaligned view starts a class of
+    its own (its own compiled kernel)."""
+    monkeypatch.setattr(kernels, "_FAST_OK", fast and kernels._FAST_OK)
     torch.manual_seed(0)
     x = torch.randn(1031, 2048, device=DEV, dtype=torch.bfloat16) * 7
     q8 = (torch.randn(300, 1030, device=DEV) * 50).to(torch.float8_e4m3fn)
@@ -262,7 +247,7 @@ def test_fast_launch_bit_identical_to_jit(fast, monkeypatch):
         assert torch.equal(q0.view(torch.uint8), qt.view(torch.uint8)) and torch.equal(s0, st)
         ref = {}
         with monkeypatch.context() as m:
-            m.setattr(kernels, "FAST_LAUNCH", False)
+            m.setattr(kernels, "_FAST_OK", False)
             ref["q"], ref["s"] = kernels.quantize_last_dim(x, torch.float8_e4m3fn, SCALE_FLOOR)
         assert torch.equal(q.view(torch.uint8), ref["q"].view(torch.uint8)) and torch.equal(s, ref["s"])
 

@@ -11,6 +11,8 @@ import torch.nn as nn
 from fp8tensor import Fp8MasterWeight, ScaledFp8Tensor, kernels
 from fp8tensor import grouped as G
 
+from conftest import set_knobs
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 DEV = "cuda"
 U = 2.0**-4 / math.sqrt(3)
@@ -57,7 +59,7 @@ def test_fused_matches_per_group_and_float64(sizes, recipe, monkeypatch):
     g = torch.randn(M, N, device=DEV, dtype=torch.bfloat16)
     outs = {}
     for fused in (True, False):
-        monkeypatch.setattr(G, "USE_FUSED", fused)
+        set_knobs(monkeypatch, grouped_gemm_kernel=fused)
         wp = nn.Parameter(Fp8MasterWeight(w.clone(), recipe))
         outs[fused] = _step(x, wp, offs, g, recipe)
     for a, b in zip(outs[True], outs[False]):

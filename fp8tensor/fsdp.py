@@ -61,7 +61,7 @@ import torch
 
 from . import kernels
 from .capture import capture_token
-from .quantize import E4M3, SCALE_FLOOR, quantize, quantize_group
+from .quantize import SCALE_FLOOR, quantize, quantize_group
 
 __all__ = [
     "master_pre_all_gather",
@@ -335,7 +335,7 @@ def _group_and_datas(master, float8_dtype, tag):
         if t is master or type(t) is not type(master):
             continue
         t.__dict__[_PENDING_ATTR] = None  # a new round of this group: nothing kept from an earlier one is served
-        if getattr(t.recipe, "float8_dtype", E4M3) != float8_dtype:
+        if t.recipe.float8_dtype != float8_dtype:
             continue
         d = t._data
         if d.dtype == data.dtype and d.device == data.device and d.numel() > 0 and d.ndim >= 2:
@@ -453,7 +453,7 @@ def master_pre_all_gather(master, mesh, outer_size, outer_stride, module, mp_pol
     """
     data = master._data
     check_rowwise_input(data, "Fp8MasterWeight.fsdp_pre_all_gather")
-    float8_dtype = getattr(master.recipe, "float8_dtype", E4M3)
+    float8_dtype = master.recipe.float8_dtype
     local = mesh.size() == 1
     if local and data.numel() > 0:
         payload = _local_group_payload(master, float8_dtype)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .quantize import E4M3
+from .quantize import E4M3, E5M2
 
 __all__ = ["Recipe", "RECIPES", "get_recipe"]
 
@@ -34,7 +34,14 @@ class Recipe:
         grad_weight_fp8: run the grad_weight GEMM in fp8 (True) or in high precision (False).
         fast_accum_forward: fp8 fast accumulation for the output GEMM.
         fast_accum_backward: fp8 fast accumulation for the gradient GEMMs.
-        float8_dtype: fp8 format of every operand.
+        float8_dtype: fp8 format of the *weight side* of every fp8 GEMM: the weight in the output and grad_input
+            GEMMs (and FSDP2's fp8 all-gather of it), the saved input in the grad_weight GEMM. The other operand
+            (activations, grad_out) is always e4m3, so every GEMM is e4m3 × ``float8_dtype`` — the combinations
+            ``torch._scaled_mm`` runs (it has no e5m2 × e5m2 GEMM). ``torch.float8_e4m3fn`` (default) or
+            ``torch.float8_e5m2``.
+
+    Raises:
+        ValueError: ``float8_dtype`` is not an fp8 format.
     """
 
     name: str
@@ -42,6 +49,11 @@ class Recipe:
     fast_accum_forward: bool = True
     fast_accum_backward: bool = False
     float8_dtype: torch.dtype = E4M3
+
+    def __post_init__(self):
+        if self.float8_dtype not in (E4M3, E5M2):
+            raise ValueError(f"fp8tensor Recipe {self.name!r}: float8_dtype must be torch.float8_e4m3fn or "
+                             f"torch.float8_e5m2, got {self.float8_dtype}")
 
 
 RECIPES = {

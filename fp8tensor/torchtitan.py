@@ -27,7 +27,7 @@ when used without it.
 """
 from __future__ import annotations
 
-from dataclasses import field, fields
+from dataclasses import field
 from typing import Any
 
 from .convert import Fp8GroupedExpertsMixin, Fp8LinearMixin, convert_to_fp8

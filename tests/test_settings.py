@@ -123,3 +123,14 @@ def test_unknown_op_allowed_silently():
         warnings.simplefilter("error")
         out = torch.erfinv(x)
     assert torch.equal(out, torch.erfinv(x.to_hp()))
+
+
+def test_recipe_float8_dtype_is_an_fp8_format():
+    """A recipe's fp8 format is the weight side of every GEMM (the other operand is e4m3): only fp8 formats."""
+    import torch
+
+    from fp8tensor import Recipe
+
+    assert Recipe("r", True, float8_dtype=torch.float8_e5m2).float8_dtype == torch.float8_e5m2
+    with pytest.raises(ValueError, match="float8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2"):
+        Recipe("r", True, float8_dtype=torch.bfloat16)

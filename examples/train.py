@@ -126,10 +126,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--moe", action="store_true",
                    help="mixture-of-experts MLPs (router, top-k experts as grouped GEMMs; fp8: the experts' grouped "
                         "GEMMs run in fp8, docs/moe.md); needs --tp 1")
-    p.add_argument("--experts", type=int, default=8, help="experts per MoE layer (with --moe)")
-    p.add_argument("--top-k", type=int, default=2, help="experts per token (with --moe)")
-    p.add_argument("--shared-expert", action="store_true", help="add a shared expert to every MoE layer")
-    p.add_argument("--aux-loss-coeff", type=float, default=0.01, help="weight of the load-balancing loss (--moe)")
+    p.add_argument("--experts", type=int, default=None, help="experts per MoE layer (with --moe; default 8)")
+    p.add_argument("--top-k", type=int, default=None, help="experts per token (with --moe; default 2)")
+    p.add_argument("--shared-expert", action="store_true", default=None,
+                   help="add a shared expert to every MoE layer (with --moe)")
+    p.add_argument("--aux-loss-coeff", type=float, default=None,
+                   help="weight of the load-balancing loss (with --moe; default 0.01)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay of the matrices")
     p.add_argument("--warmup", type=int, default=None,
@@ -147,6 +149,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.compile_mode is not None:
         args.compile = True
+    args.moe_options_given = [f for f, v in (("--experts", args.experts), ("--top-k", args.top_k),
+                                             ("--shared-expert", args.shared_expert),
+                                             ("--aux-loss-coeff", args.aux_loss_coeff)) if v is not None]
+    for name, default in (("experts", 8), ("top_k", 2), ("shared_expert", False), ("aux_loss_coeff", 0.01)):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     if args.timing_skip is None:
         args.timing_skip = GRAPH_WARMUP + 1 if args.cuda_graph else 1
     return args
@@ -172,6 +180,10 @@ def check_args(args: argparse.Namespace, world: int, local_world: int) -> str | 
     checked here, before the process group exists.
     """
     launched = "WORLD_SIZE" in os.environ
+    if args.cuda_graph and (args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())):
+        return "--cuda-graph needs CUDA (--device cuda): CUDA graphs do not exist on the CPU"
+    if getattr(args, "moe_options_given", None) and not args.moe:
+        return f"{', '.join(args.moe_options_given)} only apply to the MoE model: add --moe"
     for flag, value, low in (("--tp", args.tp, 1), ("--steps", args.steps, 1), ("--seq-len", args.seq_len, 1),
                              ("--batch-size", args.batch_size, 1), ("--dim", args.dim, 1),
                              ("--layers", args.layers, 1), ("--heads", args.heads, 1),
@@ -215,8 +227,6 @@ def check_args(args: argparse.Namespace, world: int, local_world: int) -> str | 
         if args.sequence_parallel and args.seq_len % args.tp:
             return (f"--seq-len {args.seq_len} is not divisible by --tp {args.tp}: sequence parallelism shards "
                     f"the sequence over the TP ranks (pick a multiple of {args.tp} or pass --no-sequence-parallel)")
-    if args.cuda_graph and (args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())):
-        return "--cuda-graph needs CUDA (--device cuda): CUDA graphs do not exist on the CPU"
     if args.cuda_graph and args.compile_mode == "reduce-overhead":
         return "--cuda-graph already captures the whole step: compile the blocks in the default mode (--compile)"
     if args.data is not None and not Path(args.data).exists():

@@ -583,7 +583,7 @@ def convert_to_fp8(
         ``module`` itself.
 
     Raises:
-        TypeError: ``module`` is not an ``nn.Module``, or the filter is not callable.
+        TypeError: ``module`` is not an ``nn.Module``, the filter is not callable, or ``size_rule`` is not a bool.
         ValueError: unknown recipe.
         RuntimeError: ``module_filter_fn`` raised, a Linear is currently unsharded by FSDP2, a Linear that is not
             converted shares its weight with one that is, or a forward set on a Linear instance holds the Linear's
@@ -592,7 +592,9 @@ def convert_to_fp8(
     """
     op = "convert_to_fp8"
     r = get_recipe(recipe)
-    use_size_rule = get_config().size_rule if size_rule is None else bool(size_rule)
+    if size_rule is not None and not isinstance(size_rule, bool):
+        raise TypeError(f"convert_to_fp8: size_rule must be None, True or False, got {size_rule!r}")
+    use_size_rule = get_config().size_rule if size_rule is None else size_rule
     chosen = _select_linears(module, module_filter_fn, op)
     _check_fsdp_sharded([lin.weight for _, lin in chosen], op)
     chosen, skipped, redirects = _drop_custom_forwards(chosen, op)

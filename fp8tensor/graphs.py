@@ -24,11 +24,38 @@ from .capture import begin_capture
 __all__ = ["GraphedStep", "graph_step"]
 
 
+class _Value:
+    """A non-tensor input leaf, compared between calls by value where that is well defined (numbers, strings, None,
+    ...; NaN equals NaN) and by identity otherwise (arrays, arbitrary objects)."""
+
+    __slots__ = ("v",)
+
+    def __init__(self, v):
+        self.v = v
+
+    def __eq__(self, other):
+        a, b = self.v, other.v
+        if a is b:
+            return True
+        if type(a) is not type(b):
+            return False
+        if isinstance(a, float) and a != a and b != b:
+            return True
+        try:
+            eq = a == b
+        except Exception:
+            return False
+        return eq if isinstance(eq, bool) else False
+
+    def __repr__(self):
+        return f"{type(self.v).__name__} {self.v!r}"
+
+
 def _describe(leaf) -> tuple:
     """What must stay the same about one input leaf between calls."""
     if isinstance(leaf, torch.Tensor):
         return ("tensor", tuple(leaf.shape), leaf.dtype, leaf.device, leaf.requires_grad)
-    return ("value", type(leaf), leaf)
+    return ("value", _Value(leaf))
 
 
 def _tensor_leaves(tree) -> list:
@@ -56,6 +83,9 @@ class GraphedStep:
             raise TypeError(f"graph_step: fn must be callable, got {type(fn).__name__}")
         if isinstance(parameters, torch.Tensor):
             parameters = [parameters]
+        if isinstance(parameters, torch.nn.Module) or not hasattr(parameters, "__iter__"):
+            raise TypeError(f"graph_step: parameters must be an iterable of tensors (model.parameters()), got "
+                            f"{type(parameters).__name__}")
         self.parameters = [p for p in parameters]
         for i, p in enumerate(self.parameters):
             if not isinstance(p, torch.Tensor):
@@ -64,6 +94,11 @@ class GraphedStep:
         if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 1:
             raise ValueError(f"graph_step: warmup_steps must be an int >= 1 (compile and allocate before the capture), "
                              f"got {warmup_steps!r}")
+        if enabled is not None and not isinstance(enabled, bool):
+            raise TypeError(f"graph_step: enabled must be None, True or False, got {enabled!r}")
+        if pool is not None and not (isinstance(pool, tuple) and all(isinstance(i, int) for i in pool)):
+            raise TypeError("graph_step: pool must be a graph memory pool handle (torch.cuda.graph_pool_handle() or "
+                            f"another step's .pool), got {type(pool).__name__}")
         self.fn = fn
         self.warmup_steps = warmup_steps
         self.enabled = enabled
@@ -102,7 +137,7 @@ class GraphedStep:
 
     # ------------------------------------------------------------------------------------------------ calls
     def __call__(self, *args, **kwargs):
-        if self._eager:  # (decided on the first call: capture impossible here)
+        if self.enabled is False:  # always eager, no contract
             self.calls += 1
             return self.fn(*args, **kwargs)
         leaves, spec = compat.tree_flatten((args, kwargs))
@@ -117,8 +152,8 @@ class GraphedStep:
                 "Pad batches to one shape, or call close() to warm up and capture again for the new inputs"
             )
         self.calls += 1
-        if self._eager:
-            return self.fn(*args, **kwargs)
+        if self._eager:  # no capture possible here: run eagerly, under the same contract as the graph
+            return self._eager_call(args, kwargs)
         if self.calls <= self.warmup_steps:
             return self._warmup(args, kwargs)
         if self.graph is None:
@@ -129,6 +164,28 @@ class GraphedStep:
                 static.copy_(leaf)
         self.graph.replay()
         return self._static_out
+
+    def _eager_call(self, args, kwargs):
+        """The eager fallback keeps the graph's contract (static inputs, gradients zeroed in place after the call
+        that would capture), so a loop that runs on the CPU also runs captured on a GPU."""
+        if self.calls == self.warmup_steps + 1:
+            self._prepare_grads()
+            self._watched = [(p, p.grad) for p in self.parameters if p.grad is not None]
+        elif self.calls > self.warmup_steps + 1:
+            self._check_grads()
+        out = self.fn(*args, **kwargs)
+        if self.calls <= self.warmup_steps:
+            self._had_grad = [p for p in self.parameters if p.grad is not None]
+        return out
+
+    def _prepare_grads(self) -> None:
+        # Gradients the backward accumulates into must exist before the capture: the captured backward then adds to
+        # them in place on every replay (several replays before one optimizer step accumulate). A gradient that is
+        # None at capture would be *assigned* a tensor of the graph's pool, overwritten by each replay.
+        with torch.no_grad():
+            for p in self._had_grad:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
 
     def _can_capture(self, leaves) -> bool:
         if self.enabled is False:
@@ -169,13 +226,7 @@ class GraphedStep:
         return out
 
     def _capture_and_replay(self, leaves, spec):
-        # Gradients the backward accumulates into must exist before the capture: the captured backward then adds to
-        # them in place on every replay (several replays before one optimizer step accumulate). A gradient that is
-        # None at capture would be *assigned* a tensor of the graph's pool, overwritten by each replay.
-        with torch.no_grad():
-            for p in self._had_grad:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
+        self._prepare_grads()
         self._static_leaves = [t.detach().clone() if isinstance(t, torch.Tensor) else None for t in leaves]
         static_args, static_kwargs = compat.tree_unflatten(
             [s if s is not None else leaf for s, leaf in zip(self._static_leaves, leaves)], spec)

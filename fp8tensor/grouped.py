@@ -443,7 +443,8 @@ def fp8_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, *, reci
     Raises:
         ValueError: wrong ranks or shapes, unknown recipe, ``offs`` with another number of groups than experts, or
             (on CPU, where it costs no device sync) decreasing offsets or offsets outside ``[0, M]``.
-        TypeError: ``offs`` not int32, an fp8 or non-float input.
+        TypeError: ``offs`` not int32, an fp8 or non-float input, an ``out_dtype`` that is not a high-precision
+            floating-point dtype.
         RuntimeError: operands on different devices.
         NotImplementedError: double backward.
     """
@@ -453,6 +454,9 @@ def fp8_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, *, reci
     bd = b._data if isinstance(b, QuantizeOnUse) else b
     if out_dtype is None:
         out_dtype = torch.promote_types(a.dtype, bd.dtype)
+    elif not isinstance(out_dtype, torch.dtype) or not out_dtype.is_floating_point or out_dtype in FLOAT8_DTYPES:
+        raise TypeError(f"{op}: out_dtype must be a high-precision floating-point dtype (bfloat16, float16, "
+                        f"float32), got {out_dtype}")
     return _Fp8GroupedMM.apply(a, b, offs, r, out_dtype)
 
 

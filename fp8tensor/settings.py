@@ -101,16 +101,26 @@ def _check_choice(name: str, value, choices) -> None:
 
 
 _global = Config()
-_local = threading.local()
+_local = threading.local()  # .block: (overrides of the innermost block, the global settings they were merged with,
+#                              the merged settings) or None
 
 
 def get_config() -> Config:
-    """The settings in force in this thread: the innermost :func:`config` block, else the process-wide ones."""
-    return getattr(_local, "config", None) or _global
+    """The settings in force in this thread: the fields named by the enclosing :func:`config` blocks, the
+    process-wide settings (:func:`set_config`, also when changed inside a block) for the others."""
+    block = getattr(_local, "block", None)
+    if block is None:
+        return _global
+    overrides, base, merged = block
+    if base is not _global:  # set_config ran since: merge the block's fields into the new process-wide settings
+        merged = dataclasses.replace(_global, **overrides)
+        _local.block = (overrides, _global, merged)
+    return merged
 
 
 def set_config(**changes) -> Config:
-    """Change the process-wide settings (fields of :class:`Config`); returns the new settings.
+    """Change the process-wide settings (fields of :class:`Config`); returns the new process-wide settings. Inside a
+    :func:`config` block the fields the block names keep the block's values until it ends.
 
     Raises:
         TypeError: an unknown field. ValueError: an unknown value.
@@ -122,18 +132,21 @@ def set_config(**changes) -> Config:
 
 @contextlib.contextmanager
 def config(**changes) -> Iterator[Config]:
-    """Scope changed settings (fields of :class:`Config`) to a ``with`` block in the current thread.
+    """Scope changed settings (fields of :class:`Config`) to a ``with`` block in the current thread; the fields it
+    does not name follow the process-wide settings. Blocks nest (the inner one wins for the fields both name).
 
     Raises:
         TypeError: an unknown field. ValueError: an unknown value.
     """
-    prev = getattr(_local, "config", None)
-    new = _replace(prev or _global, changes)
-    _local.config = new
+    prev = getattr(_local, "block", None)
+    overrides = dict(prev[0]) if prev is not None else {}
+    overrides.update(changes)
+    merged = _replace(_global, overrides)  # (validates)
+    _local.block = (overrides, _global, merged)
     try:
-        yield new
+        yield merged
     finally:
-        _local.config = prev
+        _local.block = prev
 
 
 def _replace(base: Config, changes: dict) -> Config:

@@ -166,6 +166,8 @@ def _load_train_module():
     (("--timing-skip", "0"), 2, "--timing-skip must be at least 1"),
     (("--steps", "10", "--timing-skip", "10"), 2, "--timing-skip 10 leaves no timed step of --steps 10"),
     (("--cuda-graph", "--device", "cpu"), 2, "--cuda-graph needs CUDA"),
+    (("--cuda-graph", "--device", "cpu", "--steps", "2"), 2, "--cuda-graph needs CUDA"),
+    (("--experts", "4", "--top-k", "1"), 2, "--experts, --top-k only apply to the MoE model: add --moe"),
     (("--cuda-graph", "--device", "cuda", "--compile-mode", "reduce-overhead"), 2,
      "--cuda-graph already captures the whole step"),
 ])

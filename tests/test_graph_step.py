@@ -72,3 +72,55 @@ def test_bad_arguments_raise(kwargs, err, match):
     fn, params = args.pop("fn"), args.pop("parameters")
     with pytest.raises(err, match=f"graph_step: {match}"):
         fp8tensor.graph_step(fn, params, **args)
+
+
+def _fwd_bwd_of(model):
+    def fwd_bwd(x, scale=1.0):
+        loss = model(x).square().mean() * scale
+        loss.backward()
+        return loss.detach()
+
+    return fwd_bwd
+
+
+def test_cpu_fallback_keeps_the_graph_contract():
+    """Where the step runs eagerly (CPU), changed inputs and gradients set to None after the call that would capture
+    raise as they do on a GPU, so a loop that passes on the CPU also runs captured."""
+    import warnings
+
+    model = _model(0)
+    step = fp8tensor.graph_step(_fwd_bwd_of(model), model.parameters(), warmup_steps=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        step(torch.randn(4, 64), scale=float("nan"))  # warm-up (NaN equals NaN as a constant argument)
+    step(torch.randn(4, 64), scale=float("nan"))  # the call that would capture
+    with pytest.raises(ValueError, match=r"graph_step: the inputs changed .*input leaf 0: \(\(4, 64\)"):
+        step(torch.randn(5, 64), scale=float("nan"))
+    with pytest.raises(ValueError, match="graph_step: the inputs changed"):
+        step(torch.randn(4, 64), scale=2.0)
+    model.zero_grad(set_to_none=True)
+    with pytest.raises(RuntimeError, match=r"set to None.*zero_grad\(set_to_none=False\)"):
+        step(torch.randn(4, 64), scale=float("nan"))
+    step.close()  # starts over: any shape again
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        step(torch.randn(7, 64))
+    free = fp8tensor.graph_step(_fwd_bwd_of(model), model.parameters(), enabled=False)  # no contract at all
+    free(torch.randn(2, 64))
+    free(torch.randn(3, 64))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(enabled="no"), "enabled must be None, True or False"),
+    (dict(pool="junk"), "pool must be a graph memory pool handle"),
+])
+def test_bad_enabled_and_pool_raise(kwargs, match):
+    model = _model(0)
+    with pytest.raises(TypeError, match=f"graph_step: {match}"):
+        fp8tensor.graph_step(_fwd_bwd_of(model), model.parameters(), **kwargs)
+
+
+def test_module_instead_of_parameters_raises():
+    model = _model(0)
+    with pytest.raises(TypeError, match=r"graph_step: parameters must be an iterable of tensors \(model.parameters\(\)\)"):
+        fp8tensor.graph_step(_fwd_bwd_of(model), model)

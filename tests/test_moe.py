@@ -366,3 +366,14 @@ def test_quantize_weights_stores_expert_weights_in_fp8():
     assert "_Fp8GroupedMMBackward" in _graph_names(y)
     y.sum().backward()
     assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+def test_out_dtype_must_be_high_precision_float():
+    from fp8tensor.grouped import fp8_grouped_mm
+
+    x = torch.randn(8, 32)
+    w = torch.randn(2, 16, 32).transpose(-2, -1)
+    offs = torch.tensor([3, 8], dtype=torch.int32)
+    for bad in (torch.int32, torch.float8_e4m3fn, "float32"):
+        with pytest.raises(TypeError, match="fp8_grouped_mm: out_dtype must be a high-precision floating-point"):
+            fp8_grouped_mm(x, w, offs, out_dtype=bad)

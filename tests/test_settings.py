@@ -134,3 +134,16 @@ def test_recipe_float8_dtype_is_an_fp8_format():
     assert Recipe("r", True, float8_dtype=torch.float8_e5m2).float8_dtype == torch.float8_e5m2
     with pytest.raises(ValueError, match="float8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2"):
         Recipe("r", True, float8_dtype=torch.bfloat16)
+
+
+def test_set_config_inside_a_block_changes_the_fields_the_block_does_not_name():
+    old = fp8tensor.get_config()
+    try:
+        with fp8tensor.config(unknown_ops="raise"):
+            fp8tensor.set_config(gemm_backend="emulated", unknown_ops="allow")
+            c = fp8tensor.get_config()
+            assert c.gemm_backend == "emulated" and c.unknown_ops == "raise"  # the block's field wins in the block
+        c = fp8tensor.get_config()
+        assert c.gemm_backend == "emulated" and c.unknown_ops == "allow"
+    finally:
+        fp8tensor.set_config(**{f: getattr(old, f) for f in ("gemm_backend", "unknown_ops")})

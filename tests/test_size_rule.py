@@ -65,3 +65,14 @@ def test_size_rule_after_module_filter():
     fp8tensor.convert_to_fp8(model, size_rule=True, module_filter_fn=lambda m, fqn: fqn != "2")
     assert type(model[2]) is nn.Linear  # left out by the filter: not listed
     assert model.fp8_skipped == ["0 (64->32, size rule)", "1 (32->2048, size rule)"]
+
+
+def test_size_rule_argument_must_be_a_bool():
+    import torch.nn as nn
+
+    import fp8tensor
+
+    model = nn.Sequential(nn.Linear(64, 64))
+    with pytest.raises(TypeError, match="convert_to_fp8: size_rule must be None, True or False, got 'yes'"):
+        fp8tensor.convert_to_fp8(model, size_rule="yes")
+    assert type(model[0]) is nn.Linear  # unchanged

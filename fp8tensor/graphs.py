@@ -307,14 +307,17 @@ def graph_step(fn: Callable[..., Any], parameters: Iterable[torch.Tensor], *, wa
             for the capture and checked before each replay. Also used to decide whether capture is possible.
         warmup_steps: eager calls before the capture (>= 1; compiled blocks need one per compile).
         pool: a graph memory pool handle (``torch.cuda.graph_pool_handle()`` or another step's ``.pool``) to share.
-        enabled: ``None`` (default): capture on CUDA, run eagerly with a ``RuntimeWarning`` where capture cannot
-            work (no CUDA, CPU inputs or parameters); ``True``: raise there instead; ``False``: always eager.
+        enabled: ``None`` (default): capture on CUDA; where capture cannot work (no CUDA, CPU inputs or parameters)
+            run eagerly with a ``RuntimeWarning``, under the same contract (changed inputs and gradients set to
+            ``None`` raise as they would on a GPU); ``True``: raise there instead; ``False``: always eager, no checks.
 
     Returns:
         A :class:`GraphedStep`, called like ``fn``.
 
     Raises:
-        TypeError / ValueError: bad arguments (at construction) or changed inputs (at a call).
+        TypeError / ValueError: bad arguments (``fn`` not callable, ``parameters`` not an iterable of tensors,
+            ``warmup_steps`` < 1, ``enabled`` not None / bool, ``pool`` not a pool handle) at construction, or
+            changed inputs at a call.
         RuntimeError: the capture failed (the message names the usual causes), gradients were set to ``None`` or
             replaced after the capture, or ``enabled=True`` where capture is impossible.
     """

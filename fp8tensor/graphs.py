@@ -245,7 +245,8 @@ class GraphedStep:
                 f"graph_step: capturing the step as a CUDA graph failed ({type(e).__name__}: {e}). Inside the step "
                 "nothing may synchronize with the host (.item(), .cpu(), printing a tensor, "
                 "clip_grad_norm_(error_if_nonfinite=True), data-dependent shapes such as nonzero) or use CPU "
-                "tensors; the optimizer step belongs outside. Pass enabled=False to run the step eagerly"
+                "tensors; the optimizer step belongs outside. Pass enabled=False to run the step eagerly. A failed "
+                "capture can leave PyTorch's CUDA random number generator unusable in this process: restart it"
             ) from e
         self.graph = graph
         self._static_out = out

@@ -75,3 +75,18 @@ class Layer(nn.Module):
         self.w1 = nn.Linear(hidden, ffn, bias=False)
         self.w2 = nn.Linear(ffn, hidden, bias=False)
         self.w3 = nn.Linear(hidden, ffn, bias=False)
+
+
+class Optimizers:
+    """Several optimizers stepped and zeroed as one (``step`` / ``zero_grad``)."""
+
+    def __init__(self, opts):
+        self.opts = opts
+
+    def step(self):
+        for o in self.opts:
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True):
+        for o in self.opts:
+            o.zero_grad(set_to_none=set_to_none)

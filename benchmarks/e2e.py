@@ -257,21 +257,6 @@ def sync_report(variant: str, step, sync) -> None:
         print(f"{n:5d}  {f}:{l}")
 
 
-class _Optimizers:
-    """Several optimizers stepped as one (``step`` / ``zero_grad``)."""
-
-    def __init__(self, opts):
-        self.opts = opts
-
-    def step(self):
-        for o in self.opts:
-            o.step()
-
-    def zero_grad(self, set_to_none: bool = True):
-        for o in self.opts:
-            o.zero_grad(set_to_none=set_to_none)
-
-
 def make_optimizer(model, fused: bool):
     """One AdamW (lr 1e-4) over ``model.parameters()``, as users and torchtitan build it. Only where torch's fused
     kernel refuses the list (it must be all DTensors or all plain tensors: ``tp_plain``, DTensor block weights next
@@ -285,7 +270,9 @@ def make_optimizer(model, fused: bool):
     groups = {}
     for p in params:
         groups.setdefault(isinstance(p, DTensor), []).append(p)
-    return _Optimizers([torch.optim.AdamW(ps, lr=1e-4, fused=fused) for ps in groups.values()])
+    from _util import Optimizers
+
+    return Optimizers([torch.optim.AdamW(ps, lr=1e-4, fused=fused) for ps in groups.values()])
 
 
 def run_variant(variant: str, args, mesh, device):

@@ -185,22 +185,9 @@ def make_optimizer(model, how: str, fused: bool):
     is_master = [isinstance(getattr(p, "_local_tensor", p), Fp8MasterWeight) for p in params]
     groups = [[p for p, m in zip(params, is_master) if m], [p for p, m in zip(params, is_master) if not m]]
     opts = [torch.optim.AdamW(g, lr=1e-4, fused=fused) for g in groups if g]
-    return opts[0] if len(opts) == 1 else _Optimizers(opts)
+    from _util import Optimizers
 
-
-class _Optimizers:
-    """Several optimizers stepped and zeroed as one."""
-
-    def __init__(self, opts):
-        self.opts = opts
-
-    def step(self):
-        for o in self.opts:
-            o.step()
-
-    def zero_grad(self, set_to_none: bool = True):
-        for o in self.opts:
-            o.zero_grad(set_to_none=set_to_none)
+    return opts[0] if len(opts) == 1 else Optimizers(opts)
 
 
 def run_variant(args, variant: str, device) -> dict:

@@ -613,15 +613,14 @@ def _dim0_t_kernels(amax_k, cast_k, x, amax, q, scale, M, K, stride_m, fmax, sca
 #: per program (``block_m`` times K rounded up to a power of two, ``block_m`` halved down to 1 to fit) are read once
 #: and kept in registers; 0 turns that off. Any config gives the same bits.
 ROWS_DIM0_CONFIG = dict(block_m=8, block_k=512, warps=8, one_pass_elems=0)  # one_pass_elems: a power of two
-#: Set to False to never take the one-read path (callers then quantize each layout on its own: same bits).
-USE_ROWS_DIM0 = True
 
 
 def rows_dim0_available(x: torch.Tensor) -> bool:
-    """Whether :func:`launch_rows_dim0_t` takes ``x``: :data:`USE_ROWS_DIM0`, a contiguous CUDA fp32/bf16/fp16 tensor
+    """Whether :func:`launch_rows_dim0_t` takes ``x`` (``fp8tensor.config(fused_grad_out=...)`` decides whether it is
+    used): a contiguous CUDA fp32/bf16/fp16 tensor
     of at least 2 dims and one element that the dim-0 kernels take (:func:`kernel_available`). Fake and traced tensors
     qualify (the traced launch goes through ``torch.library.wrap_triton``)."""
-    return USE_ROWS_DIM0 and x.dim() >= 2 and x.is_contiguous() and kernel_available(x)
+    return x.dim() >= 2 and x.is_contiguous() and kernel_available(x)
 
 
 def _launch(fn, grid: tuple, args: tuple, consts: dict, num_warps: int, device: torch.device) -> None:

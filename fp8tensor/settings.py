@@ -61,8 +61,9 @@ class Config:
             its own. ``"eager"``: in eager Linears only; ``"always"``: also ``grad_out`` in compiled backwards
             (the ``fp8tensor::quantize_rows_dim0_t`` triton op; off by default because a compiled graph otherwise
             fuses the row-wise quantization into ``grad_out``'s producer: measure with ``benchmarks/quant_cost.py``
-            and the end-to-end step before switching it on); ``"never"``: each layout on its own everywhere. Same
-            bits in every mode.
+            and the end-to-end step before switching it on); ``"never"``: each layout on its own everywhere. The
+            fused pass gives the bits of eager quantization; in a compiled backward ``"always"`` may therefore differ
+            from inductor's own quantization in the last bit of a scale.
         grouped_gemm_kernel: (default True) fp8 grouped GEMMs (MoE) run ``torch._scaled_grouped_mm`` where it exists
             (CUDA, e4m3, dims multiples of 16). False: a loop of ``torch._scaled_mm`` over the groups everywhere
             (the CPU path; to compare the two on a GPU).

@@ -152,6 +152,13 @@ def _gw_drop(key: int, ref) -> None:
         del _GRAD_WEIGHT_INPUTS[key]
 
 
+def _gw_key(x: torch.Tensor, recipe: Recipe) -> tuple:
+    """The key of ``x``'s grad_weight operand in :data:`_GRAD_WEIGHT_INPUTS`: its version, the fp8 format, the
+    backward's fast accumulation, and the CUDA-graph capture (:func:`fp8tensor.capture.capture_token`: an fp8 copy
+    made outside a capture is never served inside one, where it would be baked into the graph)."""
+    return (x._version, recipe.float8_dtype, recipe.fast_accum_backward, capture_token())
+
+
 def _gw_store(x: torch.Tensor, key: tuple, x8: torch.Tensor) -> None:
     """Remember ``x8`` as the grad_weight operand of ``x`` for ``key``; an older version of ``x`` is never asked for
     again, so it replaces what the entry held."""
@@ -192,8 +199,7 @@ def _x_for_grad_weight(x: torch.Tensor, x2: torch.Tensor, recipe: Recipe) -> tor
         return _quantize(x2, 0, fast)
     if torch.compiler.is_compiling() or x.is_inference():  # (inference tensors have no version counter)
         return _tokens_fp8(x, x2, fast, recipe.float8_dtype)
-    # (capture_token: an fp8 copy made outside a CUDA-graph capture is never served inside one, see fp8tensor.capture)
-    key = (x._version, recipe.float8_dtype, fast, capture_token())
+    key = _gw_key(x, recipe)
     entries = _gw_entries(x)
     ref = entries.get(key) if entries is not None else None
     x8 = ref() if ref is not None else None
@@ -216,15 +222,16 @@ _LAST_ROWS: list = [None]
 
 
 def _rows_get(x: torch.Tensor) -> Optional[tuple]:
-    """The row-wise e4m3 operand of input ``x`` made by the previous Linear's forward, or None."""
+    """The row-wise e4m3 operand of input ``x`` made by the previous Linear's forward (at the same version, in the
+    same CUDA-graph capture or outside any: :func:`fp8tensor.capture.capture_token`), or None."""
     e = _LAST_ROWS[0]
-    if e is not None and e[0]() is x and e[1] == x._version:
+    if e is not None and e[0]() is x and e[1] == (x._version, capture_token()):
         return e[2]
     return None
 
 
 def _rows_set(x: torch.Tensor, rows: tuple) -> None:
-    _LAST_ROWS[0] = (weakref.ref(x), x._version, rows)
+    _LAST_ROWS[0] = (weakref.ref(x), (x._version, capture_token()), rows)
 
 
 def _x_rows(x: Optional[torch.Tensor], x2: torch.Tensor) -> tuple:
@@ -258,7 +265,7 @@ def _x_both(x: torch.Tensor, recipe: Recipe) -> tuple:
         return None, None
     share = cfg.share_input_quantization
     fast = recipe.fast_accum_backward
-    key = (x._version, recipe.float8_dtype, fast)
+    key = _gw_key(x, recipe)  # (the key _x_for_grad_weight looks up: the Linears after this one share x8)
     entries = _gw_entries(x)
     ref = entries.get(key) if entries is not None else None
     if (ref is not None and ref() is not None) or (share and _rows_get(x) is not None):

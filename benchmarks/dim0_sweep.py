@@ -71,7 +71,7 @@ def main(argv=None) -> None:
 
         def run():
             kernels._cast_t_kernel[grid](x, amax, q, scale, M, K, x.stride(0), FMAX=fmax, EPS=SCALE_FLOOR,
-                                         BLOCK_M=c["cast_block_m"], BLOCK_K=c["cast_block_k"],
+                                         BLOCK_M=c["cast_block_m"], BLOCK_K=c["cast_block_k"], N_AMAX=1,
                                          num_warps=c["cast_warps"])
         return run, q, scale
 

@@ -139,6 +139,8 @@ def build(precision: str, setup: str, args, mesh, device, mode=None):
     fsdp = setup in ("fsdp", "tp")
     if not fsdp:
         model = model.to(torch.bfloat16)  # no FSDP2: bf16 parameters (bf16 master)
+    sized = precision.endswith(".sized")  # fp8tensor's size-aware choice on (small Linears stay bf16)
+    precision = precision.removesuffix(".sized")
     if precision in ("rowwise", "rowwise_gw_hp"):
         import fp8tensor
 
@@ -146,7 +148,7 @@ def build(precision: str, setup: str, args, mesh, device, mode=None):
         if args.fused_grad_out is not None:
             fp8tensor.set_config(fused_grad_out=args.fused_grad_out)  # process-wide: backward threads see it too
 
-        fp8tensor.convert_to_fp8(model, recipe=precision, module_filter_fn=fp8_module_filter)
+        fp8tensor.convert_to_fp8(model, recipe=precision, module_filter_fn=fp8_module_filter, size_rule=sized)
     elif precision.startswith("ao_"):
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -407,11 +409,13 @@ PRECISIONS = ("bf16", "rowwise", "rowwise_gw_hp", "ao_tensorwise", "ao_rowwise",
 
 
 def check_variant(variant: str) -> tuple[str, str, str]:
-    """``(precision, setup, suffix)`` of ``<precision>@<setup>[+cg]``; SystemExit naming the variant on a typo (before
+    """``(precision, setup, suffix)`` of ``<precision>[.sized]@<setup>[+cg|+graph]`` (``.sized``: fp8tensor's
+    size-aware choice on, ``convert_to_fp8(size_rule=True)``); SystemExit naming the variant on a typo (before
     anything runs: a misspelled precision must not silently run as bf16)."""
     precision, _, setup = variant.partition("@")
     setup, _, extra = (setup or "fsdp").partition("+")
-    if precision not in PRECISIONS:
+    if precision.removesuffix(".sized") not in PRECISIONS or (precision.endswith(".sized")
+                                                               and not precision.startswith("rowwise")):
         raise SystemExit(f"e2e.py: unknown precision {precision!r} in {variant!r}; expected one of {PRECISIONS}")
     if setup not in SETUPS:
         raise SystemExit(f"e2e.py: unknown setup {setup!r} in {variant!r}; expected one of {SETUPS}")

@@ -75,27 +75,28 @@ def section_quant() -> None:
 
 def section_sweep() -> None:
     base = dict(kernels.ROWS_DIM0_CONFIG)
-    print("\n| N | block_m | block_k | warps | one_pass_elems | fused µs | same bits |\n|---|---|---|---|---|---|---|")
+    print("\n| N | block_m | block_k | warps | one_pass_elems | amax_copies | fused µs | same bits |\n"
+          "|---|---|---|---|---|---|---|---|")
     for N in NS:
         g = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
         ref = separate(g)
         best = None
-        grid = [(bm, bk, w, 0) for bm, bk, w in itertools.product((1, 2, 4, 8, 16, 32), (256, 512, 1024), (4, 8))
-                if bm * bk <= 16384]
-        grid += [(bm, 0, w, e) for bm, w, e in itertools.product((1, 2, 4, 8), (4, 8, 16), (8192, 16384, 32768))]
-        for bm, bk, w, e in grid:
-            kernels.ROWS_DIM0_CONFIG.update(block_m=bm, block_k=bk or 512, warps=w, one_pass_elems=e)
+        grid = [(bm, bk, w, 0, c) for bm, bk, w, c in itertools.product((8, 16, 32, 64), (256, 512), (4, 8),
+                                                                       (1, 8, 32)) if bm * bk <= 16384]
+        grid += [(bm, 0, w, e, c) for bm, w, e, c in itertools.product((2, 4), (8, 16), (16384,), (1, 32))]
+        for bm, bk, w, e, c in grid:
+            kernels.ROWS_DIM0_CONFIG.update(block_m=bm, block_k=bk or 512, warps=w, one_pass_elems=e, amax_copies=c)
             try:
                 out = fused(g)
                 ok = all(_same(x, y) for x, y in zip((*ref[0], *ref[1]), (*out[0], *out[1])))
                 us = bench_ms(lambda: fused(g)) * 1e3
             except Exception as err:  # a config the compiler rejects
-                print(f"| {N} | {bm} | {bk} | {w} | {e} | failed: {type(err).__name__} | |")
+                print(f"| {N} | {bm} | {bk} | {w} | {e} | {c} | failed: {type(err).__name__} | |")
                 continue
-            print(f"| {N} | {bm} | {bk} | {w} | {e} | {us:.1f} | {ok} |")
+            print(f"| {N} | {bm} | {bk} | {w} | {e} | {c} | {us:.1f} | {ok} |")
             if best is None or us < best[0]:
-                best = (us, bm, bk, w, e)
-        print(f"| {N} | best: {best[1]} | {best[2]} | {best[3]} | {best[4]} | {best[0]:.1f} | |")
+                best = (us, bm, bk, w, e, c)
+        print(f"| {N} | best: {best[1]} | {best[2]} | {best[3]} | {best[4]} | {best[5]} | {best[0]:.1f} | |")
         kernels.ROWS_DIM0_CONFIG.clear()
         kernels.ROWS_DIM0_CONFIG.update(base)
 

@@ -1,6 +1,7 @@
 """Calibrate ``fp8tensor.convert.fp8_size_rule`` and compare the fp8 GEMMs' kernels (tiles) with bf16's at small shapes.
 
-1. Per-layer forward + backward, bf16 vs ``convert_to_fp8`` (rowwise), compiled, for square and MLP-shaped Linears
+1. Per-layer forward + backward, bf16 vs ``convert_to_fp8`` (rowwise and rowwise_gw_hp), eager and captured as one
+   CUDA graph (no host time, as under a whole-step graph), for square, 4:1 grouped-query k/v and MLP-shaped Linears
    from 512 to 4096 features at M = 8192 and 16384 tokens; prints the fp8 / bf16 time ratio next to the rule's
    decision (``K * N / (K + N) >= size_rule_min``) and the smallest ``K * N / (K + N)`` at which fp8 was faster
    at every M measured: the value to set ``size_rule_min`` to (``fp8tensor.set_config(size_rule_min=...)``).
@@ -25,52 +26,53 @@ import fp8tensor  # noqa: E402
 from fp8tensor import convert as convert_mod  # noqa: E402
 from fp8tensor.quantize import E4M3, quantize  # noqa: E402
 
-FEATURES = (512, 768, 1024, 1536, 2048, 4096)
+FEATURES = (512, 768, 1024, 1536, 2048, 3072, 4096)
+VARIANTS = ("bf16", "rowwise", "rowwise_gw_hp")
 
 
 def _shapes(quick: bool):
-    feats = (768, 1024, 2048) if quick else FEATURES
+    feats = (768, 1024, 1536, 2048, 3072) if quick else FEATURES
     out = []
-    for d in feats:
-        out += [(d, d), (d, 4 * d), (4 * d, d)]
+    for d in feats:  # attention (square, and the k / v projections of 4:1 grouped-query attention), MLP in / out
+        out += [(d, d), (d, d // 4), (d, 4 * d), (4 * d, d)]
     return out
 
 
-def step_ms(K: int, N: int, M: int, fp8: bool) -> float:
+def step_ms(K: int, N: int, M: int, variant: str) -> float:
+    """Median ms of one Linear's forward + backward (grad_input and grad_weight), captured as one CUDA graph
+    (``fp8tensor.graph_step``: no host time, as in a whole-step graph), eager (no ``torch.compile``)."""
     lin = nn.Linear(K, N, bias=False, device="cuda", dtype=torch.bfloat16)
-    if fp8:
-        fp8tensor.convert_to_fp8(lin, size_rule=False)
-    torch._dynamo.reset()
-    f = torch.compile(lin)
+    if variant != "bf16":
+        fp8tensor.convert_to_fp8(lin, recipe=variant, size_rule=False)
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     gy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
-
-    def step():
-        x.grad = None
-        lin.weight.grad = None
-        f(x).backward(gy)
-
-    step()
-    return bench_ms(step)
+    step = fp8tensor.graph_step(lambda: lin(x).backward(gy), [*lin.parameters(), x])
+    ms = bench_ms(step)
+    step.close()
+    return ms
 
 
 def section_layers(quick: bool) -> None:
-    Ms = (8192,) if quick else (8192, 16384)
-    print("| K→N | K·N/(K+N) | rule | " + " | ".join(f"fp8/bf16 at M={m}" for m in Ms) + " |")
-    print("|---|---|---|" + "---|" * len(Ms))
+    Ms = (8192, 16384)
+    print("fp8 / bf16 time of one Linear's forward + backward (graph-captured, eager); < 1: fp8 faster\n")
+    print("| K→N | K·N/(K+N) | rule | " + " | ".join(f"{v} M={m}" for m in Ms for v in VARIANTS[1:]) + " |")
+    print("|---|---|---|" + "---|" * (len(Ms) * (len(VARIANTS) - 1)))
     wins = []
     for K, N in _shapes(quick):
-        ratios = []
+        cells, rw = [], []
         for M in Ms:
-            ratios.append(step_ms(K, N, M, True) / step_ms(K, N, M, False))
+            t = {v: step_ms(K, N, M, v) for v in VARIANTS}
+            for v in VARIANTS[1:]:
+                cells.append(t[v] / t["bf16"])
+            rw.append(t["rowwise"] / t["bf16"])
         inten = K * N / (K + N)
-        wins.append((inten, all(r < 1 for r in ratios)))
-        cells = " | ".join(f"{r:.2f}" for r in ratios)
-        print(f"| {K}→{N} | {inten:.0f} | {'fp8' if convert_mod.fp8_size_rule(K, N) else 'bf16'} | {cells} |")
+        wins.append((inten, all(r < 1 for r in rw)))
+        print(f"| {K}→{N} | {inten:.0f} | {'fp8' if convert_mod.fp8_size_rule(K, N) else 'bf16'} | "
+              + " | ".join(f"{r:.2f}" for r in cells) + " |", flush=True)
     losing = [i for i, w in wins if not w]
     above = [i for i, w in sorted(wins) if w and all(i > j for j in losing)]
-    print(f"\nsize_rule_min now {fp8tensor.get_config().size_rule_min}; smallest K·N/(K+N) above every shape where fp8 lost: "
-          f"{min(above) if above else 'none'} (shapes where fp8 lost: {sorted(round(i) for i in losing)})")
+    print(f"\nsize_rule_min now {fp8tensor.get_config().size_rule_min}; smallest K·N/(K+N) above every shape where "
+          f"rowwise lost: {min(above) if above else 'none'} (shapes where it lost: {sorted(round(i) for i in losing)})")
 
 
 def _kernel_names(fn) -> list:

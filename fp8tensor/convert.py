@@ -27,7 +27,7 @@ from .settings import get_config
 from .tensor import ScaledFp8Tensor, _is_dtensor, map_shard
 
 __all__ = ["convert_to_fp8", "quantize_weights", "fp8_linear_forward", "Fp8Linear", "Fp8LinearMixin",
-           "Fp8GroupedExpertsMixin", "uses_grouped_mm", "fp8_size_rule"]
+           "Fp8GroupedExpertsMixin", "uses_grouped_mm", "fp8_size_rule", "fp8_size_choice"]
 
 FilterFn = Callable[[nn.Module, str], bool]
 
@@ -59,6 +59,39 @@ def fp8_size_rule(in_features: int, out_features: int) -> bool:
     if K <= 0 or N <= 0:
         return False
     return K * N >= get_config().size_rule_min * (K + N)
+
+
+def fp8_size_choice(in_features: int, out_features: int, recipe="rowwise") -> Optional[Recipe]:
+    """The size-aware choice for one Linear: the recipe it is converted with, or None to keep it in high precision.
+
+    * ``K * N / (K + N) < size_rule_min`` (:func:`fp8_size_rule` False): None;
+    * a ``rowwise`` recipe and ``K * N / (K + N) < size_rule_fp8_grad_weight_min`` (both :class:`fp8tensor.Config`
+      fields; default 640 and 1024): ``rowwise_gw_hp`` — the output and grad_input GEMMs in fp8, grad_weight in high
+      precision. Measured on H200 (``benchmarks/size_rule.py``, ``docs/benchmarks.md``): at these sizes the per-token
+      quantizations of ``x`` and ``grad_out`` that an fp8 grad_weight GEMM needs cost more than that GEMM saves,
+      while the other two GEMMs still pay for theirs. Numerically this is the more accurate recipe;
+    * else ``recipe`` itself.
+
+    Args:
+        in_features: ``K``; out_features: ``N``.
+        recipe: the requested recipe (name or :class:`~fp8tensor.recipes.Recipe`).
+
+    Returns:
+        A :class:`~fp8tensor.recipes.Recipe` or None.
+
+    Raises:
+        ValueError: unknown recipe.
+    """
+    r = get_recipe(recipe)
+    if not fp8_size_rule(in_features, out_features):
+        return None
+    K, N = int(in_features), int(out_features)
+    if r.grad_weight_fp8 and K * N < get_config().size_rule_fp8_grad_weight_min * (K + N):
+        hp = get_recipe("rowwise_gw_hp")
+        if hp.float8_dtype != r.float8_dtype:
+            return r
+        return hp
+    return r
 
 
 def fp8_linear_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
@@ -566,16 +599,19 @@ def convert_to_fp8(
     model again switches its recipe; a Linear whose weight is already an :class:`Fp8MasterWeight` (swapped in by
     hand) gets the fp8 forward.
 
-    With ``size_rule`` (the size-aware choice, :func:`fp8_size_rule`), Linears too small for fp8 to pay for its
-    quantizations stay in high precision too; they are listed as ``"fqn (K->N, size rule)"``.
+    With ``size_rule`` (the size-aware choice, :func:`fp8_size_choice`), Linears too small for fp8 to pay for its
+    quantizations stay in high precision too; they are listed as ``"fqn (K->N, size rule)"``. With the ``rowwise``
+    recipe, mid-sized Linears (``K * N / (K + N)`` below ``size_rule_fp8_grad_weight_min``) get ``rowwise_gw_hp``
+    (grad_weight in high precision); they are listed in ``module.fp8_grad_weight_hp`` as ``"fqn (K->N)"``.
 
     Args:
         module: the model.
         recipe: ``"rowwise"`` (all three GEMMs in fp8) or ``"rowwise_gw_hp"`` (grad_weight in high precision).
         module_filter_fn: ``fn(module, fqn) -> bool``; only Linears and grouped-experts modules for which it returns
             True are converted.
-        size_rule: keep Linears that :func:`fp8_size_rule` expects to be slower in fp8 in high precision (True),
-            or convert every Linear the filter selects (False); None (default): ``fp8tensor.get_config().size_rule``
+        size_rule: keep Linears that :func:`fp8_size_rule` expects to be slower in fp8 in high precision, and give
+            mid-sized ``rowwise`` Linears ``rowwise_gw_hp`` (True, :func:`fp8_size_choice`), or convert every Linear
+            the filter selects with ``recipe`` (False); None (default): ``fp8tensor.get_config().size_rule``
             (default False).
             Applied after ``module_filter_fn``.
 
@@ -602,33 +638,39 @@ def convert_to_fp8(
     experts = _select_experts(module, module_filter_fn, op)
     _check_fsdp_sharded([getattr(m, n) for _, m, names in experts for n in names], op)
     classes = {fqn: _fp8_class(type(lin)) for fqn, lin in chosen}  # before any change: a failure leaves no trace
+    gw_hp = []  # Linears the size rule gives rowwise_gw_hp instead of rowwise
     for fqn, lin in chosen:
         w = lin.weight
         local = compat.local_tensor(w) if _is_dtensor(w) else w
+        lr = fp8_size_choice(lin.in_features, lin.out_features, r) if use_size_rule else r
         if isinstance(local, Fp8MasterWeight):
             # Converted before (only the recipe may change), or a master swapped in by hand: the module's forward
             # becomes fp8_linear too (a bare F.linear on a DTensor master runs grad_weight in high precision).
-            local.recipe = r
+            lr = lr if lr is not None else r
+            local.recipe = lr
         elif isinstance(local, ScaledFp8Tensor):
             continue  # stored in fp8 by quantize_weights: nothing to train
         elif lin.in_features % 16 or lin.out_features % 16 or not w.dtype.is_floating_point:
             skipped.append(f"{fqn or '<root>'} ({lin.in_features}->{lin.out_features})")
             continue
-        elif use_size_rule and not fp8_size_rule(lin.in_features, lin.out_features):
+        elif lr is None:
             skipped.append(f"{fqn or '<root>'} ({lin.in_features}->{lin.out_features}, size rule)")
             continue
         else:
-            new = _swap_local(w, lambda lt: Fp8MasterWeight(lt, r))
+            new = _swap_local(w, lambda lt, lr=lr: Fp8MasterWeight(lt, lr))
             if new is not None:  # a plain Parameter: every holder of it gets the master (tied weights)
                 _adopt_parameter(module, w, new)
+        if lr is not r:
+            gw_hp.append(f"{fqn or '<root>'} ({lin.in_features}->{lin.out_features})")
         if not getattr(lin, "_fp8_hooks", False):  # state-dict hooks once per module
             lin._register_state_dict_hook(_plain_state_dict_hook)
             lin.register_load_state_dict_post_hook(_rewrap_after_load)
             lin._fp8_hooks = True
-        lin.fp8_recipe = r
+        lin.fp8_recipe = lr
         _install_fp8_forward(lin, classes[fqn], redirects[fqn])
     _convert_experts(module, experts, r, skipped)
     module.fp8_skipped = skipped
+    module.fp8_grad_weight_hp = gw_hp
     if skipped:
         warnings.warn(
             f"{op}: left in high precision: {', '.join(skipped)}", stacklevel=2

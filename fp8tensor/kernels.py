@@ -69,13 +69,16 @@ if _HAS_TRITON:
 
     @triton.jit
     def _cast_t_kernel(x_ptr, amax_ptr, q_ptr, scale_ptr, M, K, stride_m, FMAX: tl.constexpr, EPS: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, N_AMAX: tl.constexpr):
+        # amax_ptr: (N_AMAX, K) float32 partial column maxima (their max is the column amax: exact in any order).
         pid_m = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
         kmask = offs_k < K
         amax = tl.load(amax_ptr + offs_k, mask=kmask, other=1.0)
+        for i in tl.static_range(1, N_AMAX):
+            amax = tl.maximum(amax, tl.load(amax_ptr + i * K + offs_k, mask=kmask, other=1.0))
         scale = tl.maximum(amax / FMAX, EPS)  # fp8tensor.quantize.amax_to_scale: max(amax / fmax, floor)
         mask = (offs_m[:, None] < M) & kmask[None, :]
         x = tl.load(x_ptr + offs_m[:, None] * stride_m + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -149,13 +152,15 @@ if _HAS_TRITON:
     @triton.jit
     def _rows_col_amax_kernel(x_ptr, mul_ptr, q_ptr, scale_ptr, amax_ptr, M, K, FMAX: tl.constexpr,
                               EPS: tl.constexpr, HAS_MUL: tl.constexpr, BLOCK_M: tl.constexpr,
-                              BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr):
+                              BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr, N_AMAX: tl.constexpr):
         # One read of rows offs_m of a row-major (M, K) tensor for two quantizations: the row-wise one
         # (_quantize_rows' arithmetic, of x * mul[None, :] when HAS_MUL: the grad_input operand with a weight's row
         # scales folded in) and the column amax of x itself (_col_amax_kernel's arithmetic, atomic_max into amax).
         # The first loop reads x from memory, the second (divide, saturate, cast, store) mostly from L2; ONE_PASS
-        # (BLOCK_K >= K): the rows stay in registers between the two steps and are read once.
+        # (BLOCK_K >= K): the rows stay in registers between the two steps and are read once. amax_ptr: (N_AMAX, K);
+        # program p reduces into row p % N_AMAX (N_AMAX copies spread the atomics' contention; max of the rows later).
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        amax_ptr += (tl.program_id(0) % N_AMAX) * K
         mmask = offs_m < M
         rows = offs_m.to(tl.int64)[:, None] * K
         if ONE_PASS:
@@ -593,7 +598,7 @@ def launch_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype, scale_floor: float
             c["amax_warps"], x.device)
         _launcher(_cast_t_kernel)(
             (triton.cdiv(M, c["cast_block_m"]), triton.cdiv(K, c["cast_block_k"])), (x, amax, q, scale, M, K, stride_m),
-            dict(FMAX=fmax, EPS=scale_floor, BLOCK_M=c["cast_block_m"], BLOCK_K=c["cast_block_k"]),
+            dict(FMAX=fmax, EPS=scale_floor, BLOCK_M=c["cast_block_m"], BLOCK_K=c["cast_block_k"], N_AMAX=1),
             c["cast_warps"], x.device)
     return q, scale
 
@@ -605,14 +610,16 @@ def _dim0_t_kernels(amax_k, cast_k, x, amax, q, scale, M, K, stride_m, fmax, sca
                  BLOCK_K=c["amax_block_k"], num_warps=c["amax_warps"])
     grid = (triton.cdiv(M, c["cast_block_m"]), triton.cdiv(K, c["cast_block_k"]))
     cast_k[grid](x, amax, q, scale, M, K, stride_m, FMAX=fmax, EPS=scale_floor, BLOCK_M=c["cast_block_m"],
-                 BLOCK_K=c["cast_block_k"], num_warps=c["cast_warps"])
+                 BLOCK_K=c["cast_block_k"], N_AMAX=1, num_warps=c["cast_warps"])
 
 
 #: Tiles of :func:`launch_rows_dim0_t`'s first kernel (rows per program, columns per step, warps); its second kernel
 #: is the dim-0 cast kernel with :data:`CONFIG`'s cast tiles. ``one_pass_elems``: rows of up to this many elements
 #: per program (``block_m`` times K rounded up to a power of two, ``block_m`` halved down to 1 to fit) are read once
-#: and kept in registers; 0 turns that off. Any config gives the same bits.
-ROWS_DIM0_CONFIG = dict(block_m=8, block_k=512, warps=8, one_pass_elems=0)  # one_pass_elems: a power of two
+#: and kept in registers; 0 turns that off. ``amax_copies``: the column amax is reduced into this many rows (program p
+#: into row p mod copies: fewer atomics on one address), the cast kernel takes their max. Any config gives the same
+#: bits.
+ROWS_DIM0_CONFIG = dict(block_m=32, block_k=512, warps=4, one_pass_elems=0, amax_copies=8)
 
 
 def rows_dim0_available(x: torch.Tensor) -> bool:
@@ -659,25 +666,26 @@ def launch_rows_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype, scale_floor: 
     K = x.shape[-1]
     M = x.numel() // K
     dev = x.device
-    amax = torch.zeros(K, dtype=torch.float32, device=dev)
+    r, c = ROWS_DIM0_CONFIG, CONFIG
+    block_m, block_k, one_pass = r["block_m"], r["block_k"], False
+    k_pow2 = triton.next_power_of_2(K)
+    if r.get("one_pass_elems", 0) and k_pow2 <= r["one_pass_elems"]:
+        block_m, block_k, one_pass = max(1, min(block_m, r["one_pass_elems"] // k_pow2)), k_pow2, True
+    copies = max(1, min(r.get("amax_copies", 1), triton.cdiv(M, block_m)))
+    amax = torch.zeros(copies, K, dtype=torch.float32, device=dev)
     q_rows = torch.empty(M, K, dtype=float8_dtype, device=dev)
     s_rows = torch.empty(M, 1, dtype=torch.float32, device=dev)
     q_t = torch.empty(K, M, dtype=float8_dtype, device=dev)
     s_t = torch.empty(K, 1, dtype=torch.float32, device=dev)
     fmax = torch.finfo(float8_dtype).max
-    r, c = ROWS_DIM0_CONFIG, CONFIG
     mul = col_mul if col_mul is not None else s_t  # (never read without HAS_MUL)
-    block_m, block_k, one_pass = r["block_m"], r["block_k"], False
-    k_pow2 = triton.next_power_of_2(K)
-    if r.get("one_pass_elems", 0) and k_pow2 <= r["one_pass_elems"]:
-        block_m, block_k, one_pass = max(1, min(block_m, r["one_pass_elems"] // k_pow2)), k_pow2, True
     grid1 = (triton.cdiv(M, block_m),)
     args1 = (x, mul, q_rows, s_rows, amax, M, K)
     consts1 = dict(FMAX=fmax, EPS=scale_floor, HAS_MUL=col_mul is not None, BLOCK_M=block_m, BLOCK_K=block_k,
-                   ONE_PASS=one_pass)
+                   ONE_PASS=one_pass, N_AMAX=copies)
     grid2 = (triton.cdiv(M, c["cast_block_m"]), triton.cdiv(K, c["cast_block_k"]))
     args2 = (x, amax, q_t, s_t, M, K, K)
-    consts2 = dict(FMAX=fmax, EPS=scale_floor, BLOCK_M=c["cast_block_m"], BLOCK_K=c["cast_block_k"])
+    consts2 = dict(FMAX=fmax, EPS=scale_floor, BLOCK_M=c["cast_block_m"], BLOCK_K=c["cast_block_k"], N_AMAX=copies)
     if traced:
         from torch.library import wrap_triton
 

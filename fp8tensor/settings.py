@@ -36,8 +36,8 @@ FUSED_GRAD_OUT_MODES = ("eager", "always", "never")
 class Config:
     """fp8tensor's settings (immutable; change them with :func:`set_config` or :func:`config`).
 
-    Every field but ``gemm_backend`` (on devices where several backends run) and ``size_rule`` /
-    ``size_rule_min`` (which Linears are converted) leaves the numbers unchanged: the others choose between code
+    Every field but ``gemm_backend`` (on devices where several backends run) and the ``size_rule*`` fields (which
+    Linears are converted, and with which recipe) leaves the numbers unchanged: the others choose between code
     paths that compute the same bits, and exist to measure one against the other or to rule a fast path out while
     looking for a problem.
 
@@ -71,7 +71,13 @@ class Config:
             :func:`fp8tensor.convert.fp8_size_rule` (Linears too small for fp8 to pay stay in high precision) when
             its ``size_rule`` argument is left at None. Off until ``size_rule_min`` is calibrated on the target GPU.
         size_rule_min: (default 640) the size rule's threshold on ``K * N / (K + N)`` (``K`` in_features, ``N``
-            out_features); calibrate it with ``benchmarks/size_rule.py``. A positive number.
+            out_features): below it a Linear stays in high precision; calibrate it with ``benchmarks/size_rule.py``.
+            A positive number.
+        size_rule_fp8_grad_weight_min: (default 1024) the size rule's second threshold: a Linear converted with the
+            ``rowwise`` recipe whose ``K * N / (K + N)`` lies in ``[size_rule_min, size_rule_fp8_grad_weight_min)``
+            gets ``rowwise_gw_hp`` (grad_weight GEMM in high precision: no per-token quantizations of ``x`` and
+            ``grad_out``, which cost more than an fp8 grad_weight GEMM saves at these sizes). A positive number;
+            at most ``size_rule_min`` turns the middle tier off.
     """
 
     gemm_backend: str = "auto"
@@ -82,6 +88,7 @@ class Config:
     grouped_gemm_kernel: bool = True
     size_rule: bool = False
     size_rule_min: float = 640
+    size_rule_fp8_grad_weight_min: float = 1024
 
     def __post_init__(self):
         _check_choice("gemm_backend", self.gemm_backend, GEMM_BACKENDS)
@@ -91,9 +98,10 @@ class Config:
             value = getattr(self, name)
             if type(value) is not bool:
                 raise ValueError(f"fp8tensor.config: {name} must be True or False, got {value!r}")
-        m = self.size_rule_min
-        if type(m) not in (int, float) or not (0 < m < float("inf")):
-            raise ValueError(f"fp8tensor.config: size_rule_min must be a positive finite number, got {m!r}")
+        for name in ("size_rule_min", "size_rule_fp8_grad_weight_min"):
+            m = getattr(self, name)
+            if type(m) not in (int, float) or not (0 < m < float("inf")):
+                raise ValueError(f"fp8tensor.config: {name} must be a positive finite number, got {m!r}")
 
 
 def _check_choice(name: str, value, choices) -> None:

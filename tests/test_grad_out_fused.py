@@ -53,8 +53,10 @@ _INTERPRETER_CHECK = textwrap.dedent(
             x[2] = 0  # an all-zero row: the floor scale
             if K > 3:
                 x[1, 3] = float("nan")  # a NaN: inf row and column scales, as the separate kernels
-            for mul, one_pass in ((None, 0), (torch.rand(K) + 0.5, 0), (None, 1024), (torch.rand(K) + 0.5, 1024)):
-                kernels.ROWS_DIM0_CONFIG.update(one_pass_elems=one_pass)  # two loops over K / rows in registers
+            for mul, one_pass, copies in ((None, 0, 1), (torch.rand(K) + 0.5, 0, 3), (None, 1024, 16),
+                                          (torch.rand(K) + 0.5, 1024, 1)):
+                # two loops over K / rows in registers; the column amax reduced into 1, 3 or (at most) 16 rows
+                kernels.ROWS_DIM0_CONFIG.update(one_pass_elems=one_pass, amax_copies=copies)
                 qr, sr, qt, st = kernels.launch_rows_dim0_t(x, fp8, SCALE_FLOOR, col_mul=mul)
                 xr = x if mul is None else x.float() * mul  # what the separate row-wise kernel is given
                 q2, s2 = torch.empty(M, K, dtype=fp8), torch.empty(M, 1)
@@ -64,7 +66,7 @@ _INTERPRETER_CHECK = textwrap.dedent(
                 kernels._col_amax_kernel[(triton.cdiv(K, 16), triton.cdiv(M, 32))](
                     x, amax, M, K, K, CHUNK_M=32, BLOCK_M=16, BLOCK_K=16)
                 kernels._cast_t_kernel[(triton.cdiv(M, 32), triton.cdiv(K, 16))](
-                    x, amax, q3, s3, M, K, K, FMAX=fmax, EPS=SCALE_FLOOR, BLOCK_M=32, BLOCK_K=16)
+                    x, amax, q3, s3, M, K, K, FMAX=fmax, EPS=SCALE_FLOOR, BLOCK_M=32, BLOCK_K=16, N_AMAX=1)
                 assert torch.equal(u(qr), u(q2)) and torch.equal(sr, s2), (dt, M, K, "rows")
                 assert torch.equal(u(qt), u(q3)) and torch.equal(st, s3), (dt, M, K, "columns")
                 # the scales are the plain ops' (a NaN gives inf where the plain ops give NaN)

@@ -76,3 +76,59 @@ def test_size_rule_argument_must_be_a_bool():
     with pytest.raises(TypeError, match="convert_to_fp8: size_rule must be None, True or False, got 'yes'"):
         fp8tensor.convert_to_fp8(model, size_rule="yes")
     assert type(model[0]) is nn.Linear  # unchanged
+
+
+@pytest.mark.parametrize("k, n, expect", [
+    (1024, 1024, None), (1024, 256, None), (768, 3072, None),          # K·N/(K+N) 512, 205, 614: high precision
+    (1024, 2752, "rowwise_gw_hp"), (2048, 1024, "rowwise_gw_hp"),       # 746, 683: fp8 with grad_weight in hp
+    (1024, 4096, "rowwise_gw_hp"),                                     # 819
+    (2048, 2048, "rowwise"), (2048, 8192, "rowwise"), (4096, 14336, "rowwise"),  # 1024 (exact), 1638, 3186
+])
+def test_size_choice_tiers(k, n, expect):
+    from fp8tensor.convert import fp8_size_choice
+
+    for a, b in ((k, n), (n, k)):
+        got = fp8_size_choice(a, b, "rowwise")
+        assert (got.name if got is not None else None) == expect, (a, b)
+        hp = fp8_size_choice(a, b, "rowwise_gw_hp")  # the rowwise_gw_hp recipe is never changed, only dropped
+        assert (hp.name if hp is not None else None) == (None if expect is None else "rowwise_gw_hp")
+
+
+def test_size_choice_middle_tier_off_and_errors(monkeypatch):
+    from fp8tensor.convert import fp8_size_choice
+
+    set_knobs(monkeypatch, size_rule_fp8_grad_weight_min=640)  # at most size_rule_min: no middle tier
+    assert fp8_size_choice(1024, 2752, "rowwise").name == "rowwise"
+    with pytest.raises(ValueError, match="recipe"):
+        fp8_size_choice(1024, 2752, "no_such_recipe")
+    for bad in (0, -1.0, float("inf"), "1024", True):
+        with pytest.raises(ValueError, match="size_rule_fp8_grad_weight_min"):
+            fp8tensor.set_config(size_rule_fp8_grad_weight_min=bad)
+
+
+def test_convert_middle_tier_trains_as_rowwise_gw_hp():
+    """A mid-sized Linear converted under the size rule computes what the rowwise_gw_hp recipe computes (same bits),
+    is listed in ``fp8_grad_weight_hp``, and its grad_weight is the high-precision product (float64 bound)."""
+    torch.manual_seed(0)
+    big = nn.Sequential(nn.Linear(1024, 2752, bias=False))  # K·N/(K+N) = 746
+    ref = nn.Sequential(nn.Linear(1024, 2752, bias=False))
+    ref.load_state_dict(big.state_dict())
+    fp8tensor.convert_to_fp8(big, size_rule=True)
+    fp8tensor.convert_to_fp8(ref, recipe="rowwise_gw_hp")
+    assert big.fp8_grad_weight_hp == ["0 (1024->2752)"] and big.fp8_skipped == []
+    assert big[0].fp8_recipe.name == "rowwise_gw_hp" and big[0].weight.recipe.name == "rowwise_gw_hp"
+    x = torch.randn(64, 1024, dtype=torch.float64).float()
+    g = torch.randn(64, 2752)
+    outs = []
+    for m in (big, ref):
+        xx = x.clone().requires_grad_()
+        y = m(xx)
+        y.backward(g)
+        outs.append((y.detach(), xx.grad, m[0].weight.grad.clone()))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    gw64 = g.double().t() @ x.double()
+    err = (outs[0][2].double() - gw64).norm() / gw64.norm()
+    assert err < 1e-5  # grad_weight in high precision (float32 here): no fp8 rounding in it
+    fp8tensor.convert_to_fp8(big, size_rule=False)  # converting again without the rule: the requested recipe
+    assert big[0].fp8_recipe.name == "rowwise" and big.fp8_grad_weight_hp == []

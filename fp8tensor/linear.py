@@ -261,7 +261,7 @@ def _x_both(x: torch.Tensor, recipe: Recipe) -> tuple:
             and x.shape[-1] > 1 and not x.is_inference()):
         return None, None
     cfg = get_config()  # (read in eager mode only: _eager_plain)
-    if cfg.fused_grad_out == "never":
+    if cfg.fused_grad_out != "always":  # (slower than the separate kernels on H200: docs/benchmarks.md)
         return None, None
     share = cfg.share_input_quantization
     fast = recipe.fast_accum_backward
@@ -438,7 +438,8 @@ def _grad_out_both(grad_out: torch.Tensor, weight: torch.Tensor, x_saved: torch.
     Returns:
         ``((a8, sa), (gt8, sgt))``: the grad_input operand ``g2`` (times the fp8 weight's row scales, when it has them)
         quantized row-wise, and the grad_weight operand quantized per output feature over the tokens."""
-    if not (get_config().fused_grad_out != "never" and _saved_tokens_fp8(x_saved)
+    mode = get_config().fused_grad_out
+    if not (mode != "never" and _saved_tokens_fp8(x_saved)
             and grad_out.shape[-1] > 1):  # (N == 1: the separate path quantizes g2 with the dim-0 kernels)
         return None
     col_mul = None
@@ -451,6 +452,8 @@ def _grad_out_both(grad_out: torch.Tensor, weight: torch.Tensor, x_saved: torch.
         w = weight._data if isinstance(weight, QuantizeOnUse) else weight
         if not (type(w) in _PLAIN and w.dim() == 2 and w.dtype.is_floating_point):
             return None
+    if col_mul is None and mode != "always":  # (slower than the separate kernels without scales to fold)
+        return None
     return quantize_rows_and_tokens(grad_out, E4M3, col_mul=col_mul)
 
 

@@ -56,14 +56,17 @@ class Config:
             the per-group column quantizations). Eager plain tensors only; False: every GEMM quantizes its input
             itself (same bits, more quantization work, less fp8 memory held between Linears).
         fused_grad_out: one of :data:`FUSED_GRAD_OUT_MODES` (default ``"eager"``): where an operand needed in both
-            GEMM layouts (a backward's ``grad_out``, an eager forward's input) is quantized for both from two reads
-            of it (:func:`fp8tensor.quantize.quantize_rows_and_tokens`; CUDA with Triton) instead of each layout on
-            its own. ``"eager"``: in eager Linears only; ``"always"``: also ``grad_out`` in compiled backwards
-            (the ``fp8tensor::quantize_rows_dim0_t`` triton op; off by default because a compiled graph otherwise
-            fuses the row-wise quantization into ``grad_out``'s producer: measure with ``benchmarks/quant_cost.py``
-            and the end-to-end step before switching it on); ``"never"``: each layout on its own everywhere. The
-            fused pass gives the bits of eager quantization; in a compiled backward ``"always"`` may therefore differ
-            from inductor's own quantization in the last bit of a scale.
+            GEMM layouts (a backward's ``grad_out``, an eager forward's input) is quantized for both in one fused
+            pass (:func:`fp8tensor.quantize.quantize_rows_and_tokens`; CUDA with Triton) instead of each layout on
+            its own. ``"eager"``: only where it was measured faster on H200 (``benchmarks/quant_cost.py``,
+            ``docs/benchmarks.md``): ``grad_out`` in eager backwards of fp8 weights with row scales (FSDP2's fp8
+            all-gather), whose scales the pass folds in without a float32 copy of ``grad_out``; ``"always"``: also
+            other eager ``grad_out`` s, eager forward inputs and ``grad_out`` in compiled backwards (the
+            ``fp8tensor::quantize_rows_dim0_t`` triton op; slower in the measured end-to-end step, where the
+            compiled graph otherwise fuses the row-wise quantization into ``grad_out``'s producer); ``"never"``:
+            each layout on its own everywhere. The fused pass gives the bits of eager quantization; in a compiled
+            backward ``"always"`` may therefore differ from inductor's own quantization in the last bit of a
+            scale.
         grouped_gemm_kernel: (default True) fp8 grouped GEMMs (MoE) run ``torch._scaled_grouped_mm`` where it exists
             (CUDA, e4m3, dims multiples of 16). False: a loop of ``torch._scaled_mm`` over the groups everywhere
             (the CPU path; to compare the two on a GPU).

@@ -191,8 +191,13 @@ def test_eager_backward_same_bits(weight, monkeypatch):
     monkeypatch.setattr(linear_mod, "quantize_rows_and_tokens", _stand_in(calls))
     set_knobs(monkeypatch, fused_grad_out="eager")
     y1, gx1, gw1 = _grads(x, make_w(), gy, bias)
-    # x in forward, grad_out in backward (with the fp8 weight's row scales folded in by the kernel)
-    assert calls == [False, weight == "fp8"], calls
+    # "eager": grad_out in backward only where the fp8 weight's row scales are folded in by the kernel
+    assert calls == ([True] if weight == "fp8" else []), calls
+    assert torch.equal(y1, y0) and torch.equal(gx1, gx0) and torch.equal(gw1, gw0)
+    calls.clear()
+    set_knobs(monkeypatch, fused_grad_out="always")
+    y1, gx1, gw1 = _grads(x, make_w(), gy, bias)
+    assert calls == [False, weight == "fp8"], calls  # x in forward, grad_out in backward
     assert torch.equal(y1, y0) and torch.equal(gx1, gx0) and torch.equal(gw1, gw0)
     gxd, gwd = _ref_grads(x, w_ref, gy, bias)  # and the float64 math
     assert rel_err(gx1, gxd) <= E4M3_GEMM_BOUND and rel_err(gw1, gwd) <= E4M3_GEMM_BOUND
@@ -220,6 +225,7 @@ def test_backward_skips_fusion_when_one_gradient(monkeypatch):
     """Only grad_weight reads grad_out: no fused pass in backward (x's still runs in forward)."""
     calls = []
     monkeypatch.setattr(linear_mod, "quantize_rows_and_tokens", _stand_in(calls))
+    set_knobs(monkeypatch, fused_grad_out="always")
     x = torch.randn(16, 32, dtype=torch.bfloat16)  # no grad for x: only grad_weight reads grad_out
     w = torch.randn(24, 32, dtype=torch.bfloat16, requires_grad=True)
     fp8tensor.fp8_linear(x, w).sum().backward()
@@ -230,6 +236,7 @@ def test_inputs_shared_by_linears_quantized_once(monkeypatch):
     """Linears reading one input (q/k/v) share its grad_weight operand: the fused pass runs for the first only."""
     calls = []
     monkeypatch.setattr(linear_mod, "quantize_rows_and_tokens", _stand_in(calls))
+    set_knobs(monkeypatch, fused_grad_out="always")
     x = torch.randn(16, 32, dtype=torch.bfloat16, requires_grad=True)
     ws = [torch.randn(24, 32, dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
     ys = [fp8tensor.fp8_linear(x, w) for w in ws]
@@ -247,7 +254,7 @@ def test_row_operand_shared_by_consecutive_linears(fused, monkeypatch):
     """q/k/v read one input: its row-wise operand is made once (and again after an in-place change); same bits."""
     if fused:
         monkeypatch.setattr(linear_mod, "quantize_rows_and_tokens", _stand_in([]))
-    set_knobs(monkeypatch, fused_grad_out="eager" if fused else "never")
+    set_knobs(monkeypatch, fused_grad_out="always" if fused else "never")
     real = linear_mod.quantize
     x_rows = []
     monkeypatch.setattr(linear_mod, "quantize",

@@ -74,9 +74,10 @@ def test_linear_grads_unchanged(weight, monkeypatch):
     w = torch.randn(N, K, device=DEV, dtype=torch.bfloat16) * K ** -0.5
     set_knobs(monkeypatch, fused_grad_out="never")
     y0, gx0, gw0 = _linear_grads(weight, w, x, gy, False)
-    set_knobs(monkeypatch, fused_grad_out="eager")
-    y1, gx1, gw1 = _linear_grads(weight, w, x, gy, False)
-    assert torch.equal(y0, y1) and torch.equal(gx0, gx1) and torch.equal(gw0, gw1)
+    for mode in ("eager", "always"):
+        set_knobs(monkeypatch, fused_grad_out=mode)
+        y1, gx1, gw1 = _linear_grads(weight, w, x, gy, False)
+        assert torch.equal(y0, y1) and torch.equal(gx0, gx1) and torch.equal(gw0, gw1), mode
     set_knobs(monkeypatch, fused_grad_out="eager")
     _, gxc0, gwc0 = _linear_grads(weight, w, x, gy, True)
     set_knobs(monkeypatch, fused_grad_out="always")

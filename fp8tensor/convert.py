@@ -41,12 +41,12 @@ def fp8_size_rule(in_features: int, out_features: int) -> bool:
     (1024), ``2048 <-> 5632`` (1502), ``1024 <-> 4096`` (819) and anything larger are converted; ``1024 x 1024``
     (512), ``768 -> 3072`` (614) and small heads (``4096 -> 16``: 16) stay in high precision.
 
-    The threshold sits between two data points: torchao's size-based filter for its row-wise recipe
-    (``torchao.float8``'s auto filter, measured on H100 with its kernels) keeps ``N <= 2048``, ``K <= 1024`` and
-    ``N <= 4096 and K <= 2048`` in high precision; fp8tensor's end-to-end step at dim 2048 on H200 (8192 tokens)
-    ran its GEMMs 1.84x faster in fp8 (24.3 ms bf16 vs 13.2 ms), quantization included faster than bf16, so a
-    ``2048 x 2048`` Linear must stay fp8 here. Calibrate it with ``benchmarks/size_rule.py`` (per-layer fp8 vs bf16
-    forward + backward on the GPU at hand) and set it with ``fp8tensor.set_config(size_rule_min=...)``.
+    The default threshold is measured on H200 (``benchmarks/size_rule.py``: one Linear's forward + backward captured
+    as a CUDA graph, and the end-to-end step in ``docs/benchmarks.md``): below 640 even ``rowwise_gw_hp`` (two fp8
+    GEMMs) is slower than bf16 at 8192 and 16384 tokens. It is looser than torchao's size-based filter for its
+    row-wise recipe (H100, its kernels: ``N <= 2048`` stays in high precision). For another GPU, calibrate it with
+    that script and set it with ``fp8tensor.set_config(size_rule_min=...)``. :func:`fp8_size_choice` adds the
+    middle tier (``rowwise_gw_hp``) on top of this rule.
 
     Args:
         in_features: ``K``, the Linear's input features.

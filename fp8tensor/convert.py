@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from . import compat
+from . import checkpoint as _checkpoint
 from .quantize import E4M3, check_float8_dtype
 from .fsdp_state import check_fsdp_sharded as _check_fsdp_sharded
 from .fsdp_state import refresh_fsdp_param
@@ -701,6 +702,7 @@ def quantize_weights(
             lin.weight = new[1]
         lin.fp8_recipe = get_recipe("rowwise")
         _install_fp8_forward(lin, classes[fqn], redirects[fqn])
+        _add_fp8_checkpoint_hooks(lin)
     for fqn, mod, names in experts:  # grouped experts: each 3-D weight stored as row-wise fp8 ([E, out, 1] scales)
         done = []
         for name in names:
@@ -719,10 +721,20 @@ def quantize_weights(
             else:
                 setattr(mod, name, nn.Parameter(q(w.data), requires_grad=False))
         if done:
+            _add_fp8_checkpoint_hooks(mod)
             mod.fp8_recipe = get_recipe("rowwise")
             mod.fp8_expert_params = tuple(done)
             mod.__class__ = _fp8_experts_class(type(mod))
     return module
+
+
+def _add_fp8_checkpoint_hooks(mod: nn.Module) -> None:
+    """Once per module: the state-dict hooks of :mod:`fp8tensor.checkpoint` (``state_dict()`` in the plain layout
+    under ``fp8tensor.config(state_dict_fp8="plain")``; loading accepts the plain layout)."""
+    if not getattr(mod, "_fp8_checkpoint_hooks", False):
+        mod._register_state_dict_hook(_checkpoint.state_dict_hook)
+        mod.register_load_state_dict_pre_hook(_checkpoint.load_state_dict_pre_hook)
+        mod._fp8_checkpoint_hooks = True
 
 
 def _quantize_expert_weight(lt: torch.Tensor, float8_dtype: torch.dtype) -> ScaledFp8Tensor:

@@ -19,7 +19,7 @@ import threading
 from typing import Iterator
 
 __all__ = ["Config", "config", "get_config", "set_config", "GEMM_BACKENDS", "UNKNOWN_OPS",
-           "FUSED_GRAD_OUT_MODES"]  # public as fp8tensor.*
+           "FUSED_GRAD_OUT_MODES", "STATE_DICT_FP8"]  # public as fp8tensor.*
 
 #: GEMM backends (see :mod:`fp8tensor.gemm`): ``auto`` picks row-wise ``torch._scaled_mm`` where the device supports
 #: it, else tensor-wise with the row scales applied to the output, else an emulation in high precision.
@@ -30,6 +30,8 @@ GEMM_BACKENDS = ("auto", "rowwise", "tensorwise", "emulated")
 UNKNOWN_OPS = ("warn", "raise", "allow")
 #: Where ``grad_out`` is quantized for both gradient GEMMs in one fused pass (see :attr:`Config.fused_grad_out`).
 FUSED_GRAD_OUT_MODES = ("eager", "always", "never")
+#: What ``state_dict()`` of a ``quantize_weights`` model holds for an fp8 weight (see :attr:`Config.state_dict_fp8`).
+STATE_DICT_FP8 = ("subclass", "plain")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +74,13 @@ class Config:
             its ``size_rule`` argument is left at None. Off until ``size_rule_min`` is calibrated on the target GPU.
         size_rule_min: (default 640) the size rule's threshold on ``K * N / (K + N)`` (``K`` in_features, ``N``
             out_features); calibrate it with ``benchmarks/size_rule.py``. A positive number.
+        state_dict_fp8: one of :data:`STATE_DICT_FP8` (default ``"subclass"``): what ``Module.state_dict()`` of a
+            :func:`fp8tensor.quantize_weights` model holds for each fp8 weight. ``"subclass"``: the
+            :class:`ScaledFp8Tensor` itself (``torch.save`` / ``torch.load(weights_only=True)``, Distributed
+            Checkpoint, FSDP2); ``"plain"``: two plain tensors, ``weight`` (fp8) and ``weight_scale`` (float32
+            ``(out_features, 1)``), the layout safetensors and Hugging Face fp8 checkpoints hold
+            (:mod:`fp8tensor.checkpoint`): ``with fp8tensor.config(state_dict_fp8="plain"): model.save_pretrained(d)``.
+            Loading accepts both. ``convert_to_fp8`` models save plain high-precision weights either way.
     """
 
     gemm_backend: str = "auto"
@@ -82,11 +91,13 @@ class Config:
     grouped_gemm_kernel: bool = True
     size_rule: bool = False
     size_rule_min: float = 640
+    state_dict_fp8: str = "subclass"
 
     def __post_init__(self):
         _check_choice("gemm_backend", self.gemm_backend, GEMM_BACKENDS)
         _check_choice("unknown_ops", self.unknown_ops, UNKNOWN_OPS)
         _check_choice("fused_grad_out", self.fused_grad_out, FUSED_GRAD_OUT_MODES)
+        _check_choice("state_dict_fp8", self.state_dict_fp8, STATE_DICT_FP8)
         for name in ("eager_fast_path", "share_input_quantization", "grouped_gemm_kernel", "size_rule"):
             value = getattr(self, name)
             if type(value) is not bool:

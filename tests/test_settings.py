@@ -48,13 +48,14 @@ def test_set_config_process_wide():
 def test_defaults():
     assert dataclasses.asdict(fp8tensor.Config()) == dict(
         gemm_backend="auto", unknown_ops="warn", eager_fast_path=True, share_input_quantization=True,
-        fused_grad_out="eager", grouped_gemm_kernel=True, size_rule=False, size_rule_min=640)
+        fused_grad_out="eager", grouped_gemm_kernel=True, size_rule=False, size_rule_min=640,
+        state_dict_fp8="subclass")
 
 
 def test_every_knob_scopes():
     base = fp8tensor.get_config()
     changes = dict(eager_fast_path=False, share_input_quantization=False, fused_grad_out="never",
-                   grouped_gemm_kernel=False, size_rule=True, size_rule_min=1000.5)
+                   grouped_gemm_kernel=False, size_rule=True, size_rule_min=1000.5, state_dict_fp8="plain")
     with fp8tensor.config(**changes) as c:
         assert {k: getattr(fp8tensor.get_config(), k) for k in changes} == changes and c == fp8tensor.get_config()
         with fp8tensor.config(fused_grad_out="always"):

@@ -27,7 +27,7 @@ from .recipes import Recipe, get_recipe
 from .settings import get_config
 from .tensor import ScaledFp8Tensor, _is_dtensor, make_scaled, map_local, rowwise_dims
 
-__all__ = ["QuantizeOnUse", "fp8_linear"]
+__all__ = ["QuantizeOnUse", "fp8_linear", "tp_export_message"]
 
 
 class QuantizeOnUse:
@@ -680,6 +680,17 @@ def fp8_linear(
     return _Fp8Linear.apply(input, weight, bias, r)
 
 
+def tp_export_message(where: str) -> str:
+    """The error of ``torch.export`` reaching a tensor-parallel (DTensor) fp8 Linear."""
+    return (
+        f"{where}: torch.export of a tensor-parallel fp8 Linear (DTensor weight) is not supported: torch.export "
+        "does not trace DTensor's parallel styles on the torch versions fp8tensor supports (a high-precision TP "
+        "model fails the same way, in DTensor.from_local). Export the model before parallelize_module (one "
+        "unsharded program: quantize_weights, then torch.export.export), or serve the TP model eagerly or with "
+        "torch.compile"
+    )
+
+
 def _exported_forward(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                       recipe: Recipe) -> torch.Tensor:
     """The fp8 Linear's forward as ``torch.export`` traces it: the ops of :class:`_Fp8Linear`'s general forward path
@@ -706,6 +717,8 @@ def _exported_forward(input: torch.Tensor, weight: torch.Tensor, bias: Optional[
             bias = bias.to(dt)
         with torch.autocast(dev, enabled=False):
             return _exported_forward(input, weight, bias, recipe)
+    if _is_dtensor(weight) or _is_dtensor(input):
+        raise NotImplementedError(tp_export_message("fp8tensor.fp8_linear"))
     wd = weight._data if isinstance(weight, QuantizeOnUse) else weight
     K, N = input.shape[-1], wd.shape[0]
     x2 = input if input.dim() == 2 else input.reshape(-1, K)

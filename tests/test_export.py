@@ -195,3 +195,25 @@ def test_plain_weight_fp8_linear_raises_clearly(strict):
     q.weight = nn.Parameter(ScaledFp8Tensor.from_hp(w), requires_grad=False)
     ep = torch.export.export(q, (x,), strict=strict)
     assert torch.equal(ep.module()(x), q(x))
+
+
+@STRICT
+def test_example_llama_dynamic_sequence(strict):
+    """The README's example model (examples/llama.py, small): quantize_weights, export with a dynamic sequence dim,
+    run at other lengths (1 token included): logits equal eager bit for bit."""
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+    from llama import Llama, ModelArgs
+
+    args = ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, max_seq_len=64)
+    m = fp8tensor.quantize_weights(Llama(args).to(torch.bfloat16)).eval()
+    seq = torch.export.Dim("seq", min=1, max=64)
+    ep = torch.export.export(m, (torch.randint(0, 256, (2, 16)),), dynamic_shapes=({1: seq},), strict=strict)
+    n_linear = sum(isinstance(p, ScaledFp8Tensor) for p in m.parameters())
+    assert n_linear == 2 * 7 + 1
+    _assert_fp8_program(ep, m, n_linear)
+    for T in (1, 7, 16, 64):
+        ids = torch.randint(0, 256, (2, T))
+        assert torch.equal(ep.module()(ids), m(ids)), T

@@ -217,3 +217,14 @@ def test_example_llama_dynamic_sequence(strict):
     for T in (1, 7, 16, 64):
         ids = torch.randint(0, 256, (2, T))
         assert torch.equal(ep.module()(ids), m(ids)), T
+
+
+@pytest.mark.parametrize("f8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_other_formats_and_no_grad(f8):
+    """e5m2 weights and float16 models export too, also traced under torch.no_grad()."""
+    m = fp8tensor.quantize_weights(nn.Linear(64, 32).to(torch.float16), float8_dtype=f8)
+    with torch.no_grad():
+        ep = torch.export.export(m, (torch.randn(5, 64, dtype=torch.float16),))
+    assert ep.state_dict["weight"].qdata.dtype == f8
+    x = torch.randn(5, 64, dtype=torch.float16)
+    assert torch.equal(ep.module()(x), m(x))

@@ -139,7 +139,7 @@ def main():
         for v, err in errors.items():
             print(f"| {label} | error | {v}: {err} |")
         print(f"<!-- {which}: {time.time() - t0:.0f} s including AOTI compiles -->", flush=True)
-        del runs, variants
+        runs, variants = {}, {}  # (free the models before the next one)
         torch.cuda.empty_cache()
     print()
     print("Speedup columns: time of the second variant / time of AOTI fp8 (> 1: AOTI fp8 is faster).")

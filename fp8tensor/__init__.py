@@ -7,6 +7,9 @@ Public API:
   ``"rowwise"`` and ``"rowwise_gw_hp"``).
 * :func:`quantize_weights` — inference / frozen weights stored in fp8.
 * :func:`fp8_linear` — the functional form of an fp8 Linear.
+* :func:`plain_state_dict` / :func:`load_safetensors` — fp8 weights as plain ``weight`` + ``weight_scale`` tensors
+  (safetensors, Hugging Face; ``fp8tensor.config(state_dict_fp8="plain")`` makes ``state_dict()`` write them),
+  see ``docs/serving.md``. ``torch.export`` of fp8 models works as for any model (``docs/serving.md``).
 * :func:`fp8_grouped_mm` — fp8 ``torch._grouped_mm`` for mixture-of-experts weights (``docs/moe.md``); master
   weights and ScaledFp8Tensors of 3-D expert weights route ``torch._grouped_mm`` to it.
 * :func:`set_gemm_backend` / :func:`gemm_backend` — GEMM backend choice.
@@ -27,6 +30,7 @@ from .master import Fp8MasterWeight
 from . import fsdp_state as _fsdp_state  # noqa: F401  (drops FSDP2's flat copy of fp8 shards)
 from . import collectives as _collectives  # noqa: F401  (fp8 collectives for DTensor / TP)
 from .convert import convert_to_fp8, quantize_weights
+from .checkpoint import load_safetensors, plain_state_dict
 from .graphs import GraphedStep, graph_step
 
 __all__ = [
@@ -52,6 +56,8 @@ __all__ = [
     "config",
     "get_config",
     "set_config",
+    "plain_state_dict",
+    "load_safetensors",
 ]
 try:  # fp8 sequence-parallel communication (needs torch.distributed)
     from .parallel import Fp8PrepareModuleInput, fp8_sequence_all_gather, fp8_sequence_parallel_plan

@@ -14,7 +14,7 @@ __all__ = ["TORCH_VERSION", "register_foreach_type", "local_tensor", "set_local_
            "fsdp_state_name", "fsdp_unsharded_param", "fsdp_flat_shard", "fsdp_set_flat_shard",
            "fsdp_reset_extension", "process_group_size", "wait_work", "tree_flatten", "tree_unflatten", "tree_leaves",
            "tree_map_only", "is_fake", "local_tensor_cls", "run_per_simulated_rank", "COMPOSITE_IMPLICIT",
-           "DISABLED_TORCH_FUNCTION", "DATA_SETTER", "disable_torch_function_subclass", "parse_to"]
+           "DISABLED_TORCH_FUNCTION", "DATA_SETTER", "disable_torch_function_subclass", "parse_to", "is_exporting"]
 
 #: The dispatch key of composite ops (decomposed above autograd).
 COMPOSITE_IMPLICIT = torch._C.DispatchKey.CompositeImplicitAutograd
@@ -27,6 +27,12 @@ DATA_SETTER = torch._C.TensorBase.data.__set__
 def parse_to(*args, **kwargs):
     """``(device, dtype, non_blocking, memory_format)`` of ``Tensor.to``'s arguments (after ``self``)."""
     return torch._C._nn._parse_to(*args, **kwargs)
+
+
+def is_exporting() -> bool:
+    """Whether ``torch.export`` is tracing (strict or not): ``torch.compiler.is_exporting()`` (public API, here so
+    that every tracing-mode query of the package reads in one place)."""
+    return torch.compiler.is_exporting()
 
 
 def disable_torch_function_subclass():

@@ -16,11 +16,12 @@ import torch
 import torch.nn as nn
 
 from . import compat
+from . import checkpoint as _checkpoint
 from .quantize import E4M3, check_float8_dtype
 from .fsdp_state import check_fsdp_sharded as _check_fsdp_sharded
 from .fsdp_state import refresh_fsdp_param
 from .grouped import Fp8GroupedMMMode
-from .linear import fp8_linear
+from .linear import fp8_linear, tp_export_message
 from .master import Fp8MasterWeight
 from .recipes import get_recipe
 from .settings import get_config
@@ -668,6 +669,7 @@ def convert_to_fp8(
             lin._fp8_hooks = True
         lin.fp8_recipe = lr
         _install_fp8_forward(lin, classes[fqn], redirects[fqn])
+        _add_tp_export_hook(lin)
     _convert_experts(module, experts, r, skipped)
     module.fp8_skipped = skipped
     module.fp8_grad_weight_hp = gw_hp
@@ -743,6 +745,8 @@ def quantize_weights(
             lin.weight = new[1]
         lin.fp8_recipe = get_recipe("rowwise")
         _install_fp8_forward(lin, classes[fqn], redirects[fqn])
+        _add_fp8_checkpoint_hooks(lin)
+        _add_tp_export_hook(lin)
     for fqn, mod, names in experts:  # grouped experts: each 3-D weight stored as row-wise fp8 ([E, out, 1] scales)
         done = []
         for name in names:
@@ -761,10 +765,36 @@ def quantize_weights(
             else:
                 setattr(mod, name, nn.Parameter(q(w.data), requires_grad=False))
         if done:
+            _add_fp8_checkpoint_hooks(mod)
             mod.fp8_recipe = get_recipe("rowwise")
             mod.fp8_expert_params = tuple(done)
             mod.__class__ = _fp8_experts_class(type(mod))
     return module
+
+
+def _refuse_tp_export(module: nn.Module, args):
+    """Forward pre-hook of converted Linears with a DTensor weight (run before a parallel style's input hook):
+    under ``torch.export`` it raises the error naming the remedy (:func:`fp8tensor.linear.tp_export_message`)
+    instead of DTensor's own failure to trace; otherwise it does nothing."""
+    if compat.is_exporting() and _is_dtensor(module.weight):
+        raise NotImplementedError(tp_export_message(f"fp8tensor ({type(module).__name__})"))
+
+
+def _add_tp_export_hook(lin: nn.Module) -> None:
+    """Once per Linear whose weight is a DTensor: :func:`_refuse_tp_export`, first among its pre-hooks (only
+    tensor-parallel Linears get it: a plain Linear's forward keeps its hook-free fast path)."""
+    if _is_dtensor(lin.weight) and not getattr(lin, "_fp8_tp_export_hook", False):
+        lin.register_forward_pre_hook(_refuse_tp_export, prepend=True)
+        lin._fp8_tp_export_hook = True
+
+
+def _add_fp8_checkpoint_hooks(mod: nn.Module) -> None:
+    """Once per module: the state-dict hooks of :mod:`fp8tensor.checkpoint` (``state_dict()`` in the plain layout
+    under ``fp8tensor.config(state_dict_fp8="plain")``; loading accepts the plain layout)."""
+    if not getattr(mod, "_fp8_checkpoint_hooks", False):
+        mod._register_state_dict_hook(_checkpoint.state_dict_hook)
+        mod.register_load_state_dict_pre_hook(_checkpoint.load_state_dict_pre_hook)
+        mod._fp8_checkpoint_hooks = True
 
 
 def _quantize_expert_weight(lt: torch.Tensor, float8_dtype: torch.dtype) -> ScaledFp8Tensor:

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 import torch.autograd.forward_ad as _forward_ad
 
-from . import kernels
+from . import compat, kernels
 from .capture import capture_token
 from .gemm import _check_mm_args, fp8_mm, scaled_mm
 from .ops import t_view
@@ -27,7 +27,7 @@ from .recipes import Recipe, get_recipe
 from .settings import get_config
 from .tensor import ScaledFp8Tensor, _is_dtensor, make_scaled, map_local, rowwise_dims
 
-__all__ = ["QuantizeOnUse", "fp8_linear"]
+__all__ = ["QuantizeOnUse", "fp8_linear", "tp_export_message"]
 
 
 class QuantizeOnUse:
@@ -675,10 +675,74 @@ def fp8_linear(
         )
     if _forward_ad._current_level >= 0 and not torch.compiler.is_compiling():  # (a dual level is open: rare)
         _check_no_tangents(input, weight, bias)
+    if compat.is_exporting():
+        return _exported_forward(input, weight, bias, r)
     dev = input.device.type
     if (dev in _AUTOCAST_TYPES or torch.amp.is_autocast_available(dev)) and torch.is_autocast_enabled(dev):
         return _autocast_linear(input, weight, bias, r, dev)  # (meta and the like have no autocast state to ask)
     return _Fp8Linear.apply(input, weight, bias, r)
+
+
+def tp_export_message(where: str) -> str:
+    """The error of ``torch.export`` reaching a tensor-parallel (DTensor) fp8 Linear."""
+    return (
+        f"{where}: torch.export of a tensor-parallel fp8 Linear (DTensor weight) is not supported: torch.export "
+        "does not trace DTensor's parallel styles on the torch versions fp8tensor supports (a high-precision TP "
+        "model fails the same way, in DTensor.from_local). Export the model before parallelize_module (one "
+        "unsharded program: quantize_weights, then torch.export.export), or serve the TP model eagerly or with "
+        "torch.compile"
+    )
+
+
+def _exported_forward(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                      recipe: Recipe) -> torch.Tensor:
+    """The fp8 Linear's forward as ``torch.export`` traces it: the ops of :class:`_Fp8Linear`'s general forward path
+    (the weight quantized per row, or an fp8 weight used as it is; ``x`` quantized per row; one fp8 GEMM; the bias
+    added to its output), outside the ``autograd.Function``.
+
+    ``torch.export`` cannot trace a tensor subclass inside an ``autograd.Function`` (its ``autograd_function_apply``
+    body fails on the subclass's first op), and an exported program is a forward graph: the backward of the Function
+    is never part of it. The same quantizations and the same ``torch._scaled_mm`` call as the eager forward, so the
+    exported program's outputs equal eager ones to the bit. Under ``torch.autocast`` the operands are cast as
+    :func:`_autocast_linear` casts them.
+
+    Returns:
+        ``(*, N)``, as :func:`fp8_linear`.
+    """
+    dev = input.device.type
+    if (dev in _AUTOCAST_TYPES or torch.amp.is_autocast_available(dev)) and torch.is_autocast_enabled(dev):
+        dt = torch.get_autocast_dtype(dev)
+        if input.dtype != dt and input.dtype in _AUTOCAST_CASTS:
+            input = input.to(dt)
+        if weight.dtype != dt and weight.dtype in _AUTOCAST_CASTS:
+            weight = weight.to(dt)
+        if bias is not None and bias.dtype != dt and bias.dtype in _AUTOCAST_CASTS:
+            bias = bias.to(dt)
+        with torch.autocast(dev, enabled=False):
+            return _exported_forward(input, weight, bias, recipe)
+    if _is_dtensor(weight) or _is_dtensor(input):
+        raise NotImplementedError(tp_export_message("fp8tensor.fp8_linear"))
+    wd = weight._data if isinstance(weight, QuantizeOnUse) else weight
+    K, N = input.shape[-1], wd.shape[0]
+    x2 = input if input.dim() == 2 else input.reshape(-1, K)
+    if _is_fp8(weight):
+        out = torch.mm(x2, weight.t())  # the op table's GEMM, traced below the subclass (where export unwraps it)
+    elif isinstance(weight, QuantizeOnUse):
+        # the master's GEMM: it quantizes the weight per row, as the Function's forward does. Without grad mode: an
+        # exported program has no backward (and the master's mm warns about one recorded outside fp8_linear).
+        with torch.no_grad():
+            out = torch.mm(x2, weight.t())
+    else:
+        raise NotImplementedError(
+            "fp8tensor.fp8_linear: torch.export of an fp8 Linear whose weight is a plain high-precision tensor "
+            f"(shape {tuple(weight.shape)}, {weight.dtype}) is not supported: the weight would be quantized inside "
+            "the exported graph. Store it in fp8 first (fp8tensor.quantize_weights(model), or "
+            "nn.Parameter(ScaledFp8Tensor.from_hp(w), requires_grad=False)), or keep an Fp8MasterWeight "
+            "(fp8tensor.convert_to_fp8)"
+        )
+    if bias is not None:
+        out = out + bias
+    return out if input.dim() == 2 else out.reshape(*input.shape[:-1], N)
 
 
 def _check_no_tangents(*tensors) -> None:

@@ -19,7 +19,7 @@ import threading
 from typing import Iterator
 
 __all__ = ["Config", "config", "get_config", "set_config", "GEMM_BACKENDS", "UNKNOWN_OPS",
-           "FUSED_GRAD_OUT_MODES"]  # public as fp8tensor.*
+           "FUSED_GRAD_OUT_MODES", "STATE_DICT_FP8"]  # public as fp8tensor.*
 
 #: GEMM backends (see :mod:`fp8tensor.gemm`): ``auto`` picks row-wise ``torch._scaled_mm`` where the device supports
 #: it, else tensor-wise with the row scales applied to the output, else an emulation in high precision.
@@ -30,6 +30,8 @@ GEMM_BACKENDS = ("auto", "rowwise", "tensorwise", "emulated")
 UNKNOWN_OPS = ("warn", "raise", "allow")
 #: Where ``grad_out`` is quantized for both gradient GEMMs in one fused pass (see :attr:`Config.fused_grad_out`).
 FUSED_GRAD_OUT_MODES = ("eager", "always", "never")
+#: What ``state_dict()`` of a ``quantize_weights`` model holds for an fp8 weight (see :attr:`Config.state_dict_fp8`).
+STATE_DICT_FP8 = ("subclass", "plain")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +84,13 @@ class Config:
             gets ``rowwise_gw_hp`` (grad_weight GEMM in high precision: no per-token quantizations of ``x`` and
             ``grad_out``, which cost more than an fp8 grad_weight GEMM saves at these sizes). A positive number;
             at most ``size_rule_min`` turns the middle tier off.
+        state_dict_fp8: one of :data:`STATE_DICT_FP8` (default ``"subclass"``): what ``Module.state_dict()`` of a
+            :func:`fp8tensor.quantize_weights` model holds for each fp8 weight. ``"subclass"``: the
+            :class:`ScaledFp8Tensor` itself (``torch.save`` / ``torch.load(weights_only=True)``, Distributed
+            Checkpoint, FSDP2); ``"plain"``: two plain tensors, ``weight`` (fp8) and ``weight_scale`` (float32
+            ``(out_features, 1)``), the layout safetensors and Hugging Face fp8 checkpoints hold
+            (:mod:`fp8tensor.checkpoint`): ``with fp8tensor.config(state_dict_fp8="plain"): model.save_pretrained(d)``.
+            Loading accepts both. ``convert_to_fp8`` models save plain high-precision weights either way.
     """
 
     gemm_backend: str = "auto"
@@ -93,11 +102,13 @@ class Config:
     size_rule: bool = False
     size_rule_min: float = 640
     size_rule_fp8_grad_weight_min: float = 1024
+    state_dict_fp8: str = "subclass"
 
     def __post_init__(self):
         _check_choice("gemm_backend", self.gemm_backend, GEMM_BACKENDS)
         _check_choice("unknown_ops", self.unknown_ops, UNKNOWN_OPS)
         _check_choice("fused_grad_out", self.fused_grad_out, FUSED_GRAD_OUT_MODES)
+        _check_choice("state_dict_fp8", self.state_dict_fp8, STATE_DICT_FP8)
         for name in ("eager_fast_path", "share_input_quantization", "grouped_gemm_kernel", "size_rule"):
             value = getattr(self, name)
             if type(value) is not bool:

@@ -231,6 +231,16 @@ def map_shard(local: torch.Tensor, fn):
     return fn(local)
 
 
+#: The error of reading a ScaledFp8Tensor's storage as one tensor's (safetensors, Hugging Face ``save_pretrained``).
+_NO_STORAGE = (
+    "fp8tensor: a ScaledFp8Tensor (fp8 data + float32 scales) has no single storage to write as one tensor "
+    "(safetensors, Hugging Face save_pretrained). Save the plain fp8 layout (weight + weight_scale): "
+    "`with fp8tensor.config(state_dict_fp8=\"plain\"): model.save_pretrained(d)` (or safetensors.torch.save_model), "
+    "or safetensors.torch.save_file(fp8tensor.plain_state_dict(model.state_dict()), f); torch.save keeps the "
+    "ScaledFp8Tensor as it is"
+)
+
+
 class ScaledFp8Tensor(torch.Tensor):
     """A tensor stored as fp8 data with float32 scales; it reads as the high-precision tensor it encodes.
 
@@ -411,6 +421,12 @@ class ScaledFp8Tensor(torch.Tensor):
                            shares_scale=shares_scale, scale_writes=scale_writes)
 
     __torch_dispatch__ = classmethod(_dispatch)
+
+    def storage(self):
+        """Raises ``RuntimeError``: a ScaledFp8Tensor's values live in two tensors (``qdata``, ``scale``), not in
+        one storage. (``Tensor.storage()``, the deprecated typed-storage accessor, is what safetensors and Hugging
+        Face ``save_pretrained`` read; the message names the plain fp8 layout to save instead.)"""
+        raise RuntimeError(_NO_STORAGE)
 
     __torch_function__ = compat.DISABLED_TORCH_FUNCTION
 

@@ -25,7 +25,7 @@ LAYERS = [
     ["tensor"],
     ["ops"],
     ["gemm"],
-    ["recipes"],
+    ["recipes", "checkpoint"],  # recipes; the plain fp8 checkpoint layout (safetensors / Hugging Face)
     ["linear"],
     ["grouped"],  # fp8 grouped GEMMs of expert weights (torch._grouped_mm)
     ["master"],

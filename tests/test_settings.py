@@ -49,13 +49,13 @@ def test_defaults():
     assert dataclasses.asdict(fp8tensor.Config()) == dict(
         gemm_backend="auto", unknown_ops="warn", eager_fast_path=True, share_input_quantization=True,
         fused_grad_out="eager", grouped_gemm_kernel=True, size_rule=False, size_rule_min=640,
-        size_rule_fp8_grad_weight_min=1024)
+        size_rule_fp8_grad_weight_min=1024, state_dict_fp8="subclass")
 
 
 def test_every_knob_scopes():
     base = fp8tensor.get_config()
     changes = dict(eager_fast_path=False, share_input_quantization=False, fused_grad_out="never",
-                   grouped_gemm_kernel=False, size_rule=True, size_rule_min=1000.5)
+                   grouped_gemm_kernel=False, size_rule=True, size_rule_min=1000.5, state_dict_fp8="plain")
     with fp8tensor.config(**changes) as c:
         assert {k: getattr(fp8tensor.get_config(), k) for k in changes} == changes and c == fp8tensor.get_config()
         with fp8tensor.config(fused_grad_out="always"):

@@ -1,0 +1,161 @@
+"""The plain fp8 checkpoint layout: each :class:`ScaledFp8Tensor` of a state dict stored as two plain tensors, the
+form safetensors and Hugging Face checkpoints hold.
+
+For an entry ``name`` (e.g. ``"model.layers.0.mlp.up_proj.weight"``, shape ``(N, K)``):
+
+* ``name``: the fp8 data, ``torch.float8_e4m3fn`` (or ``float8_e5m2``), shape ``(N, K)``, contiguous;
+* ``name + "_scale"``: float32, shape ``(N, 1)`` (``(E, N, 1)`` for 3-D expert weights): the per-row (per output
+  channel) **dequantization multiplier**, ``w ≈ weight.float() * weight_scale``.
+
+This is the per-channel layout of Hugging Face transformers' ``fbgemm_fp8`` checkpoints (``weight`` e4m3 +
+``weight_scale`` float32 ``(out_features, 1)``) and of compressed-tensors' float8 "channel" strategy (``weight`` +
+``weight_scale`` ``(out_features, 1)``). transformers' fine-grained ``fp8`` layout (``weight_scale_inv``) is
+block-wise (128 x 128 blocks), not per row, so it is not used.
+
+Which form ``Module.state_dict()`` of a :func:`fp8tensor.quantize_weights` model returns is
+``fp8tensor.Config.state_dict_fp8``: ``"subclass"`` (default: ScaledFp8Tensor entries, for ``torch.save``,
+Distributed Checkpoint and FSDP2) or ``"plain"`` (this layout). Loading accepts both forms always.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from . import compat
+from .quantize import FLOAT8_DTYPES
+from .settings import get_config
+from .tensor import ScaledFp8Tensor, _check_layout, _is_dtensor, make_scaled, rowwise_dims
+
+__all__ = ["SCALE_SUFFIX", "plain_state_dict", "load_safetensors", "state_dict_hook", "load_state_dict_pre_hook"]
+
+#: Suffix of the scale entry next to an fp8 entry.
+SCALE_SUFFIX = "_scale"
+
+
+def _split(key: str, t: ScaledFp8Tensor, out: dict, op: str) -> None:
+    """``out[key]`` = the fp8 data, ``out[key + "_scale"]`` = the row scales of ``t`` (plain, contiguous)."""
+    if t.scale.shape[-1] != 1 or t.dim() < 2:
+        raise ValueError(
+            f"{op}: {key!r} is a ScaledFp8Tensor with scale of shape {tuple(t.scale.shape)} for data of shape "
+            f"{tuple(t.shape)}; the plain checkpoint layout holds one scale per row (scale shape (..., N, 1))"
+        )
+    out[key] = t.qdata.contiguous()
+    out[key + SCALE_SUFFIX] = t.scale.contiguous()
+
+
+def plain_state_dict(state_dict: Mapping[str, object]) -> dict:
+    """A copy of ``state_dict`` in the plain fp8 checkpoint layout (see the module docstring): every
+    :class:`ScaledFp8Tensor` entry ``name`` becomes ``name`` (its fp8 data) and ``name + "_scale"`` (float32 row
+    scales); other entries are kept as they are. No data is copied for contiguous tensors.
+
+    Args:
+        state_dict: a ``Module.state_dict()`` (or any mapping of names to tensors).
+
+    Returns:
+        A new dict, ready for ``safetensors.torch.save_file`` or ``save_pretrained(state_dict=...)``.
+
+    Raises:
+        ValueError: an fp8 entry is not scaled per row, or a ``name + "_scale"`` key already exists.
+        NotImplementedError: an entry is a DTensor whose local tensor is a ScaledFp8Tensor (tensor-parallel
+            weights: save them with Distributed Checkpoint, ``torch.distributed.checkpoint``).
+    """
+    op = "fp8tensor.plain_state_dict"
+    out: dict = {}
+    for key, v in state_dict.items():
+        if isinstance(v, ScaledFp8Tensor):
+            if key + SCALE_SUFFIX in state_dict:
+                raise ValueError(f"{op}: {key!r} is fp8 but {key + SCALE_SUFFIX!r} is already in the state dict")
+            _split(key, v.detach() if v.requires_grad else v, out, op)
+        elif _is_dtensor(v) and isinstance(compat.local_tensor(v), ScaledFp8Tensor):
+            raise NotImplementedError(
+                f"{op}: {key!r} is a DTensor of fp8 shards (a tensor-parallel weight); the plain layout holds whole "
+                "tensors. Save sharded fp8 models with torch.distributed.checkpoint (Distributed Checkpoint)"
+            )
+        else:
+            out[key] = v
+    return out
+
+
+def load_safetensors(module: torch.nn.Module, path, *, strict: bool = True):
+    """Load a safetensors checkpoint (one file, or every ``*.safetensors`` file of a directory such as a Hugging Face
+    ``save_pretrained`` output, sharded or not) into ``module`` with ``module.load_state_dict(..., strict=strict)``.
+
+    All files are read before loading, so an fp8 entry and its ``_scale`` entry may lie in different shards. A
+    :func:`fp8tensor.quantize_weights` model takes fp8 entries in the plain layout bit for bit (its load hook merges
+    ``weight`` and ``weight_scale``); high-precision entries load as they would into any module. Tensors are read
+    onto the CPU (``safetensors.torch.load_file``) and copied into the module's parameters, wherever they live.
+
+    Args:
+        module: the model (e.g. built from its config, then ``fp8tensor.quantize_weights(model)``).
+        path: a ``.safetensors`` file or a directory holding them.
+        strict: as in ``Module.load_state_dict``.
+
+    Returns:
+        ``load_state_dict``'s ``(missing_keys, unexpected_keys)``.
+
+    Raises:
+        ImportError: safetensors is not installed. FileNotFoundError: no ``.safetensors`` file at ``path``.
+        RuntimeError / ValueError: what ``load_state_dict`` and the load hook raise (missing keys, shapes).
+    """
+    import pathlib
+
+    from safetensors.torch import load_file
+
+    p = pathlib.Path(path)
+    files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
+    if not files or not files[0].is_file():
+        raise FileNotFoundError(f"fp8tensor.load_safetensors: no .safetensors file at {str(p)!r}")
+    state: dict = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return module.load_state_dict(state, strict=strict)
+
+
+def state_dict_hook(module, state_dict, prefix, local_metadata):
+    """``Module._register_state_dict_hook`` of modules whose weights :func:`fp8tensor.quantize_weights` stored in
+    fp8: with ``fp8tensor.Config.state_dict_fp8 == "plain"`` their ScaledFp8Tensor entries are written in the plain
+    layout (:func:`plain_state_dict`); with ``"subclass"`` (default) nothing changes."""
+    if get_config().state_dict_fp8 != "plain":
+        return
+    op = "fp8tensor state_dict (state_dict_fp8='plain')"
+    for name in module._parameters:
+        key = prefix + name
+        v = state_dict.get(key)
+        if isinstance(v, ScaledFp8Tensor):
+            _split(key, v.detach() if v.requires_grad else v, state_dict, op)
+        elif _is_dtensor(v) and isinstance(compat.local_tensor(v), ScaledFp8Tensor):
+            plain_state_dict({key: v})  # raises naming the remedy
+
+
+def load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                             error_msgs):
+    """``Module.register_load_state_dict_pre_hook`` of modules whose weights :func:`fp8tensor.quantize_weights`
+    stored in fp8: an entry in the plain layout (``name`` a plain fp8 tensor and ``name + "_scale"`` its float32 row
+    scales) is merged into one ScaledFp8Tensor of the module's high-precision dtype before the module loads it (then
+    copied, or assigned with ``assign=True``, bit for bit). The subclass form loads unchanged.
+
+    Raises:
+        TypeError / ValueError: the scale entry is not float32 or does not match the data's shape (naming the key).
+    """
+    for name, p in module._parameters.items():
+        key = prefix + name
+        scale = state_dict.get(key + SCALE_SUFFIX)
+        q = state_dict.get(key)
+        if not isinstance(q, torch.Tensor) or type(q) is ScaledFp8Tensor or q.dtype not in FLOAT8_DTYPES:
+            continue
+        local = compat.local_tensor(p) if _is_dtensor(p) else p
+        if scale is None:
+            if isinstance(local, ScaledFp8Tensor):
+                raise ValueError(
+                    f"fp8tensor load_state_dict: {key!r} is a plain {q.dtype} tensor without its scales "
+                    f"{key + SCALE_SUFFIX!r}, so its values are unknown. Load the checkpoint's fp8 data together "
+                    "with its scales (all files of a sharded checkpoint at once: fp8tensor.load_safetensors)"
+                )
+            continue
+        orig = local.orig_dtype if isinstance(local, ScaledFp8Tensor) else (
+            p.dtype if p is not None and p.dtype not in FLOAT8_DTYPES else torch.float32)
+        dims = _check_layout(q, scale, orig, rowwise_dims(q.dim(), -1),
+                             f"fp8tensor load_state_dict ({key!r} + {key + SCALE_SUFFIX!r})")
+        state_dict[key] = make_scaled(q, scale, orig, True, dims)
+        del state_dict[key + SCALE_SUFFIX]

@@ -1,0 +1,89 @@
+"""torch.export + AOTInductor of fp8 models on CUDA (skipped without a GPU).
+
+``torch._inductor.aoti_compile_and_package`` of the exported ``quantize_weights`` model, loaded back with
+``torch._inductor.aoti_load_package``, against the eager fp8 model. The fp8 weights and the ``torch._scaled_mm`` call
+are the same; the input's row-wise quantization is generated code in the AOTI model (inductor's division and amax)
+and Triton / the eager kernels in eager mode, so a scale may differ in its last bit and flip single fp8 roundings:
+outputs agree to ``SAME_FP8`` (far below one fp8 rounding of the whole GEMM, ``E4M3_GEMM_BOUND``), and both are within
+the fp8 bound of the float64 reference computed from the high-precision weights.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fp8tensor
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+DEV = "cuda"
+#: A GEMM with both operands rounded to e4m3: ~3.6 % relative error on Gaussian data (tests/conftest.py).
+E4M3_GEMM_BOUND = 5e-2
+#: AOTI vs eager fp8: the same fp8 weights and GEMM; a last-bit difference in an input scale flips single roundings.
+SAME_FP8 = 1e-2
+
+
+def rel(a, b) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+class Block(nn.Module):
+    def __init__(self, d=256, h=512):
+        super().__init__()
+        self.up = nn.Linear(d, h)
+        self.down = nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+def _aoti(m, x, tmp_path, dynamic_shapes=None):
+    ep = torch.export.export(m, (x,), dynamic_shapes=dynamic_shapes)
+    path = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "m.pt2"))
+    return ep, torch._inductor.aoti_load_package(path)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16], ids=["bf16"])
+def test_aoti_matches_eager(tmp_path, dtype):
+    hp = Block().to(DEV, dtype)
+    ref64 = Block().to(DEV, torch.float64)
+    ref64.load_state_dict(hp.state_dict())
+    m = fp8tensor.quantize_weights(copy.deepcopy(hp))
+    tokens = torch.export.Dim("tokens", min=1, max=4096)
+    x = torch.randn(64, 256, device=DEV, dtype=dtype)
+    ep, run = _aoti(m, x, tmp_path, dynamic_shapes=({0: tokens},))
+    assert "_scaled_mm" in ep.run_decompositions().graph_module.code
+    with torch.no_grad():
+        for n in (1, 7, 64, 300):
+            x = torch.randn(n, 256, device=DEV, dtype=dtype)
+            y_aoti, y_eager = run(x), m(x)
+            y_ep = ep.module()(x)
+            assert torch.equal(y_ep, y_eager), n  # the exported program runs the eager ops
+            assert y_aoti.dtype == dtype and y_aoti.shape == y_eager.shape
+            assert rel(y_aoti, y_eager) < SAME_FP8, (n, rel(y_aoti, y_eager))
+            want = ref64(x.double())
+            assert rel(y_aoti, want) < 2 * E4M3_GEMM_BOUND, (n, rel(y_aoti, want))
+            assert rel(y_eager, want) < 2 * E4M3_GEMM_BOUND, (n, rel(y_eager, want))
+
+
+def test_aoti_example_llama(tmp_path):
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "examples"))
+    from llama import Llama, ModelArgs
+
+    args = ModelArgs(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512, max_seq_len=128)
+    m = fp8tensor.quantize_weights(Llama(args).to(DEV, torch.bfloat16)).eval()
+    seq = torch.export.Dim("seq", min=1, max=128)
+    ep, run = _aoti(m, torch.randint(0, 512, (2, 32), device=DEV), tmp_path, dynamic_shapes=({1: seq},))
+    with torch.no_grad():
+        for T in (1, 17, 32, 128):
+            ids = torch.randint(0, 512, (2, T), device=DEV)
+            y, ref = run(ids), m(ids)
+            assert torch.isfinite(y).all()
+            # two layers of fp8 GEMMs in series: the logits agree within fp8 rounding of the chain
+            assert rel(y, ref) < 2 * SAME_FP8, (T, rel(y, ref))

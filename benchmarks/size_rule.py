@@ -9,7 +9,7 @@
    forward, slow as the gradients) vs ``torch.mm`` in bf16, each shape's kernel name (CUTLASS / cuBLAS names carry
    their tile and cluster sizes) and time, to see whether the fp8 GEMM picks a tile as good as bf16's.
 
-Usage: ``PYTHONPATH=. python benchmarks/size_rule.py [--quick]``.
+Usage: ``PYTHONPATH=. python benchmarks/size_rule.py [--quick] [--fused-grad-out MODE]``.
 """
 from __future__ import annotations
 
@@ -113,8 +113,12 @@ def section_gemm_tiles(quick: bool) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="fewer shapes and one M")
+    ap.add_argument("--quick", action="store_true", help="fewer shapes")
+    ap.add_argument("--fused-grad-out", default=None, choices=("eager", "always", "never"),
+                    help="fp8tensor.set_config(fused_grad_out=...) for the (eager) fp8 Linears")
     args = ap.parse_args()
+    if args.fused_grad_out is not None:
+        fp8tensor.set_config(fused_grad_out=args.fused_grad_out)
     print(f"# size rule and GEMM kernels ({env_line()})\n")
     section_layers(args.quick)
     section_gemm_tiles(args.quick)

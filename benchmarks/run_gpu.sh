@@ -13,7 +13,7 @@
 #   serve        tests/gpu/test_gpu_export.py (torch.export + AOTInductor) and benchmarks/serve.py (eager / AOTI, fp8 / bf16)
 #   quant        benchmarks/quant_cost.py (grad_out quantization: separate passes vs one fused pass)
 #   size-rule    benchmarks/size_rule.py --quick (fp8 vs bf16 per Linear shape at small sizes)
-#   train        examples/train.py --cuda-graph on the README model (1200 steps, bf16 / rowwise / rowwise_gw_hp)
+#   train        examples/train.py --cuda-graph on the README model (1200 steps, bf16 / rowwise / rowwise --size-rule)
 set -uo pipefail
 out=${OUTDIR:-${OUT:-out}}; mkdir -p "$out"
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
@@ -52,14 +52,14 @@ for stage in "$@"; do
     quant) timeout 200 $py benchmarks/quant_cost.py > "$out/quant.txt" 2>&1; table "$out/quant.txt" ;;
     size-rule) timeout 200 $py benchmarks/size_rule.py --quick > "$out/size_rule.txt" 2>&1; table "$out/size_rule.txt" ;;
     train) # the main job on one GPU: the README model, 1200 steps, whole-step CUDA graph; bf16 and fp8 rowwise, then
-           # fp8 rowwise_gw_hp
+           # fp8 with the size-aware choice (TRAIN_SIZED=0 skips it)
            args="--tp 1 --device cuda --compile --cuda-graph --steps 1200 --dim 1024 --layers 4 --heads 16 --kv-heads 4
                  --seq-len 1024 --batch-size 16 --lr 1e-3 --max-bytes 60000000 --val-batches 16"
            timeout ${TRAIN_TIMEOUT:-300} $py examples/train.py $args --out "$out/train" > "$out/train.txt" 2>&1
-           touch "$out/train_gw_hp.txt"
-           [ "${TRAIN_GW_HP:-1}" = 1 ] && timeout 200 $py examples/train.py $args --mode fp8 --recipe rowwise_gw_hp \
-             --out "$out/train_gw_hp" > "$out/train_gw_hp.txt" 2>&1
-           grep -hE "tok/s|final val|Error" "$out/train.txt" "$out/train_gw_hp.txt" | cut -c1-220 ;;
+           touch "$out/train_sized.txt"
+           [ "${TRAIN_SIZED:-1}" = 1 ] && timeout 200 $py examples/train.py $args --mode fp8 --size-rule \
+             --out "$out/train_sized" > "$out/train_sized.txt" 2>&1
+           grep -hE "tok/s|final val|Error" "$out/train.txt" "$out/train_sized.txt" | cut -c1-220 ;;
     *) echo "run_gpu.sh: unknown stage $stage" >&2; exit 2 ;;
   esac
 done

@@ -91,6 +91,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="which precision(s) to train")
     p.add_argument("--recipe", choices=RECIPES, default="rowwise",
                    help="fp8tensor recipe for the fp8 run")
+    p.add_argument("--size-rule", action="store_true",
+                   help="fp8tensor's size-aware choice (convert_to_fp8(size_rule=True)): Linears too small for fp8 "
+                        "stay bf16, mid-sized rowwise ones compute grad_weight in bf16")
     p.add_argument("--tp", type=int, default=2,
                    help="tensor-parallel degree; must divide the number of ranks")
     p.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
@@ -358,7 +361,8 @@ def build_model(args, mesh, device, fp8: bool) -> torch.nn.Module:
     mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if fp8:
         convert = fp8_converter()
-        convert(model, recipe=args.recipe, module_filter_fn=fp8_module_filter)
+        convert(model, recipe=args.recipe, module_filter_fn=fp8_module_filter,
+                **({"size_rule": True} if args.size_rule else {}))
     # With one dp rank resharding after forward frees nothing worth the re-gather (for fp8: the re-quantization of
     # every weight) before backward; with more ranks it frees the gathered weights between forward and backward.
     parallelize_llama(model, mesh["tp"], mesh["dp"], sequence_parallel=args.sequence_parallel,

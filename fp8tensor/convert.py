@@ -7,6 +7,7 @@ swapped, so optimizers and FSDP2 keep their references. A ``forward`` that a fra
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import types
 import warnings
@@ -66,9 +67,10 @@ def fp8_size_choice(in_features: int, out_features: int, recipe="rowwise") -> Op
     """The size-aware choice for one Linear: the recipe it is converted with, or None to keep it in high precision.
 
     * ``K * N / (K + N) < size_rule_min`` (:func:`fp8_size_rule` False): None;
-    * a ``rowwise`` recipe and ``K * N / (K + N) < size_rule_fp8_grad_weight_min`` (both :class:`fp8tensor.Config`
-      fields; default 640 and 1024): ``rowwise_gw_hp`` — the output and grad_input GEMMs in fp8, grad_weight in high
-      precision. Measured on H200 (``benchmarks/size_rule.py``, ``docs/benchmarks.md``): at these sizes the per-token
+    * a recipe with an fp8 grad_weight (``rowwise``) and ``K * N / (K + N) < size_rule_fp8_grad_weight_min`` (both
+      :class:`fp8tensor.Config` fields; default 640 and 1024): ``rowwise_gw_hp`` — the output and grad_input GEMMs
+      in fp8, grad_weight in high precision (a custom :class:`~fp8tensor.recipes.Recipe` keeps its other fields:
+      fp8 format, fast accumulation). Measured on H200 (``benchmarks/size_rule.py``, ``docs/benchmarks.md``): at these sizes the per-token
       quantizations of ``x`` and ``grad_out`` that an fp8 grad_weight GEMM needs cost more than that GEMM saves,
       while the other two GEMMs still pay for theirs. Numerically this is the more accurate recipe;
     * else ``recipe`` itself.
@@ -89,9 +91,9 @@ def fp8_size_choice(in_features: int, out_features: int, recipe="rowwise") -> Op
     K, N = int(in_features), int(out_features)
     if r.grad_weight_fp8 and K * N < get_config().size_rule_fp8_grad_weight_min * (K + N):
         hp = get_recipe("rowwise_gw_hp")
-        if hp.float8_dtype != r.float8_dtype:
-            return r
-        return hp
+        # the requested recipe with its grad_weight GEMM in high precision (its other fields kept)
+        mid = dataclasses.replace(r, name=hp.name, grad_weight_fp8=False)
+        return hp if mid == hp else mid
     return r
 
 
@@ -640,6 +642,7 @@ def convert_to_fp8(
     _check_fsdp_sharded([getattr(m, n) for _, m, names in experts for n in names], op)
     classes = {fqn: _fp8_class(type(lin)) for fqn, lin in chosen}  # before any change: a failure leaves no trace
     gw_hp = []  # Linears the size rule gives rowwise_gw_hp instead of rowwise
+    stay_fp8 = []  # Linears converted before that the size rule would have kept in high precision
     for fqn, lin in chosen:
         w = lin.weight
         local = compat.local_tensor(w) if _is_dtensor(w) else w
@@ -647,7 +650,9 @@ def convert_to_fp8(
         if isinstance(local, Fp8MasterWeight):
             # Converted before (only the recipe may change), or a master swapped in by hand: the module's forward
             # becomes fp8_linear too (a bare F.linear on a DTensor master runs grad_weight in high precision).
-            lr = lr if lr is not None else r
+            if lr is None:  # (the size rule does not undo a conversion: said in the warning below)
+                stay_fp8.append(f"{fqn or '<root>'} ({lin.in_features}->{lin.out_features})")
+                lr = r
             local.recipe = lr
         elif isinstance(local, ScaledFp8Tensor):
             continue  # stored in fp8 by quantize_weights: nothing to train
@@ -676,6 +681,12 @@ def convert_to_fp8(
     if skipped:
         warnings.warn(
             f"{op}: left in high precision: {', '.join(skipped)}", stacklevel=2
+        )
+    if stay_fp8:
+        warnings.warn(
+            f"{op}: already converted, so they stay fp8 with recipe {r.name!r} although the size rule would keep them "
+            f"in high precision (it does not undo a conversion; apply it to an unconverted model): "
+            f"{', '.join(stay_fp8)}", stacklevel=2
         )
     return module
 

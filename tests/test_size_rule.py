@@ -132,3 +132,26 @@ def test_convert_middle_tier_trains_as_rowwise_gw_hp():
     assert err < 1e-5  # grad_weight in high precision (float32 here): no fp8 rounding in it
     fp8tensor.convert_to_fp8(big, size_rule=False)  # converting again without the rule: the requested recipe
     assert big[0].fp8_recipe.name == "rowwise" and big.fp8_grad_weight_hp == []
+
+
+def test_size_choice_keeps_a_custom_recipe_fields():
+    from fp8tensor.convert import fp8_size_choice
+    from fp8tensor.recipes import Recipe
+
+    fast = Recipe("rowwise", True, fast_accum_backward=True)
+    got = fp8_size_choice(1280, 1280, fast)  # K·N/(K+N) = 640: the middle tier
+    assert got.name == "rowwise_gw_hp" and got.grad_weight_fp8 is False and got.fast_accum_backward is True
+    e5 = Recipe("rowwise", True, float8_dtype=torch.float8_e5m2)
+    got = fp8_size_choice(1280, 1280, e5)
+    assert got.grad_weight_fp8 is False and got.float8_dtype == torch.float8_e5m2
+    assert fp8_size_choice(2048, 2048, e5) is e5  # above both thresholds: the recipe itself
+    assert fp8_size_choice(1280, 1280, "rowwise") is fp8tensor.RECIPES["rowwise_gw_hp"]  # the stock one
+
+
+def test_size_rule_on_a_converted_model_warns_for_what_it_cannot_undo():
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(1280, 1280))
+    fp8tensor.convert_to_fp8(model)
+    with pytest.warns(UserWarning, match=r"already converted.*0 \(64->64\)"):
+        fp8tensor.convert_to_fp8(model, size_rule=True)
+    assert model[0].fp8_recipe.name == "rowwise" and model[1].fp8_recipe.name == "rowwise_gw_hp"
+    assert model.fp8_grad_weight_hp == ["1 (1280->1280)"]

@@ -712,6 +712,13 @@ def quantize_weights(
         module_filter_fn: ``fn(linear, fqn) -> bool`` selecting Linears.
         float8_dtype: ``torch.float8_e4m3fn`` (default) or ``torch.float8_e5m2``.
 
+    A Hugging Face transformers ``PreTrainedModel`` also gets ``model.config.quantization_config`` describing its
+    fp8 weights (transformers' ``fbgemm_fp8`` method, the same checkpoint layout), so that ``from_pretrained`` of a
+    plain-layout ``save_pretrained`` checkpoint loads it correctly or raises clearly
+    (:func:`fp8tensor.checkpoint.set_hf_quantization_config`). The model also gets a forward pre-hook that makes
+    ``torch.export`` of a tensor-parallel fp8 model raise an error naming the remedy (before or after
+    ``parallelize_module``).
+
     Returns:
         ``module`` itself.
 
@@ -781,6 +788,7 @@ def quantize_weights(
             mod.__class__ = _fp8_experts_class(type(mod))
     if chosen or experts:
         _add_model_export_hook(module)
+        _checkpoint.set_hf_quantization_config(module)
     return module
 
 

@@ -186,7 +186,8 @@ def set_hf_quantization_config(module: torch.nn.Module) -> Optional[object]:
     fbgemm-gpu; elsewhere transformers raises ``ImportError`` saying so). Names are relative to ``module``: call
     ``quantize_weights`` on the model you save.
 
-    Otherwise (``float8_e5m2`` weights, fp8 expert weights): no ``fbgemm_fp8`` checkpoint can hold them, so every fp8
+    Otherwise (``float8_e5m2`` weights, fp8 expert weights, an fp8 Linear among the model's
+    ``_keep_in_fp32_modules``, which transformers never converts): no ``fbgemm_fp8`` checkpoint can hold them, so every fp8
     module of ``module`` refuses ``state_dict()`` in the plain layout (``ValueError`` naming the remedy:
     ``fp8tensor.plain_state_dict`` + ``safetensors``, read back with ``fp8tensor.load_safetensors``).
 
@@ -209,11 +210,19 @@ def set_hf_quantization_config(module: torch.nn.Module) -> Optional[object]:
             hp_linears.append(name)
     if not fp8_mods:
         return None
+    keep = list(getattr(module, "_keep_in_fp32_modules", None) or ()) + list(
+        getattr(module, "_keep_in_fp32_modules_strict", None) or ())
+    if keep:  # transformers adds these to modules_to_not_convert: an fp8 Linear among them would load without scales
+        fp8_names = [n for n, m in module.named_modules() if any(m is f for f in fp8_mods)]
+        if any(n == k or n.endswith("." + k) or n.startswith(k + ".") or k in n.split(".") for n in fp8_names
+               for k in keep):
+            representable = False
     if not representable:
         for m in fp8_mods:
             m._fp8_plain_refusal = (
                 f"{type(module).__name__} holds fp8 weights that a Hugging Face checkpoint cannot describe "
-                "(float8_e5m2, or fp8 expert weights; transformers' fbgemm_fp8 layout holds e4m3 Linear weights only), "
+                "(float8_e5m2, fp8 expert weights, or an fp8 Linear among the modules transformers keeps in float32; its "
+                "fbgemm_fp8 layout holds e4m3 Linear weights only), "
                 "so save_pretrained would write weights that from_pretrained reads without their scales. Save with "
                 "safetensors.torch.save_file(fp8tensor.plain_state_dict(model.state_dict()), path) and load with "
                 "fp8tensor.load_safetensors into a quantize_weights model"

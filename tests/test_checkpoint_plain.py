@@ -242,3 +242,15 @@ def test_hf_non_fbgemm_fp8_refuses_plain_save(tmp_path):
 def test_non_hf_model_gets_no_config():
     m = quantize_weights(_mlp())
     assert not hasattr(m, "config")
+
+
+def test_hf_fp8_linear_kept_in_fp32_by_transformers_refuses_plain_save(tmp_path):
+    # transformers never converts a model's _keep_in_fp32_modules: an fp8 Linear among them cannot be described
+    cls, cfg = _tiny_llama()
+    src = cls(cfg).to(torch.bfloat16).eval()
+    src._keep_in_fp32_modules = ["down_proj"]
+    quantize_weights(src)
+    assert getattr(src.config, "quantization_config", None) is None
+    with fp8tensor.config(state_dict_fp8="plain"), pytest.raises(ValueError, match="keeps in float32"):
+        src.save_pretrained(tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt" / "model.safetensors").exists()

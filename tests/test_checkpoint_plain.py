@@ -166,9 +166,9 @@ def test_hf_from_pretrained_of_plain_checkpoint_is_never_silently_wrong(tmp_path
     # from_pretrained of a plain fp8 checkpoint: the config names transformers' fbgemm_fp8 method (the same layout)
     # and exactly the Linears left in high precision, so transformers either loads it with fbgemm's fp8 Linears or
     # raises its own clear error (CPU, or no fbgemm-gpu); it never casts the fp8 values without their scales.
+    cls, cfg = _tiny_llama()
     import transformers
 
-    cls, cfg = _tiny_llama()
     ref = cls(cfg).to(torch.bfloat16).eval()  # built from the same config object: must keep a plain config
     src = cls(cfg).to(torch.bfloat16).eval()
     flt = (lambda m, fqn: fqn != "lm_head") if keep_lm_head else None

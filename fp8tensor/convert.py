@@ -613,6 +613,10 @@ def convert_to_fp8(
     recipe, mid-sized Linears (``K * N / (K + N)`` below ``size_rule_fp8_grad_weight_min``) get ``rowwise_gw_hp``
     (grad_weight in high precision); they are listed in ``module.fp8_grad_weight_hp`` as ``"fqn (K->N)"``.
 
+    The model gets a forward pre-hook, first among its hooks, under which ``torch.export`` of a tensor-parallel fp8
+    model (parallelized before or after the conversion) raises a ``NotImplementedError`` naming the remedy instead of
+    DTensor's own failure; outside ``torch.export`` it does nothing.
+
     Args:
         module: the model.
         recipe: ``"rowwise"`` (all three GEMMs in fp8) or ``"rowwise_gw_hp"`` (grad_weight in high precision).

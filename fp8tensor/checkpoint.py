@@ -18,7 +18,9 @@ Distributed Checkpoint and FSDP2) or ``"plain"`` (this layout). Loading accepts 
 """
 from __future__ import annotations
 
-from typing import Mapping
+import copy
+import sys
+from typing import Mapping, Optional
 
 import torch
 
@@ -27,7 +29,8 @@ from .quantize import FLOAT8_DTYPES
 from .settings import get_config
 from .tensor import ScaledFp8Tensor, _check_layout, _is_dtensor, make_scaled, rowwise_dims
 
-__all__ = ["SCALE_SUFFIX", "plain_state_dict", "load_safetensors", "state_dict_hook", "load_state_dict_pre_hook"]
+__all__ = ["SCALE_SUFFIX", "plain_state_dict", "load_safetensors", "state_dict_hook", "load_state_dict_pre_hook",
+           "set_hf_quantization_config"]
 
 #: Suffix of the scale entry next to an fp8 entry.
 SCALE_SUFFIX = "_scale"
@@ -119,6 +122,9 @@ def state_dict_hook(module, state_dict, prefix, local_metadata):
     if get_config().state_dict_fp8 != "plain":
         return
     op = "fp8tensor state_dict (state_dict_fp8='plain')"
+    refusal = getattr(module, "_fp8_plain_refusal", None)
+    if refusal is not None:
+        raise ValueError(f"{op}: {refusal}")
     for name in module._parameters:
         key = prefix + name
         v = state_dict.get(key)
@@ -159,3 +165,75 @@ def load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict,
                              f"fp8tensor load_state_dict ({key!r} + {key + SCALE_SUFFIX!r})")
         state_dict[key] = make_scaled(q, scale, orig, True, dims)
         del state_dict[key + SCALE_SUFFIX]
+
+
+def _local(p):
+    return compat.local_tensor(p) if _is_dtensor(p) else p
+
+
+def set_hf_quantization_config(module: torch.nn.Module) -> Optional[object]:
+    """Describe the fp8 weights of a Hugging Face transformers model in its ``config.quantization_config``, so that
+    ``save_pretrained`` in the plain layout writes a ``config.json`` that ``from_pretrained`` reads correctly or
+    refuses clearly, never as a high-precision model without the scales. Called by
+    :func:`fp8tensor.quantize_weights`; a no-op (returns None) unless ``module`` is a ``transformers.PreTrainedModel``
+    (transformers is never imported here: a module of an unimported package cannot be one).
+
+    When every fp8 weight is a 2-D ``float8_e4m3fn`` Linear weight (the ``fbgemm_fp8`` layout): ``module.config``
+    becomes a copy of itself (other models built from the same config object are not affected; submodules holding
+    the same config object get the copy) with ``quantization_config = transformers.FbgemmFp8Config(
+    modules_to_not_convert=[names of the nn.Linear modules whose weight is not fp8])``. ``from_pretrained`` of the
+    checkpoint then builds fbgemm's ``FbgemmFp8Linear`` for exactly the fp8 Linears (needs CUDA sm_90+ and
+    fbgemm-gpu; elsewhere transformers raises ``ImportError`` saying so). Names are relative to ``module``: call
+    ``quantize_weights`` on the model you save.
+
+    Otherwise (``float8_e5m2`` weights, fp8 expert weights, an fp8 Linear among the model's
+    ``_keep_in_fp32_modules``, which transformers never converts): no ``fbgemm_fp8`` checkpoint can hold them, so every fp8
+    module of ``module`` refuses ``state_dict()`` in the plain layout (``ValueError`` naming the remedy:
+    ``fp8tensor.plain_state_dict`` + ``safetensors``, read back with ``fp8tensor.load_safetensors``).
+
+    Returns:
+        The quantization config set, or None.
+    """
+    tf = sys.modules.get("transformers")
+    pretrained = getattr(tf, "PreTrainedModel", None) if tf is not None else None
+    if pretrained is None or not isinstance(module, pretrained):
+        return None
+    fp8_mods, hp_linears, representable = [], [], True
+    for name, m in module.named_modules():
+        fp8_params = [p for p in m._parameters.values() if p is not None and isinstance(_local(p), ScaledFp8Tensor)]
+        if fp8_params:
+            fp8_mods.append(m)
+            if not isinstance(m, torch.nn.Linear) or any(
+                    p.dim() != 2 or _local(p).qdata.dtype != torch.float8_e4m3fn for p in fp8_params):
+                representable = False
+        elif isinstance(m, torch.nn.Linear):
+            hp_linears.append(name)
+    if not fp8_mods:
+        return None
+    keep = list(getattr(module, "_keep_in_fp32_modules", None) or ()) + list(
+        getattr(module, "_keep_in_fp32_modules_strict", None) or ())
+    if keep:  # transformers adds these to modules_to_not_convert: an fp8 Linear among them would load without scales
+        fp8_names = [n for n, m in module.named_modules() if any(m is f for f in fp8_mods)]
+        if any(n == k or n.endswith("." + k) or n.startswith(k + ".") or k in n.split(".") for n in fp8_names
+               for k in keep):
+            representable = False
+    if not representable:
+        for m in fp8_mods:
+            m._fp8_plain_refusal = (
+                f"{type(module).__name__} holds fp8 weights that a Hugging Face checkpoint cannot describe "
+                "(float8_e5m2, fp8 expert weights, or an fp8 Linear among the modules transformers keeps in float32; its "
+                "fbgemm_fp8 layout holds e4m3 Linear weights only), "
+                "so save_pretrained would write weights that from_pretrained reads without their scales. Save with "
+                "safetensors.torch.save_file(fp8tensor.plain_state_dict(model.state_dict()), path) and load with "
+                "fp8tensor.load_safetensors into a quantize_weights model"
+            )
+        return None
+    from transformers import FbgemmFp8Config
+
+    old = module.config
+    new = copy.deepcopy(old)
+    new.quantization_config = FbgemmFp8Config(modules_to_not_convert=sorted(hp_linears))
+    for m in module.modules():
+        if getattr(m, "config", None) is old:
+            m.config = new
+    return new.quantization_config

@@ -121,6 +121,14 @@ class Fp8LinearMixin:
     def __reduce_ex__(self, protocol):
         return (_new_converted, (type(self)._fp8_base,), self.__getstate__())
 
+    def register_parameter(self, name: str, param) -> None:
+        """``nn.Module.register_parameter`` (also what ``setattr`` of a Parameter calls); a DTensor ``weight`` (a
+        ``parallelize_module`` after the conversion) gets the ``torch.export`` check first among the forward
+        pre-hooks, before those the parallel style registers next (:func:`_add_tp_export_hook`)."""
+        super().register_parameter(name, param)
+        if name == "weight":
+            _add_tp_export_hook(self)
+
 
 class Fp8Linear(Fp8LinearMixin, nn.Linear):
     """A converted ``nn.Linear`` (the class :func:`convert_to_fp8` gives plain ``nn.Linear`` modules)."""
@@ -607,6 +615,10 @@ def convert_to_fp8(
     recipe, mid-sized Linears (``K * N / (K + N)`` below ``size_rule_fp8_grad_weight_min``) get ``rowwise_gw_hp``
     (grad_weight in high precision); they are listed in ``module.fp8_grad_weight_hp`` as ``"fqn (K->N)"``.
 
+    The model gets a forward pre-hook, first among its hooks, under which ``torch.export`` of a tensor-parallel fp8
+    model (parallelized before or after the conversion) raises a ``NotImplementedError`` naming the remedy instead of
+    DTensor's own failure; outside ``torch.export`` it does nothing.
+
     Args:
         module: the model.
         recipe: ``"rowwise"`` (all three GEMMs in fp8) or ``"rowwise_gw_hp"`` (grad_weight in high precision).
@@ -676,6 +688,8 @@ def convert_to_fp8(
         _install_fp8_forward(lin, classes[fqn], redirects[fqn])
         _add_tp_export_hook(lin)
     _convert_experts(module, experts, r, skipped)
+    if chosen or experts:
+        _add_model_export_hook(module)
     module.fp8_skipped = skipped
     module.fp8_grad_weight_hp = gw_hp
     if skipped:
@@ -712,6 +726,13 @@ def quantize_weights(
         module: the model.
         module_filter_fn: ``fn(linear, fqn) -> bool`` selecting Linears.
         float8_dtype: ``torch.float8_e4m3fn`` (default) or ``torch.float8_e5m2``.
+
+    A Hugging Face transformers ``PreTrainedModel`` also gets ``model.config.quantization_config`` describing its
+    fp8 weights (transformers' ``fbgemm_fp8`` method, the same checkpoint layout), so that ``from_pretrained`` of a
+    plain-layout ``save_pretrained`` checkpoint loads it correctly or raises clearly
+    (:func:`fp8tensor.checkpoint.set_hf_quantization_config`). The model also gets a forward pre-hook that makes
+    ``torch.export`` of a tensor-parallel fp8 model raise an error naming the remedy (before or after
+    ``parallelize_module``).
 
     Returns:
         ``module`` itself.
@@ -780,23 +801,50 @@ def quantize_weights(
             mod.fp8_recipe = get_recipe("rowwise")
             mod.fp8_expert_params = tuple(done)
             mod.__class__ = _fp8_experts_class(type(mod))
+    if chosen or experts:
+        _add_model_export_hook(module)
+        _checkpoint.set_hf_quantization_config(module)
     return module
 
 
+def _tp_fp8_module(m: nn.Module) -> bool:
+    """Whether ``m`` is a converted Linear or grouped-experts module holding a DTensor fp8 weight."""
+    if isinstance(m, Fp8LinearMixin):
+        return _is_dtensor(m._parameters.get("weight"))
+    return any(_is_dtensor(m._parameters.get(n)) for n in getattr(m, "fp8_expert_params", ()))
+
+
 def _refuse_tp_export(module: nn.Module, args):
-    """Forward pre-hook of converted Linears with a DTensor weight (run before a parallel style's input hook):
-    under ``torch.export`` it raises the error naming the remedy (:func:`fp8tensor.linear.tp_export_message`)
-    instead of DTensor's own failure to trace; otherwise it does nothing."""
-    if compat.is_exporting() and _is_dtensor(module.weight):
-        raise NotImplementedError(tp_export_message(f"fp8tensor ({type(module).__name__})"))
+    """Forward pre-hook, first among a module's pre-hooks, of converted Linears with a DTensor weight and of the model
+    passed to :func:`convert_to_fp8` / :func:`quantize_weights`: under ``torch.export`` it raises the error naming the
+    remedy (:func:`fp8tensor.linear.tp_export_message`) when ``module`` or a submodule is a tensor-parallel fp8
+    module, before any parallel style's hook fails in DTensor's own way; otherwise (and always outside
+    ``torch.export``) it does nothing."""
+    if not compat.is_exporting():
+        return
+    for name, m in module.named_modules():
+        if _tp_fp8_module(m):
+            where = f"{type(m).__name__}" + (f" {name!r}" if name else "")
+            raise NotImplementedError(tp_export_message(f"fp8tensor ({where})"))
 
 
 def _add_tp_export_hook(lin: nn.Module) -> None:
     """Once per Linear whose weight is a DTensor: :func:`_refuse_tp_export`, first among its pre-hooks (only
-    tensor-parallel Linears get it: a plain Linear's forward keeps its hook-free fast path)."""
-    if _is_dtensor(lin.weight) and not getattr(lin, "_fp8_tp_export_hook", False):
+    tensor-parallel Linears get it: a plain Linear's forward keeps its hook-free fast path). Called at conversion
+    and when a DTensor weight is registered later (:meth:`Fp8LinearMixin.register_parameter`)."""
+    if _is_dtensor(lin._parameters.get("weight")) and not getattr(lin, "_fp8_tp_export_hook", False):
         lin.register_forward_pre_hook(_refuse_tp_export, prepend=True)
         lin._fp8_tp_export_hook = True
+
+
+def _add_model_export_hook(module: nn.Module) -> None:
+    """Once per converted model: :func:`_refuse_tp_export` first among the pre-hooks of the model itself, so that
+    ``torch.export.export(model)`` of a model parallelized before or after the conversion fails with fp8tensor's
+    error before any hook of a parallel style (on the model's submodules, Linears or not) runs. Outside
+    ``torch.export`` the hook only asks ``torch.compiler.is_exporting()``, once per forward of the model."""
+    if not getattr(module, "_fp8_model_export_hook", False):
+        module.register_forward_pre_hook(_refuse_tp_export, prepend=True)
+        module._fp8_model_export_hook = True
 
 
 def _add_fp8_checkpoint_hooks(mod: nn.Module) -> None:

@@ -6,6 +6,7 @@ same fp8 weights run the same kernels). Nothing is downloaded (models are built 
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -153,3 +154,103 @@ def test_hf_save_pretrained_round_trip(tmp_path):
     ids = torch.randint(0, 128, (2, 11))
     with torch.no_grad():
         assert torch.equal(dst(ids).logits, src(ids).logits)
+
+
+def _fp8_linears(model):
+    return sorted(n for n, m in model.named_modules()
+                  if isinstance(m, torch.nn.Linear) and isinstance(m.weight, ScaledFp8Tensor))
+
+
+@pytest.mark.parametrize("keep_lm_head", [False, True], ids=["all", "lm_head_hp"])
+def test_hf_from_pretrained_of_plain_checkpoint_is_never_silently_wrong(tmp_path, keep_lm_head):
+    # from_pretrained of a plain fp8 checkpoint: the config names transformers' fbgemm_fp8 method (the same layout)
+    # and exactly the Linears left in high precision, so transformers either loads it with fbgemm's fp8 Linears or
+    # raises its own clear error (CPU, or no fbgemm-gpu); it never casts the fp8 values without their scales.
+    cls, cfg = _tiny_llama()
+    import transformers
+
+    ref = cls(cfg).to(torch.bfloat16).eval()  # built from the same config object: must keep a plain config
+    src = cls(cfg).to(torch.bfloat16).eval()
+    flt = (lambda m, fqn: fqn != "lm_head") if keep_lm_head else None
+    quantize_weights(src, module_filter_fn=flt)
+    qc = src.config.quantization_config
+    assert isinstance(qc, transformers.FbgemmFp8Config) and qc.quant_method == "fbgemm_fp8"
+    assert qc.modules_to_not_convert == (["lm_head"] if keep_lm_head else [])
+    assert src.model.config is src.config  # submodules share the new config
+    assert getattr(ref.config, "quantization_config", None) is None and getattr(cfg, "quantization_config", None) is None
+    # transformers' own matching of modules_to_not_convert selects exactly the fp8 Linears
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    linears = [n for n, m in src.named_modules() if isinstance(m, torch.nn.Linear)]
+    assert sorted(n for n in linears if should_convert_module(n, qc.modules_to_not_convert)) == _fp8_linears(src)
+    with fp8tensor.config(state_dict_fp8="plain"):
+        src.save_pretrained(tmp_path / "ckpt")
+    import json
+
+    saved = json.loads((tmp_path / "ckpt" / "config.json").read_text())["quantization_config"]
+    assert saved["quant_method"] == "fbgemm_fp8" and saved["modules_to_not_convert"] == qc.modules_to_not_convert
+
+    ids = torch.randint(0, 128, (2, 9))
+    with torch.no_grad():
+        want = src(ids).logits
+    try:
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")
+    except (ImportError, ValueError, RuntimeError) as e:  # CPU / no fbgemm-gpu / GPU below sm_90
+        assert re.search(r"fbgemm|GPU|CUDA|compute capability", str(e)), str(e)
+    else:  # fbgemm-gpu on a GPU: its own fp8 kernels (dynamic activation scale bound): fp8-level agreement
+        loaded = loaded.to(want.device)
+        with torch.no_grad():
+            got = loaded(ids.to(want.device)).logits.double()
+        assert (got - want.double()).abs().max() <= 0.1 * want.double().abs().max() + 1e-2
+
+    # fp8tensor's own load path, from the saved config (which carries the quantization_config): from_config does not
+    # quantize, quantize_weights does, load_safetensors loads bit for bit
+    config = transformers.AutoConfig.from_pretrained(tmp_path / "ckpt")
+    dst = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
+    assert type(dst.model.layers[0].mlp.up_proj) is torch.nn.Linear
+    quantize_weights(dst, module_filter_fn=flt)
+    res = fp8tensor.load_safetensors(dst, tmp_path / "ckpt")
+    assert not res.missing_keys and not res.unexpected_keys
+    ids = torch.randint(0, 128, (3, 7))
+    with torch.no_grad():
+        assert torch.equal(dst(ids).logits, src(ids).logits)
+    # load_state_dict (subclass form) into a quantize_weights model with the config present
+    dst2 = quantize_weights(cls(config).to(torch.bfloat16).eval(), module_filter_fn=flt)
+    dst2.load_state_dict(src.state_dict())
+    with torch.no_grad():
+        assert torch.equal(dst2(ids).logits, src(ids).logits)
+
+
+def test_hf_non_fbgemm_fp8_refuses_plain_save(tmp_path):
+    # e5m2 weights: no fbgemm_fp8 checkpoint holds them, so save_pretrained in the plain layout refuses (naming the
+    # remedy) instead of writing a checkpoint from_pretrained would read without scales; the remedy works.
+    st = pytest.importorskip("safetensors.torch")
+    cls, cfg = _tiny_llama()
+    src = quantize_weights(cls(cfg).to(torch.bfloat16).eval(), float8_dtype=torch.float8_e5m2)
+    assert getattr(src.config, "quantization_config", None) is None
+    with fp8tensor.config(state_dict_fp8="plain"):
+        with pytest.raises(ValueError, match=r"fp8tensor state_dict.*fbgemm_fp8.*fp8tensor\.plain_state_dict"):
+            src.save_pretrained(tmp_path / "ckpt")
+    st.save_file(fp8tensor.plain_state_dict(src.state_dict()), str(tmp_path / "m.safetensors"))
+    dst = quantize_weights(cls(cfg).to(torch.bfloat16).eval(), float8_dtype=torch.float8_e5m2)
+    fp8tensor.load_safetensors(dst, tmp_path / "m.safetensors")
+    ids = torch.randint(0, 128, (2, 5))
+    with torch.no_grad():
+        assert torch.equal(dst(ids).logits, src(ids).logits)
+
+
+def test_non_hf_model_gets_no_config():
+    m = quantize_weights(_mlp())
+    assert not hasattr(m, "config")
+
+
+def test_hf_fp8_linear_kept_in_fp32_by_transformers_refuses_plain_save(tmp_path):
+    # transformers never converts a model's _keep_in_fp32_modules: an fp8 Linear among them cannot be described
+    cls, cfg = _tiny_llama()
+    src = cls(cfg).to(torch.bfloat16).eval()
+    src._keep_in_fp32_modules = ["down_proj"]
+    quantize_weights(src)
+    assert getattr(src.config, "quantization_config", None) is None
+    with fp8tensor.config(state_dict_fp8="plain"), pytest.raises(ValueError, match="keeps in float32"):
+        src.save_pretrained(tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt" / "model.safetensors").exists()

@@ -136,13 +136,16 @@ def state_dict_hook(module, state_dict, prefix, local_metadata):
 
 def load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                              error_msgs):
-    """``Module.register_load_state_dict_pre_hook`` of modules whose weights :func:`fp8tensor.quantize_weights`
-    stored in fp8: an entry in the plain layout (``name`` a plain fp8 tensor and ``name + "_scale"`` its float32 row
-    scales) is merged into one ScaledFp8Tensor of the module's high-precision dtype before the module loads it (then
-    copied, or assigned with ``assign=True``, bit for bit). The subclass form loads unchanged.
+    """``Module.register_load_state_dict_pre_hook`` of fp8 modules (:func:`fp8tensor.quantize_weights` and
+    :func:`fp8tensor.convert_to_fp8`): an entry in the plain layout (``name`` a plain fp8 tensor and
+    ``name + "_scale"`` its float32 row scales) is merged before the module loads it: into one ScaledFp8Tensor of the
+    module's high-precision dtype for a weight stored in fp8 (then copied, or assigned with ``assign=True``, bit for
+    bit), into the dequantized values ``q * scale`` in the weight's dtype for a high-precision (master) weight
+    (fine-tuning from an fp8 checkpoint). The subclass form loads unchanged.
 
     Raises:
-        TypeError / ValueError: the scale entry is not float32 or does not match the data's shape (naming the key).
+        TypeError / ValueError: the scale entry is not float32 or does not match the data's shape (naming the key);
+            a plain fp8 entry without its scale for a weight that is not plain fp8 itself (its values are unknown).
     """
     for name, p in module._parameters.items():
         key = prefix + name
@@ -152,7 +155,7 @@ def load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict,
             continue
         local = compat.local_tensor(p) if _is_dtensor(p) else p
         if scale is None:
-            if isinstance(local, ScaledFp8Tensor):
+            if p is not None and local.dtype not in FLOAT8_DTYPES or isinstance(local, ScaledFp8Tensor):
                 raise ValueError(
                     f"fp8tensor load_state_dict: {key!r} is a plain {q.dtype} tensor without its scales "
                     f"{key + SCALE_SUFFIX!r}, so its values are unknown. Load the checkpoint's fp8 data together "
@@ -163,7 +166,10 @@ def load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict,
             p.dtype if p is not None and p.dtype not in FLOAT8_DTYPES else torch.float32)
         dims = _check_layout(q, scale, orig, rowwise_dims(q.dim(), -1),
                              f"fp8tensor load_state_dict ({key!r} + {key + SCALE_SUFFIX!r})")
-        state_dict[key] = make_scaled(q, scale, orig, True, dims)
+        if isinstance(local, ScaledFp8Tensor):
+            state_dict[key] = make_scaled(q, scale, orig, True, dims)
+        else:  # a high-precision (master) weight: the dequantized values, q * scale, in its dtype
+            state_dict[key] = (q.to(torch.float32) * scale).to(orig)
         del state_dict[key + SCALE_SUFFIX]
 
 

@@ -682,6 +682,7 @@ def convert_to_fp8(
             gw_hp.append(f"{fqn or '<root>'} ({lin.in_features}->{lin.out_features})")
         if not getattr(lin, "_fp8_hooks", False):  # state-dict hooks once per module
             lin._register_state_dict_hook(_plain_state_dict_hook)
+            lin.register_load_state_dict_pre_hook(_checkpoint.load_state_dict_pre_hook)  # plain fp8 checkpoints
             lin.register_load_state_dict_post_hook(_rewrap_after_load)
             lin._fp8_hooks = True
         lin.fp8_recipe = lr
@@ -777,7 +778,7 @@ def quantize_weights(
             lin.weight = new[1]
         lin.fp8_recipe = get_recipe("rowwise")
         _install_fp8_forward(lin, classes[fqn], redirects[fqn])
-        _add_fp8_checkpoint_hooks(lin)
+        _add_fp8_checkpoint_hooks(lin, float8_dtype)
         _add_tp_export_hook(lin)
     for fqn, mod, names in experts:  # grouped experts: each 3-D weight stored as row-wise fp8 ([E, out, 1] scales)
         done = []
@@ -797,7 +798,7 @@ def quantize_weights(
             else:
                 setattr(mod, name, nn.Parameter(q(w.data), requires_grad=False))
         if done:
-            _add_fp8_checkpoint_hooks(mod)
+            _add_fp8_checkpoint_hooks(mod, float8_dtype)
             mod.fp8_recipe = get_recipe("rowwise")
             mod.fp8_expert_params = tuple(done)
             mod.__class__ = _fp8_experts_class(type(mod))
@@ -847,13 +848,32 @@ def _add_model_export_hook(module: nn.Module) -> None:
         module._fp8_model_export_hook = True
 
 
-def _add_fp8_checkpoint_hooks(mod: nn.Module) -> None:
+def _add_fp8_checkpoint_hooks(mod: nn.Module, float8_dtype: torch.dtype = E4M3) -> None:
     """Once per module: the state-dict hooks of :mod:`fp8tensor.checkpoint` (``state_dict()`` in the plain layout
-    under ``fp8tensor.config(state_dict_fp8="plain")``; loading accepts the plain layout)."""
+    under ``fp8tensor.config(state_dict_fp8="plain")``; loading accepts the plain layout), and a post-hook that
+    stores a weight again in fp8 (``float8_dtype``) after ``load_state_dict(..., assign=True)`` of a high-precision
+    checkpoint replaced it."""
     if not getattr(mod, "_fp8_checkpoint_hooks", False):
         mod._register_state_dict_hook(_checkpoint.state_dict_hook)
         mod.register_load_state_dict_pre_hook(_checkpoint.load_state_dict_pre_hook)
+        mod.register_load_state_dict_post_hook(_requantize_after_load)
         mod._fp8_checkpoint_hooks = True
+    mod._fp8_float8_dtype = float8_dtype
+
+
+def _requantize_after_load(module, incompatible_keys):
+    """After ``load_state_dict(assign=True)`` put a plain high-precision tensor where :func:`quantize_weights` stored
+    fp8 (a Linear's ``weight``, a grouped-experts module's expert weights), store it in fp8 again (row-wise, as
+    ``quantize_weights`` does)."""
+    dt = getattr(module, "_fp8_float8_dtype", E4M3)
+    names = getattr(module, "fp8_expert_params", None) or ("weight",)
+    for name in names:
+        w = module._parameters.get(name)
+        if w is None or _is_dtensor(w) or isinstance(w, ScaledFp8Tensor) or not w.dtype.is_floating_point \
+                or w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            continue
+        q = _quantize_expert_weight(w.detach(), dt) if w.dim() == 3 else ScaledFp8Tensor.from_hp(w.detach(), dt)
+        setattr(module, name, nn.Parameter(q, requires_grad=False))
 
 
 def _quantize_expert_weight(lt: torch.Tensor, float8_dtype: torch.dtype) -> ScaledFp8Tensor:

@@ -233,11 +233,12 @@ def map_shard(local: torch.Tensor, fn):
 
 #: The error of reading a ScaledFp8Tensor's storage as one tensor's (safetensors, Hugging Face ``save_pretrained``).
 _NO_STORAGE = (
-    "fp8tensor: a ScaledFp8Tensor (fp8 data + float32 scales) has no single storage to write as one tensor "
-    "(safetensors, Hugging Face save_pretrained). Save the plain fp8 layout (weight + weight_scale): "
+    "fp8tensor: a ScaledFp8Tensor (fp8 data + float32 scales) has no single storage to read or write as one tensor "
+    "(safetensors, Hugging Face save_pretrained). To save, use the plain fp8 layout (weight + weight_scale): "
     "`with fp8tensor.config(state_dict_fp8=\"plain\"): model.save_pretrained(d)` (or safetensors.torch.save_model), "
-    "or safetensors.torch.save_file(fp8tensor.plain_state_dict(model.state_dict()), f); torch.save keeps the "
-    "ScaledFp8Tensor as it is"
+    "or safetensors.torch.save_file(fp8tensor.plain_state_dict(model.state_dict()), f); to load such a file, "
+    "fp8tensor.load_safetensors(model, path) (or safetensors.torch.load_model inside the same config block); "
+    "torch.save keeps the ScaledFp8Tensor as it is"
 )
 
 

@@ -254,3 +254,39 @@ def test_hf_fp8_linear_kept_in_fp32_by_transformers_refuses_plain_save(tmp_path)
     with fp8tensor.config(state_dict_fp8="plain"), pytest.raises(ValueError, match="keeps in float32"):
         src.save_pretrained(tmp_path / "ckpt")
     assert not (tmp_path / "ckpt" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_plain_checkpoint_into_training_model_dequantizes(dtype):
+    """A plain fp8 checkpoint loaded into a ``convert_to_fp8`` model (fine-tuning from fp8 weights): each master gets
+    ``q * scale`` in its dtype, never the raw fp8 values; without its scale the load refuses and changes nothing."""
+    torch.manual_seed(0)
+    sd = fp8tensor.plain_state_dict(quantize_weights(_mlp(dtype)).state_dict())
+    model = fp8tensor.convert_to_fp8(_mlp(dtype))
+    model.load_state_dict(sd)
+    for i in (0, 2):
+        want = (sd[f"{i}.weight"].float() * sd[f"{i}.weight_scale"]).to(dtype)
+        assert torch.equal(model[i].weight._data, want)
+    assert torch.equal(model[0].bias, sd["0.bias"])
+    before = [model[i].weight._data.clone() for i in (0, 2)]
+    bad = {k: v for k, v in sd.items() if k != "2.weight_scale"}
+    with pytest.raises(ValueError, match=r"'2\.weight' is a plain torch.float8_e4m3fn tensor without its scales"):
+        model.load_state_dict(bad)
+    assert all(torch.equal(model[i].weight._data, b) for i, b in zip((0, 2), before))
+
+
+def test_assign_of_high_precision_weights_stores_fp8_again():
+    """``load_state_dict(hp_state, assign=True)`` into a ``quantize_weights`` model: the weights are stored in fp8
+    again (row-wise, as ``quantize_weights`` does; same bits as quantizing the loaded values)."""
+    torch.manual_seed(0)
+    m = quantize_weights(_mlp(torch.float32))
+    hp = _mlp(torch.float32)
+    m.load_state_dict(hp.state_dict(), assign=True)
+    for i in (0, 2):
+        w = m[i].weight
+        assert type(w) is ScaledFp8Tensor and not w.requires_grad
+        assert _same_fp8(w.detach(), ScaledFp8Tensor.from_hp(hp[i].weight.detach(), torch.float8_e4m3fn))
+    x = torch.randn(5, 48)
+    ref = hp.double()(x.double())
+    # two GEMMs in series, each with both operands rounded to e4m3 (≈3.6% each on Gaussian data): ≈5% together
+    assert ((m(x).double() - ref).norm() / ref.norm()).item() < 1e-1

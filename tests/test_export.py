@@ -228,3 +228,19 @@ def test_other_formats_and_no_grad(f8):
     assert ep.state_dict["weight"].qdata.dtype == f8
     x = torch.randn(5, 64, dtype=torch.float16)
     assert torch.equal(ep.module()(x), m(x))
+
+
+def test_training_model_program_saved_after_decompositions(tmp_path):
+    """A ``convert_to_fp8`` model's exported program, decomposed, saves and loads with its quantization in the graph:
+    the loaded program equals eager to the bit (docs/serving.md: save after ``run_decompositions``)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 32))
+    fp8tensor.convert_to_fp8(m)
+    x = torch.randn(2, 7, 64)
+    ep = torch.export.export(m, (x,)).run_decompositions()
+    assert "_scaled_mm" in ep.graph_module.code
+    torch.export.save(ep, str(tmp_path / "m.pt2"))
+    loaded = torch.export.load(str(tmp_path / "m.pt2"))
+    x = torch.randn(2, 7, 64)
+    with torch.no_grad():
+        assert torch.equal(loaded.module()(x), m(x))

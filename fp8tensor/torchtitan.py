@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import field
 from typing import Any
 
-from .convert import Fp8GroupedExpertsMixin, Fp8LinearMixin, convert_to_fp8
+from .convert import Fp8GroupedExpertsMixin, Fp8LinearMixin, convert_to_fp8, fp8_size_choice
 from .recipes import get_recipe
 
 __all__ = [
@@ -118,7 +118,7 @@ if _IMPORT_ERROR is None:
                     f"{config.in_features} -> {config.out_features}; keep this Linear a Linear.Config"
                 )
             Linear.__init__(self, config)
-            convert_to_fp8(self, recipe=config.recipe)
+            convert_to_fp8(self, recipe=config.recipe, size_rule=False)
 
     class Fp8TensorGroupedExperts(Fp8GroupedExpertsMixin, GroupedExperts):
         """torchtitan ``GroupedExperts`` trained in fp8 by fp8tensor (built from
@@ -147,7 +147,7 @@ if _IMPORT_ERROR is None:
                     f"{config.dim} and {config.hidden_dim}; keep these experts a GroupedExperts.Config"
                 )
             GroupedExperts.__init__(self, config)
-            convert_to_fp8(self, recipe=config.recipe)
+            convert_to_fp8(self, recipe=config.recipe, size_rule=False)
 
     class Fp8TensorConverter(QuantizationConverter):
         """Swap every selected ``Linear.Config`` of a torchtitan model config for :class:`Fp8TensorLinear.Config`.
@@ -169,19 +169,27 @@ if _IMPORT_ERROR is None:
             filter_fqns: list[str] = field(default_factory=list)
             """Linears whose FQN contains one of these strings stay in high precision (e.g. ``["lm_head"]``)."""
 
+            size_rule: bool = False
+            """The size-aware choice (:func:`fp8tensor.convert.fp8_size_choice`, as ``convert_to_fp8(...,
+            size_rule=True)``): Linears too small for fp8 stay in high precision, mid-sized ``rowwise`` ones get
+            ``rowwise_gw_hp``."""
+
         def __init__(self, config: Config):
             get_recipe(config.recipe)  # ValueError naming the known recipes
             self.config = config
 
         def convert(self, model_config):
             return convert_model_config(
-                model_config, recipe=self.config.recipe, filter_fqns=self.config.filter_fqns
+                model_config, recipe=self.config.recipe, filter_fqns=self.config.filter_fqns,
+                size_rule=self.config.size_rule,
             )
 
-    def convert_model_config(model_config, *, recipe: str = "rowwise", filter_fqns: list[str] | None = None):
+    def convert_model_config(model_config, *, recipe: str = "rowwise", filter_fqns: list[str] | None = None,
+                             size_rule: bool = False):
         """Replace the selected ``Linear.Config`` nodes of ``model_config`` (in place) by
         :class:`Fp8TensorLinear.Config` and the selected ``GroupedExperts.Config`` nodes by
-        :class:`Fp8TensorGroupedExperts.Config`; returns the (possibly replaced) root config."""
+        :class:`Fp8TensorGroupedExperts.Config`; returns the (possibly replaced) root config. ``size_rule``: each
+        Linear's recipe from :func:`fp8tensor.convert.fp8_size_choice` (None: the node is left in high precision)."""
         get_recipe(recipe)
         filter_fqns = list(filter_fqns or [])
         nodes = [(n, Fp8TensorLinear.Config) for n in model_config.traverse(Linear.Config)
@@ -189,7 +197,13 @@ if _IMPORT_ERROR is None:
         nodes += [(n, Fp8TensorGroupedExperts.Config) for n in model_config.traverse(GroupedExperts.Config)
                   if _experts_selected(n[1], n[0], filter_fqns)]
         for (fqn, cfg, parent, attr), target in nodes:
-            new = derive(cfg, target, recipe=recipe)
+            node_recipe = recipe
+            if size_rule and target is Fp8TensorLinear.Config:
+                choice = fp8_size_choice(cfg.in_features, cfg.out_features, recipe)
+                if choice is None:
+                    continue
+                node_recipe = choice.name
+            new = derive(cfg, target, recipe=node_recipe)
             if parent is None:
                 model_config = new
             elif isinstance(parent, list):

@@ -128,6 +128,33 @@ def test_converter_options():
         Fp8TensorLinear.Config(in_features=24, out_features=32).build()
 
 
+def test_converter_size_rule():
+    """Fp8TensorConverter(size_rule=True): each Linear's recipe from fp8tensor's size-aware choice (thresholds set
+    low for the debug model's dim 256: K·N/(K+N) 128 (256 -> 256) stays high precision below 150, the 256 <-> 768
+    MLP (192) gets rowwise_gw_hp below 200; nothing is rowwise)."""
+    from torchtitan.models.common.linear import Linear
+    from torchtitan.models.llama3 import model_registry
+
+    import fp8tensor
+    from fp8tensor.torchtitan import Fp8TensorConverter, Fp8TensorLinear
+
+    with fp8tensor.config(size_rule_min=150, size_rule_fp8_grad_weight_min=200):
+        spec = model_registry("debugmodel", converters=[Fp8TensorConverter.Config(size_rule=True,
+                                                                                  filter_fqns=["lm_head"])])
+    nodes = {fqn: c for fqn, c, _, _ in spec.model.traverse(Linear.Config)}
+    fp8 = {f: c for f, c in nodes.items() if type(c) is Fp8TensorLinear.Config}
+    for f, c in nodes.items():
+        k_n = c.in_features * c.out_features / (c.in_features + c.out_features)
+        if f == "lm_head" or k_n < 150:
+            assert f not in fp8, f
+        else:
+            assert fp8[f].recipe == "rowwise_gw_hp", (f, k_n)
+    assert fp8, sorted(nodes)
+    model = spec.model.build()  # the built Linears keep the recipe chosen in the config (global size rule off)
+    built = {f: m.fp8_recipe.name for f, m in model.named_modules() if isinstance(m, Fp8TensorLinear)}
+    assert built and set(built.values()) == {"rowwise_gw_hp"}
+
+
 def test_llama3_debugmodel_fp8tensor_config():
     """``--module fp8tensor.torchtitan --config llama3_debugmodel_fp8tensor``: torchtitan's debug trainer config with
     the converter (needs torchtitan's full dependencies: its trainer imports the dataset and tensorboard stack,

@@ -12,19 +12,24 @@ def bench_ms(fn, warmup: int = 10, rep: int = 50) -> float:
 
         return float(do_bench(fn, warmup=warmup * 5, rep=rep * 5, return_mode="median"))
     except Exception:
-        for _ in range(warmup):
-            fn()
+        return cuda_event_median_ms(fn, warmup, rep)
+
+
+def cuda_event_median_ms(fn, warmup: int = 10, rep: int = 50) -> float:
+    """Median of ``rep`` CUDA-event timings (ms) of one ``fn()`` each, after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rep):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
         torch.cuda.synchronize()
-        times = []
-        for _ in range(rep):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            torch.cuda.synchronize()
-            times.append(s.elapsed_time(e))
-        times.sort()
-        return times[len(times) // 2]
+        times.append(s.elapsed_time(e))
+    times.sort()
+    return times[len(times) // 2]
 
 
 def env_line() -> str:

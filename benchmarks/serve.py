@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
 import fp8tensor  # noqa: E402
+from _util import cuda_event_median_ms  # noqa: E402
 from llama import Llama, ModelArgs, TransformerBlock, rope_table  # noqa: E402
 
 DEV = "cuda"
@@ -48,20 +49,8 @@ class OneLayer(nn.Module):
 
 
 def median_ms(fn, warmup: int, rep: int) -> float:
-    """Median of ``rep`` CUDA-event timings of ``fn()`` (after ``warmup`` calls)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rep):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
-    times.sort()
-    return times[len(times) // 2]
+    """Median of ``rep`` CUDA-event timings of ``fn()`` after ``warmup`` calls (``_util.bench_ms``'s timing loop)."""
+    return cuda_event_median_ms(fn, warmup, rep)
 
 
 def build(which: str):

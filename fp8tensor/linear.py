@@ -711,13 +711,7 @@ def _exported_forward(input: torch.Tensor, weight: torch.Tensor, bias: Optional[
     """
     dev = input.device.type
     if (dev in _AUTOCAST_TYPES or torch.amp.is_autocast_available(dev)) and torch.is_autocast_enabled(dev):
-        dt = torch.get_autocast_dtype(dev)
-        if input.dtype != dt and input.dtype in _AUTOCAST_CASTS:
-            input = input.to(dt)
-        if weight.dtype != dt and weight.dtype in _AUTOCAST_CASTS:
-            weight = weight.to(dt)
-        if bias is not None and bias.dtype != dt and bias.dtype in _AUTOCAST_CASTS:
-            bias = bias.to(dt)
+        input, weight, bias = _autocast_operands(input, weight, bias, dev)
         with torch.autocast(dev, enabled=False):
             return _exported_forward(input, weight, bias, recipe)
     if _is_dtensor(weight) or _is_dtensor(input):
@@ -762,16 +756,18 @@ _AUTOCAST_TYPES = ("cuda", "cpu")
 _AUTOCAST_CASTS = (torch.float32, torch.float16, torch.bfloat16)
 
 
+def _autocast_operands(input, weight, bias, device_type: str) -> tuple:
+    """``(input, weight, bias)`` cast to the autocast dtype of ``device_type`` as autocast casts ``F.linear``'s
+    operands (float32 / float16 / bfloat16 ones; autocast leaves float64 alone)."""
+    dt = torch.get_autocast_dtype(device_type)
+    cast = lambda t: t.to(dt) if t is not None and t.dtype != dt and t.dtype in _AUTOCAST_CASTS else t  # noqa: E731
+    return cast(input), cast(weight), cast(bias)
+
+
 def _autocast_linear(input, weight, bias, recipe: Recipe, device_type: str) -> torch.Tensor:
     """:func:`fp8_linear` under autocast: operands cast to the autocast dtype (as autocast casts ``F.linear``'s),
     then the fp8 Linear with autocast off (its own ops must not be re-cast: autocast would dequantize the fp8
     operands of ``mm`` into a high-precision GEMM)."""
-    dt = torch.get_autocast_dtype(device_type)
-    if input.dtype != dt and input.dtype in _AUTOCAST_CASTS:  # (autocast leaves float64 alone)
-        input = input.to(dt)
-    if weight.dtype != dt and weight.dtype in _AUTOCAST_CASTS:
-        weight = weight.to(dt)
-    if bias is not None and bias.dtype != dt and bias.dtype in _AUTOCAST_CASTS:
-        bias = bias.to(dt)
+    input, weight, bias = _autocast_operands(input, weight, bias, device_type)
     with torch.autocast(device_type, enabled=False):
         return _Fp8Linear.apply(input, weight, bias, recipe)

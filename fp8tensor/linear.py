@@ -250,8 +250,9 @@ def _x_rows(x: Optional[torch.Tensor], x2: torch.Tensor) -> tuple:
 def _x_both(x: torch.Tensor, recipe: Recipe) -> tuple:
     """``x``'s two fp8 GEMM operands from two reads of it (:func:`fp8tensor.quantize.quantize_rows_and_tokens`) in an
     eager forward on a plain CUDA ``x`` whose grad_weight operand is needed and made by no Linear yet (neither
-    operand in :data:`_GRAD_WEIGHT_INPUTS` / :data:`_LAST_ROWS`); else ``(None, None)`` (each quantized on its own,
-    same bits).
+    operand in :data:`_GRAD_WEIGHT_INPUTS` / :data:`_LAST_ROWS`), under ``fp8tensor.config(fused_grad_out="always")``
+    only (without scales to fold the fused pass measured slower than the separate kernels); else ``(None, None)``
+    (each quantized on its own, same bits).
 
     Returns:
         ``((xq, xs), x8)``: ``x`` ``(M, K)`` quantized row-wise in e4m3 for the output GEMM, and the grad_weight
@@ -433,7 +434,8 @@ def _grad_input_parts(g2: torch.Tensor, grad_out: torch.Tensor, weight: torch.Te
 def _grad_out_both(grad_out: torch.Tensor, weight: torch.Tensor, x_saved: torch.Tensor) -> Optional[tuple]:
     """``grad_out``'s two fp8 GEMM operands from two reads of it (:func:`fp8tensor.quantize.quantize_rows_and_tokens`)
     when an eager backward on plain tensors needs both (grad_input and an fp8 grad_weight) and the parts functions take
-    the weight and the saved input; else None (each quantized on its own, same bits).
+    the weight and the saved input, and either the weight is row-scaled fp8 (its scales folded in by the pass: where
+    it measured faster) or ``fused_grad_out="always"``; else None (each quantized on its own, same bits).
 
     Returns:
         ``((a8, sa), (gt8, sgt))``: the grad_input operand ``g2`` (times the fp8 weight's row scales, when it has them)

@@ -14,7 +14,8 @@ __all__ = ["TORCH_VERSION", "register_foreach_type", "local_tensor", "set_local_
            "fsdp_state_name", "fsdp_unsharded_param", "fsdp_flat_shard", "fsdp_set_flat_shard",
            "fsdp_reset_extension", "process_group_size", "wait_work", "tree_flatten", "tree_unflatten", "tree_leaves",
            "tree_map_only", "is_fake", "local_tensor_cls", "run_per_simulated_rank", "COMPOSITE_IMPLICIT",
-           "DISABLED_TORCH_FUNCTION", "DATA_SETTER", "disable_torch_function_subclass", "parse_to", "is_exporting"]
+           "DISABLED_TORCH_FUNCTION", "DATA_SETTER", "disable_torch_function_subclass", "parse_to", "is_exporting", "is_compiling",
+           "prepend_forward_pre_hook"]
 
 #: The dispatch key of composite ops (decomposed above autograd).
 COMPOSITE_IMPLICIT = torch._C.DispatchKey.CompositeImplicitAutograd
@@ -30,9 +31,39 @@ def parse_to(*args, **kwargs):
 
 
 def is_exporting() -> bool:
-    """Whether ``torch.export`` is tracing (strict or not): ``torch.compiler.is_exporting()`` (public API, here so
-    that every tracing-mode query of the package reads in one place)."""
-    return torch.compiler.is_exporting()
+    """Whether ``torch.export`` is tracing (strict or not), and only then: False under ``torch.compile``.
+
+    Reads ``torch.compiler._is_exporting_flag``, which ``torch.export`` alone sets. The public
+    ``torch.compiler.is_exporting()`` cannot be used: on torch 2.11 dynamo folds it to the constant True in *every*
+    dynamo trace (its table of tracing-state functions), so a compiled region would take the export path; torch 2.13
+    reads the flag instead. Dynamo reads the flag as a global and guards on it, so the answer is right in eager code,
+    under ``torch.compile`` (False) and under strict and non-strict ``torch.export`` (True), on torch 2.11 to 2.14.
+    """
+    return bool(torch.compiler._is_exporting_flag)
+
+
+def is_compiling() -> bool:
+    """Whether the code is being traced by ``torch.compile`` or ``torch.export`` (``torch.compiler.is_compiling()``:
+    True under dynamo and while ``torch.export`` traces; False in eager code and in compiled code's eager fallbacks)."""
+    return torch.compiler.is_compiling()
+
+
+def prepend_forward_pre_hook(module: torch.nn.Module, hook):
+    """Register ``hook`` as the first forward pre-hook of ``module`` (before the hooks registered earlier, such as a
+    parallel style's input hook) and return its ``RemovableHandle``.
+
+    ``register_forward_pre_hook(..., prepend=True)`` moves the new key to the front of the ``OrderedDict`` with
+    ``move_to_end``, which leaves the dict's own insertion order behind; torch 2.11's dynamo builds its guards with
+    ``dict.keys(hooks)`` (insertion order) but traces the ``OrderedDict`` order, and compiling the module then fails
+    creating a guard. Here the dict (the same object: handles keep working) is re-filled in the wanted order, so both
+    orders agree on every torch."""
+    handle = module.register_forward_pre_hook(hook)
+    hooks = module._forward_pre_hooks
+    items = list(hooks.items())
+    items.insert(0, items.pop())  # the new hook (registered last) first
+    hooks.clear()
+    hooks.update(items)
+    return handle
 
 
 def disable_torch_function_subclass():

@@ -834,7 +834,7 @@ def _add_tp_export_hook(lin: nn.Module) -> None:
     tensor-parallel Linears get it: a plain Linear's forward keeps its hook-free fast path). Called at conversion
     and when a DTensor weight is registered later (:meth:`Fp8LinearMixin.register_parameter`)."""
     if _is_dtensor(lin._parameters.get("weight")) and not getattr(lin, "_fp8_tp_export_hook", False):
-        lin.register_forward_pre_hook(_refuse_tp_export, prepend=True)
+        compat.prepend_forward_pre_hook(lin, _refuse_tp_export)
         lin._fp8_tp_export_hook = True
 
 
@@ -842,9 +842,9 @@ def _add_model_export_hook(module: nn.Module) -> None:
     """Once per converted model: :func:`_refuse_tp_export` first among the pre-hooks of the model itself, so that
     ``torch.export.export(model)`` of a model parallelized before or after the conversion fails with fp8tensor's
     error before any hook of a parallel style (on the model's submodules, Linears or not) runs. Outside
-    ``torch.export`` the hook only asks ``torch.compiler.is_exporting()``, once per forward of the model."""
+    ``torch.export`` the hook only asks :func:`fp8tensor.compat.is_exporting`, once per forward of the model."""
     if not getattr(module, "_fp8_model_export_hook", False):
-        module.register_forward_pre_hook(_refuse_tp_export, prepend=True)
+        compat.prepend_forward_pre_hook(module, _refuse_tp_export)
         module._fp8_model_export_hook = True
 
 

@@ -59,7 +59,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import kernels
+from . import compat, kernels
 from .capture import capture_token
 from .quantize import SCALE_FLOOR, quantize, quantize_group
 
@@ -132,7 +132,7 @@ class pre_all_gather_hook:
     def __get__(self, obj, owner=None):
         if obj is None:
             return self.fn
-        if torch.compiler.is_compiling():
+        if compat.is_compiling():
             return types.MethodType(self.fn, obj)
         return self._bound_cls(self.fn, obj)
 
@@ -318,7 +318,7 @@ def _group_and_datas(master, float8_dtype, tag):
     """The kept result of ``master`` from its group's earlier launch (tagged ``tag``), or ``_Group`` (the FSDP2
     group and the master weights and high-precision data to quantize together, ``master``'s first), or None (no
     group, one weight, or ``torch.compile`` tracing the hook: each weight is then quantized on its own)."""
-    if torch.compiler.is_compiling():
+    if compat.is_compiling():
         return None
     hit = _take_pending(master, float8_dtype, tag)  # first: the later weights of a group need no group lookup
     if hit is not None:

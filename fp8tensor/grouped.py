@@ -69,7 +69,7 @@ class _Memo:
 
     @staticmethod
     def _key(tensors):
-        if (torch.compiler.is_compiling() or not get_config().share_input_quantization
+        if (compat.is_compiling() or not get_config().share_input_quantization
                 or compat.dispatch_modes_active()):
             return None
         key = [capture_token()]  # (never served across a CUDA-graph capture boundary: fp8tensor.capture)

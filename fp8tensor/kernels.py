@@ -30,6 +30,8 @@ from typing import Optional
 
 import torch
 
+from . import compat
+
 __all__ = [
     "kernel_available", "launch_dim0_t", "quantize_last_dim", "quantize_last_dim_group", "row_kernel_available",
     "eager_launch_ok", "transpose_available", "launch_transpose", "quantize_last_dim_group_into",
@@ -394,7 +396,7 @@ def eager_launch_ok(x: torch.Tensor) -> bool:
     fake, not a vmap/grad wrapper), nothing is being traced (``torch.compile``) and no torch dispatch mode is active.
     Otherwise callers go through ops that the tracer or mode sees."""
     return (
-        not torch.compiler.is_compiling()  # first: dynamo cannot trace the C calls below (it would break the graph)
+        not compat.is_compiling()  # first: dynamo cannot trace the C calls below (it would break the graph)
         and type(x) in _PLAIN_TYPES
         and torch._C._len_torch_dispatch_stack() == 0
         and not torch._C._functorch.is_functorch_wrapped_tensor(x)  # vmap / grad wrappers look like plain tensors

@@ -63,7 +63,7 @@ def _dequantize(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _is_fp8(t: torch.Tensor) -> bool:
     if _is_dtensor(t):  # (eager: the local tensor itself, without to_local's autograd Function)
-        local = t.to_local() if torch.compiler.is_compiling() else t._local_tensor
+        local = t.to_local() if compat.is_compiling() else t._local_tensor
     else:
         local = t
     shards = getattr(local, "_local_tensors", None)  # LocalTensorMode: one tensor per simulated rank
@@ -89,7 +89,7 @@ def _direct(a: torch.Tensor, b: torch.Tensor) -> bool:
     the autograd Function's forward, and in its backward unless ``create_graph=True``), and no torch-function or
     dispatch mode active (selective activation checkpointing, FLOP counters and the like must see ``aten.mm``)."""
     return (
-        not torch.compiler.is_compiling()  # first: dynamo folds it, and cannot trace the mode-stack queries below
+        not compat.is_compiling()  # first: dynamo folds it, and cannot trace the mode-stack queries below
         and type(a) in _DIRECT_TYPES
         and type(b) in _DIRECT_TYPES
         and not torch.is_grad_enabled()
@@ -197,7 +197,7 @@ def _x_for_grad_weight(x: torch.Tensor, x2: torch.Tensor, recipe: Recipe) -> tor
     plain = type(x2) in _PLAIN  # (a plain tensor is never fp8: no _is_fp8 / map_local round trip)
     if not plain and _is_fp8(x2):
         return _quantize(x2, 0, fast)
-    if torch.compiler.is_compiling() or x.is_inference():  # (inference tensors have no version counter)
+    if compat.is_compiling() or x.is_inference():  # (inference tensors have no version counter)
         return _tokens_fp8(x, x2, fast, recipe.float8_dtype)
     key = _gw_key(x, recipe)
     entries = _gw_entries(x)
@@ -359,7 +359,7 @@ def _eager_plain(t: torch.Tensor) -> bool:
     autograd not recording), and the eager fast path is on (``fp8tensor.config(eager_fast_path=...)``): what
     :func:`_direct` asks of a GEMM, for the whole Linear."""
     return (
-        not torch.compiler.is_compiling()  # first: dynamo folds it
+        not compat.is_compiling()  # first: dynamo folds it
         and type(t) in _PLAIN
         and not torch.is_grad_enabled()
         and torch._C._len_torch_dispatch_stack() == 0
@@ -558,13 +558,13 @@ class _Fp8Linear(torch.autograd.Function):
         ctx.save_for_backward(x_saved, weight if ctx.needs_input_grad[0] else None)
         # Not a view of ``out`` (as F.linear's output is not): FSDP2 hooks the module output for backward, and an
         # in-place op on a view output would drop that hook (torch warns about it).
-        if x.dim() == 2 and not torch.compiler.is_compiling() and not out._is_view():  # already (M, N), no view
+        if x.dim() == 2 and not compat.is_compiling() and not out._is_view():  # already (M, N), no view
             return out
         return torch.ops.aten._unsafe_view(out, (*x.shape[:-1], N))
 
     @staticmethod
     def backward(ctx, grad_out):
-        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        if torch.is_grad_enabled() and not compat.is_compiling():
             # create_graph=True: the GEMM operands below are quantized copies with no autograd link to the weight
             # (and _scaled_mm has no derivative), so a graph recorded here would silently drop terms.
             raise NotImplementedError(
@@ -574,7 +574,7 @@ class _Fp8Linear(torch.autograd.Function):
             )
         x_saved, weight = ctx.saved_tensors
         recipe: Recipe = ctx.recipe
-        if not torch.compiler.is_compiling():  # the forward is over: no input's row-wise operand is needed again
+        if not compat.is_compiling():  # the forward is over: no input's row-wise operand is needed again
             _LAST_ROWS[0] = None
         g2 = grad_out if grad_out.dim() == 2 else grad_out.reshape(-1, ctx.n_out)
         fast = recipe.fast_accum_backward
@@ -586,7 +586,7 @@ class _Fp8Linear(torch.autograd.Function):
         gt_traced = None  # traced: grad_out's grad_weight operand, from the fused pass that made grad_x's
         if ctx.needs_input_grad[0]:
             grad_x = _grad_input_parts(g2, grad_out, weight, recipe, both and both[0]) if parts else None
-            if (grad_x is None and torch.compiler.is_compiling() and get_config().fused_grad_out == "always"
+            if (grad_x is None and compat.is_compiling() and get_config().fused_grad_out == "always"
                     and ctx.needs_input_grad[1] and recipe.grad_weight_fp8):
                 fused = _grad_input_fused_traced(grad_out, weight, fast, recipe)
                 if fused is not None:
@@ -669,13 +669,13 @@ def fp8_linear(
             f"fp8_linear: {which} is a plain {(input if which == 'input' else wd).dtype} tensor, which has no scales "
             "to read it by; pass a high-precision tensor or a ScaledFp8Tensor (ScaledFp8Tensor.from_hp)"
         )
-    if not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active():
+    if not compat.is_compiling() and torch._C._are_functorch_transforms_active():
         raise NotImplementedError(
             "fp8_linear: torch.func transforms (grad, vmap, jacrev, ...) are not supported by the fp8 Linear; "
             "use ordinary autograd (loss.backward() / torch.autograd.grad), or leave this Linear in high precision "
             "(convert_to_fp8's module_filter_fn)"
         )
-    if _forward_ad._current_level >= 0 and not torch.compiler.is_compiling():  # (a dual level is open: rare)
+    if _forward_ad._current_level >= 0 and not compat.is_compiling():  # (a dual level is open: rare)
         _check_no_tangents(input, weight, bias)
     if compat.is_exporting():
         return _exported_forward(input, weight, bias, r)

@@ -205,7 +205,7 @@ def map_local(t: Any, fn):
     if cls is False or not isinstance(t, cls):
         return map_shard(t, fn) if _is_local_tensor(t) else fn(t)
     if (
-        not torch.compiler.is_compiling()
+        not compat.is_compiling()
         and not (torch.is_grad_enabled() and t.requires_grad)
         # inference mode: from_local's ``view_as`` of a ScaledFp8Tensor returns the dequantized tensor there (a
         # separate bug); keep what from_local gives until that is fixed, so results do not depend on this path
@@ -537,7 +537,7 @@ def _values_checkable(scale: torch.Tensor) -> bool:
     return (
         type(scale) is torch.Tensor
         and not scale.is_meta
-        and not torch.compiler.is_compiling()
+        and not compat.is_compiling()
         and not compat.dispatch_modes_active()
     )
 

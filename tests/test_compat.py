@@ -101,3 +101,31 @@ def test_fsdp2_accessors():
     finally:
         if own:
             dist.destroy_process_group()
+
+
+def test_prepend_forward_pre_hook_runs_first_and_compiles():
+    """The hook runs before the hooks registered earlier, its handle removes it, and a compiled module with a closure
+    hook behind it traces (torch 2.11's dynamo failed creating a guard after ``prepend=True``)."""
+    order = []
+    k = 7
+
+    def closure_hook(m, args):  # a closure, as parallel styles' input hooks are
+        order.append(("late", k))
+
+    def first(m, args):
+        order.append(("first", None))
+
+    m = nn.Sequential(nn.Linear(4, 4))
+    m[0].register_forward_pre_hook(closure_hook)
+    handle = compat.prepend_forward_pre_hook(m[0], first)
+    x = torch.randn(2, 4)
+    m(x)
+    assert order == [("first", None), ("late", 7)]
+    order.clear()
+    torch._dynamo.reset()
+    out = torch.compile(m, backend="eager")(x)
+    assert torch.allclose(out, m(x)) and order[:2] == [("first", None), ("late", 7)]
+    handle.remove()
+    order.clear()
+    m(x)
+    assert order == [("late", 7)]

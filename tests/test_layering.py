@@ -71,8 +71,9 @@ def test_imports_only_go_down(module):
     assert not wrong, f"fp8tensor/{module}.py imports {wrong}, which are not below it ({LAYERS})"
 
 
-def test_kernels_is_a_leaf():
-    assert _package_imports(PKG / "kernels.py") == set()
+def test_kernels_import_only_compat():
+    # the kernels know nothing of the package but its one door to torch's version-dependent state
+    assert _package_imports(PKG / "kernels.py") <= {"compat"}
 
 
 def test_import_scanner_sees_nested_and_absolute_imports(tmp_path):

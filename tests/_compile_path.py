@@ -1,0 +1,134 @@
+"""What a compiled fp8 Linear must do on every torch: train through the autograd Function, never the export path.
+
+On torch 2.11, ``torch.compiler.is_exporting()`` is True inside ``torch.compile``; an fp8 Linear that asked it ran the
+export forward (outside the ``autograd.Function``) in every compiled region, and ``x.grad`` came out None. The checks
+here fail if compile is ever taken for export again: a converted ``nn.Linear`` compiled vs the same Linear eager —
+the gradients of the input, the weight and the bias exist and agree, and the Function's backward ran.
+
+Used by ``tests/test_compile_path.py`` (CPU, ``aot_eager``) and ``tests/gpu/test_gpu_compile_path.py`` (inductor).
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+
+import fp8tensor
+from fp8tensor import linear as _linear
+
+#: Relative Frobenius error of a GEMM with both operands rounded to e4m3 (see ``conftest.E4M3_GEMM_BOUND``).
+FP8_BOUND = 5e-2
+#: Compiled vs eager on the same fp8 operands: inductor may fuse the quantizations into other kernels, so an amax or
+#: a rounding can differ by an ulp (one fp8 rounding step flipped: ~1e-3 of the norm); a wrong path is fp8-level off.
+COMPILED_VS_EAGER_BOUND = 1e-2
+
+
+#: Calls of the fp8 Linear's backward seen at run time (see :class:`BackwardCounter`).
+_CALLS = [0]
+
+
+@torch.library.custom_op("fp8tensor_tests::count_backward", mutates_args=())
+def _count_backward(grad: torch.Tensor) -> torch.Tensor:
+    """Identity that counts its runs: an opaque op, so compiled graphs call it at run time, once per backward."""
+    _CALLS[0] += 1
+    return grad.clone()
+
+
+@_count_backward.register_fake
+def _(grad):
+    return torch.empty_like(grad)
+
+
+class BackwardCounter:
+    """Counts runs of the fp8 Linear's ``autograd.Function`` backward (the training path), eager or compiled.
+
+    The backward is patched to pass ``grad_out`` through an opaque custom op that counts its calls (a Python counter
+    in the backward itself would be a side effect dynamo refuses, and dynamo inlines the Python code rather than
+    calling it). A compiled region that ran the export forward instead has no such backward: the count stays 0."""
+
+    def __init__(self, monkeypatch):
+        orig = _linear._Fp8Linear.backward
+        self._start = _CALLS[0]
+
+        def counted(ctx, grad_out):
+            from torch.distributed.tensor import DTensor
+
+            if isinstance(grad_out, DTensor):  # (the op has no sharding rule: count on the local tensor)
+                grad_out = DTensor.from_local(_count_backward(grad_out.to_local()), grad_out.device_mesh,
+                                              grad_out.placements, shape=grad_out.shape, stride=grad_out.stride())
+            else:
+                grad_out = _count_backward(grad_out)
+            return orig(ctx, grad_out)
+
+        monkeypatch.setattr(_linear._Fp8Linear, "backward", staticmethod(counted))
+
+    @property
+    def calls(self) -> int:
+        return _CALLS[0] - self._start
+
+
+def make_linear(weights: str, recipe: str, device, dtype=torch.bfloat16, K=64, N=48) -> nn.Module:
+    """A converted ``nn.Linear(K, N)`` with bias: ``weights="master"`` (convert_to_fp8: a trainable master) or
+    ``"fp8"`` (quantize_weights: the weight stored in fp8, frozen; the bias trains)."""
+    lin = nn.Linear(K, N, device=device, dtype=dtype)
+    lin.weight_hp = lin.weight.detach().clone()  # (a plain attribute: the float64 reference reads it)
+    if weights == "master":
+        fp8tensor.convert_to_fp8(lin, recipe=recipe)
+    else:
+        fp8tensor.quantize_weights(lin)
+    return lin
+
+
+def run(lin, x, gy):
+    """``(y, x.grad, weight.grad, bias.grad)`` of one forward + backward."""
+    x = x.detach().clone().requires_grad_(True)
+    y = lin(x)
+    y.backward(gy)
+    w = lin.weight
+    return y.detach(), x.grad, (w.grad if w.requires_grad else None), lin.bias.grad
+
+
+def rel(a, b) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def check_compiled_matches_eager(monkeypatch, *, device, ndim, weights, recipe, fullgraph, backend, bit_exact):
+    """The compiled Linear's output and gradients exist, agree with eager (to the bit if ``bit_exact``, else within
+    :data:`COMPILED_VS_EAGER_BOUND`) and with float64 (fp8 bound), and the Function's backward ran."""
+    torch._dynamo.reset()
+    counter = BackwardCounter(monkeypatch)
+    eager = make_linear(weights, recipe, device)
+    comp = copy.deepcopy(eager)
+    shape = (37, 64) if ndim == 2 else (3, 13, 64)
+    x = torch.randn(*shape, device=device, dtype=torch.bfloat16)
+    gy = torch.randn(*shape[:-1], 48, device=device, dtype=torch.bfloat16)
+    ye, gxe, gwe, gbe = run(eager, x, gy)
+    eager_calls = counter.calls
+    assert eager_calls == 1, "the eager fp8 Linear did not run its autograd Function's backward"
+    yc, gxc, gwc, gbc = run(torch.compile(comp, backend=backend, fullgraph=fullgraph), x, gy)
+    assert counter.calls > eager_calls, (
+        "the compiled fp8 Linear never ran the autograd Function's backward: compile was taken for export")
+    assert gxc is not None, "compiled fp8 Linear: the input has no gradient (the export path ran)"
+    assert gbc is not None, "compiled fp8 Linear: the bias has no gradient"
+    if weights == "master":
+        assert gwc is not None, "compiled fp8 Linear: the master weight has no gradient"
+    else:
+        assert gwc is None and gwe is None
+    pairs = [("output", yc, ye), ("grad_input", gxc, gxe), ("grad_bias", gbc, gbe)]
+    if gwe is not None:
+        pairs.append(("grad_weight", gwc, gwe))
+    for name, c, e in pairs:
+        assert c.shape == e.shape and c.dtype == e.dtype, name
+        if bit_exact:
+            assert torch.equal(c, e), f"{name}: compiled differs from eager by {rel(c, e):.3g} (claimed bit-identical)"
+        else:
+            assert rel(c, e) < COMPILED_VS_EAGER_BOUND, f"{name}: compiled vs eager {rel(c, e):.3g}"
+    # accuracy against float64 (fresh weights: read them back in high precision)
+    wd = eager.weight_hp.double()
+    xd, gyd = x.double().reshape(-1, 64), gy.double().reshape(-1, 48)
+    assert rel(yc.reshape(-1, 48), xd @ wd.t() + eager.bias.detach().double()) < FP8_BOUND
+    assert rel(gxc.reshape(-1, 64), gyd @ wd) < FP8_BOUND
+    if gwc is not None:
+        assert rel(gwc, gyd.t() @ xd) < FP8_BOUND

@@ -11,6 +11,9 @@ repetition by repetition (:func:`time_many`), with shapes small enough that the 
    one plus DTensor's own cost (a bf16 ``nn.Linear`` under the same plan minus the plain bf16 Linear): what the
    fp8 subclass adds *inside* DTensor.
 3. ``compiled``: a ``torch.compile``-d stack of ``--layers`` converted Linears vs the compiled stack of bare ones.
+4. ``graph_check``: what ``fp8tensor.graph_step`` checks on the host before each replay (gradients not replaced,
+   parameters' storage addresses and their modules' entries unchanged), for the example Llama's parameters
+   (``--layers`` blocks, converted): µs per call, against nothing (the replay itself costs the same either way).
 
 Target: every ratio <= 1.15x. Runs on CPU (gloo) and on CUDA (nccl)::
 
@@ -197,6 +200,35 @@ def profile_setup(name, D, dev, dtype, args, x, gy, steps=200):
     pstats.Stats(pr).sort_stats("tottime").print_stats(30)
 
 
+def graph_check_row(layers: int, reps: int = 2000):
+    """Host time of ``graph_step``'s per-call checks on the example Llama's parameters (CPU model: the checks only
+    read Python objects and storage addresses, the same on any device)."""
+    import warnings
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+    from llama import Llama, ModelArgs
+
+    model = Llama(ModelArgs(dim=64, n_layers=layers, n_heads=4, n_kv_heads=2, max_seq_len=16))
+    fp8tensor.convert_to_fp8(model)
+    params = list(model.parameters())
+
+    def fwd_bwd(tok):
+        model(tok).float().square().mean().backward()
+
+    step = fp8tensor.graph_step(fwd_bwd, params, warmup_steps=1)
+    tok = torch.randint(0, 256, (1, 16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        step(tok), step(tok)  # warm-up, then the call that records what the graph reads
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        step._check_memory()
+        step._check_grads()
+    us = (time.perf_counter() - t0) / reps * 1e6
+    return (f"graph_check: graph_step's checks per call, {len(params)} parameters", us, us, 1.0,
+            f"{us / len(params):.2f} µs per parameter")
+
+
 # ------------------------------------------------------------------------------------------------ main
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -208,7 +240,7 @@ def main(argv=None):
     p.add_argument("--recipe", default="rowwise")
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--inner", type=int, default=20)
-    p.add_argument("--only", default="eager,dtensor,compiled")
+    p.add_argument("--only", default="eager,dtensor,compiled,graph_check")
     p.add_argument("--no-eager-parts", action="store_true",
                    help="eager Linears through the general path (fp8tensor.set_config(eager_fast_path=False): the "
                         "same bits) to compare the two paths")
@@ -260,6 +292,9 @@ def main(argv=None):
         t = time_many({"bare": fwd_bwd(bare_stack, x, gy), "lib": fwd_bwd(lib_stack, x, gy)}, dev, args.reps,
                       args.inner)
         row(f"compiled: stack of {args.layers} converted Linears vs bare", t["lib"], t["bare"])
+
+    if "graph_check" in only:
+        rows.append(graph_check_row(args.layers))
 
     if args.profile:
         for name in args.profile.split(","):

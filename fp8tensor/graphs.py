@@ -13,6 +13,7 @@ DTensor's collectives and compiled blocks are recorded as they run.
 """
 from __future__ import annotations
 
+import gc
 import warnings
 from typing import Any, Callable, Iterable, Optional
 
@@ -56,6 +57,34 @@ def _describe(leaf) -> tuple:
     if isinstance(leaf, torch.Tensor):
         return ("tensor", tuple(leaf.shape), leaf.dtype, leaf.device, leaf.requires_grad)
     return ("value", _Value(leaf))
+
+
+def _storage_ptrs(t: torch.Tensor) -> tuple:
+    """The addresses of the storages behind ``t``: its own, or those of the inner tensors of a wrapper subclass
+    (DTensor, ScaledFp8Tensor, Fp8MasterWeight: through ``__tensor_flatten__``)."""
+    if hasattr(type(t), "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return tuple(ptr for n in names for ptr in _storage_ptrs(getattr(t, n)))
+    return (t.untyped_storage().data_ptr(),)
+
+
+def _owners(params: list) -> list:
+    """``(dict, name, parameter)`` for every module that holds one of ``params`` (its ``_parameters`` dict), found
+    once with ``gc.get_referrers``: so a parameter *replaced* in its module (``load_state_dict(assign=True)``,
+    ``module.weight = nn.Parameter(...)``) is seen, though the step only holds the old tensor."""
+    if not params:
+        return []
+    by_id = {id(p): p for p in params}
+    dicts = [d for d in gc.get_referrers(*params) if type(d) is dict]
+    ids = {id(d) for d in dicts}
+    held = set()
+    for r in gc.get_referrers(*dicts) if dicts else ():
+        pd = r.__dict__.get("_parameters") if isinstance(r, torch.nn.Module) else (
+            r.get("_parameters") if type(r) is dict else None)
+        if pd is not None and id(pd) in ids:
+            held.add(id(pd))
+    return [(d, name, v) for d in dicts if id(d) in held
+            for name, v in list(d.items()) if isinstance(name, str) and by_id.get(id(v)) is v]
 
 
 def _tensor_leaves(tree) -> list:
@@ -116,6 +145,8 @@ class GraphedStep:
         self._stream: Optional[torch.cuda.Stream] = None
         self._watched: list = []  # (parameter, its gradient tensor at capture): the tensors the graph writes
         self._had_grad: list = []  # parameters that had a gradient after the last warm-up call
+        self._memory: list = []  # (parameter, its storage addresses at capture): the memory the graph reads
+        self._owners: list = []  # (module's _parameters dict, name, parameter) at capture
         self._eager = False  # decided on the first call: capture impossible here (CPU), run fn eagerly
 
     @property
@@ -124,9 +155,12 @@ class GraphedStep:
 
     def close(self) -> None:
         """Release the graph, its memory pool (unless shared with another live graph) and the static inputs and
-        outputs. The next call starts again with warm-up calls (e.g. after changing the batch shape)."""
+        outputs. The next call starts again with warm-up calls (e.g. after changing the batch shape, or after the
+        parameters moved: parameters that their modules replaced since the capture are replaced here too)."""
         if self.graph is not None and torch.cuda.is_available():
             torch.cuda.synchronize()
+        replaced = {id(p): d[name] for d, name, p in self._owners if name in d and d[name] is not p}
+        self.parameters = [replaced.get(id(p), p) for p in self.parameters]  # the modules' parameters of now
         self._reset()
 
     def __enter__(self) -> "GraphedStep":
@@ -158,6 +192,7 @@ class GraphedStep:
             return self._warmup(args, kwargs)
         if self.graph is None:
             return self._capture_and_replay(leaves, spec)
+        self._check_memory()
         self._check_grads()
         for static, leaf in zip(self._static_leaves, leaves):
             if static is not None and static is not leaf:
@@ -171,7 +206,9 @@ class GraphedStep:
         if self.calls == self.warmup_steps + 1:
             self._prepare_grads()
             self._watched = [(p, p.grad) for p in self.parameters if p.grad is not None]
+            self._record_memory()
         elif self.calls > self.warmup_steps + 1:
+            self._check_memory()
             self._check_grads()
         out = self.fn(*args, **kwargs)
         if self.calls <= self.warmup_steps:
@@ -251,8 +288,30 @@ class GraphedStep:
         self.graph = graph
         self._static_out = out
         self._watched = [(p, p.grad) for p in self.parameters if p.grad is not None]
+        self._record_memory()
         graph.replay()
         return out
+
+    def _record_memory(self) -> None:
+        self._memory = [(p, _storage_ptrs(p)) for p in self.parameters]
+        self._owners = _owners(self.parameters)
+
+    def _check_memory(self) -> None:
+        moved = [p for p, ptrs in self._memory if _storage_ptrs(p) != ptrs]
+        replaced = [name for d, name, p in self._owners if d.get(name) is not p]
+        if moved or replaced:
+            what = []
+            if moved:
+                what.append(f"{len(moved)} of {len(self._memory)} parameters now live in other memory "
+                            "(model.to(...), p.data = ...)")
+            if replaced:
+                what.append(f"parameters {sorted(set(replaced))[:4]} were replaced in their modules "
+                            "(load_state_dict(..., assign=True), module.weight = ...)")
+            raise RuntimeError(
+                f"graph_step: {'; '.join(what)} after the capture; the captured graph reads and writes the memory "
+                "of the capture, so the step would silently train stale tensors. Update parameters in place "
+                "(optimizer steps, load_state_dict without assign, p.copy_), or call close() to warm up and capture "
+                "again over the current parameters")
 
     def _check_grads(self) -> None:
         for p, g in self._watched:
@@ -293,8 +352,12 @@ def graph_step(fn: Callable[..., Any], parameters: Iterable[torch.Tensor], *, wa
           ``None`` or replaced after the capture raises ``RuntimeError`` at the next call instead of training on
           stale memory;
         * the returned value is owned by the graph (overwritten by the next replay): ``.item()`` / ``.clone()`` it;
-        * parameters are updated in place (optimizers, ``load_state_dict`` and ``copy_`` do); moving them to new
-          memory (``model.to()``, ``p.data = ...``) needs :meth:`GraphedStep.close`;
+        * parameters are updated in place (optimizers, ``load_state_dict`` and ``copy_`` do). Parameters moved to
+          new memory after the capture (``model.to(...)``, ``p.data = ...``) or replaced in their modules
+          (``load_state_dict(..., assign=True)``, ``module.weight = nn.Parameter(...)``) raise ``RuntimeError`` at
+          the next call, before any replay on the old memory; :meth:`GraphedStep.close` starts over on the current
+          parameters. The check compares the parameters' storage addresses and their modules' entries at each call
+          (host cost in ``docs/benchmarks.md``);
         * inside ``fn`` nothing synchronizes with the host (``.item()``, data-dependent shapes,
           ``clip_grad_norm_(error_if_nonfinite=True)``); the optimizer step stays outside.
 
@@ -320,6 +383,7 @@ def graph_step(fn: Callable[..., Any], parameters: Iterable[torch.Tensor], *, wa
             ``warmup_steps`` < 1, ``enabled`` not None / bool, ``pool`` not a pool handle) at construction, or
             changed inputs at a call.
         RuntimeError: the capture failed (the message names the usual causes), gradients were set to ``None`` or
-            replaced after the capture, or ``enabled=True`` where capture is impossible.
+            replaced after the capture, parameters moved to other memory or were replaced in their modules after
+            the capture, or ``enabled=True`` where capture is impossible.
     """
     return GraphedStep(fn, parameters, warmup_steps=warmup_steps, pool=pool, enabled=enabled)

@@ -125,3 +125,55 @@ def test_module_instead_of_parameters_raises():
     model = _model(0)
     with pytest.raises(TypeError, match=r"graph_step: parameters must be an iterable of tensors \(model.parameters\(\)\)"):
         fp8tensor.graph_step(_fwd_bwd_of(model), model)
+
+
+def _moved_by(how: str, model: nn.Module) -> None:
+    if how == "to":
+        model.to(torch.float64)
+    elif how == "data":
+        p = model[0].bias
+        p.data = p.data.clone()
+    elif how == "assign":
+        sd = {k: v.detach().clone() for k, v in nn.Sequential(nn.Linear(64, 128), nn.GELU(),
+                                                                nn.Linear(128, 32)).state_dict().items()}
+        model.load_state_dict(sd, assign=True)
+    else:
+        model[2].weight = nn.Parameter(torch.randn(32, 128))
+
+
+@pytest.mark.parametrize("how", ["to", "data", "assign", "setattr"])
+def test_cpu_fallback_refuses_parameters_moved_after_the_capture(how):
+    """Parameters moved to new memory (``model.to``, ``p.data =``) or replaced in their modules
+    (``load_state_dict(assign=True)``, attribute assignment) after the capture raise at the next call, naming the
+    cause and the remedy, before anything runs; ``close()`` then starts over on the modules' current parameters."""
+    import warnings
+
+    model = _model(0)
+    calls = []
+    inner = _fwd_bwd_of(model)
+
+    def fn(x, scale=1.0):
+        calls.append(1)
+        return inner(x, scale)
+
+    step = fp8tensor.graph_step(fn, model.parameters(), warmup_steps=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        step(torch.randn(4, 64))  # warm-up
+    step(torch.randn(4, 64))  # the call that would capture
+    step(torch.randn(4, 64))  # a replay: nothing moved
+    _moved_by(how, model)
+    n = len(calls)
+    x = torch.randn(4, 64, dtype=torch.float64 if how == "to" else torch.float32)
+    with pytest.raises(RuntimeError, match=r"graph_step: .*(other memory|replaced in their modules).*close\(\)"):
+        step(x) if how != "to" else step(x.float())
+    assert len(calls) == n, "the step ran on stale parameters"
+    step.close()
+    params = {id(p) for p in step.parameters}
+    assert params == {id(p) for p in model.parameters()}, "close() did not take the modules' current parameters"
+    model.zero_grad(set_to_none=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for _ in range(3):
+            step(x)
+    assert all(p.grad is not None for p in model.parameters())

@@ -195,3 +195,42 @@ def test_failed_capture_raises_a_clear_error():
     out = subprocess.run([sys.executable, "-c", _FAILING_CAPTURE], capture_output=True, text=True, env=env,
                          timeout=300)
     assert "RAISED graph_step: capturing the step as a CUDA graph failed" in out.stdout, (out.stdout, out.stderr[-2000:])
+
+
+@pytest.mark.parametrize("how", ["to", "data", "assign"])
+def test_graph_refuses_parameters_moved_after_capture(how, mesh):
+    """Parameters moved to new memory after the capture (``model.to``, ``p.data =``) or replaced in their modules
+    (``load_state_dict(assign=True)``) raise at the next call before any replay; ``close()`` starts over on the
+    current parameters, which then train (the replays of the test above pass the same check at every call)."""
+    import fp8tensor
+
+    model = _build(dict(recipe="rowwise", fsdp=False, tp=False, compile=False), mesh)
+    params = list(model.parameters())
+
+    def fwd_bwd(tok):
+        loss = F.cross_entropy(model(tok[:, :-1]).flatten(0, 1).float(), tok[:, 1:].flatten())
+        loss.backward()
+        return loss.detach()
+
+    tok = torch.randint(0, 256, (2, 65), device="cuda")
+    step = fp8tensor.graph_step(fwd_bwd, params, warmup_steps=1)
+    for _ in range(3):
+        step(tok)
+    assert step.captured
+    if how == "to":
+        model.to(torch.float32)
+    elif how == "data":
+        w = model.output.weight
+        w.data = w.data.clone()
+    else:
+        model.load_state_dict({k: v.detach().clone() for k, v in model.state_dict().items()}, assign=True)
+    replays = step.calls
+    with pytest.raises(RuntimeError, match=r"graph_step: .*(other memory|replaced in their modules).*close\(\)"):
+        step(tok)
+    assert step.calls == replays + 1 and step.captured  # refused before the replay
+    step.close()
+    assert {id(p) for p in step.parameters} == {id(p) for p in model.parameters()}
+    model.zero_grad(set_to_none=True)
+    losses = [float(step(tok)) for _ in range(3)]
+    assert all(map(lambda v: v == v, losses))
+    del model

@@ -323,6 +323,17 @@ def _check_close(tp, want, bound, what):
     return errs
 
 
+
+
+def _skip_uneven_sp_on_old_torch(n: int, sp: bool) -> None:
+    """torch < 2.13: DTensor's Shard(1) -> Replicate of uneven shards leaves a non-contiguous local tensor that the
+    next reshape views, and fails ("view size is not compatible"), for a high-precision nn.Linear as for fp8."""
+    from fp8tensor import compat
+
+    if sp and n == 3 and compat.TORCH_VERSION < (2, 13):
+        pytest.skip("torch < 2.13 DTensor: uneven sequence-parallel shards fail in aten.view (bf16 too)")
+
+
 BLOCK_CASES = [
     pytest.param("rowwise", True, "after", id="rowwise-sp-convert_after_parallelize"),
     pytest.param("rowwise_gw_hp", True, "before", id="gw_hp-sp-convert_before_parallelize"),
@@ -338,6 +349,7 @@ def test_block_training_matches_references(mesh, recipe, sp, order):
     are within the fp8 block bounds of float64 and of the single-device fp8 model."""
     m, mode = mesh
     n = m.size()
+    _skip_uneven_sp_on_old_torch(n, sp)
     base, x, gy = _fresh_block(_block_config(n))
     f64 = _run_block(copy.deepcopy(base).double(), x.double(), gy.double())
     single = _run_block(convert_to_fp8(copy.deepcopy(base), recipe=recipe), x, gy)
@@ -383,6 +395,7 @@ def test_block_frozen_fp8_weights(mesh, how, order, sp):
     way, and float64 within the block bounds."""
     m, mode = mesh
     n = m.size()
+    _skip_uneven_sp_on_old_torch(n, sp)
     base, x, gy = _fresh_block(_block_config(n))
     f64 = _run_block(copy.deepcopy(base).double(), x.double(), gy.double())
     split = _run_block(split_reference(copy.deepcopy(base), n, weights=f"fp8_{order}"), x, gy)

@@ -21,17 +21,20 @@ Public API:
 from .settings import Config, config, get_config, set_config
 from .quantize import E4M3, E5M2, quantize_rowwise
 from .tensor import ScaledFp8Tensor, dequantize
-from . import ops as _ops  # noqa: F401  (registers the non-GEMM op table entries)
+from . import ops  # registers the non-GEMM op table entries
 from .gemm import BACKENDS, gemm_backend, get_gemm_backend, set_gemm_backend
 from .recipes import Recipe, RECIPES
 from .linear import fp8_linear
 from .grouped import fp8_grouped_mm
 from .master import Fp8MasterWeight
-from . import fsdp_state as _fsdp_state  # noqa: F401  (drops FSDP2's flat copy of fp8 shards)
-from . import collectives as _collectives  # noqa: F401  (fp8 collectives for DTensor / TP)
+from . import fsdp_state  # drops FSDP2's flat copy of fp8 shards
+from . import collectives  # fp8 collectives for DTensor / TP
 from .convert import convert_to_fp8, quantize_weights
 from .checkpoint import load_safetensors, plain_state_dict
 from .graphs import GraphedStep, graph_step
+
+#: Modules imported for what they register (op table entries, FSDP2 and collective handlers), not for names.
+_REGISTERING = (ops, fsdp_state, collectives)
 
 __all__ = [
     "Fp8MasterWeight",

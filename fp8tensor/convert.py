@@ -24,7 +24,7 @@ from .fsdp_state import refresh_fsdp_param
 from .grouped import Fp8GroupedMMMode
 from .linear import fp8_linear, tp_export_message
 from .master import Fp8MasterWeight
-from .recipes import get_recipe
+from .recipes import Recipe, get_recipe
 from .settings import get_config
 from .tensor import ScaledFp8Tensor, _is_dtensor, map_shard
 

@@ -26,6 +26,7 @@ the kernels inline from its generated code; eager callers launch them directly w
 """
 from __future__ import annotations
 
+import importlib
 from typing import Optional
 
 import torch
@@ -276,7 +277,7 @@ def _triton_fast_launch_ok() -> bool:
         return False
     try:
         major, minor = (int(p) for p in triton.__version__.split(".")[:2])
-        from triton import knobs  # noqa: F401
+        importlib.import_module("triton.knobs")  # (exists from Triton 3.3)
     except Exception:  # pragma: no cover - unknown Triton layout
         return False
     return (major, minor) >= (3, 3)

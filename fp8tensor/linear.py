@@ -19,12 +19,11 @@ import torch.autograd.forward_ad as _forward_ad
 
 from . import compat, kernels
 from .capture import capture_token
-from .gemm import _check_mm_args, fp8_mm, scaled_mm
-from .ops import t_view
+from .gemm import _check_mm_args, scaled_mm
 from .quantize import (_LIB, E4M3, FLOAT8_DTYPES, quantize, quantize_dim0_t_after, quantize_rows_and_tokens,
                        quantize_tokens)
 from .recipes import Recipe, get_recipe
-from .settings import get_config
+from .settings import get_config, scope_token, swap_scope
 from .tensor import ScaledFp8Tensor, _is_dtensor, make_scaled, map_local, rowwise_dims
 
 __all__ = ["QuantizeOnUse", "fp8_linear", "tp_export_message"]
@@ -72,60 +71,12 @@ def _is_fp8(t: torch.Tensor) -> bool:
     return isinstance(local, ScaledFp8Tensor)
 
 
-# ---------------------------------------------------------------------------------------------- GEMM calls
-#: Operand types whose GEMM may skip the dispatcher (see :func:`_mm`). Exact types: a DTensor, a LocalTensor, a
-#: FakeTensor or any other wrapper goes through ``torch.mm``.
-_DIRECT_TYPES = (torch.Tensor, torch.nn.Parameter, ScaledFp8Tensor)
+# ---------------------------------------------------------------------------------------------- plain operands
 #: Plain tensor types (what the eager plain-tensor path takes).
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 #: High-precision dtypes the eager plain-tensor path takes (anything else goes to the general path, which names the
 #: problem: integer, complex or fp8 operands).
 _HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
-
-def _direct(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a @ b`` may call the op table's GEMM directly: both operands plain tensors or ScaledFp8Tensors (no
-    DTensor, whose sharding propagation needs ``torch.mm``), eager (not tracing), not recording autograd (inside
-    the autograd Function's forward, and in its backward unless ``create_graph=True``), and no torch-function or
-    dispatch mode active (selective activation checkpointing, FLOP counters and the like must see ``aten.mm``)."""
-    return (
-        not compat.is_compiling()  # first: dynamo folds it, and cannot trace the mode-stack queries below
-        and type(a) in _DIRECT_TYPES
-        and type(b) in _DIRECT_TYPES
-        and not torch.is_grad_enabled()
-        and torch._C._len_torch_dispatch_stack() == 0
-        and torch._C._len_torch_function_stack() == 0
-    )
-
-
-def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``torch.mm(a, b)`` of the backward's operands. With an fp8 operand and :func:`_direct`, it calls
-    :func:`fp8tensor.gemm.fp8_mm` itself: the function ``torch.mm`` reaches through
-    ``ScaledFp8Tensor.__torch_dispatch__`` (same arguments, same bits), minus a dispatcher round trip into Python per
-    GEMM, and without the argument checks (the backward built both operands from ones the forward checked). DTensor
-    operands always take ``torch.mm``: DTensor places the GEMM with its own rules and then calls it on the local
-    ScaledFp8Tensors."""
-    if (type(a) is ScaledFp8Tensor or type(b) is ScaledFp8Tensor) and _direct(a, b):
-        return fp8_mm(a, b, op="aten.mm", checked=True)
-    return torch.mm(a, b)
-
-
-def _weight_t_direct(weight: torch.Tensor, fast: bool, float8_dtype) -> Optional[torch.Tensor]:
-    """The forward's fp8 ``W^T`` ``(K, N)`` built directly (one ScaledFp8Tensor, no ``t()`` round trip) when the
-    weight is a plain tensor, a master weight of one, or a ScaledFp8Tensor, in eager mode without autograd
-    recording; else None (DTensor weights are quantized per shard and transposed by DTensor). The same values and
-    layout as ``_quantize(weight, -1, ...).t()``."""
-    if type(weight) is ScaledFp8Tensor:
-        return t_view(weight.with_fast_accum(fast)) if _direct(weight, weight) else None
-    w = weight._data if isinstance(weight, QuantizeOnUse) else weight
-    if type(w) not in _DIRECT_TYPES or not _direct(w, w) or w.dim() != 2:
-        return None
-    q, s = quantize(w, -1, float8_dtype, gemm_layout=True)
-    return make_scaled(q.t(), s.t(), w.dtype, fast, _W_T_DIMS)
-
-
-#: ``scaled_dims`` of a transposed row-wise 2-D weight: scaled along its columns (the output features).
-_W_T_DIMS = rowwise_dims(2, -1)[::-1]
 
 
 # ---------------------------------------------------------------------------------------------- saved for backward
@@ -247,42 +198,6 @@ def _x_rows(x: Optional[torch.Tensor], x2: torch.Tensor) -> tuple:
     return rows
 
 
-def _x_both(x: torch.Tensor, recipe: Recipe) -> tuple:
-    """``x``'s two fp8 GEMM operands from two reads of it (:func:`fp8tensor.quantize.quantize_rows_and_tokens`) in an
-    eager forward on a plain CUDA ``x`` whose grad_weight operand is needed and made by no Linear yet (neither
-    operand in :data:`_GRAD_WEIGHT_INPUTS` / :data:`_LAST_ROWS`), under ``fp8tensor.config(fused_grad_out="always")``
-    only (without scales to fold the fused pass measured slower than the separate kernels); else ``(None, None)``
-    (each quantized on its own, same bits).
-
-    Returns:
-        ``((xq, xs), x8)``: ``x`` ``(M, K)`` quantized row-wise in e4m3 for the output GEMM, and the grad_weight
-        operand (a ScaledFp8Tensor scaled per input feature, stored in :data:`_GRAD_WEIGHT_INPUTS` for the Linears
-        that read the same ``x``)."""
-    if not (recipe.grad_weight_fp8 and recipe.float8_dtype == E4M3 and _eager_plain(x) and x.dim() >= 2
-            and x.shape[-1] > 1 and not x.is_inference()):
-        return None, None
-    cfg = get_config()  # (read in eager mode only: _eager_plain)
-    if cfg.fused_grad_out != "always":  # (slower than the separate kernels on H200: docs/benchmarks.md)
-        return None, None
-    share = cfg.share_input_quantization
-    fast = recipe.fast_accum_backward
-    key = _gw_key(x, recipe)  # (the key _x_for_grad_weight looks up: the Linears after this one share x8)
-    entries = _gw_entries(x)
-    ref = entries.get(key) if entries is not None else None
-    if (ref is not None and ref() is not None) or (share and _rows_get(x) is not None):
-        return None, None  # one of them is shared: the other is made on its own
-    if share:
-        _LAST_ROWS[0] = None  # (the previous input's copy dies before this one is made)
-    hit = quantize_rows_and_tokens(x, E4M3)
-    if hit is None:
-        return None, None
-    x8 = make_scaled(hit[1][0], hit[1][1], x.dtype, fast, _TOKEN_DIMS)
-    _gw_store(x, key, x8)
-    if share:
-        _rows_set(x, hit[0])
-    return hit[0], x8
-
-
 def _transpose_after_impl(q: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
     """``fp8tensor::transpose_after``: ``q.t().contiguous()`` (always a copy); ``after`` is not read. CUDA fp8: one
     tiled Triton kernel (:func:`fp8tensor.kernels.launch_transpose`); otherwise ATen's copy."""
@@ -356,14 +271,14 @@ def _weight_for_grad_input(weight: torch.Tensor, gy: torch.Tensor, fast: bool, r
 
 def _eager_plain(t: torch.Tensor) -> bool:
     """``t`` is a plain tensor and nothing traces or intercepts ops (no compile, no dispatch or torch-function mode,
-    autograd not recording), and the eager fast path is on (``fp8tensor.config(eager_fast_path=...)``): what
-    :func:`_direct` asks of a GEMM, for the whole Linear."""
+    autograd not recording), and the eager fast path is on (``fp8tensor.config(eager_fast_path=...)``): what the
+    pairs path needs of the whole Linear."""
     return (
         not compat.is_compiling()  # first: dynamo folds it
         and type(t) in _PLAIN
         and not torch.is_grad_enabled()
-        and torch._C._len_torch_dispatch_stack() == 0
-        and torch._C._len_torch_function_stack() == 0
+        and not compat.dispatch_modes_active()
+        and not compat.function_modes_active()
         and get_config().eager_fast_path
     )
 
@@ -376,11 +291,10 @@ def _rowwise_fp8_weight(weight: torch.Tensor) -> bool:
 
 
 def _forward_parts(x2: torch.Tensor, weight: torch.Tensor, wd: torch.Tensor, recipe: Recipe,
-                   a: Optional[tuple] = None, x: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+                   x: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """The output GEMM ``x2 @ W^T`` ``(M, N)`` of an eager Linear on plain tensors, or None where the general path
-    must run (DTensors, subclasses other than the master / a row-scaled fp8 weight, tracing, modes). ``a``: ``x2``
-    already quantized row-wise in e4m3, ``(q, scale)`` (from :func:`_x_both`); ``x``: the input ``x2`` is a view of
-    (its row-wise operand may be shared between Linears, :func:`_x_rows`).
+    must run (DTensors, subclasses other than the master / a row-scaled fp8 weight, tracing, modes). ``x``: the
+    input ``x2`` is a view of (its row-wise operand may be shared between Linears, :func:`_x_rows`).
 
     Same bits as the general path: ``W`` quantized per row (a row-scaled fp8 weight used as it is), ``x2`` per row
     in e4m3 (what ``fp8_mm`` does with a high-precision operand), one ``scaled_mm`` with the forward's fast
@@ -397,7 +311,7 @@ def _forward_parts(x2: torch.Tensor, weight: torch.Tensor, wd: torch.Tensor, rec
     else:
         return None
     _check_mm_args("aten.mm", x2, wq_t)
-    xq, xs = a if a is not None else _x_rows(x, x2)
+    xq, xs = _x_rows(x, x2)
     return scaled_mm(xq, xs, wq_t, ws_t, torch.promote_types(x2.dtype, w_dtype),
                      use_fast_accum=recipe.fast_accum_forward)
 
@@ -434,14 +348,14 @@ def _grad_input_parts(g2: torch.Tensor, grad_out: torch.Tensor, weight: torch.Te
 def _grad_out_both(grad_out: torch.Tensor, weight: torch.Tensor, x_saved: torch.Tensor) -> Optional[tuple]:
     """``grad_out``'s two fp8 GEMM operands from two reads of it (:func:`fp8tensor.quantize.quantize_rows_and_tokens`)
     when an eager backward on plain tensors needs both (grad_input and an fp8 grad_weight) and the parts functions take
-    the weight and the saved input, and either the weight is row-scaled fp8 (its scales folded in by the pass: where
-    it measured faster) or ``fused_grad_out="always"``; else None (each quantized on its own, same bits).
+    the weight and the saved input, and the weight is row-scaled fp8 (its scales folded in by the pass: the one case
+    where it measured faster, ``benchmarks/quant_cost.py``), unless ``fp8tensor.config(fused_grad_out="never")``;
+    else None (each quantized on its own, same bits).
 
     Returns:
         ``((a8, sa), (gt8, sgt))``: the grad_input operand ``g2`` (times the fp8 weight's row scales, when it has them)
         quantized row-wise, and the grad_weight operand quantized per output feature over the tokens."""
-    mode = get_config().fused_grad_out
-    if not (mode != "never" and _saved_tokens_fp8(x_saved)
+    if not (get_config().fused_grad_out == "eager" and _saved_tokens_fp8(x_saved)
             and grad_out.shape[-1] > 1):  # (N == 1: the separate path quantizes g2 with the dim-0 kernels)
         return None
     col_mul = None
@@ -454,41 +368,9 @@ def _grad_out_both(grad_out: torch.Tensor, weight: torch.Tensor, x_saved: torch.
         w = weight._data if isinstance(weight, QuantizeOnUse) else weight
         if not (type(w) in _PLAIN and w.dim() == 2 and w.dtype.is_floating_point):
             return None
-    if col_mul is None and mode != "always":  # (slower than the separate kernels without scales to fold)
+    if col_mul is None:  # (slower than the separate kernels without scales to fold)
         return None
     return quantize_rows_and_tokens(grad_out, E4M3, col_mul=col_mul)
-
-
-def _grad_input_fused_traced(grad_out: torch.Tensor, weight: torch.Tensor, fast: bool, recipe: Recipe
-                             ) -> Optional[tuple]:
-    """Traced backward (``torch.compile``, ``fp8tensor.config(fused_grad_out="always")``): ``grad_x`` with
-    ``grad_out`` quantized for both gradient GEMMs by the ``fp8tensor::quantize_rows_dim0_t`` triton op, or None
-    (DTensors, weights other than a plain / master / row-scaled fp8 one, tensors the kernels do not take).
-
-    Returns:
-        ``(grad_x, (q_tok, s_tok))``: ``grad_x`` ``(M, K)`` as the general path computes it (an fp8 weight's row
-        scales folded into ``grad_out`` before its row-wise quantization), and the grad_weight operand in the form
-        :func:`fp8tensor.quantize.quantize_tokens` returns."""
-    if _is_dtensor(grad_out) or _is_dtensor(weight) or grad_out.dim() < 2 or grad_out.shape[-1] <= 1:
-        return None
-    col_mul = None
-    if isinstance(weight, ScaledFp8Tensor):
-        if not (weight.dim() == 2 and weight.scale.shape[1] == 1 and weight.qdata.stride(1) == 1):
-            return None
-        if weight.scale.shape[0] != 1:
-            col_mul = weight.scale.reshape(-1)
-    elif not isinstance(weight, (torch.Tensor, QuantizeOnUse)) or _is_fp8(weight):
-        return None
-    hit = quantize_rows_and_tokens(grad_out, E4M3, col_mul=col_mul)
-    if hit is None:
-        return None
-    (qr, sr), tok = hit
-    a = make_scaled(qr, sr, grad_out.dtype, fast, rowwise_dims(2, 1))
-    w_b = _weight_for_grad_input(weight, grad_out, fast, recipe)
-    if col_mul is not None:  # the row scales are in a already (fp8_mm's folding, done by the kernel)
-        w_b = make_scaled(w_b.qdata, w_b.scale.new_ones(1, w_b.shape[1]), w_b.orig_dtype, w_b.fast_accum,
-                          (False, True))
-    return _mm(a, w_b), tok
 
 
 def _saved_tokens_fp8(x_saved) -> bool:
@@ -531,20 +413,11 @@ class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, recipe: Recipe):
         wd = weight._data if isinstance(weight, QuantizeOnUse) else weight  # shape / dtype without torch_function
-        K = x.shape[-1]
         N = wd.shape[0]
-        x2 = x if x.dim() == 2 else x.reshape(-1, K)  # (a reshape to itself still costs a DTensor dispatch)
-        x_rows, x8 = _x_both(x, recipe) if ctx.needs_input_grad[1] else (None, None)
-        out = _forward_parts(x2, weight, wd, recipe, x_rows, x)
-        del x_rows
-        if out is None:
-            w8t = _weight_t_direct(weight, recipe.fast_accum_forward, recipe.float8_dtype) if type(x2) in _DIRECT_TYPES else None
-            if w8t is not None:  # (argument checks kept: the devices and dtypes of x are not checked before this)
-                out = fp8_mm(x2, w8t, op="aten.mm")
-            else:
-                w8t = _quantize(weight, -1, recipe.fast_accum_forward, recipe.float8_dtype).t()
-                out = torch.mm(x2, w8t)
-            del w8t
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (a reshape to itself still costs a DTensor dispatch)
+        out = _forward_parts(x2, weight, wd, recipe, x)
+        if out is None:  # the subclass path: torch.mm of the quantized operands (DTensor, compile, export, modes)
+            out = torch.mm(x2, _quantize(weight, -1, recipe.fast_accum_forward, recipe.float8_dtype).t())
         if bias is not None:
             out = out + bias
         ctx.recipe = recipe
@@ -552,9 +425,11 @@ class _Fp8Linear(torch.autograd.Function):
         ctx.x_shape = x.shape
         ctx.n_out = N
         ctx.w_dtype = wd.dtype
+        # the settings in force now are the ones the backward runs under (it may run in another thread)
+        ctx.settings = None if compat.is_compiling() else scope_token()
         x_saved = None
         if ctx.needs_input_grad[1]:
-            x_saved = (x8 if x8 is not None else _x_for_grad_weight(x, x2, recipe)) if recipe.grad_weight_fp8 else x
+            x_saved = _x_for_grad_weight(x, x2, recipe) if recipe.grad_weight_fp8 else x
         ctx.save_for_backward(x_saved, weight if ctx.needs_input_grad[0] else None)
         # Not a view of ``out`` (as F.linear's output is not): FSDP2 hooks the module output for backward, and an
         # in-place op on a view output would drop that hook (torch warns about it).
@@ -564,64 +439,63 @@ class _Fp8Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        if torch.is_grad_enabled() and not compat.is_compiling():
-            # create_graph=True: the GEMM operands below are quantized copies with no autograd link to the weight
-            # (and _scaled_mm has no derivative), so a graph recorded here would silently drop terms.
-            raise NotImplementedError(
-                "fp8_linear: double backward (create_graph=True, e.g. a gradient penalty) is not supported: the fp8 "
-                "gradient GEMMs are not differentiable. Leave this Linear in high precision (convert_to_fp8's "
-                "module_filter_fn) or compute that loss without create_graph"
-            )
-        x_saved, weight = ctx.saved_tensors
-        recipe: Recipe = ctx.recipe
-        if not compat.is_compiling():  # the forward is over: no input's row-wise operand is needed again
-            _LAST_ROWS[0] = None
-        g2 = grad_out if grad_out.dim() == 2 else grad_out.reshape(-1, ctx.n_out)
-        fast = recipe.fast_accum_backward
-        grad_x = grad_w = grad_b = None
-        parts = _eager_plain(grad_out)
-        both = None  # grad_out's two fp8 operands from one fused pass, when both GEMMs need them
-        if parts and ctx.needs_input_grad[0] and ctx.needs_input_grad[1] and recipe.grad_weight_fp8:
-            both = _grad_out_both(grad_out, weight, x_saved)
-        gt_traced = None  # traced: grad_out's grad_weight operand, from the fused pass that made grad_x's
-        if ctx.needs_input_grad[0]:
-            grad_x = _grad_input_parts(g2, grad_out, weight, recipe, both and both[0]) if parts else None
-            if (grad_x is None and compat.is_compiling() and get_config().fused_grad_out == "always"
-                    and ctx.needs_input_grad[1] and recipe.grad_weight_fp8):
-                fused = _grad_input_fused_traced(grad_out, weight, fast, recipe)
-                if fused is not None:
-                    grad_x, gt_traced = fused
-            if grad_x is None:
-                # ``grad_out`` itself (not its reshape) orders the weight operand after it: see _tokens_fp8
-                w_b = _weight_for_grad_input(weight, grad_out, fast, recipe)
-                grad_x = _mm(g2, w_b)
-                del w_b  # the transient fp8 operands die with their GEMM
-            if grad_x.shape != ctx.x_shape:
-                grad_x = grad_x.reshape(ctx.x_shape)
-        if ctx.needs_input_grad[1]:
-            grad_w = (_grad_weight_parts(g2, grad_out, x_saved, recipe, both and both[1])
-                      if parts and recipe.grad_weight_fp8 else None)
-            if grad_w is not None:
-                pass
-            elif recipe.grad_weight_fp8:
-                # gy^T (N, M) quantized per output feature over the tokens: from grad_out itself on CUDA (as x in
-                # forward, see _tokens_fp8), else by fp8_mm; the same bits. Nothing derived from grad_out goes through
-                # map_local: under torch.compile the backward of an autograd.Function is traced with grad placements
-                # guessed from the forward output (Partial), which need not be the runtime ones.
-                gt = g2.t()
-                hit = gt_traced
-                if hit is None and not _is_dtensor(grad_out) and grad_out.dim() >= 2:
-                    hit = quantize_tokens(grad_out, E4M3)
-                if hit is not None:  # q (N, M) row-major, scale (N, 1): fp8_mm uses them as they are
-                    gt = make_scaled(hit[0].t(), hit[1].t(), grad_out.dtype, fast, rowwise_dims(2, 1))
-                grad_w = _mm(gt, x_saved)
-            else:
-                x2 = x_saved.reshape(-1, ctx.x_shape[-1])
-                grad_w = torch.mm(g2.t(), _dequantize(x2, g2.dtype))
-            grad_w = grad_w.to(ctx.w_dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = g2.sum(0)
-        return grad_x, grad_w, grad_b, None
+        if compat.is_compiling():
+            return _backward(ctx, grad_out)
+        prev = swap_scope(ctx.settings)
+        try:
+            return _backward(ctx, grad_out)
+        finally:
+            swap_scope(prev)
+
+
+def _backward(ctx, grad_out):
+    """:meth:`_Fp8Linear.backward` under the settings of its forward."""
+    if torch.is_grad_enabled() and not compat.is_compiling():
+        # create_graph=True: the GEMM operands below are quantized copies with no autograd link to the weight
+        # (and _scaled_mm has no derivative), so a graph recorded here would silently drop terms.
+        raise NotImplementedError(
+            "fp8_linear: double backward (create_graph=True, e.g. a gradient penalty) is not supported: the fp8 "
+            "gradient GEMMs are not differentiable. Leave this Linear in high precision (convert_to_fp8's "
+            "module_filter_fn) or compute that loss without create_graph"
+        )
+    x_saved, weight = ctx.saved_tensors
+    recipe: Recipe = ctx.recipe
+    if not compat.is_compiling():  # the forward is over: no input's row-wise operand is needed again
+        _LAST_ROWS[0] = None
+    g2 = grad_out if grad_out.dim() == 2 else grad_out.reshape(-1, ctx.n_out)
+    fast = recipe.fast_accum_backward
+    grad_x = grad_w = grad_b = None
+    parts = _eager_plain(grad_out)  # the (fp8 data, scale) pairs path, else the subclass path
+    both = None  # grad_out's two fp8 operands from one fused pass, when both GEMMs need them
+    if parts and ctx.needs_input_grad[0] and ctx.needs_input_grad[1] and recipe.grad_weight_fp8:
+        both = _grad_out_both(grad_out, weight, x_saved)
+    if ctx.needs_input_grad[0]:
+        grad_x = _grad_input_parts(g2, grad_out, weight, recipe, both and both[0]) if parts else None
+        if grad_x is None:
+            # ``grad_out`` itself (not its reshape) orders the weight operand after it: see _transpose_after
+            grad_x = torch.mm(g2, _weight_for_grad_input(weight, grad_out, fast, recipe))
+        if grad_x.shape != ctx.x_shape:
+            grad_x = grad_x.reshape(ctx.x_shape)
+    if ctx.needs_input_grad[1]:
+        grad_w = (_grad_weight_parts(g2, grad_out, x_saved, recipe, both and both[1])
+                  if parts and recipe.grad_weight_fp8 else None)
+        if grad_w is None and recipe.grad_weight_fp8:
+            # gy^T (N, M) quantized per output feature over the tokens: from grad_out itself on CUDA (as x in
+            # forward, see _tokens_fp8), else by fp8_mm; the same bits. Nothing derived from grad_out goes through
+            # map_local: under torch.compile the backward of an autograd.Function is traced with grad placements
+            # guessed from the forward output (Partial), which need not be the runtime ones.
+            gt = g2.t()
+            hit = quantize_tokens(grad_out, E4M3) if not _is_dtensor(grad_out) and grad_out.dim() >= 2 else None
+            if hit is not None:  # q (N, M) row-major, scale (N, 1): fp8_mm uses them as they are
+                gt = make_scaled(hit[0].t(), hit[1].t(), grad_out.dtype, fast, rowwise_dims(2, 1))
+            grad_w = torch.mm(gt, x_saved)
+        elif grad_w is None:
+            x2 = x_saved.reshape(-1, ctx.x_shape[-1])
+            grad_w = torch.mm(g2.t(), _dequantize(x2, g2.dtype))
+        grad_w = grad_w.to(ctx.w_dtype)
+    if ctx.has_bias and ctx.needs_input_grad[2]:
+        grad_b = g2.sum(0)
+    return grad_x, grad_w, grad_b, None
 
 
 def fp8_linear(

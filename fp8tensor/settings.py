@@ -29,7 +29,7 @@ GEMM_BACKENDS = ("auto", "rowwise", "tensorwise", "emulated")
 #: ``raise`` raises ``NotImplementedError``, ``allow`` runs it dequantized silently.
 UNKNOWN_OPS = ("warn", "raise", "allow")
 #: Where ``grad_out`` is quantized for both gradient GEMMs in one fused pass (see :attr:`Config.fused_grad_out`).
-FUSED_GRAD_OUT_MODES = ("eager", "always", "never")
+FUSED_GRAD_OUT_MODES = ("eager", "never")
 #: What ``state_dict()`` of a ``quantize_weights`` model holds for an fp8 weight (see :attr:`Config.state_dict_fp8`).
 STATE_DICT_FP8 = ("subclass", "plain")
 
@@ -57,18 +57,12 @@ class Config:
             backward starts) and the token tensor of eager fp8 grouped GEMMs (one-entry memos for the per-token and
             the per-group column quantizations). Eager plain tensors only; False: every GEMM quantizes its input
             itself (same bits, more quantization work, less fp8 memory held between Linears).
-        fused_grad_out: one of :data:`FUSED_GRAD_OUT_MODES` (default ``"eager"``): where an operand needed in both
-            GEMM layouts (a backward's ``grad_out``, an eager forward's input) is quantized for both in one fused
-            pass (:func:`fp8tensor.quantize.quantize_rows_and_tokens`; CUDA with Triton) instead of each layout on
-            its own. ``"eager"``: only where it was measured faster on H200 (``benchmarks/quant_cost.py``,
-            ``docs/benchmarks.md``): ``grad_out`` in eager backwards of fp8 weights with row scales (FSDP2's fp8
-            all-gather), whose scales the pass folds in without a float32 copy of ``grad_out``; ``"always"``: also
-            other eager ``grad_out`` s, eager forward inputs and ``grad_out`` in compiled backwards (the
-            ``fp8tensor::quantize_rows_dim0_t`` triton op; slower in the measured end-to-end step, where the
-            compiled graph otherwise fuses the row-wise quantization into ``grad_out``'s producer); ``"never"``:
-            each layout on its own everywhere. The fused pass gives the bits of eager quantization; in a compiled
-            backward ``"always"`` may therefore differ from inductor's own quantization in the last bit of a
-            scale.
+        fused_grad_out: one of :data:`FUSED_GRAD_OUT_MODES` (default ``"eager"``): whether the ``grad_out`` of an
+            eager backward of an fp8 weight with row scales (FSDP2's fp8 all-gather, frozen fp8 weights) is
+            quantized for both gradient GEMMs in one fused pass that also folds the row scales in
+            (:func:`fp8tensor.quantize.quantize_rows_and_tokens`; CUDA with Triton), the one case where the pass
+            measured faster than the separate kernels on H200 (``benchmarks/quant_cost.py``); ``"never"``: each
+            layout on its own. Same bits either way.
         grouped_gemm_kernel: (default True) fp8 grouped GEMMs (MoE) run ``torch._scaled_grouped_mm`` where it exists
             (CUDA, e4m3, dims multiples of 16). False: a loop of ``torch._scaled_mm`` over the groups everywhere
             (the CPU path; to compare the two on a GPU).
@@ -140,6 +134,20 @@ def get_config() -> Config:
         merged = dataclasses.replace(_global, **overrides)
         _local.block = (overrides, _global, merged)
     return merged
+
+
+def scope_token():
+    """The :func:`config` blocks in force in this thread, as an opaque token for :func:`swap_scope` (None outside any
+    block). The fp8 Linear takes it in forward and runs its backward under it: autograd runs CUDA backwards in its
+    own device threads, which a thread-local block would not reach."""
+    return getattr(_local, "block", None)
+
+
+def swap_scope(token):
+    """Make ``token`` (from :func:`scope_token`) this thread's :func:`config` blocks; returns the previous token."""
+    prev = getattr(_local, "block", None)
+    _local.block = token
+    return prev
 
 
 def set_config(**changes) -> Config:

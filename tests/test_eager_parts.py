@@ -57,7 +57,7 @@ def test_master_weight_linear_bit_identical(recipe, shape, bias, dtype, monkeypa
 
     calls = []
     real = gemm_mod.fp8_mm
-    monkeypatch.setattr(linear_mod, "fp8_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(gemm_mod, "fp8_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
     y1, gx1, g1 = _run(True, make, x, gy, monkeypatch)
     assert calls == [], "the plain path went through fp8_mm"
     y0, gx0, g0 = _run(False, make, x, gy, monkeypatch)
@@ -110,7 +110,7 @@ def test_column_scaled_fp8_weight_takes_general_path(monkeypatch):
     x = torch.randn(8, K, device=DEV, dtype=torch.bfloat16, requires_grad=True)
     calls = []
     real = gemm_mod.fp8_mm
-    monkeypatch.setattr(linear_mod, "fp8_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(gemm_mod, "fp8_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
     y = fp8tensor.fp8_linear(x, w8)
     assert calls, "a column-scaled weight must take the general path"
     ref = x.detach().double() @ w.double().t()
@@ -159,7 +159,7 @@ def test_config_block_selects_the_general_path(monkeypatch):
     gy = torch.randn(4, N, dtype=torch.bfloat16)
     calls = []
     real = gemm_mod.fp8_mm
-    monkeypatch.setattr(linear_mod, "fp8_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(gemm_mod, "fp8_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
 
     def run():
         lin = fp8tensor.convert_to_fp8(_linear(K, N, torch.bfloat16, True, 0))

@@ -144,26 +144,6 @@ def _grads(x, w, gy, bias):
     return y.detach(), xr.grad, wr.grad
 
 
-def _grads_compiled(x, w, gy, ops: set):
-    """A converted Linear holding ``w``, compiled (``aot_eager``: the ops eager runs), forward and backward; ``ops``
-    receives the names of the ops in the captured graphs."""
-    from torch._dynamo.backends.debugging import aot_eager
-
-    def backend(gm, example_inputs):
-        ops.update(_op_targets(gm))
-        return aot_eager(gm, example_inputs)
-
-    lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=w.dtype)
-    with torch.no_grad():
-        lin.weight.copy_(w)
-    lin = fp8tensor.convert_to_fp8(lin)
-    torch._dynamo.reset()
-    xr = x.detach().clone().requires_grad_()
-    y = torch.compile(lin, backend=backend, fullgraph=True)(xr)
-    y.backward(gy)
-    return y.detach(), xr.grad, lin.weight.grad
-
-
 def _ref_grads(x, w_ref, gy, bias):
     xd = x.double().requires_grad_()
     wd = w_ref.double().clone().requires_grad_()
@@ -194,67 +174,12 @@ def test_eager_backward_same_bits(weight, monkeypatch):
     # "eager": grad_out in backward only where the fp8 weight's row scales are folded in by the kernel
     assert calls == ([True] if weight == "fp8" else []), calls
     assert torch.equal(y1, y0) and torch.equal(gx1, gx0) and torch.equal(gw1, gw0)
-    calls.clear()
-    set_knobs(monkeypatch, fused_grad_out="always")
-    y1, gx1, gw1 = _grads(x, make_w(), gy, bias)
-    assert calls == [False, weight == "fp8"], calls  # x in forward, grad_out in backward
-    assert torch.equal(y1, y0) and torch.equal(gx1, gx0) and torch.equal(gw1, gw0)
     gxd, gwd = _ref_grads(x, w_ref, gy, bias)  # and the float64 math
     assert rel_err(gx1, gxd) <= E4M3_GEMM_BOUND and rel_err(gw1, gwd) <= E4M3_GEMM_BOUND
 
 
-def test_compiled_backward_same_bits(monkeypatch):
-    K, N = 48, 32  # (multiples of 16: converted)
-    x = torch.randn(3, 8, K, dtype=torch.bfloat16)
-    gy = torch.randn(3, 8, N, dtype=torch.bfloat16)
-    w = torch.randn(N, K, dtype=torch.bfloat16) * K ** -0.5
-    monkeypatch.setattr(linear_mod, "quantize_rows_and_tokens", _stand_in([]))
-    set_knobs(monkeypatch, fused_grad_out="eager")
-    ops0, ops1 = set(), set()
-    y0, gx0, gw0 = _grads_compiled(x, w, gy, ops0)
-    set_knobs(monkeypatch, fused_grad_out="always")
-    y1, gx1, gw1 = _grads_compiled(x, w, gy, ops1)
-    fused = [o for o in ops1 if "quantize_rows_dim0_t" in o]
-    assert fused and not [o for o in ops0 if "quantize_rows_dim0_t" in o], sorted(ops1)  # in the compiled backward
-    assert torch.equal(y1, y0) and torch.equal(gx1, gx0) and torch.equal(gw1, gw0)
-    gxd, gwd = _ref_grads(x, w, gy, None)
-    assert rel_err(gx1, gxd) <= E4M3_GEMM_BOUND and rel_err(gw1, gwd) <= E4M3_GEMM_BOUND
-
-
-def test_backward_skips_fusion_when_one_gradient(monkeypatch):
-    """Only grad_weight reads grad_out: no fused pass in backward (x's still runs in forward)."""
-    calls = []
-    monkeypatch.setattr(linear_mod, "quantize_rows_and_tokens", _stand_in(calls))
-    set_knobs(monkeypatch, fused_grad_out="always")
-    x = torch.randn(16, 32, dtype=torch.bfloat16)  # no grad for x: only grad_weight reads grad_out
-    w = torch.randn(24, 32, dtype=torch.bfloat16, requires_grad=True)
-    fp8tensor.fp8_linear(x, w).sum().backward()
-    assert calls == [False] and w.grad is not None  # x in forward only
-
-
-def test_inputs_shared_by_linears_quantized_once(monkeypatch):
-    """Linears reading one input (q/k/v) share its grad_weight operand: the fused pass runs for the first only."""
-    calls = []
-    monkeypatch.setattr(linear_mod, "quantize_rows_and_tokens", _stand_in(calls))
-    set_knobs(monkeypatch, fused_grad_out="always")
-    x = torch.randn(16, 32, dtype=torch.bfloat16, requires_grad=True)
-    ws = [torch.randn(24, 32, dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
-    ys = [fp8tensor.fp8_linear(x, w) for w in ws]
-    assert calls == [False]
-    sum(y.float().sum() for y in ys).backward()
-    set_knobs(monkeypatch, fused_grad_out="never")
-    x0 = x.detach().clone().requires_grad_()
-    w0 = [w.detach().clone().requires_grad_() for w in ws]
-    sum(fp8tensor.fp8_linear(x0, w).float().sum() for w in w0).backward()
-    assert torch.equal(x.grad, x0.grad) and all(torch.equal(a.grad, b.grad) for a, b in zip(ws, w0))
-
-
-@pytest.mark.parametrize("fused", [False, True])
-def test_row_operand_shared_by_consecutive_linears(fused, monkeypatch):
+def test_row_operand_shared_by_consecutive_linears(monkeypatch):
     """q/k/v read one input: its row-wise operand is made once (and again after an in-place change); same bits."""
-    if fused:
-        monkeypatch.setattr(linear_mod, "quantize_rows_and_tokens", _stand_in([]))
-    set_knobs(monkeypatch, fused_grad_out="always" if fused else "never")
     real = linear_mod.quantize
     x_rows = []
     monkeypatch.setattr(linear_mod, "quantize",
@@ -280,6 +205,6 @@ def test_row_operand_shared_by_consecutive_linears(fused, monkeypatch):
     n_shared = len(x_rows)
     x_rows.clear()
     y0, gx0, gw0 = run(False)
-    assert n_shared == (0 if fused else 2) and len(x_rows) == (1 if fused else 3)
+    assert n_shared == 2 and len(x_rows) == 3
     assert all(torch.equal(a, b) for a, b in zip(y1, y0)) and torch.equal(gx1, gx0)
     assert all(torch.equal(a, b) for a, b in zip(gw1, gw0))

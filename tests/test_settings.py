@@ -58,8 +58,8 @@ def test_every_knob_scopes():
                    grouped_gemm_kernel=False, size_rule=True, size_rule_min=1000.5, state_dict_fp8="plain")
     with fp8tensor.config(**changes) as c:
         assert {k: getattr(fp8tensor.get_config(), k) for k in changes} == changes and c == fp8tensor.get_config()
-        with fp8tensor.config(fused_grad_out="always"):
-            assert fp8tensor.get_config().fused_grad_out == "always" and fp8tensor.get_config().size_rule is True
+        with fp8tensor.config(fused_grad_out="never"):
+            assert fp8tensor.get_config().fused_grad_out == "never" and fp8tensor.get_config().size_rule is True
     assert fp8tensor.get_config() == base
 
 

@@ -142,9 +142,7 @@ def _all_gather_data_and_scales(func, args, kwargs):
 def _wrap_async(func, args, kwargs):
     """What the op itself does (``funcol._maybe_wrap_tensor`` in eager): wrap the in-flight result in an
     ``AsyncCollectiveTensor``, which calls ``wait_tensor`` (below) before the first op that reads it."""
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
-
-    return AsyncCollectiveTensor(args[0])
+    return compat.functional_collectives().AsyncCollectiveTensor(args[0])
 
 
 @implements(_dist_op("_c10d_functional.wait_tensor.default"))

@@ -15,7 +15,9 @@ __all__ = ["TORCH_VERSION", "register_foreach_type", "local_tensor", "set_local_
            "fsdp_reset_extension", "process_group_size", "wait_work", "tree_flatten", "tree_unflatten", "tree_leaves",
            "tree_map_only", "is_fake", "local_tensor_cls", "run_per_simulated_rank", "COMPOSITE_IMPLICIT",
            "DISABLED_TORCH_FUNCTION", "DATA_SETTER", "disable_torch_function_subclass", "parse_to", "is_exporting", "is_compiling",
-           "prepend_forward_pre_hook"]
+           "prepend_forward_pre_hook", "disable_current_modes",
+           "is_functorch_wrapped", "raw_cuda_stream", "rebuild_parameter", "functional_collectives",
+           "register_state_dict_hook", "functional_data", "forward_ad_active"]
 
 #: The dispatch key of composite ops (decomposed above autograd).
 COMPOSITE_IMPLICIT = torch._C.DispatchKey.CompositeImplicitAutograd
@@ -64,6 +66,71 @@ def prepend_forward_pre_hook(module: torch.nn.Module, hook):
     hooks.clear()
     hooks.update(items)
     return handle
+
+
+def disable_current_modes():
+    """Context manager: no dispatch mode is active inside (``torch.utils._python_dispatch._disable_current_modes``)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
+
+
+def is_functorch_wrapped(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a ``torch.func`` (vmap / grad) wrapper, which looks like a plain tensor from Python."""
+    return torch._C._functorch.is_functorch_wrapped_tensor(t)
+
+
+def raw_cuda_stream(device_index: int) -> int:
+    """The handle of the current CUDA stream of a device, as kernel launchers take it."""
+    return torch._C._cuda_getCurrentRawStream(device_index)
+
+
+def rebuild_parameter():
+    """``torch._utils._rebuild_parameter``: what pickling an ``nn.Parameter`` calls on load (for ``__reduce_ex__``)."""
+    return torch._utils._rebuild_parameter
+
+
+def functional_collectives():
+    """The functional collectives module (``torch.distributed._functional_collectives``)."""
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol
+
+
+def register_state_dict_hook(module: torch.nn.Module, hook) -> None:
+    """``module``'s state-dict post-hook ``hook(module, state_dict, prefix, local_metadata)`` that may return a new
+    state dict (``nn.Module._register_state_dict_hook``; the public ``register_state_dict_post_hook`` must edit in
+    place)."""
+    module._register_state_dict_hook(hook)
+
+
+def functional_data(x: torch.Tensor):
+    """``(tracer, inner, storage_key)`` of a ``FunctionalTensor`` being traced under a proxy mode (``torch.compile``'s
+    AOTAutograd, ``torch.export``): the proxy tracer, the tensor it holds right now (pending mutations synced) and
+    an identity of that tensor's storage; None for any other tensor, and wherever torch's private tracing APIs
+    differ from what is expected here."""
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    if not isinstance(x, FunctionalTensor):
+        return None
+    try:
+        from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+        tracer = getattr(get_proxy_mode(), "tracer", None)
+        if tracer is None:
+            return None
+        torch._sync(x)
+        inner = torch._from_functional_tensor(x.elem)
+        return tracer, inner, inner.untyped_storage()._cdata
+    except Exception:
+        return None
+
+
+def forward_ad_active() -> bool:
+    """Whether a forward-mode AD level is open (``torch.autograd.forward_ad.dual_level``)."""
+    import torch.autograd.forward_ad as fwd
+
+    return fwd._current_level >= 0
 
 
 def disable_torch_function_subclass():

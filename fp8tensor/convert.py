@@ -410,7 +410,7 @@ def _adopt_parameter(root: nn.Module, old: nn.Parameter, new: nn.Parameter) -> N
         if isinstance(mod, nn.Linear) or getattr(mod, "_fp8_state_dict_hook", False):
             continue
         if any(p is holder for p in mod._parameters.values()):
-            mod._register_state_dict_hook(_plain_state_dict_hook)
+            compat.register_state_dict_hook(mod, _plain_state_dict_hook)
             mod._fp8_state_dict_hook = True
 
 
@@ -520,7 +520,7 @@ def _select_experts(module: nn.Module, module_filter_fn: Optional[FilterFn], op:
             continue
         names = [n for n, p in mod._parameters.items()
                  if p is not None and p.dim() == 3 and (p.dtype.is_floating_point or isinstance(
-                     p._local_tensor if _is_dtensor(p) else p, ScaledFp8Tensor))]
+                     compat.local_tensor(p) if _is_dtensor(p) else p, ScaledFp8Tensor))]
         if not names or not (isinstance(mod, Fp8GroupedExpertsMixin) or uses_grouped_mm(type(mod))):
             continue
         if module_filter_fn is not None:
@@ -538,7 +538,7 @@ def _rewrap_experts_after_load(module, incompatible_keys):
     """After ``load_state_dict(assign=True)`` replaced expert weights with plain tensors, wrap them again."""
     for name in module.fp8_expert_params:
         w = getattr(module, name)
-        local = w._local_tensor if _is_dtensor(w) else w
+        local = compat.local_tensor(w) if _is_dtensor(w) else w
         if isinstance(local, (Fp8MasterWeight, ScaledFp8Tensor)):
             continue
         new = _swap_local(w, lambda lt: Fp8MasterWeight(lt, module.fp8_recipe))
@@ -551,7 +551,7 @@ def _convert_experts(root: nn.Module, chosen, r, skipped: list) -> None:
         done = []
         for name in names:
             w = mod._parameters[name]
-            local = w._local_tensor if _is_dtensor(w) else w
+            local = compat.local_tensor(w) if _is_dtensor(w) else w
             if isinstance(local, Fp8MasterWeight):
                 local.recipe = r
             elif isinstance(local, ScaledFp8Tensor):
@@ -567,7 +567,7 @@ def _convert_experts(root: nn.Module, chosen, r, skipped: list) -> None:
         if not done:
             continue
         if not getattr(mod, "_fp8_hooks", False):
-            mod._register_state_dict_hook(_plain_state_dict_hook)
+            compat.register_state_dict_hook(mod, _plain_state_dict_hook)
             mod.register_load_state_dict_post_hook(_rewrap_experts_after_load)
             mod._fp8_hooks = True
         mod.fp8_recipe = r
@@ -681,7 +681,7 @@ def convert_to_fp8(
         if lr is not r:
             gw_hp.append(f"{fqn or '<root>'} ({lin.in_features}->{lin.out_features})")
         if not getattr(lin, "_fp8_hooks", False):  # state-dict hooks once per module
-            lin._register_state_dict_hook(_plain_state_dict_hook)
+            compat.register_state_dict_hook(lin, _plain_state_dict_hook)
             lin.register_load_state_dict_pre_hook(_checkpoint.load_state_dict_pre_hook)  # plain fp8 checkpoints
             lin.register_load_state_dict_post_hook(_rewrap_after_load)
             lin._fp8_hooks = True
@@ -784,7 +784,7 @@ def quantize_weights(
         done = []
         for name in names:
             w = mod._parameters[name]
-            local = w._local_tensor if _is_dtensor(w) else w
+            local = compat.local_tensor(w) if _is_dtensor(w) else w
             if not isinstance(local, ScaledFp8Tensor) and (w.shape[1] % 16 or w.shape[2] % 16):
                 continue
             done.append(name)
@@ -793,7 +793,7 @@ def quantize_weights(
             q = functools.partial(_quantize_expert_weight, float8_dtype=float8_dtype)
             if _is_dtensor(w):
                 w.requires_grad_(False)
-                w._local_tensor = map_shard(w._local_tensor, q)
+                compat.set_local_tensor(w, map_shard(compat.local_tensor(w), q))
                 refresh_fsdp_param(w)
             else:
                 setattr(mod, name, nn.Parameter(q(w.data), requires_grad=False))
@@ -854,7 +854,7 @@ def _add_fp8_checkpoint_hooks(mod: nn.Module, float8_dtype: torch.dtype = E4M3) 
     stores a weight again in fp8 (``float8_dtype``) after ``load_state_dict(..., assign=True)`` of a high-precision
     checkpoint replaced it."""
     if not getattr(mod, "_fp8_checkpoint_hooks", False):
-        mod._register_state_dict_hook(_checkpoint.state_dict_hook)
+        compat.register_state_dict_hook(mod, _checkpoint.state_dict_hook)
         mod.register_load_state_dict_pre_hook(_checkpoint.load_state_dict_pre_hook)
         mod.register_load_state_dict_post_hook(_requantize_after_load)
         mod._fp8_checkpoint_hooks = True

@@ -37,6 +37,7 @@ from typing import Optional
 
 import torch
 
+from . import compat
 from .quantize import E4M3, E5M2, quantize
 from .settings import GEMM_BACKENDS, config, get_config, set_config
 from .tensor import ScaledFp8Tensor, implements, make_scaled
@@ -89,10 +90,8 @@ def _pad_to(x: int, m: int = 16) -> int:
 @functools.lru_cache(maxsize=None)
 def _cpu_scaled_mm_works(a_dtype: torch.dtype, b_dtype: torch.dtype, rowwise: bool) -> bool:
     """Probe once whether ``torch._scaled_mm`` runs on CPU for these fp8 dtypes (real tensors, no modes)."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
     try:
-        with _disable_current_modes():
+        with compat.disable_current_modes():
             a = torch.ones(16, 16).to(a_dtype)
             b = torch.ones(16, 16).to(b_dtype).t()
             sa = torch.ones(16, 1) if rowwise else torch.ones(())

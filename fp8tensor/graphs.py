@@ -139,7 +139,7 @@ class GraphedStep:
         self.calls = 0
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.pool = self._given_pool
-        self._spec = None  # (treespec, leaf descriptions) of the first call
+        self._signature = None  # (treespec, leaf descriptions) of the first call
         self._static_leaves: list = []  # the graph's input tensors, in leaf order (None for non-tensor leaves)
         self._static_out = None
         self._stream: Optional[torch.cuda.Stream] = None
@@ -178,8 +178,8 @@ class GraphedStep:
         desc = tuple(_describe(leaf) for leaf in leaves)
         if self.calls == 0:
             self._eager = not self._can_capture(leaves)
-            self._spec = (spec, desc)
-        elif (spec, desc) != self._spec:
+            self._signature = (spec, desc)
+        elif (spec, desc) != self._signature:
             raise ValueError(
                 "graph_step: the inputs changed structure, shape, dtype, device or a non-tensor value since the "
                 f"first call ({self._first_difference(spec, desc)}); a captured CUDA graph replays fixed shapes. "
@@ -241,7 +241,7 @@ class GraphedStep:
         return False
 
     def _first_difference(self, spec, desc) -> str:
-        old_spec, old_desc = self._spec
+        old_spec, old_desc = self._signature
         if spec != old_spec:
             return f"argument structure {old_spec} -> {spec}"
         for i, (a, b) in enumerate(zip(old_desc, desc)):

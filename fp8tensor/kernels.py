@@ -350,7 +350,7 @@ class _Launcher:
             return None
         from triton import knobs
 
-        stream = torch._C._cuda_getCurrentRawStream(idx)
+        stream = compat.raw_cuda_stream(idx)
         gx = grid[0]
         gy = grid[1] if len(grid) > 1 else 1
         gz = grid[2] if len(grid) > 2 else 1
@@ -399,8 +399,8 @@ def eager_launch_ok(x: torch.Tensor) -> bool:
     return (
         not compat.is_compiling()  # first: dynamo cannot trace the C calls below (it would break the graph)
         and type(x) in _PLAIN_TYPES
-        and torch._C._len_torch_dispatch_stack() == 0
-        and not torch._C._functorch.is_functorch_wrapped_tensor(x)  # vmap / grad wrappers look like plain tensors
+        and not compat.dispatch_modes_active()
+        and not compat.is_functorch_wrapped(x)  # vmap / grad wrappers look like plain tensors
     )
 
 
@@ -536,7 +536,7 @@ def _device_table(values: list, device: torch.device) -> torch.Tensor:
         if buf is None:
             buf = _CAPTURED_TABLES[key] = host()
         return buf.to(device, non_blocking=True)  # a copy node of the graph reading ``buf`` at each replay
-    key = (idx, torch._C._cuda_getCurrentRawStream(idx), tuple(values))
+    key = (idx, compat.raw_cuda_stream(idx), tuple(values))
     table = _TABLES.get(key)
     if table is None:
         if len(_TABLES) >= 256:  # addresses that keep changing: keep the cache small

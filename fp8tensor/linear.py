@@ -62,7 +62,7 @@ def _dequantize(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _is_fp8(t: torch.Tensor) -> bool:
     if _is_dtensor(t):  # (eager: the local tensor itself, without to_local's autograd Function)
-        local = t.to_local() if compat.is_compiling() else t._local_tensor
+        local = t.to_local() if compat.is_compiling() else compat.local_tensor(t)
     else:
         local = t
     shards = getattr(local, "_local_tensors", None)  # LocalTensorMode: one tensor per simulated rank
@@ -543,13 +543,13 @@ def fp8_linear(
             f"fp8_linear: {which} is a plain {(input if which == 'input' else wd).dtype} tensor, which has no scales "
             "to read it by; pass a high-precision tensor or a ScaledFp8Tensor (ScaledFp8Tensor.from_hp)"
         )
-    if not compat.is_compiling() and torch._C._are_functorch_transforms_active():
+    if not compat.is_compiling() and compat.functorch_active():
         raise NotImplementedError(
             "fp8_linear: torch.func transforms (grad, vmap, jacrev, ...) are not supported by the fp8 Linear; "
             "use ordinary autograd (loss.backward() / torch.autograd.grad), or leave this Linear in high precision "
             "(convert_to_fp8's module_filter_fn)"
         )
-    if _forward_ad._current_level >= 0 and not compat.is_compiling():  # (a dual level is open: rare)
+    if not compat.is_compiling() and compat.forward_ad_active():  # (a dual level is open: rare)
         _check_no_tangents(input, weight, bias)
     if compat.is_exporting():
         return _exported_forward(input, weight, bias, r)

@@ -180,7 +180,7 @@ class Fp8MasterWeight(torch.Tensor, QuantizeOnUse):
         # its requires_grad, as nn.Linear's weight does (``torch.save(model)``: the model loads trainable; its
         # converted Linears quantize the plain weight on use, convert_to_fp8 makes it a master again).
         if getattr(self, "_is_param", False):
-            return (torch._utils._rebuild_parameter, (self._data, self.requires_grad, collections.OrderedDict()))
+            return (compat.rebuild_parameter(), (self._data, self.requires_grad, collections.OrderedDict()))
         return self._data.__reduce_ex__(protocol)
 
 

@@ -35,13 +35,15 @@ import warnings
 from typing import Any, Optional
 
 import torch
-import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInput, PrepareModuleInputOutput
 
+from . import compat
 from .quantize import E4M3, FLOAT8_DTYPES, check_float8_dtype, quantize_rowwise
 from .tensor import ScaledFp8Tensor, make_scaled, rowwise_dims
+
+funcol = compat.functional_collectives()
 
 __all__ = ["Fp8PrepareModuleInput", "fp8_sequence_parallel_plan", "fp8_sequence_all_gather"]
 

@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from . import kernels
+from . import compat, kernels
 
 __all__ = [
     "quantize",
@@ -251,26 +251,14 @@ def _trace_memo(x: torch.Tensor, float8_dtype: torch.dtype):
     views such as each Linear's ``reshape`` of the input share it). The memo lives on the proxy tracer, i.e. it
     serves one graph (a nested subgraph has a tracer of its own). Symbolic shapes (dynamic compiles) and anything
     unexpected in torch's private tracing APIs: no memo (same values, one quantization per call)."""
-    from torch._subclasses.functional_tensor import FunctionalTensor
-
-    if not isinstance(x, FunctionalTensor):
+    found = compat.functional_data(x)
+    if found is None:
         return None, None, None
-    try:
-        from torch.fx.experimental.proxy_tensor import get_proxy_mode
-
-        proxy = get_proxy_mode()
-        tracer = getattr(proxy, "tracer", None)
-        if tracer is None:
-            return None, None, None
-        torch._sync(x)
-        inner = torch._from_functional_tensor(x.elem)
-        dims = (*inner.shape, *inner.stride(), inner.storage_offset())
-        if not all(type(d) is int for d in dims):  # SymInts: not hashable, and their values are not known
-            return None, None, None
-        key = (inner.untyped_storage()._cdata, dims, inner.dim(), x.dtype, float8_dtype)
-        hash(key)
-    except Exception:  # private APIs of torch's tracing: without them, no deduplication (same values)
+    tracer, inner, storage = found
+    dims = (*inner.shape, *inner.stride(), inner.storage_offset())
+    if not all(type(d) is int for d in dims):  # SymInts: not hashable, and their values are not known
         return None, None, None
+    key = (storage, dims, inner.dim(), x.dtype, float8_dtype)
     return tracer.__dict__.setdefault("_fp8tensor_dim0_memo", {}), key, inner
 
 

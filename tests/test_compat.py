@@ -129,3 +129,70 @@ def test_prepend_forward_pre_hook_runs_first_and_compiles():
     order.clear()
     m(x)
     assert order == [("late", 7)]
+
+
+def test_mode_and_autograd_state_helpers():
+    from torch.utils._python_dispatch import TorchDispatchMode
+    import torch.autograd.forward_ad as fwd
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Mode():
+        assert compat.dispatch_modes_active()
+        with compat.disable_current_modes():
+            assert not compat.dispatch_modes_active()
+    seen = []
+    torch.func.vmap(lambda t: seen.append(compat.is_functorch_wrapped(t)) or t)(torch.ones(2, 3))
+    assert seen == [True] and not compat.is_functorch_wrapped(torch.ones(2))
+    assert not compat.forward_ad_active()
+    with fwd.dual_level():
+        assert compat.forward_ad_active()
+
+
+def test_pickling_and_state_dict_helpers():
+    import pickle
+
+    p = nn.Parameter(torch.randn(3))
+    fn = compat.rebuild_parameter()
+    q = fn(p.detach(), True, __import__("collections").OrderedDict())
+    assert isinstance(q, nn.Parameter) and torch.equal(q, p)
+    assert torch.equal(pickle.loads(pickle.dumps(p)), p)
+    m = nn.Linear(2, 2)
+    compat.register_state_dict_hook(m, lambda mod, sd, prefix, meta: {k: v * 0 for k, v in sd.items()})
+    assert all(not v.any() for v in m.state_dict().values())
+    funcol = compat.functional_collectives()
+    assert hasattr(funcol, "all_gather_tensor") and hasattr(funcol, "AsyncCollectiveTensor")
+
+
+def test_functional_data_sees_the_traced_storage():
+    """``functional_data`` of a FunctionalTensor under a proxy tracer (as AOTAutograd traces): the tracer, the tensor it
+    holds and a storage identity shared by views; None in eager code. (The compiled trace memo built on it is tested
+    by the compiled dedup tests of tests/test_saved_memory.py.)"""
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    assert compat.functional_data(torch.ones(2)) is None
+    seen = []
+
+    def fn(x):
+        with FunctionalTensorMode():
+            from torch._subclasses.functional_tensor import FunctionalTensor
+
+            fx = FunctionalTensor.to_functional(x)
+            y = fx * 2
+            seen.append((compat.functional_data(y), compat.functional_data(y.view(2, 2))))
+        return x + 1
+
+    make_fx(fn)(torch.ones(4))
+    (a, b), = seen
+    assert a is not None and b is not None and a[0] is not None and a[2] == b[2]
+
+
+def test_raw_cuda_stream():
+    if not torch.cuda.is_available():
+        import pytest
+
+        pytest.skip("needs CUDA")
+    assert compat.raw_cuda_stream(0) == torch.cuda.current_stream(0).cuda_stream

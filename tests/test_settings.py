@@ -148,3 +148,31 @@ def test_set_config_inside_a_block_changes_the_fields_the_block_does_not_name():
         assert c.gemm_backend == "emulated" and c.unknown_ops == "allow"
     finally:
         fp8tensor.set_config(**{f: getattr(old, f) for f in ("gemm_backend", "unknown_ops")})
+
+
+def test_backward_runs_under_the_settings_of_its_forward(monkeypatch):
+    """A config block around the forward reaches its backward, even when the backward runs after the block ended (or
+    in autograd's device threads, which a thread-local block does not reach); the settings outside are restored."""
+    from fp8tensor import linear as linear_mod
+
+    seen = []
+    real = linear_mod._backward
+
+    def spy(ctx, grad_out):
+        seen.append(fp8tensor.get_config().gemm_backend)
+        return real(ctx, grad_out)
+
+    monkeypatch.setattr(linear_mod, "_backward", spy)
+    x = torch.randn(8, 32, requires_grad=True)
+    w = torch.randn(16, 32, requires_grad=True)
+    with fp8tensor.config(gemm_backend="emulated"):
+        y = fp8tensor.fp8_linear(x, w)
+    outside = fp8tensor.get_config().gemm_backend
+    y.sum().backward()
+    assert seen == ["emulated"] and fp8tensor.get_config().gemm_backend == outside != "emulated"
+    # and the reverse: a forward outside any block, its backward inside one, runs under the forward's settings
+    seen.clear()
+    y = fp8tensor.fp8_linear(x, w)
+    with fp8tensor.config(gemm_backend="emulated"):
+        y.sum().backward()
+    assert seen == [outside]

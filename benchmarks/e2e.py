@@ -92,10 +92,9 @@ def parse(argv=None):
     p.add_argument("--trace-dir", default=os.environ.get("OUT"), help="write chrome traces here with --profile")
     p.add_argument("--json", default=None, help="write the rows as JSON here")
     p.add_argument("--kernels", action="store_true", help="print the top GPU kernels of every variant")
-    p.add_argument("--fused-grad-out", default=None, choices=("eager", "always", "never"),
-                   help="fp8tensor.set_config(fused_grad_out=...): 'always' also quantizes grad_out for both "
-                        "gradient GEMMs in one fused pass in compiled backwards (default: the library's; recorded in "
-                        "the header and the JSON)")
+    p.add_argument("--fused-grad-out", default=None, choices=("eager", "never"),
+                   help="fp8tensor.set_config(fused_grad_out=...) (default: the library's; recorded in the header "
+                        "and the JSON)")
     p.add_argument("--gc", default="on", choices=("on", "step"),
                    help="Python garbage collector: on (default) or step (disabled in steps, gc.collect() between "
                         "measured steps outside the timing, as torchtitan's GarbageCollection does)")

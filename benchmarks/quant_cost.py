@@ -10,8 +10,8 @@ of fused projections: N in 2048, 5632, 6144), bf16. Sections (markdown tables):
    * the same with an fp8 weight's row scales folded in (``g.float() * s`` then row-wise, as the eager backward of an
      FSDP2-gathered fp8 weight does) vs ``col_mul=s``.
 2. A sweep of the fused first kernel's tiles (``kernels.ROWS_DIM0_CONFIG``); bits must not change.
-3. One fp8 Linear forward + backward at M = 8192 (``fp8tensor.config``'s ``fused_grad_out``: eager ``"never"`` /
-   ``"eager"``; compiled ``"eager"`` / ``"always"``), gradients bit-compared between off and on.
+3. One eager fp8 Linear forward + backward at M = 8192 (``fp8tensor.config``'s ``fused_grad_out``: ``"never"`` /
+   ``"eager"``), gradients bit-compared between off and on.
 
 Usage: ``PYTHONPATH=. python benchmarks/quant_cost.py [--no-sweep] [--no-linear]``.
 """
@@ -107,12 +107,11 @@ def section_linear() -> None:
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         gy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
         lin0 = torch.nn.Linear(K, N, bias=False, device="cuda", dtype=torch.bfloat16)
-        for mode in ("eager", "compiled"):
+        for mode in ("eager",):
             res = {}
             for on in (False, True):
                 # process-wide (set_config): the backward runs in autograd's device thread
-                fp8tensor.set_config(fused_grad_out=("eager" if on else "never") if mode == "eager" else
-                                     ("always" if on else "eager"))
+                fp8tensor.set_config(fused_grad_out="eager" if on else "never")
                 lin = fp8tensor.convert_to_fp8(torch.nn.Linear(K, N, bias=False, device="cuda",
                                                                dtype=torch.bfloat16))
                 with torch.no_grad():

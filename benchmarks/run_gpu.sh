@@ -32,8 +32,19 @@ e2e_variants() {  # $1: size. Default compile and whole-step graph rows, bf16 / 
 }
 for stage in "$@"; do
   case "$stage" in
-    tests) timeout ${TESTS_TIMEOUT:-420} $py -m pytest -q -p no:cacheprovider -p no:logging --tb=short -W ignore tests/gpu \
-             > "$out/gpu_tests.txt" 2>&1; grep -E "^E |FAILED|passed|failed" "$out/gpu_tests.txt" | cut -c1-300 | tail -30 ;;
+    tests) # four pytest processes side by side on the one GPU (the suite is bound by compiling on the host)
+           groups=("tests/gpu/test_gpu_graph_step.py" "tests/gpu/test_gpu_host.py tests/gpu/test_gpu_cudagraphs.py"
+                   "tests/gpu/test_gpu_numerics.py tests/gpu/test_gpu_export.py tests/gpu/test_tp_2gpu.py"
+                   "tests/gpu/test_gpu_compile_path.py tests/gpu/test_gpu_grad_out_fused.py tests/gpu/test_gpu_moe.py")
+           listed=$(echo "${groups[*]}" | tr ' ' '\n' | sort); present=$(ls tests/gpu/test_*.py | sort)
+           [ "$listed" = "$present" ] || { echo "run_gpu.sh: tests/gpu files not in a group: $(comm -13 <(echo "$listed") <(echo "$present"))"; exit 2; }
+           for i in "${!groups[@]}"; do
+             timeout ${TESTS_TIMEOUT:-480} $py -m pytest -q -p no:cacheprovider -p no:logging --tb=short -W ignore \
+               ${groups[$i]} > "$out/gpu_tests_$i.txt" 2>&1 &
+           done
+           wait
+           cat "$out"/gpu_tests_[0-9].txt > "$out/gpu_tests.txt"; rm -f "$out"/gpu_tests_[0-9].txt
+           grep -E "^E |FAILED|ERROR|passed|failed|error" "$out/gpu_tests.txt" | cut -c1-300 | tail -30 ;;
     graph) timeout 400 $py -m pytest -q -s -p no:cacheprovider -p no:logging --tb=short -W ignore \
              tests/gpu/test_gpu_graph_step.py > "$out/graph_tests.txt" 2>&1
            grep -E "bit-identical|Error|assert|^E |passed|failed" "$out/graph_tests.txt" | cut -c1-300 | tail -40 ;;

@@ -114,7 +114,7 @@ def section_gemm_tiles(quick: bool) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
-    ap.add_argument("--fused-grad-out", default=None, choices=("eager", "always", "never"),
+    ap.add_argument("--fused-grad-out", default=None, choices=("eager", "never"),
                     help="fp8tensor.set_config(fused_grad_out=...) for the (eager) fp8 Linears")
     args = ap.parse_args()
     if args.fused_grad_out is not None:

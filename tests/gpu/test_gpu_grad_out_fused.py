@@ -65,24 +65,19 @@ def _linear_grads(weight, w, x, gy, compiled):
 
 @pytest.mark.parametrize("weight", ["master", "fp8"])
 def test_linear_grads_unchanged(weight, monkeypatch):
-    """Eager: the fused passes (x in forward, grad_out in backward) change no bit of the output or the gradients.
-    Compiled with the traced op: grad_out's operands are the eager ones, so the gradients are eager's to the bit
-    (without it, inductor's own code quantizes grad_out row-wise and may round differently)."""
+    """Eager: the fused pass over grad_out (where it runs: an fp8 weight with row scales) changes no bit of the
+    output or the gradients; compiled, the gradients are within the fp8 bound of float64 (inductor quantizes
+    grad_out row-wise in its own fused code)."""
     M, K, N = 4096, 1024, 768
     x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
     gy = torch.randn(M, N, device=DEV, dtype=torch.bfloat16)
     w = torch.randn(N, K, device=DEV, dtype=torch.bfloat16) * K ** -0.5
     set_knobs(monkeypatch, fused_grad_out="never")
     y0, gx0, gw0 = _linear_grads(weight, w, x, gy, False)
-    for mode in ("eager", "always"):
-        set_knobs(monkeypatch, fused_grad_out=mode)
-        y1, gx1, gw1 = _linear_grads(weight, w, x, gy, False)
-        assert torch.equal(y0, y1) and torch.equal(gx0, gx1) and torch.equal(gw0, gw1), mode
     set_knobs(monkeypatch, fused_grad_out="eager")
+    y1, gx1, gw1 = _linear_grads(weight, w, x, gy, False)
+    assert torch.equal(y0, y1) and torch.equal(gx0, gx1) and torch.equal(gw0, gw1)
     _, gxc0, gwc0 = _linear_grads(weight, w, x, gy, True)
-    set_knobs(monkeypatch, fused_grad_out="always")
-    _, gxc1, gwc1 = _linear_grads(weight, w, x, gy, True)
-    assert torch.equal(gxc1, gx1) and torch.equal(gwc1, gw1)
     if weight == "fp8":
         q, s = quantize(w, -1, E4M3)
         ref_w = q.double() * s.double()

@@ -59,9 +59,9 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import compat, kernels
+from . import compat
 from .capture import capture_token
-from .quantize import SCALE_FLOOR, quantize, quantize_group
+from .quantize import quantize, quantize_group, quantize_rows_into
 
 __all__ = [
     "master_pre_all_gather",
@@ -397,7 +397,7 @@ def _local_group_payload(master, float8_dtype):
 
     The first hook call of a round allocates one buffer for the group's packed payloads (layout computed once per
     group: :data:`_LOCAL_PLANS`) and has the row kernel write every weight's fp8 bytes and scales straight into it
-    (:func:`fp8tensor.kernels.quantize_last_dim_group_into`; on CPU, weight by weight into the same layout); the
+    (:func:`fp8tensor.quantize.quantize_rows_into`; on CPU, weight by weight into the same layout); the
     others take their slice, as :func:`_group_quantized`. Same bytes as :func:`packed_buffers` +
     :func:`fp8tensor.quantize.quantize_group`."""
     if _GROUP_FINDER is None:
@@ -415,11 +415,9 @@ def _local_group_payload(master, float8_dtype):
     for _, _, _, _, _, zeros in entries:
         for a, b in zeros:  # padding bytes travel too: make them deterministic
             flat[a:b].zero_()
-    if kernels.HAS_TRITON and all(kernels.row_kernel_available(d) for d in datas):
-        base = flat.data_ptr()
-        kernels.quantize_last_dim_group_into(datas, [base + e[2] for e in entries], [base + e[3] for e in entries],
-                                             float8_dtype, SCALE_FLOOR)
-    else:  # CPU, or a tensor the kernel does not take: the same bytes weight by weight
+    base = flat.data_ptr()
+    if not quantize_rows_into(datas, [base + e[2] for e in entries], [base + e[3] for e in entries], float8_dtype):
+        # CPU, or a tensor the kernel does not take: the same bytes weight by weight
         for d, (o, n, _, _, meta, _) in zip(datas, entries):
             q, sc = packed_views(flat[o:o + n], *meta.packed, float8_dtype)
             qd, sd = quantize(d, -1, float8_dtype)

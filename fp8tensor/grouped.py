@@ -34,10 +34,11 @@ from typing import Optional
 
 import torch
 
-from . import compat, kernels
+from . import compat
 from .capture import capture_token
 from .linear import QuantizeOnUse
-from .quantize import E4M3, FLOAT8_DTYPES, SCALE_FLOOR, amax_to_scale, cast_to_fp8, quantize
+from .quantize import (E4M3, FLOAT8_DTYPES, amax_to_scale, group_ids, quantize, quantize_expert_cols,
+                       quantize_group_cols)
 from .recipes import Recipe, get_recipe
 from .settings import get_config
 from .tensor import ScaledFp8Tensor, implements
@@ -122,81 +123,7 @@ def padded_offsets(offs: torch.Tensor, M: int, align: int = ALIGN):
     return M_pad, pends.to(torch.int32), (pends - psizes).to(torch.int32)
 
 
-def _group_ids(offs: torch.Tensor, M: int) -> torch.Tensor:
-    """The group of each token row (int64 ``(M,)``; ``E`` for rows past ``offs[-1]``)."""
-    rows = torch.arange(M, device=offs.device, dtype=offs.dtype)
-    return torch.searchsorted(offs, rows, right=True)
-
-
 # ---------------------------------------------------------------------------------------------- quantization
-def quantize_group_cols(x: torch.Tensor, offs: torch.Tensor, M_pad: int, pad_starts: torch.Tensor,
-                        float8_dtype: torch.dtype = E4M3, *, align: int = ALIGN):
-    """``x`` ``(M, C)`` quantized per column over each token group, transposed into the padded token layout.
-
-    Args:
-        x: ``(M, C)`` floating-point tensor (unit column stride on the Triton path).
-        offs: int32 ``(E,)`` cumulative group ends.
-        M_pad, pad_starts: from :func:`padded_offsets`.
-
-    Returns:
-        ``(q, scale)``: ``q`` ``(C, M_pad)`` row-major ``float8_dtype``, where group ``e``'s ``r``-th row is column
-        ``pad_starts[e] + r`` (zeros in each group's padding — ``align`` zero columns for an empty group — and in
-        the spare block at the end), and
-        ``scale`` float32 ``(E, C)``: ``q[:, pad_starts[e] + r].float() * scale[e] ≈ x[offs[e-1] + r]``. A group of
-        no rows gets the floor scale.
-    """
-    M, C = x.shape
-    E = offs.numel()
-    if kernels.group_col_kernel_available(x):
-        q = torch.empty(C, M_pad, dtype=float8_dtype, device=x.device)
-        scale = torch.empty(E, C, dtype=torch.float32, device=x.device)
-        if M_pad:
-            q[:, M_pad - align:].view(torch.uint8).zero_()  # the spare block (read by nothing; kept defined)
-        kernels.launch_group_cols_t(x, offs, pad_starts, q, scale, stride_qg=0, stride_qc=M_pad, q_cols=M_pad,
-                                    align=align, float8_dtype=float8_dtype, scale_floor=SCALE_FLOOR, min_pad=align)
-        # the columns between the last group's padded end and the spare block are never read by the GEMM
-        return q, scale
-    gid = _group_ids(offs, M)  # E for rows outside every group
-    xf = x.to(torch.float32)
-    amax = xf.new_zeros(E + 1, C)
-    if M:
-        amax.scatter_reduce_(0, gid[:, None].expand(M, C), xf.abs(), "amax", include_self=True)
-    scale = amax_to_scale(amax[:E], float8_dtype)
-    scale_rows = torch.cat([scale, scale.new_ones(1, C)])[gid]  # rows outside every group: any finite scale
-    y = cast_to_fp8(xf, scale_rows, float8_dtype)
-    starts = torch.cat([offs.new_zeros(1), offs[:-1]]).to(torch.int64)
-    gid_c = gid.clamp(max=max(E - 1, 0))
-    dest = torch.arange(M, device=x.device) - starts[gid_c] + pad_starts.to(torch.int64)[gid_c]
-    dest = torch.where(gid < E, dest, torch.full_like(dest, M_pad - 1))  # outside every group: the spare block
-    q = torch.zeros(C, M_pad, dtype=torch.uint8, device=x.device)
-    if M and E:
-        q.index_copy_(1, dest, y.view(torch.uint8).t().contiguous())
-        q[:, M_pad - align:] = 0
-    return q.view(float8_dtype), scale
-
-
-def quantize_expert_cols(w: torch.Tensor, float8_dtype: torch.dtype = E4M3):
-    """Expert weights ``w`` ``(E, N, K)`` quantized per expert and input column (over ``N``), in the layout the
-    grad_input GEMM takes.
-
-    Returns:
-        ``(q, scale)``: ``q`` ``(E, K, N)`` row-major ``float8_dtype`` (``q[e].t()`` quantizes ``w[e]``), ``scale``
-        float32 ``(E, K)``: ``q[e].float() * scale[e][:, None] ≈ w[e].t()``.
-    """
-    E, N, K = w.shape
-    if N and K and kernels.group_col_kernel_available(w.reshape(E * N, K)) and w.is_contiguous():
-        x = w.reshape(E * N, K)
-        q = torch.empty(E, K, N, dtype=float8_dtype, device=w.device)
-        scale = torch.empty(E, K, dtype=torch.float32, device=w.device)
-        ends = torch.arange(1, E + 1, device=w.device, dtype=torch.int32) * N
-        dst = torch.zeros(E, device=w.device, dtype=torch.int32)
-        kernels.launch_group_cols_t(x, ends, dst, q, scale, stride_qg=K * N, stride_qc=N, q_cols=N, align=1,
-                                    float8_dtype=float8_dtype, scale_floor=SCALE_FLOOR)
-        return q, scale
-    q, s = quantize(w, -2, float8_dtype)  # (E, N, K), (E, 1, K)
-    return q.transpose(-2, -1).contiguous(), s.reshape(E, K)
-
-
 def _quantize_rows(x: torch.Tensor, float8_dtype: torch.dtype = E4M3):
     """``x`` ``(..., C)`` quantized per row over the last dim: ``(q, scale)``, ``q`` contiguous, ``scale``
     ``(..., 1)``."""
@@ -399,7 +326,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
                 w8, ws = fp8
                 wq_t = w8.transpose(-2, -1).contiguous()
                 ws_t = torch.ones(E, K, dtype=torch.float32, device=gy.device)
-                gid = _group_ids(offs, M).clamp(max=max(E - 1, 0))
+                gid = group_ids(offs, M).clamp(max=max(E - 1, 0))
                 g = gy.to(torch.float32) * ws[gid] if E else gy.to(torch.float32)
             gq, gs = _quantize_rows(g, E4M3)
             grad_a = grouped_2d3d(gq, gs.reshape(M), wq_t.transpose(-2, -1), ws_t, offs, ctx.a_dtype,

@@ -17,11 +17,11 @@ from typing import Optional
 import torch
 import torch.autograd.forward_ad as _forward_ad
 
-from . import compat, kernels
+from . import compat
 from .capture import capture_token
 from .gemm import _check_mm_args, scaled_mm
-from .quantize import (_LIB, E4M3, FLOAT8_DTYPES, quantize, quantize_dim0_t_after, quantize_rows_and_tokens,
-                       quantize_tokens)
+from .quantize import (E4M3, FLOAT8_DTYPES, quantize, quantize_dim0_t_after, quantize_rows_and_tokens, quantize_tokens,
+                       transpose_after)
 from .recipes import Recipe, get_recipe
 from .settings import get_config, scope_token, swap_scope
 from .tensor import ScaledFp8Tensor, _is_dtensor, make_scaled, map_local, rowwise_dims
@@ -198,42 +198,6 @@ def _x_rows(x: Optional[torch.Tensor], x2: torch.Tensor) -> tuple:
     return rows
 
 
-def _transpose_after_impl(q: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
-    """``fp8tensor::transpose_after``: ``q.t().contiguous()`` (always a copy); ``after`` is not read. CUDA fp8: one
-    tiled Triton kernel (:func:`fp8tensor.kernels.launch_transpose`); otherwise ATen's copy."""
-    if kernels.transpose_available(q):
-        return kernels.launch_transpose(q)
-    return q.t().clone(memory_format=torch.contiguous_format)  # a copy: the op's output never aliases its input
-
-
-# The traced form without the kernel (CPU tensors, builds without Triton): an opaque op taking ``after`` as an input.
-# Registered with ``torch.library.Library`` (a schema and one Python kernel for every backend) rather than
-# ``torch.library.custom_op``, whose Python wrappers cost more than the copy.
-_LIB.define("transpose_after(Tensor q, Tensor after) -> Tensor")
-_LIB.impl("transpose_after", _transpose_after_impl, "CompositeExplicitAutograd")
-
-
-@torch.library.register_fake("fp8tensor::transpose_after", lib=_LIB)
-def _(q, after):
-    return q.new_empty((q.shape[1], q.shape[0]))
-
-
-def _transpose_after(q: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
-    """``q.t().contiguous()`` (a copy) for the grad_input GEMM, which needs the fp8 weight column-major, ordered after
-    ``after`` (``grad_out``) in a traced graph.
-
-    Computed from the weight alone, the compiled partitioner would hoist the copy into the forward graph and keep it
-    until backward — a second fp8 copy of every weight next to the one FSDP2 holds. Pinned after ``grad_out``, it is
-    made in the backward right before its GEMM and dies with it.
-
-    * eager, plain tensors: the copy runs directly (the transpose kernel on CUDA; no dispatcher round trip);
-    * otherwise (traced, under a mode): the opaque op ``fp8tensor::transpose_after``, which takes ``after`` as an
-      input."""
-    if kernels.eager_launch_ok(q) and kernels.eager_launch_ok(after):
-        return _transpose_after_impl(q, after)  # eager: the op's body (the kernel on CUDA), no dispatcher trip
-    return torch.ops.fp8tensor.transpose_after(q, after)
-
-
 def _weight_for_grad_input(weight: torch.Tensor, gy: torch.Tensor, fast: bool, recipe: Recipe) -> torch.Tensor:
     """The weight operand of ``grad_x = gy @ W``, made in backward after ``gy`` (``grad_out``, any shape: it is only an
     ordering input) exists (plain tensors; DTensor shards are prepared as they come).
@@ -251,7 +215,7 @@ def _weight_for_grad_input(weight: torch.Tensor, gy: torch.Tensor, fast: bool, r
             and weight.qdata.stride(1) == 1
             and not _is_dtensor(gy)
         ):
-            qt = _transpose_after(weight.qdata, gy)
+            qt = transpose_after(weight.qdata, gy)
             return make_scaled(qt.t(), weight.scale, weight.orig_dtype, fast, weight.scaled_dims)
         return _quantize(weight, -1, fast)
     if not _is_dtensor(weight) and not _is_dtensor(gy):
@@ -329,7 +293,7 @@ def _grad_input_parts(g2: torch.Tensor, grad_out: torch.Tensor, weight: torch.Te
         if not (_rowwise_fp8_weight(weight) and weight.qdata.stride(1) == 1):
             return None
         s = weight.scale
-        b8 = _transpose_after(weight.qdata, grad_out).t()
+        b8 = transpose_after(weight.qdata, grad_out).t()
         out_dtype = torch.promote_types(g2.dtype, weight.dtype)
         if s.shape[0] != 1:  # scale folding, as fp8_mm: (g2 diag(s)) @ W8
             if a is None:

@@ -30,6 +30,11 @@ from . import compat, kernels
 
 __all__ = [
     "quantize",
+    "quantize_group_cols",
+    "quantize_expert_cols",
+    "group_ids",
+    "quantize_rows_into",
+    "transpose_after",
     "quantize_group",
     "quantize_dim0_t",
     "quantize_dim0_t_after",
@@ -453,5 +458,133 @@ if not kernels.HAS_TRITON:  # a triton_op is its own fake kernel; the plain cust
         M = math.prod(x.shape[:-1])
         return (x.new_empty(M, K, dtype=float8_dtype), x.new_empty(M, 1, dtype=torch.float32),
                 x.new_empty(K, M, dtype=float8_dtype), x.new_empty(K, 1, dtype=torch.float32))
+
+
+# ---------------------------------------------------------------------------------------------- grouped (MoE) layouts
+def group_ids(offs: torch.Tensor, M: int) -> torch.Tensor:
+    """The group of each token row (int64 ``(M,)``; ``E`` for rows past ``offs[-1]``)."""
+    rows = torch.arange(M, device=offs.device, dtype=offs.dtype)
+    return torch.searchsorted(offs, rows, right=True)
+
+
+def quantize_group_cols(x: torch.Tensor, offs: torch.Tensor, M_pad: int, pad_starts: torch.Tensor,
+                        float8_dtype: torch.dtype = E4M3, *, align: int = 16):
+    """``x`` ``(M, C)`` quantized per column over each token group, transposed into the padded token layout.
+
+    Args:
+        x: ``(M, C)`` floating-point tensor (unit column stride on the Triton path).
+        offs: int32 ``(E,)`` cumulative group ends.
+        M_pad, pad_starts: from :func:`padded_offsets`.
+
+    Returns:
+        ``(q, scale)``: ``q`` ``(C, M_pad)`` row-major ``float8_dtype``, where group ``e``'s ``r``-th row is column
+        ``pad_starts[e] + r`` (zeros in each group's padding — ``align`` zero columns for an empty group — and in
+        the spare block at the end), and
+        ``scale`` float32 ``(E, C)``: ``q[:, pad_starts[e] + r].float() * scale[e] ≈ x[offs[e-1] + r]``. A group of
+        no rows gets the floor scale.
+    """
+    M, C = x.shape
+    E = offs.numel()
+    if kernels.group_col_kernel_available(x):
+        q = torch.empty(C, M_pad, dtype=float8_dtype, device=x.device)
+        scale = torch.empty(E, C, dtype=torch.float32, device=x.device)
+        if M_pad:
+            q[:, M_pad - align:].view(torch.uint8).zero_()  # the spare block (read by nothing; kept defined)
+        kernels.launch_group_cols_t(x, offs, pad_starts, q, scale, stride_qg=0, stride_qc=M_pad, q_cols=M_pad,
+                                    align=align, float8_dtype=float8_dtype, scale_floor=SCALE_FLOOR, min_pad=align)
+        # the columns between the last group's padded end and the spare block are never read by the GEMM
+        return q, scale
+    gid = group_ids(offs, M)  # E for rows outside every group
+    xf = x.to(torch.float32)
+    amax = xf.new_zeros(E + 1, C)
+    if M:
+        amax.scatter_reduce_(0, gid[:, None].expand(M, C), xf.abs(), "amax", include_self=True)
+    scale = amax_to_scale(amax[:E], float8_dtype)
+    scale_rows = torch.cat([scale, scale.new_ones(1, C)])[gid]  # rows outside every group: any finite scale
+    y = cast_to_fp8(xf, scale_rows, float8_dtype)
+    starts = torch.cat([offs.new_zeros(1), offs[:-1]]).to(torch.int64)
+    gid_c = gid.clamp(max=max(E - 1, 0))
+    dest = torch.arange(M, device=x.device) - starts[gid_c] + pad_starts.to(torch.int64)[gid_c]
+    dest = torch.where(gid < E, dest, torch.full_like(dest, M_pad - 1))  # outside every group: the spare block
+    q = torch.zeros(C, M_pad, dtype=torch.uint8, device=x.device)
+    if M and E:
+        q.index_copy_(1, dest, y.view(torch.uint8).t().contiguous())
+        q[:, M_pad - align:] = 0
+    return q.view(float8_dtype), scale
+
+
+def quantize_expert_cols(w: torch.Tensor, float8_dtype: torch.dtype = E4M3):
+    """Expert weights ``w`` ``(E, N, K)`` quantized per expert and input column (over ``N``), in the layout the
+    grad_input GEMM takes.
+
+    Returns:
+        ``(q, scale)``: ``q`` ``(E, K, N)`` row-major ``float8_dtype`` (``q[e].t()`` quantizes ``w[e]``), ``scale``
+        float32 ``(E, K)``: ``q[e].float() * scale[e][:, None] ≈ w[e].t()``.
+    """
+    E, N, K = w.shape
+    if N and K and kernels.group_col_kernel_available(w.reshape(E * N, K)) and w.is_contiguous():
+        x = w.reshape(E * N, K)
+        q = torch.empty(E, K, N, dtype=float8_dtype, device=w.device)
+        scale = torch.empty(E, K, dtype=torch.float32, device=w.device)
+        ends = torch.arange(1, E + 1, device=w.device, dtype=torch.int32) * N
+        dst = torch.zeros(E, device=w.device, dtype=torch.int32)
+        kernels.launch_group_cols_t(x, ends, dst, q, scale, stride_qg=K * N, stride_qc=N, q_cols=N, align=1,
+                                    float8_dtype=float8_dtype, scale_floor=SCALE_FLOOR)
+        return q, scale
+    q, s = quantize(w, -2, float8_dtype)  # (E, N, K), (E, 1, K)
+    return q.transpose(-2, -1).contiguous(), s.reshape(E, K)
+
+
+
+
+# ---------------------------------------------------------------------------------------------- FSDP2 payloads
+def quantize_rows_into(datas: list, q_ptrs: list, s_ptrs: list, float8_dtype: torch.dtype) -> bool:
+    """Quantize each 2-D weight of ``datas`` per row, writing its fp8 bytes and float32 scales to the device addresses
+    ``q_ptrs[i]`` / ``s_ptrs[i]`` (one launch of the row kernel for all: FSDP2's packed all-gather payload).
+
+    Returns:
+        True when the kernel ran (CUDA with Triton, every weight taken by it); False when nothing was written (the
+        caller quantizes weight by weight with :func:`quantize`, the same bytes)."""
+    if not (kernels.HAS_TRITON and all(kernels.row_kernel_available(d) for d in datas)):
+        return False
+    kernels.quantize_last_dim_group_into(datas, q_ptrs, s_ptrs, float8_dtype, SCALE_FLOOR)
+    return True
+
+
+# ---------------------------------------------------------------------------------------------- fp8 layout copies
+def _transpose_after_impl(q: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+    """``fp8tensor::transpose_after``: ``q.t().contiguous()`` (always a copy); ``after`` is not read. CUDA fp8: one
+    tiled Triton kernel (:func:`fp8tensor.kernels.launch_transpose`); otherwise ATen's copy."""
+    if kernels.transpose_available(q):
+        return kernels.launch_transpose(q)
+    return q.t().clone(memory_format=torch.contiguous_format)  # a copy: the op's output never aliases its input
+
+
+# The traced form without the kernel (CPU tensors, builds without Triton): an opaque op taking ``after`` as an input.
+# Registered with ``torch.library.Library`` (a schema and one Python kernel for every backend) rather than
+# ``torch.library.custom_op``, whose Python wrappers cost more than the copy.
+_LIB.define("transpose_after(Tensor q, Tensor after) -> Tensor")
+_LIB.impl("transpose_after", _transpose_after_impl, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("fp8tensor::transpose_after", lib=_LIB)
+def _(q, after):
+    return q.new_empty((q.shape[1], q.shape[0]))
+
+
+def transpose_after(q: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+    """``q.t().contiguous()`` (a copy) for the grad_input GEMM, which needs the fp8 weight column-major, ordered after
+    ``after`` (``grad_out``) in a traced graph.
+
+    Computed from the weight alone, the compiled partitioner would hoist the copy into the forward graph and keep it
+    until backward — a second fp8 copy of every weight next to the one FSDP2 holds. Pinned after ``grad_out``, it is
+    made in the backward right before its GEMM and dies with it.
+
+    * eager, plain tensors: the copy runs directly (the transpose kernel on CUDA; no dispatcher round trip);
+    * otherwise (traced, under a mode): the opaque op ``fp8tensor::transpose_after``, which takes ``after`` as an
+      input."""
+    if kernels.eager_launch_ok(q) and kernels.eager_launch_ok(after):
+        return _transpose_after_impl(q, after)  # eager: the op's body (the kernel on CUDA), no dispatcher trip
+    return torch.ops.fp8tensor.transpose_after(q, after)
 
 

@@ -110,3 +110,20 @@ def test_registration_is_all_or_nothing_per_op():
         assert OP_TABLE[op] is first
     finally:
         OP_TABLE.pop(op, None)
+
+
+def test_only_quantize_imports_the_kernels():
+    """``quantize.py`` is the one entry point to quantization: no other module reaches the kernels directly."""
+    users = sorted(p.stem for p in PKG.glob("*.py") if "kernels" in _package_imports(p))
+    assert users == ["quantize"], users
+
+
+def test_custom_ops_live_in_one_module():
+    """Every ``fp8tensor::`` op (``torch.library`` definitions, ``custom_op`` / ``triton_op``) is registered in
+    ``quantize.py``."""
+    registering = set()
+    for p in PKG.glob("*.py"):
+        for node in ast.walk(ast.parse(p.read_text(), str(p))):
+            if isinstance(node, ast.Attribute) and node.attr in ("custom_op", "triton_op", "Library", "define"):
+                registering.add(p.stem)
+    assert registering <= {"quantize"}, sorted(registering)

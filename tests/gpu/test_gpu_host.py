@@ -122,7 +122,7 @@ def test_fsdp_one_rank_grouped_packed_matches_per_weight(reshard):
 def test_transpose_kernel_bit_identical(shape, float8_dtype):
     """The tiled fp8 transpose (eager launch, the op, compiled) is ``q.t().contiguous()`` bit for bit, also for a
     row-sliced view (row stride larger than its width)."""
-    from fp8tensor.linear import _transpose_after
+    from fp8tensor.quantize import transpose_after as _transpose_after
 
     q = (torch.randn(*shape, device=DEV) * 50).to(float8_dtype)
     g = torch.randn(8, 8, device=DEV)

@@ -67,7 +67,7 @@ class Config:
             (CUDA, e4m3, dims multiples of 16). False: a loop of ``torch._scaled_mm`` over the groups everywhere
             (the CPU path; to compare the two on a GPU).
         size_rule: (default False) whether :func:`fp8tensor.convert_to_fp8` applies the size-aware choice
-            :func:`fp8tensor.convert.fp8_size_choice` (Linears too small for fp8 to pay stay in high precision,
+            :func:`fp8tensor.recipes.fp8_size_choice` (Linears too small for fp8 to pay stay in high precision,
             mid-sized ``rowwise`` ones get ``rowwise_gw_hp``) when its ``size_rule`` argument is left at None. Off
             by default: converting converts what the filter selects, with the requested recipe.
         size_rule_min: (default 640) the size rule's threshold on ``K * N / (K + N)`` (``K`` in_features, ``N``

@@ -170,7 +170,7 @@ if _IMPORT_ERROR is None:
             """Linears whose FQN contains one of these strings stay in high precision (e.g. ``["lm_head"]``)."""
 
             size_rule: bool = False
-            """The size-aware choice (:func:`fp8tensor.convert.fp8_size_choice`, as ``convert_to_fp8(...,
+            """The size-aware choice (:func:`fp8tensor.recipes.fp8_size_choice`, as ``convert_to_fp8(...,
             size_rule=True)``): Linears too small for fp8 stay in high precision, mid-sized ``rowwise`` ones get
             ``rowwise_gw_hp``."""
 
@@ -189,7 +189,7 @@ if _IMPORT_ERROR is None:
         """Replace the selected ``Linear.Config`` nodes of ``model_config`` (in place) by
         :class:`Fp8TensorLinear.Config` and the selected ``GroupedExperts.Config`` nodes by
         :class:`Fp8TensorGroupedExperts.Config`; returns the (possibly replaced) root config. ``size_rule``: each
-        Linear's recipe from :func:`fp8tensor.convert.fp8_size_choice` (None: the node is left in high precision)."""
+        Linear's recipe from :func:`fp8tensor.recipes.fp8_size_choice` (None: the node is left in high precision)."""
         get_recipe(recipe)
         filter_fqns = list(filter_fqns or [])
         nodes = [(n, Fp8TensorLinear.Config) for n in model_config.traverse(Linear.Config)

@@ -30,6 +30,8 @@ LAYERS = [
     ["grouped"],  # fp8 grouped GEMMs of expert weights (torch._grouped_mm)
     ["master"],
     ["fsdp_state", "collectives", "parallel"],
+    ["export"],  # torch.export of tensor-parallel fp8 models refused early
+    ["modules"],  # the classes of converted modules, the class and parameter swaps, their state-dict hooks
     ["convert", "graphs"],
     ["__init__"],
     ["torchtitan"],  # optional integration (imports torchtitan when present); nothing in the package imports it

@@ -1,0 +1,366 @@
+"""The classes of converted modules and what converting a module needs: the class swap, the parameter swap, the
+redirect of a framework's instance-level forward, and the state-dict hooks.
+
+A converted Linear of class ``C`` becomes ``Fp8C(Fp8LinearMixin, C)``; a converted grouped-experts module
+``Fp8C(Fp8GroupedExpertsMixin, C)`` (:func:`converted_class`, one class per pair). :mod:`fp8tensor.convert` selects
+the modules and applies these.
+"""
+from __future__ import annotations
+
+import functools
+import types
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from . import checkpoint as _checkpoint
+from . import compat
+from .export import add_tp_export_hook
+from .fsdp_state import refresh_fsdp_param
+from .grouped import Fp8GroupedMMMode
+from .linear import fp8_linear
+from .master import Fp8MasterWeight
+from .quantize import E4M3
+from .tensor import ScaledFp8Tensor, _is_dtensor, map_shard
+
+__all__ = ["fp8_linear_forward", "Fp8LinearMixin", "Fp8Linear", "Fp8GroupedExpertsMixin", "converted_class",
+           "fp8_class", "experts_class", "uses_grouped_mm", "own_forward", "instance_forward", "install_fp8_forward",
+           "swap_local", "plain_state_dict_hook", "rewrap_after_load", "add_fp8_checkpoint_hooks",
+           "quantize_expert_weight"]
+
+
+def fp8_linear_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
+    """``forward`` of converted ``nn.Linear`` modules: :func:`fp8tensor.fp8_linear` with the module's recipe.
+
+    ``input``: ``[..., in_features]`` (plain tensor or DTensor); returns ``[..., out_features]``."""
+    return fp8_linear(input, self.weight, self.bias, recipe=self.fp8_recipe)
+
+
+class Fp8LinearMixin:
+    """Marks a converted Linear and gives it :func:`fp8_linear_forward` as ``forward``.
+
+    ``convert_to_fp8`` / ``quantize_weights`` change a selected module's class ``C`` (``nn.Linear``, a subclass of
+    it that keeps ``nn.Linear.forward``, or FSDP2's ``FSDPLinear``) to a subclass ``Fp8C(Fp8LinearMixin, C)``, one
+    per original class. Changing the class rather than setting ``forward`` on each instance keeps
+    ``isinstance(m, C)`` and lets ``torch.compile`` share one graph between layers (a per-instance ``forward`` is
+    guarded by object identity, which recompiles once per Linear and soon hits dynamo's recompile limit).
+    Pickles name the original class, so a converted model loads in a process that never converted anything.
+    """
+
+    forward = fp8_linear_forward
+    _fp8_base: type = nn.Linear
+
+    def __reduce_ex__(self, protocol):
+        return (_new_converted, (type(self)._fp8_base,), self.__getstate__())
+
+    def register_parameter(self, name: str, param) -> None:
+        """``nn.Module.register_parameter`` (also what ``setattr`` of a Parameter calls); a DTensor ``weight`` (a
+        ``parallelize_module`` after the conversion) gets the ``torch.export`` check first among the forward
+        pre-hooks, before those the parallel style registers next (:func:`fp8tensor.export.add_tp_export_hook`)."""
+        super().register_parameter(name, param)
+        if name == "weight":
+            add_tp_export_hook(self)
+
+
+class Fp8Linear(Fp8LinearMixin, nn.Linear):
+    """A converted ``nn.Linear`` (the class :func:`convert_to_fp8` gives plain ``nn.Linear`` modules)."""
+
+
+#: (mixin, original class) -> converted class, one per pair: the one class-swap skeleton of Linears and experts.
+_CONVERTED: dict = {(Fp8LinearMixin, nn.Linear): Fp8Linear}
+
+
+def converted_class(mixin: type, cls: type) -> type:
+    """The converted counterpart ``Fp8C(mixin, C)`` of module class ``cls`` (created once per class and mixin)."""
+    if issubclass(cls, mixin):
+        return cls
+    new = _CONVERTED.get((mixin, cls))
+    if new is None:
+        new = type(f"Fp8{cls.__name__}", (mixin, cls), {"__module__": cls.__module__, "_fp8_base": cls})
+        _CONVERTED[(mixin, cls)] = new
+    return new
+
+
+def fp8_class(cls: type) -> type:
+    """The converted counterpart of Linear class ``cls``."""
+    return converted_class(Fp8LinearMixin, cls)
+
+
+def _new_converted(base: type, mixin: type = None):
+    """Unpickling helper: an empty instance of the converted class of ``base`` (state is set by pickle)."""
+    return object.__new__(converted_class(mixin or Fp8LinearMixin, base))
+
+
+def own_forward(lin: nn.Module) -> Optional[str]:
+    """Why ``lin`` cannot be converted without changing what it computes: a class forward of its own that
+    conversion would drop, or a parametrized weight (e.g. weight norm) that has no single tensor to swap. None when
+    it can. (A forward set on the instance is judged by :func:`_instance_forward`.)"""
+    from torch.nn.utils import parametrize
+
+    if parametrize.is_parametrized(lin, "weight"):
+        return "weight is parametrized"
+    if type(lin).forward is not nn.Linear.forward and not isinstance(lin, Fp8LinearMixin):
+        return f"{type(lin).__name__}.forward overrides nn.Linear.forward"
+    return None
+
+
+_MAX_DEPTH = 8
+_LINEAR_FORWARDS = (nn.Linear.forward, fp8_linear_forward)
+
+
+class _Redirect:
+    """Where a ``forward`` set on Linear ``lin``'s instance holds ``lin``'s own bound forward (``nn.Linear.forward``
+    or the fp8 forward, bound to ``lin``), and the edits that point each of those references at the fp8 forward.
+
+    Frameworks wrap a module's forward on the instance: torchtitan's ``Module.parallelize`` sets
+    ``lin.forward = forward_with_redistribution``, a closure that redistributes the inputs and calls the bound
+    ``lin.forward`` it captured (through ``local_map``'s ``functools.partial`` when one applies). Such a wrapper
+    ends in the Linear's own computation; the user's own forward (e.g. ``F.linear(x, lin.weight) * 2``) does not
+    hold the bound method and is not touched. The scan follows closure cells, default arguments, partials, lists,
+    tuples, dicts, bound methods of other objects and attributes of callable wrapper objects (not modules or
+    tensors), up to depth 8. Cells, defaults, lists, dicts and attributes are edited in place; partials and plain
+    tuples are rebuilt and replaced in their parent; a reference held where neither works (e.g. a named tuple) is
+    ``blocked``. Nothing is edited before :meth:`apply`.
+    """
+
+    def __init__(self, lin: nn.Module):
+        self.lin = lin
+        self.found: list = []
+        self.blocked: list = []
+        self._edits: list = []
+        self._memo: dict = {}
+
+    def apply(self) -> None:
+        """Point every found reference at ``lin``'s fp8 forward (call after ``lin``'s class was converted)."""
+        for edit in self._edits:
+            edit()
+
+    def scaninstance_forward(self) -> None:
+        f = self.lin.__dict__["forward"]
+        new = self._scan(f, "forward", 0)
+        if new is not f:
+            self._edits.append(functools.partial(self.lin.__dict__.__setitem__, "forward", new))
+
+    def _scan(self, obj, path: str, depth: int):
+        """The object that should replace ``obj`` (``obj`` itself when nothing needs replacing)."""
+        if isinstance(obj, types.MethodType) and obj.__self__ is self.lin and obj.__func__ in _LINEAR_FORWARDS:
+            self.found.append(path)
+            return types.MethodType(fp8_linear_forward, self.lin)
+        if depth > _MAX_DEPTH or isinstance(obj, (nn.Module, torch.Tensor, type)):
+            return obj
+        if id(obj) in self._memo:
+            return self._memo[id(obj)][1]
+        self._memo[id(obj)] = (obj, obj)  # a cycle back to an object being scanned keeps it
+        new = self._scan_children(obj, path, depth + 1)
+        self._memo[id(obj)] = (obj, new)  # holds obj: its id is not reused during the scan
+        return new
+
+    def _scan_children(self, obj, path: str, depth: int):
+        def sub(child, where):
+            return self._scan(child, path + where, depth)
+
+        def edit_items(container, items):
+            for key, value in items:
+                new = sub(value, f"[{key!r}]")
+                if new is not value:
+                    self._edits.append(functools.partial(container.__setitem__, key, new))
+
+        if isinstance(obj, functools.partial):
+            func = sub(obj.func, ".func")
+            args = tuple(sub(a, f".args[{i}]") for i, a in enumerate(obj.args))
+            kw = {k: sub(v, f".keywords[{k!r}]") for k, v in obj.keywords.items()}
+            if func is obj.func and _same(args, obj.args) and _same(kw.values(), obj.keywords.values()):
+                return obj
+            if type(obj) is not functools.partial:
+                return self._block(obj, path)
+            return functools.partial(func, *args, **kw)
+        if isinstance(obj, tuple):
+            items = tuple(sub(v, f"[{i}]") for i, v in enumerate(obj))
+            if _same(items, obj):
+                return obj
+            return tuple(items) if type(obj) is tuple else self._block(obj, path)
+        if isinstance(obj, list):
+            edit_items(obj, list(enumerate(obj)))
+        elif isinstance(obj, dict):
+            edit_items(obj, list(obj.items()))
+        elif isinstance(obj, types.MethodType):  # a bound method of another object
+            sub(obj.__func__, ".__func__")
+            sub(obj.__self__, ".__self__")
+        elif isinstance(obj, types.FunctionType):
+            for name, cell in zip(obj.__code__.co_freevars, obj.__closure__ or ()):
+                try:
+                    value = cell.cell_contents
+                except ValueError:  # an empty cell
+                    continue
+                new = sub(value, f"<closure {name}>")
+                if new is not value:
+                    self._edits.append(functools.partial(setattr, cell, "cell_contents", new))
+            if obj.__defaults__:
+                defaults = tuple(sub(d, f"<default {i}>") for i, d in enumerate(obj.__defaults__))
+                if not _same(defaults, obj.__defaults__):
+                    self._edits.append(functools.partial(setattr, obj, "__defaults__", defaults))
+            if obj.__kwdefaults__:
+                edit_items(obj.__kwdefaults__, list(obj.__kwdefaults__.items()))
+        elif callable(obj) and isinstance(getattr(obj, "__dict__", None), dict):  # a callable wrapper object
+            for key, value in list(vars(obj).items()):
+                new = sub(value, f".{key}")
+                if new is not value:
+                    self._edits.append(functools.partial(setattr, obj, key, new))
+        return obj
+
+    def _block(self, obj, path: str):
+        self.blocked.append(f"{path} ({type(obj).__name__})")
+        return obj
+
+
+def _same(a, b) -> bool:
+    return all(x is y for x, y in zip(a, b))
+
+
+def instance_forward(lin: nn.Module) -> Optional[_Redirect]:
+    """The redirect plan of a forward set on ``lin``'s instance; None when there is none."""
+    if lin.__dict__.get("forward") is None:
+        return None
+    plan = _Redirect(lin)
+    plan.scaninstance_forward()
+    return plan
+
+
+def install_fp8_forward(lin: nn.Linear, cls: type, redirect: Optional[_Redirect]) -> None:
+    lin.__class__ = cls
+    if redirect is not None:
+        redirect.apply()
+
+
+def swap_local(param: torch.Tensor, fn) -> Optional[nn.Parameter]:
+    """Swap the (local) tensor of ``param`` for ``fn(local)``.
+
+    DTensor parameters are updated in place (same Parameter object, same placements; FSDP2's bookkeeping is
+    refreshed); plain parameters return a new Parameter to set on the module.
+    """
+    if _is_dtensor(param):
+        compat.set_local_tensor(param, map_shard(compat.local_tensor(param), fn))
+        refresh_fsdp_param(param)
+        return None
+    return nn.Parameter(fn(param.data), requires_grad=param.requires_grad)
+
+
+# ---------------------------------------------------------------------------------------------- state-dict hooks
+def plain_state_dict_hook(module, state_dict, prefix, local_metadata):
+    """State dict of a converted module holds plain high-precision weights (loadable without fp8tensor): every
+    parameter of ``module`` that is a master weight (or a DTensor of one) is stored as its high-precision data."""
+    for name, p in module._parameters.items():
+        key = prefix + name
+        t = state_dict.get(key)
+        if t is None:
+            continue
+        if _is_dtensor(t):
+            local = compat.local_tensor(t)
+            if isinstance(local, Fp8MasterWeight):
+                from torch.distributed.tensor import DTensor
+
+                state_dict[key] = DTensor.from_local(
+                    local._data, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
+                )
+        elif isinstance(t, Fp8MasterWeight):
+            state_dict[key] = t._data
+
+
+def rewrap_after_load(module, incompatible_keys):
+    """After ``load_state_dict(assign=True)`` replaced a converted weight (a Linear's ``weight``, a grouped-experts
+    module's ``fp8_expert_params``) with a plain tensor, make it a master weight again."""
+    for name in getattr(module, "fp8_expert_params", None) or ("weight",):
+        w = getattr(module, name)
+        local = compat.local_tensor(w) if _is_dtensor(w) else w
+        if isinstance(local, (Fp8MasterWeight, ScaledFp8Tensor)):
+            continue
+        new = swap_local(w, lambda lt: Fp8MasterWeight(lt, module.fp8_recipe))
+        if new is not None:
+            setattr(module, name, new)
+
+
+def add_fp8_checkpoint_hooks(mod: nn.Module, float8_dtype: torch.dtype = E4M3) -> None:
+    """Once per module: the state-dict hooks of :mod:`fp8tensor.checkpoint` (``state_dict()`` in the plain layout
+    under ``fp8tensor.config(state_dict_fp8="plain")``; loading accepts the plain layout), and a post-hook that
+    stores a weight again in fp8 (``float8_dtype``) after ``load_state_dict(..., assign=True)`` of a high-precision
+    checkpoint replaced it."""
+    if not getattr(mod, "_fp8_checkpoint_hooks", False):
+        compat.register_state_dict_hook(mod, _checkpoint.state_dict_hook)
+        mod.register_load_state_dict_pre_hook(_checkpoint.load_state_dict_pre_hook)
+        mod.register_load_state_dict_post_hook(_requantize_after_load)
+        mod._fp8_checkpoint_hooks = True
+    mod._fp8_float8_dtype = float8_dtype
+
+
+def _requantize_after_load(module, incompatible_keys):
+    """After ``load_state_dict(assign=True)`` put a plain high-precision tensor where :func:`quantize_weights` stored
+    fp8 (a Linear's ``weight``, a grouped-experts module's expert weights), store it in fp8 again (row-wise, as
+    ``quantize_weights`` does)."""
+    dt = getattr(module, "_fp8_float8_dtype", E4M3)
+    names = getattr(module, "fp8_expert_params", None) or ("weight",)
+    for name in names:
+        w = module._parameters.get(name)
+        if w is None or _is_dtensor(w) or isinstance(w, ScaledFp8Tensor) or not w.dtype.is_floating_point \
+                or w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            continue
+        q = quantize_expert_weight(w.detach(), dt) if w.dim() == 3 else ScaledFp8Tensor.from_hp(w.detach(), dt)
+        setattr(module, name, nn.Parameter(q, requires_grad=False))
+
+
+def quantize_expert_weight(lt: torch.Tensor, float8_dtype: torch.dtype) -> ScaledFp8Tensor:
+    hp = lt._data if isinstance(lt, Fp8MasterWeight) else lt
+    return ScaledFp8Tensor.from_hp(hp.detach(), float8_dtype)
+
+
+# ---------------------------------------------------------------------------------------------- grouped experts
+_GROUPED_SOURCE: dict = {}
+
+
+def uses_grouped_mm(cls: type) -> bool:
+    """Whether module class ``cls`` (or a base class below ``nn.Module``) calls ``torch._grouped_mm`` /
+    ``F.grouped_mm`` in its source: a grouped-experts module (e.g. torchtitan's ``GroupedExperts``), whose 3-D
+    parameters ``(E, out, in)`` :func:`convert_to_fp8` converts. Read with ``inspect.getsource`` (False when the
+    source is not available)."""
+    import inspect
+
+    hit = _GROUPED_SOURCE.get(cls)
+    if hit is None:
+        hit = False
+        for c in cls.__mro__:
+            if c in (nn.Module, object) or issubclass(nn.Module, c):
+                continue
+            try:
+                src = inspect.getsource(c)
+            except (OSError, TypeError):
+                continue
+            if "grouped_mm" in src:
+                hit = True
+                break
+        _GROUPED_SOURCE[cls] = hit
+    return hit
+
+
+def _grouped_experts_forward(self, *args, **kwargs):
+    """``forward`` of converted grouped-experts modules: the module's own forward under
+    :class:`~fp8tensor.grouped.Fp8GroupedMMMode`, so its ``torch._grouped_mm`` calls with the converted expert weights
+    run :func:`~fp8tensor.grouped.fp8_grouped_mm` (also when the weight is the fp8 weight FSDP2 all-gathered)."""
+    with Fp8GroupedMMMode(self.fp8_recipe):
+        return type(self)._fp8_base.forward(self, *args, **kwargs)
+
+
+class Fp8GroupedExpertsMixin:
+    """Marks a converted grouped-experts module ``C`` (class ``Fp8C(Fp8GroupedExpertsMixin, C)``, one per class):
+    its forward is ``C.forward`` under :class:`~fp8tensor.grouped.Fp8GroupedMMMode`; ``fp8_expert_params`` names its
+    converted 3-D parameters. Pickles name the original class."""
+
+    forward = _grouped_experts_forward
+    _fp8_base: type = nn.Module
+
+    def __reduce_ex__(self, protocol):
+        return (_new_converted, (type(self)._fp8_base, Fp8GroupedExpertsMixin), self.__getstate__())
+
+
+def experts_class(cls: type) -> type:
+    """The converted counterpart of grouped-experts class ``cls``."""
+    return converted_class(Fp8GroupedExpertsMixin, cls)

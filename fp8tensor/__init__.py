@@ -18,23 +18,52 @@ Public API:
 * :class:`Fp8PrepareModuleInput` / :func:`fp8_sequence_parallel_plan` — fp8 all-gather of sequence-parallel
   activations (per-token scales), see ``docs/sp_fp8.md``.
 """
-from .settings import Config, config, get_config, set_config
-from .quantize import E4M3, E5M2, quantize_rowwise
-from .tensor import ScaledFp8Tensor, dequantize
-from . import ops  # registers the non-GEMM op table entries
-from .gemm import BACKENDS, gemm_backend, get_gemm_backend, set_gemm_backend
-from .recipes import Recipe, RECIPES
-from .linear import fp8_linear
-from .grouped import fp8_grouped_mm
-from .master import Fp8MasterWeight
-from . import fsdp_state  # drops FSDP2's flat copy of fp8 shards
-from . import collectives  # fp8 collectives for DTensor / TP
-from .convert import convert_to_fp8, quantize_weights
-from .checkpoint import load_safetensors, plain_state_dict
-from .graphs import GraphedStep, graph_step
+from .core.settings import Config, config, get_config, set_config
+from .numerics.quantize import E4M3, E5M2, quantize_rowwise
+from .subclass.tensor import ScaledFp8Tensor, dequantize
+from .subclass import ops  # registers the non-GEMM op table entries
+from .subclass.gemm import BACKENDS, gemm_backend, get_gemm_backend, set_gemm_backend
+from .training.recipes import Recipe, RECIPES
+from .training.linear import fp8_linear
+from .training.grouped import fp8_grouped_mm
+from .training.master import Fp8MasterWeight
+from .distributed import fsdp_state  # drops FSDP2's flat copy of fp8 shards
+from .distributed import collectives  # fp8 collectives for DTensor / TP
+from .conversion.convert import convert_to_fp8, quantize_weights
+from .conversion.checkpoint import load_safetensors, plain_state_dict
+from .training.graphs import GraphedStep, graph_step
 
 #: Modules imported for what they register (op table entries, FSDP2 and collective handlers), not for names.
 _REGISTERING = (ops, fsdp_state, collectives)
+
+
+def _alias_modules() -> None:
+    """``fp8tensor.<module>`` names each module by its flat name too (``fp8tensor.quantize``, ``fp8tensor.linear``,
+    ``fp8tensor.master``, ...: the layout before the layer folders), so imports, monkeypatches and pickles that name
+    them keep working; ``fp8tensor.fsdp`` is ``fp8tensor.numerics.fsdp_payload``."""
+    import importlib
+    import sys
+
+    layers = {
+        "core": ("compat", "capture", "settings"),
+        "numerics": ("kernels", "quantize", "fsdp_payload"),
+        "subclass": ("tensor", "ops", "gemm"),
+        "training": ("recipes", "linear", "grouped", "master", "graphs"),
+        "distributed": ("fsdp_state", "collectives", "parallel"),
+        "conversion": ("checkpoint", "export", "modules", "convert"),
+    }
+    for layer, names in layers.items():
+        for name in names:
+            try:
+                mod = importlib.import_module(f"{__name__}.{layer}.{name}")
+            except ImportError:  # pragma: no cover - parallel needs torch.distributed
+                continue
+            flat = "fsdp" if name == "fsdp_payload" else name
+            sys.modules.setdefault(f"{__name__}.{flat}", mod)
+            globals().setdefault(flat, mod)
+
+
+_alias_modules()
 
 __all__ = [
     "Fp8MasterWeight",
@@ -63,7 +92,7 @@ __all__ = [
     "load_safetensors",
 ]
 try:  # fp8 sequence-parallel communication (needs torch.distributed)
-    from .parallel import Fp8PrepareModuleInput, fp8_sequence_all_gather, fp8_sequence_parallel_plan
+    from .distributed.parallel import Fp8PrepareModuleInput, fp8_sequence_all_gather, fp8_sequence_parallel_plan
 
     __all__ += ["Fp8PrepareModuleInput", "fp8_sequence_all_gather", "fp8_sequence_parallel_plan"]
 except ImportError:  # pragma: no cover - torch builds without distributed

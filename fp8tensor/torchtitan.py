@@ -30,8 +30,8 @@ from __future__ import annotations
 from dataclasses import field
 from typing import Any
 
-from .convert import Fp8GroupedExpertsMixin, Fp8LinearMixin, convert_to_fp8, fp8_size_choice
-from .recipes import get_recipe
+from .conversion.convert import Fp8GroupedExpertsMixin, Fp8LinearMixin, convert_to_fp8, fp8_size_choice
+from .training.recipes import get_recipe
 
 __all__ = [
     "Fp8TensorLinear",

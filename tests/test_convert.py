@@ -1,4 +1,4 @@
-"""Module conversion (fp8tensor/convert.py): convert_to_fp8 and quantize_weights on plain (non-distributed) modules."""
+"""Module conversion (fp8tensor/conversion/convert.py): convert_to_fp8 and quantize_weights on plain (non-distributed) modules."""
 from __future__ import annotations
 
 import copy

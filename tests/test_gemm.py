@@ -1,4 +1,4 @@
-"""fp8 GEMMs (fp8tensor/gemm.py, the mm/addmm entries of the op table) against float64 references.
+"""fp8 GEMMs (fp8tensor/subclass/gemm.py, the mm/addmm entries of the op table) against float64 references.
 
 Two kinds of reference:
 

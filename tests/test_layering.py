@@ -12,77 +12,104 @@ import pytest
 import torch
 
 import fp8tensor
-from fp8tensor.tensor import OP_TABLE, implements
+from fp8tensor.subclass.tensor import OP_TABLE, implements
 
 PKG = pathlib.Path(fp8tensor.__file__).parent
 
-# Bottom to top. A module may import only modules of strictly lower layers (modules of one layer are independent).
+# Bottom to top: a folder per layer, in it the modules in their order. A module imports only modules of strictly
+# lower rows (modules of one row are independent); a folder's rows all lie above the rows of the folders before it.
 LAYERS = [
-    ["compat", "capture", "settings"],  # which CUDA-graph capture is running; the library's settings
-    ["kernels"],
-    ["quantize"],
-    ["fsdp"],  # the FSDP2 all-gather payload, on plain qdata / scale tensors
-    ["tensor"],
-    ["ops"],
-    ["gemm"],
-    ["recipes", "checkpoint"],  # recipes; the plain fp8 checkpoint layout (safetensors / Hugging Face)
-    ["linear"],
-    ["grouped"],  # fp8 grouped GEMMs of expert weights (torch._grouped_mm)
-    ["master"],
-    ["fsdp_state", "collectives", "parallel"],
-    ["export"],  # torch.export of tensor-parallel fp8 models refused early
-    ["modules"],  # the classes of converted modules, the class and parameter swaps, their state-dict hooks
-    ["convert", "graphs"],
-    ["__init__"],
-    ["torchtitan"],  # optional integration (imports torchtitan when present); nothing in the package imports it
+    ("core", [["compat", "capture", "settings"]]),
+    ("numerics", [["kernels"], ["quantize"], ["fsdp_payload"]]),
+    ("subclass", [["tensor"], ["ops"], ["gemm"]]),
+    ("training", [["recipes", "graphs"], ["linear"], ["grouped"], ["master"]]),
+    ("distributed", [["fsdp_state", "collectives", "parallel"]]),
+    ("conversion", [["checkpoint", "export"], ["modules"], ["convert"]]),
+    ("", [["__init__"], ["torchtitan"]]),  # the public API; the optional torchtitan integration (imports torchtitan)
 ]
-LAYER_OF = {m: i for i, layer in enumerate(LAYERS) for m in layer}
+ROWS = [[f"{folder}.{m}" if folder else m for m in row] for folder, rows in LAYERS for row in rows]
+LAYER_OF = {m: i for i, row in enumerate(ROWS) for m in row}
 
 
-def _package_imports(path: pathlib.Path) -> set[str]:
-    """Names of the fp8tensor modules that ``path`` imports, anywhere in the file."""
-    modules = {p.stem for p in PKG.glob("*.py")}
+def _module_name(path: pathlib.Path) -> str:
+    rel = path.relative_to(PKG).with_suffix("")
+    return ".".join(rel.parts)
+
+
+def _modules() -> dict:
+    """Dotted name (``training.linear``; ``__init__`` for the package's) -> path, folders' ``__init__`` excluded."""
+    return {_module_name(p): p for p in PKG.rglob("*.py") if not (p.name == "__init__.py" and p.parent != PKG)}
+
+
+def _package_imports(path: pathlib.Path, base: pathlib.Path = None) -> set[str]:
+    """Dotted names of the fp8tensor modules that ``path`` imports, anywhere in the file (``base``: the package root
+    ``path`` lies in, for files outside the package)."""
+    base = base or PKG
+    here = list(path.relative_to(base).parent.parts)  # the folder of ``path`` inside the package
+    mods = set(_modules()) | {"__init__"}
     out = set()
+
+    def add(target: list, names):
+        dotted = ".".join(target)
+        if dotted in mods:
+            out.add(dotted)
+            return
+        for a in names:  # from <package> import x: x is a module of that package, or a name of its __init__
+            sub = ".".join(target + [a.name])
+            out.add(sub if sub in mods else (dotted + ".__init__" if dotted else "__init__"))
+
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.ImportFrom):
-            if node.level == 0 and not (node.module or "").startswith("fp8tensor"):
-                continue
-            if node.level > 1:
-                raise AssertionError(f"{path.name}: import from above the package: {ast.unparse(node)}")
-            base = (node.module or "") if node.level else (node.module or "").removeprefix("fp8tensor").lstrip(".")
-            if base:
-                out.add(base.split(".")[0])
-            else:  # from . import x / from fp8tensor import x: x may be a module or a name of __init__
-                out.update(a.name if a.name in modules else "__init__" for a in node.names)
+            if node.level == 0:
+                parts = (node.module or "").split(".")
+                if parts[0] != "fp8tensor":
+                    continue
+                add(parts[1:], node.names)
+            else:
+                if node.level - 1 > len(here):
+                    raise AssertionError(f"{path.name}: import from above the package: {ast.unparse(node)}")
+                target = here[:len(here) - (node.level - 1)] + ([*node.module.split(".")] if node.module else [])
+                add(target, node.names)
         elif isinstance(node, ast.Import):
             for a in node.names:
                 parts = a.name.split(".")
                 if parts[0] == "fp8tensor":
-                    out.add(parts[1] if len(parts) > 1 else "__init__")
-    return out
+                    out.add(".".join(parts[1:]) or "__init__")
+    return {m.removesuffix(".__init__") if m.endswith(".__init__") else m for m in out}
 
 
 def test_every_module_has_a_layer():
-    assert {p.stem for p in PKG.glob("*.py")} == set(LAYER_OF)
+    assert set(_modules()) == set(LAYER_OF)
+
+
+def test_every_layer_is_a_folder():
+    for folder, _ in LAYERS:
+        if folder:
+            assert (PKG / folder / "__init__.py").read_text().startswith('"""'), f"{folder}/__init__.py: no docstring"
 
 
 @pytest.mark.parametrize("module", sorted(LAYER_OF))
 def test_imports_only_go_down(module):
-    imported = _package_imports(PKG / f"{module}.py")
-    wrong = sorted(m for m in imported if LAYER_OF.get(m, len(LAYERS)) >= LAYER_OF[module] and m != module)
-    assert not wrong, f"fp8tensor/{module}.py imports {wrong}, which are not below it ({LAYERS})"
+    imported = _package_imports(_modules()[module])
+    folders = {f for f, _ in LAYERS if f}
+    wrong = sorted(m for m in imported if m not in folders and LAYER_OF.get(m, len(ROWS)) >= LAYER_OF[module]
+                   and m != module)
+    assert not wrong, f"fp8tensor/{module}.py imports {wrong}, which are not below it ({ROWS})"
 
 
 def test_kernels_import_only_compat():
     # the kernels know nothing of the package but its one door to torch's version-dependent state
-    assert _package_imports(PKG / "kernels.py") <= {"compat"}
+    assert _package_imports(PKG / "numerics" / "kernels.py") <= {"core.compat"}
 
 
 def test_import_scanner_sees_nested_and_absolute_imports(tmp_path):
     # The scanner itself must not be blind: a function-level relative import and an absolute one are both found.
-    f = tmp_path / "m.py"
-    f.write_text("def f():\n    from .convert import x\n    import fp8tensor.master\n    from . import gemm\n")
-    assert _package_imports(f) == {"convert", "master", "gemm"}
+    (tmp_path / "training").mkdir()
+    f = tmp_path / "training" / "m.py"
+    f.write_text("def f():\n    from ..conversion.convert import x\n    import fp8tensor.training.master\n"
+                 "    from . import linear\n    from ..subclass import gemm\n")
+    assert _package_imports(f, tmp_path) == {"conversion.convert", "training.master", "training.linear",
+                                             "subclass.gemm"}
 
 
 def test_second_registration_of_an_op_raises():
@@ -116,16 +143,16 @@ def test_registration_is_all_or_nothing_per_op():
 
 def test_only_quantize_imports_the_kernels():
     """``quantize.py`` is the one entry point to quantization: no other module reaches the kernels directly."""
-    users = sorted(p.stem for p in PKG.glob("*.py") if "kernels" in _package_imports(p))
-    assert users == ["quantize"], users
+    users = sorted(m for m, p in _modules().items() if "numerics.kernels" in _package_imports(p))
+    assert users == ["numerics.quantize"], users
 
 
 def test_custom_ops_live_in_one_module():
     """Every ``fp8tensor::`` op (``torch.library`` definitions, ``custom_op`` / ``triton_op``) is registered in
     ``quantize.py``."""
     registering = set()
-    for p in PKG.glob("*.py"):
+    for m, p in _modules().items():
         for node in ast.walk(ast.parse(p.read_text(), str(p))):
             if isinstance(node, ast.Attribute) and node.attr in ("custom_op", "triton_op", "Library", "define"):
-                registering.add(p.stem)
-    assert registering <= {"quantize"}, sorted(registering)
+                registering.add(m)
+    assert registering <= {"numerics.quantize"}, sorted(registering)

@@ -1,4 +1,4 @@
-"""The package reaches private PyTorch APIs only through ``fp8tensor/compat.py`` (the claim of its docstring).
+"""The package reaches private PyTorch APIs only through ``fp8tensor/core/compat.py`` (the claim of its docstring).
 
 The syntax trees of every other module are walked: an attribute whose name starts with one underscore (``t._spec``,
 ``torch._C``, ``torch._dynamo``) and an import of a private torch module (``torch._subclasses``,
@@ -67,7 +67,7 @@ def _violations(path: pathlib.Path, private: set[str]) -> list[str]:
 def test_private_torch_apis_only_in_compat():
     private = _torch_private_names()
     bad = [v for p in sorted(PKG.rglob("*.py")) if p.name != "compat.py" for v in _violations(p, private)]
-    assert not bad, "private PyTorch APIs outside fp8tensor/compat.py:\n" + "\n".join(bad)
+    assert not bad, "private PyTorch APIs outside fp8tensor/core/compat.py:\n" + "\n".join(bad)
 
 
 def test_the_walker_sees_private_uses(tmp_path):

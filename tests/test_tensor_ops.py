@@ -1,4 +1,4 @@
-"""The op table of ScaledFp8Tensor (fp8tensor/ops.py): subclass kept where it should be, values bit-exact.
+"""The op table of ScaledFp8Tensor (fp8tensor/subclass/ops.py): subclass kept where it should be, values bit-exact.
 
 For every layout op the rule is: ``op(t).to_hp()`` is bit-for-bit ``op(t.to_hp())`` — an op on fp8 data must move
 data and scales together and never re-round. Views must also share ``qdata``'s storage (no hidden copies).
@@ -276,7 +276,7 @@ class _RecordOps(TorchDispatchMode):
 
 
 def test_every_op_table_entry_is_exercised():
-    """Each op registered by fp8tensor/ops.py is reached by a test case here or in test_gemm.py."""
+    """Each op registered by fp8tensor/subclass/ops.py is reached by a test case here or in test_gemm.py."""
     rec = _RecordOps()
     with rec:
         for name, fn, kind, shape in CASES:

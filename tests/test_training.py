@@ -1,7 +1,7 @@
 """fp8 training (fp8tensor/training.py): gradients of converted Linears, master weights under optimizers, compile.
 
 Each recipe is checked twice: against the float64 truth (bound from e4m3 precision) and against an exact float64
-emulation of the recipe's documented operand quantization (see the table in fp8tensor/recipes.py), which pins
+emulation of the recipe's documented operand quantization (see the table in fp8tensor/training/recipes.py), which pins
 down *which* dims each operand is scaled over.
 """
 from __future__ import annotations

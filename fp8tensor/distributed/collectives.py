@@ -47,10 +47,10 @@ from typing import Any
 
 import torch
 
-from . import compat
-from .master import keep_master_through
-from .ops import _scale_fits
-from .tensor import ScaledFp8Tensor, implements, make_scaled
+from ..core import compat
+from ..training.master import keep_master_through
+from ..subclass.ops import _scale_fits
+from ..subclass.tensor import ScaledFp8Tensor, implements, make_scaled
 
 __all__: list[str] = []
 

@@ -17,19 +17,19 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
-from . import compat
+from ..core import compat
 from . import checkpoint as _checkpoint
-from .quantize import E4M3, check_float8_dtype
-from .fsdp_state import check_fsdp_sharded as _check_fsdp_sharded
-from .fsdp_state import refresh_fsdp_param
+from ..numerics.quantize import E4M3, check_float8_dtype
+from ..distributed.fsdp_state import check_fsdp_sharded as _check_fsdp_sharded
+from ..distributed.fsdp_state import refresh_fsdp_param
 from .export import add_model_export_hook, add_tp_export_hook
-from .master import Fp8MasterWeight
+from ..training.master import Fp8MasterWeight
 from .modules import (Fp8GroupedExpertsMixin, Fp8Linear, Fp8LinearMixin, _new_converted, add_fp8_checkpoint_hooks,
                       experts_class, fp8_class, fp8_linear_forward, install_fp8_forward, instance_forward, own_forward,
                       plain_state_dict_hook, quantize_expert_weight, rewrap_after_load, swap_local, uses_grouped_mm)
-from .recipes import fp8_size_choice, fp8_size_rule, get_recipe
-from .settings import get_config
-from .tensor import ScaledFp8Tensor, _is_dtensor, map_shard
+from ..training.recipes import fp8_size_choice, fp8_size_rule, get_recipe
+from ..core.settings import get_config
+from ..subclass.tensor import ScaledFp8Tensor, _is_dtensor, map_shard
 
 __all__ = ["convert_to_fp8", "quantize_weights", "fp8_linear_forward", "Fp8Linear", "Fp8LinearMixin",
            "Fp8GroupedExpertsMixin", "uses_grouped_mm", "fp8_size_rule", "fp8_size_choice"]

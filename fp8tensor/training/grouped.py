@@ -34,14 +34,14 @@ from typing import Optional
 
 import torch
 
-from . import compat
-from .capture import capture_token
+from ..core import compat
+from ..core.capture import capture_token
 from .linear import QuantizeOnUse
-from .quantize import (E4M3, FLOAT8_DTYPES, amax_to_scale, group_ids, quantize, quantize_expert_cols,
+from ..numerics.quantize import (E4M3, FLOAT8_DTYPES, amax_to_scale, group_ids, quantize, quantize_expert_cols,
                        quantize_group_cols)
 from .recipes import Recipe, get_recipe
-from .settings import get_config
-from .tensor import ScaledFp8Tensor, implements
+from ..core.settings import get_config
+from ..subclass.tensor import ScaledFp8Tensor, implements
 
 __all__ = ["fp8_grouped_mm", "Fp8GroupedMMMode", "quantize_group_cols", "quantize_expert_cols", "padded_offsets",
            "grouped_2d3d", "grouped_2d2d", "ALIGN"]

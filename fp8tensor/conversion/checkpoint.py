@@ -24,10 +24,10 @@ from typing import Mapping, Optional
 
 import torch
 
-from . import compat
-from .quantize import FLOAT8_DTYPES
-from .settings import get_config
-from .tensor import ScaledFp8Tensor, _check_layout, _is_dtensor, make_scaled, rowwise_dims
+from ..core import compat
+from ..numerics.quantize import FLOAT8_DTYPES
+from ..core.settings import get_config
+from ..subclass.tensor import ScaledFp8Tensor, _check_layout, _is_dtensor, make_scaled, rowwise_dims
 
 __all__ = ["SCALE_SUFFIX", "plain_state_dict", "load_safetensors", "state_dict_hook", "load_state_dict_pre_hook",
            "set_hf_quantization_config"]

@@ -19,8 +19,8 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from . import compat
-from .capture import begin_capture
+from ..core import compat
+from ..core.capture import begin_capture
 
 __all__ = ["GraphedStep", "graph_step"]
 

@@ -19,10 +19,10 @@ from typing import Optional
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import compat
-from . import fsdp as _payload
-from .master import Fp8MasterWeight
-from .tensor import ScaledFp8Tensor, _is_dtensor, register_fsdp_pre_all_gather_callback
+from ..core import compat
+from ..numerics import fsdp_payload as _payload
+from ..training.master import Fp8MasterWeight
+from ..subclass.tensor import ScaledFp8Tensor, _is_dtensor, register_fsdp_pre_all_gather_callback
 
 __all__ = ["refresh_fsdp_param", "find_fsdp_param", "check_fsdp_sharded"]
 

@@ -39,9 +39,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInput, PrepareModuleInputOutput
 
-from . import compat
-from .quantize import E4M3, FLOAT8_DTYPES, check_float8_dtype, quantize_rowwise
-from .tensor import ScaledFp8Tensor, make_scaled, rowwise_dims
+from ..core import compat
+from ..numerics.quantize import E4M3, FLOAT8_DTYPES, check_float8_dtype, quantize_rowwise
+from ..subclass.tensor import ScaledFp8Tensor, make_scaled, rowwise_dims
 
 funcol = compat.functional_collectives()
 

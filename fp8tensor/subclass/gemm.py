@@ -37,9 +37,9 @@ from typing import Optional
 
 import torch
 
-from . import compat
-from .quantize import E4M3, E5M2, quantize
-from .settings import GEMM_BACKENDS, config, get_config, set_config
+from ..core import compat
+from ..numerics.quantize import E4M3, E5M2, quantize
+from ..core.settings import GEMM_BACKENDS, config, get_config, set_config
 from .tensor import ScaledFp8Tensor, implements, make_scaled
 
 __all__ = [

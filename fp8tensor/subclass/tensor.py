@@ -11,10 +11,10 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from . import compat
-from . import fsdp as _payload
-from .quantize import E4M3, FLOAT8_DTYPES, check_float8_dtype, quantize
-from .settings import get_config
+from ..core import compat
+from ..numerics import fsdp_payload as _payload
+from ..numerics.quantize import E4M3, FLOAT8_DTYPES, check_float8_dtype, quantize
+from ..core.settings import get_config
 
 __all__ = [
     "ScaledFp8Tensor",

@@ -26,7 +26,8 @@ from typing import Optional
 
 import torch
 
-from . import compat, kernels
+from ..core import compat
+from . import kernels
 
 __all__ = [
     "quantize",

@@ -22,8 +22,8 @@ from typing import Optional
 
 import torch
 
-from .quantize import E4M3, E5M2
-from .settings import get_config
+from ..numerics.quantize import E4M3, E5M2
+from ..core.settings import get_config
 
 __all__ = ["Recipe", "RECIPES", "get_recipe", "fp8_size_rule", "fp8_size_choice"]
 

@@ -12,8 +12,8 @@ from typing import Sequence
 
 import torch
 
-from . import compat
-from .quantize import FLOAT8_DTYPES, amax_to_scale, cast_to_fp8
+from ..core import compat
+from ..numerics.quantize import FLOAT8_DTYPES, amax_to_scale, cast_to_fp8
 from .tensor import ScaledFp8Tensor, implements, make_scaled
 
 aten = torch.ops.aten

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from . import compat
-from .linear import tp_export_message
-from .tensor import _is_dtensor
+from ..core import compat
+from ..training.linear import tp_export_message
+from ..subclass.tensor import _is_dtensor
 
 __all__ = ["tp_fp8_module", "refuse_tp_export", "add_tp_export_hook", "add_model_export_hook"]
 

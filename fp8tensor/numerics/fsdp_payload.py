@@ -59,8 +59,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import compat
-from .capture import capture_token
+from ..core import compat
+from ..core.capture import capture_token
 from .quantize import quantize, quantize_group, quantize_rows_into
 
 __all__ = [

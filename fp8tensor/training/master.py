@@ -12,15 +12,15 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from . import fsdp as _payload
-from . import compat
-from .compat import register_foreach_type
-from .gemm import fp8_mm
+from ..numerics import fsdp_payload as _payload
+from ..core import compat
+from ..core.compat import register_foreach_type
+from ..subclass.gemm import fp8_mm
 from .grouped import fp8_grouped_mm, fp8_weight_call, is_grouped_mm
 from .linear import QuantizeOnUse, _quantize_local, fp8_linear
-from .quantize import FLOAT8_DTYPES
+from ..numerics.quantize import FLOAT8_DTYPES
 from .recipes import Recipe, get_recipe
-from .tensor import ScaledFp8Tensor, fsdp_post_all_gather
+from ..subclass.tensor import ScaledFp8Tensor, fsdp_post_all_gather
 
 __all__ = ["Fp8MasterWeight", "keep_master_through"]
 

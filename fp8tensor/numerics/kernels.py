@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from . import compat
+from ..core import compat
 
 __all__ = [
     "kernel_available", "launch_dim0_t", "quantize_last_dim", "quantize_last_dim_group", "row_kernel_available",

@@ -15,14 +15,14 @@ import torch
 import torch.nn as nn
 
 from . import checkpoint as _checkpoint
-from . import compat
+from ..core import compat
 from .export import add_tp_export_hook
-from .fsdp_state import refresh_fsdp_param
-from .grouped import Fp8GroupedMMMode
-from .linear import fp8_linear
-from .master import Fp8MasterWeight
-from .quantize import E4M3
-from .tensor import ScaledFp8Tensor, _is_dtensor, map_shard
+from ..distributed.fsdp_state import refresh_fsdp_param
+from ..training.grouped import Fp8GroupedMMMode
+from ..training.linear import fp8_linear
+from ..training.master import Fp8MasterWeight
+from ..numerics.quantize import E4M3
+from ..subclass.tensor import ScaledFp8Tensor, _is_dtensor, map_shard
 
 __all__ = ["fp8_linear_forward", "Fp8LinearMixin", "Fp8Linear", "Fp8GroupedExpertsMixin", "converted_class",
            "fp8_class", "experts_class", "uses_grouped_mm", "own_forward", "instance_forward", "install_fp8_forward",

@@ -17,14 +17,14 @@ from typing import Optional
 import torch
 import torch.autograd.forward_ad as _forward_ad
 
-from . import compat
-from .capture import capture_token
-from .gemm import _check_mm_args, scaled_mm
-from .quantize import (E4M3, FLOAT8_DTYPES, quantize, quantize_dim0_t_after, quantize_rows_and_tokens, quantize_tokens,
+from ..core import compat
+from ..core.capture import capture_token
+from ..subclass.gemm import _check_mm_args, scaled_mm
+from ..numerics.quantize import (E4M3, FLOAT8_DTYPES, quantize, quantize_dim0_t_after, quantize_rows_and_tokens, quantize_tokens,
                        transpose_after)
 from .recipes import Recipe, get_recipe
-from .settings import get_config, scope_token, swap_scope
-from .tensor import ScaledFp8Tensor, _is_dtensor, make_scaled, map_local, rowwise_dims
+from ..core.settings import get_config, scope_token, swap_scope
+from ..subclass.tensor import ScaledFp8Tensor, _is_dtensor, make_scaled, map_local, rowwise_dims
 
 __all__ = ["QuantizeOnUse", "fp8_linear", "tp_export_message"]
 

@@ -204,7 +204,7 @@ def _weight_for_grad_input(weight: torch.Tensor, gy: torch.Tensor, fast: bool, r
 
     * fp8 weight scaled per row (the FSDP2-gathered weight, a frozen fp8 weight): scale folding, ``fp8_mm`` folds the
       row scales (on the contraction dim N) into ``gy``; the weight's column-major copy is made by
-      :func:`_transpose_after`.
+      :func:`fp8tensor.quantize.transpose_after`.
     * a master / high-precision weight: re-quantized along N (per input column),
       :func:`fp8tensor.quantize.quantize_dim0_t_after`."""
     if _is_fp8(weight):
@@ -436,7 +436,7 @@ def _backward(ctx, grad_out):
     if ctx.needs_input_grad[0]:
         grad_x = _grad_input_parts(g2, grad_out, weight, recipe, both and both[0]) if parts else None
         if grad_x is None:
-            # ``grad_out`` itself (not its reshape) orders the weight operand after it: see _transpose_after
+            # ``grad_out`` itself (not its reshape) orders the weight operand after it: see fp8tensor.quantize.transpose_after
             grad_x = torch.mm(g2, _weight_for_grad_input(weight, grad_out, fast, recipe))
         if grad_x.shape != ctx.x_shape:
             grad_x = grad_x.reshape(ctx.x_shape)

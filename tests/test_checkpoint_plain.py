@@ -290,3 +290,29 @@ def test_assign_of_high_precision_weights_stores_fp8_again():
     ref = hp.double()(x.double())
     # two GEMMs in series, each with both operands rounded to e4m3 (≈3.6% each on Gaussian data): ≈5% together
     assert ((m(x).double() - ref).norm() / ref.norm()).item() < 1e-1
+
+
+def test_names_that_earlier_pickles_refer_to_still_resolve():
+    """Whole-model pickles and ``weights_only`` state dicts of earlier versions name flat module paths
+    (``fp8tensor.convert._refuse_tp_export``, ``fp8tensor.tensor._rebuild_scaled_fp8``): they still resolve."""
+    import importlib
+
+    for path in ("fp8tensor.convert._new_converted", "fp8tensor.convert._new_converted_experts",
+                 "fp8tensor.convert._refuse_tp_export", "fp8tensor.convert._plain_state_dict_hook",
+                 "fp8tensor.convert._rewrap_after_load", "fp8tensor.convert._requantize_after_load",
+                 "fp8tensor.tensor._rebuild_scaled_fp8", "fp8tensor.master.Fp8MasterWeight"):
+        mod, name = path.rsplit(".", 1)
+        assert callable(getattr(importlib.import_module(mod), name)), path
+    safe = {g[1] if isinstance(g, tuple) else f"{g.__module__}.{g.__qualname__}"
+            for g in torch.serialization.get_safe_globals()}
+    assert {"fp8tensor.tensor._rebuild_scaled_fp8", "fp8tensor.tensor.ScaledFp8Tensor"} <= safe
+    # a pickle that names the flat path of the rebuild function loads with weights_only=True
+    import io
+
+    w = fp8tensor.ScaledFp8Tensor.from_hp(torch.randn(8, 16))
+    buf = io.BytesIO()
+    torch.save({"w": w}, buf, _use_new_zipfile_serialization=False)  # (one pickle stream: names are plain text)
+    raw = buf.getvalue().replace(b"fp8tensor.subclass.tensor", b"fp8tensor.tensor")
+    assert raw != buf.getvalue()
+    got = torch.load(io.BytesIO(raw), weights_only=True)["w"]
+    assert torch.equal(got.qdata.view(torch.uint8), w.qdata.view(torch.uint8)) and torch.equal(got.scale, w.scale)

@@ -177,3 +177,46 @@ def test_cpu_fallback_refuses_parameters_moved_after_the_capture(how):
         for _ in range(3):
             step(x)
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_cpu_fallback_dtensor_parameters_and_parameters_replaced_before_the_capture():
+    """Tensor-parallel (DTensor) parameters pass the per-call checks (their inner tensors are compared, not their
+    mesh) and are refused when moved; parameters replaced between ``graph_step(...)`` and the capture (a checkpoint
+    loaded with ``assign=True``) are the ones the step watches from the capture on."""
+    import warnings
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        model = _model(0)
+        parallelize_module(model, mesh, {"0": ColwiseParallel()})
+        step = fp8tensor.graph_step(_fwd_bwd_of(model), model.parameters(), warmup_steps=1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            for _ in range(4):
+                step(torch.randn(4, 64))
+        model.to(torch.float64)  # (DTensor parameters are swapped: new local tensors)
+        with pytest.raises(RuntimeError, match="other memory"):
+            step(torch.randn(4, 64))
+    finally:
+        if own:
+            dist.destroy_process_group()
+
+    model = _model(1)
+    step = fp8tensor.graph_step(_fwd_bwd_of(model), model.parameters(), warmup_steps=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        step(torch.randn(4, 64))  # warm-up
+    model.load_state_dict({k: v.detach().clone() for k, v in model.state_dict().items()}, assign=True)
+    step(torch.randn(4, 64))  # the call that would capture: follows the modules
+    assert [id(p) for p in step.parameters] == [id(p) for p in model.parameters()]
+    step(torch.randn(4, 64))
+    model.zero_grad(set_to_none=True)
+    with pytest.raises(RuntimeError, match="set to None"):
+        step(torch.randn(4, 64))

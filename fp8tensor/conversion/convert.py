@@ -22,11 +22,12 @@ from . import checkpoint as _checkpoint
 from ..numerics.quantize import E4M3, check_float8_dtype
 from ..distributed.fsdp_state import check_fsdp_sharded as _check_fsdp_sharded
 from ..distributed.fsdp_state import refresh_fsdp_param
-from .export import add_model_export_hook, add_tp_export_hook
+from .export import add_model_export_hook, add_tp_export_hook, refuse_tp_export
 from ..training.master import Fp8MasterWeight
 from .modules import (Fp8GroupedExpertsMixin, Fp8Linear, Fp8LinearMixin, _new_converted, add_fp8_checkpoint_hooks,
                       experts_class, fp8_class, fp8_linear_forward, install_fp8_forward, instance_forward, own_forward,
-                      plain_state_dict_hook, quantize_expert_weight, rewrap_after_load, swap_local, uses_grouped_mm)
+                      plain_state_dict_hook, quantize_expert_weight, requantize_after_load, rewrap_after_load,
+                      swap_local, uses_grouped_mm)
 from ..training.recipes import fp8_size_choice, fp8_size_rule, get_recipe
 from ..core.settings import get_config
 from ..subclass.tensor import ScaledFp8Tensor, _is_dtensor, map_shard
@@ -36,8 +37,14 @@ __all__ = ["convert_to_fp8", "quantize_weights", "fp8_linear_forward", "Fp8Linea
 
 FilterFn = Callable[[nn.Module, str], bool]
 
-#: Unpickling helpers that pickles of converted modules name (``fp8tensor.convert._new_converted``).
-_PICKLED_NAMES = (_new_converted,)
+#: Names that pickles of converted modules made by earlier versions look up in ``fp8tensor.convert``: the unpickling
+#: helper and the hooks those modules held.
+_refuse_tp_export = refuse_tp_export
+_plain_state_dict_hook = plain_state_dict_hook
+_rewrap_after_load = _rewrap_experts_after_load = rewrap_after_load
+_requantize_after_load = requantize_after_load
+_PICKLED_NAMES = (_new_converted, _refuse_tp_export, _plain_state_dict_hook, _rewrap_after_load,
+                  _rewrap_experts_after_load, _requantize_after_load)
 
 
 def _new_converted_experts(base: type):

@@ -27,7 +27,7 @@ from ..subclass.tensor import ScaledFp8Tensor, _is_dtensor, map_shard
 __all__ = ["fp8_linear_forward", "Fp8LinearMixin", "Fp8Linear", "Fp8GroupedExpertsMixin", "converted_class",
            "fp8_class", "experts_class", "uses_grouped_mm", "own_forward", "instance_forward", "install_fp8_forward",
            "swap_local", "plain_state_dict_hook", "rewrap_after_load", "add_fp8_checkpoint_hooks",
-           "quantize_expert_weight"]
+           "quantize_expert_weight", "requantize_after_load"]
 
 
 def fp8_linear_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
@@ -288,12 +288,12 @@ def add_fp8_checkpoint_hooks(mod: nn.Module, float8_dtype: torch.dtype = E4M3) -
     if not getattr(mod, "_fp8_checkpoint_hooks", False):
         compat.register_state_dict_hook(mod, _checkpoint.state_dict_hook)
         mod.register_load_state_dict_pre_hook(_checkpoint.load_state_dict_pre_hook)
-        mod.register_load_state_dict_post_hook(_requantize_after_load)
+        mod.register_load_state_dict_post_hook(requantize_after_load)
         mod._fp8_checkpoint_hooks = True
     mod._fp8_float8_dtype = float8_dtype
 
 
-def _requantize_after_load(module, incompatible_keys):
+def requantize_after_load(module, incompatible_keys):
     """After ``load_state_dict(assign=True)`` put a plain high-precision tensor where :func:`quantize_weights` stored
     fp8 (a Linear's ``weight``, a grouped-experts module's expert weights), store it in fp8 again (row-wise, as
     ``quantize_weights`` does)."""

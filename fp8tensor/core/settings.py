@@ -8,8 +8,9 @@
     fp8tensor.set_config(gemm_backend="emulated")   # process-wide
 
 Knobs are read when an op runs or is traced: a compiled graph keeps what was in force when it was traced. A
-:func:`config` block holds in its own thread only: the backward of CUDA tensors runs in autograd's device threads,
-which see the process-wide settings (use :func:`set_config` for knobs that must reach a backward there).
+:func:`config` block holds in its own thread; the fp8 Linear's backward runs under the blocks that were in force at
+its forward (also in autograd's device threads, where CUDA backwards run). Other backwards (the fp8 grouped GEMM of
+experts) see the settings of the thread they run in: use :func:`set_config` for knobs that must reach those.
 """
 from __future__ import annotations
 

@@ -663,7 +663,9 @@ def dequantize(t: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Te
     return map_local(t, _one)
 
 
-try:  # let torch.load(weights_only=True) rebuild ScaledFp8Tensor
-    torch.serialization.add_safe_globals([ScaledFp8Tensor, _rebuild_scaled_fp8])
+try:  # let torch.load(weights_only=True) rebuild ScaledFp8Tensor (also files that name the flat module path)
+    torch.serialization.add_safe_globals([ScaledFp8Tensor, _rebuild_scaled_fp8,
+                                          (ScaledFp8Tensor, "fp8tensor.tensor.ScaledFp8Tensor"),
+                                          (_rebuild_scaled_fp8, "fp8tensor.tensor._rebuild_scaled_fp8")])
 except AttributeError:  # pragma: no cover - very old torch
     pass

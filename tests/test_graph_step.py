@@ -11,7 +11,7 @@ import fp8tensor
 
 def _model(seed: int) -> nn.Module:
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 32))
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 32), nn.Linear(32, 32, bias=False))
     fp8tensor.convert_to_fp8(model)
     return model
 
@@ -134,8 +134,8 @@ def _moved_by(how: str, model: nn.Module) -> None:
         p = model[0].bias
         p.data = p.data.clone()
     elif how == "assign":
-        sd = {k: v.detach().clone() for k, v in nn.Sequential(nn.Linear(64, 128), nn.GELU(),
-                                                                nn.Linear(128, 32)).state_dict().items()}
+        sd = {k: v.detach().clone() for k, v in nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 32),
+                                                                nn.Linear(32, 32, bias=False)).state_dict().items()}
         model.load_state_dict(sd, assign=True)
     else:
         model[2].weight = nn.Parameter(torch.randn(32, 128))
@@ -179,10 +179,9 @@ def test_cpu_fallback_refuses_parameters_moved_after_the_capture(how):
     assert all(p.grad is not None for p in model.parameters())
 
 
-def test_cpu_fallback_dtensor_parameters_and_parameters_replaced_before_the_capture():
+def test_cpu_fallback_dtensor_parameters():
     """Tensor-parallel (DTensor) parameters pass the per-call checks (their inner tensors are compared, not their
-    mesh) and are refused when moved; parameters replaced between ``graph_step(...)`` and the capture (a checkpoint
-    loaded with ``assign=True``) are the ones the step watches from the capture on."""
+    mesh, which torch >= 2.13 also lists in ``__tensor_flatten__``) and are refused when moved."""
     import warnings
 
     import torch.distributed as dist
@@ -208,15 +207,3 @@ def test_cpu_fallback_dtensor_parameters_and_parameters_replaced_before_the_capt
         if own:
             dist.destroy_process_group()
 
-    model = _model(1)
-    step = fp8tensor.graph_step(_fwd_bwd_of(model), model.parameters(), warmup_steps=1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        step(torch.randn(4, 64))  # warm-up
-    model.load_state_dict({k: v.detach().clone() for k, v in model.state_dict().items()}, assign=True)
-    step(torch.randn(4, 64))  # the call that would capture: follows the modules
-    assert [id(p) for p in step.parameters] == [id(p) for p in model.parameters()]
-    step(torch.randn(4, 64))
-    model.zero_grad(set_to_none=True)
-    with pytest.raises(RuntimeError, match="set to None"):
-        step(torch.randn(4, 64))

@@ -66,14 +66,13 @@ def _storage_ptrs(t: torch.Tensor) -> tuple:
         names, _ = t.__tensor_flatten__()
         inner = (getattr(t, n) for n in names)  # (torch >= 2.13 DTensor also lists its device_mesh: not a tensor)
         return tuple(ptr for v in inner if isinstance(v, torch.Tensor) for ptr in _storage_ptrs(v))
-    return (t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype)
+    return (t.untyped_storage().data_ptr(),)
 
 
 def _owners(params: list) -> list:
-    """``(dict, name, index)`` for every module that holds ``params[index]`` (its ``_parameters`` dict under
-    ``name``), found once with ``gc.get_referrers`` when the step is made: so a parameter *replaced* in its module
-    (``load_state_dict(assign=True)``, ``module.weight = nn.Parameter(...)``) is seen, though the step only holds
-    the old tensor. (One scan of the Python heap: ~0.2 s for 100 parameters among 0.5M objects.)"""
+    """``(dict, name, parameter)`` for every module that holds one of ``params`` (its ``_parameters`` dict), found
+    once with ``gc.get_referrers``: so a parameter *replaced* in its module (``load_state_dict(assign=True)``,
+    ``module.weight = nn.Parameter(...)``) is seen, though the step only holds the old tensor."""
     if not params:
         return []
     by_id = {id(p): p for p in params}
@@ -85,8 +84,7 @@ def _owners(params: list) -> list:
             r.get("_parameters") if type(r) is dict else None)
         if pd is not None and id(pd) in ids:
             held.add(id(pd))
-    index = {id(p): i for i, p in enumerate(params)}
-    return [(d, name, index[id(v)]) for d in dicts if id(d) in held
+    return [(d, name, v) for d in dicts if id(d) in held
             for name, v in list(d.items()) if isinstance(name, str) and by_id.get(id(v)) is v]
 
 
@@ -135,7 +133,6 @@ class GraphedStep:
         self.warmup_steps = warmup_steps
         self.enabled = enabled
         self._given_pool = pool
-        self._owners = _owners(self.parameters) if enabled is not False else []
         self._reset()
 
     # ------------------------------------------------------------------------------------------------ state
@@ -150,6 +147,7 @@ class GraphedStep:
         self._watched: list = []  # (parameter, its gradient tensor at capture): the tensors the graph writes
         self._had_grad: list = []  # parameters that had a gradient after the last warm-up call
         self._memory: list = []  # (parameter, its storage addresses at capture): the memory the graph reads
+        self._owners: list = []  # (module's _parameters dict, name, parameter) at capture
         self._eager = False  # decided on the first call: capture impossible here (CPU), run fn eagerly
 
     @property
@@ -162,7 +160,8 @@ class GraphedStep:
         parameters moved: parameters that their modules replaced since the capture are replaced here too)."""
         if self.graph is not None and torch.cuda.is_available():
             torch.cuda.synchronize()
-        self._follow_modules()
+        replaced = {id(p): d[name] for d, name, p in self._owners if name in d and d[name] is not p}
+        self.parameters = [replaced.get(id(p), p) for p in self.parameters]  # the modules' parameters of now
         self._reset()
 
     def __enter__(self) -> "GraphedStep":
@@ -206,17 +205,15 @@ class GraphedStep:
         """The eager fallback keeps the graph's contract (static inputs, gradients zeroed in place after the call
         that would capture), so a loop that runs on the CPU also runs captured on a GPU."""
         if self.calls == self.warmup_steps + 1:
-            self._follow_modules()
             self._prepare_grads()
             self._watched = [(p, p.grad) for p in self.parameters if p.grad is not None]
+            self._record_memory()
         elif self.calls > self.warmup_steps + 1:
             self._check_memory()
             self._check_grads()
         out = self.fn(*args, **kwargs)
         if self.calls <= self.warmup_steps:
             self._had_grad = [p for p in self.parameters if p.grad is not None]
-        elif self.calls == self.warmup_steps + 1:
-            self._record_memory()  # as the graph records it: after the step ran
         return out
 
     def _prepare_grads(self) -> None:
@@ -267,7 +264,6 @@ class GraphedStep:
         return out
 
     def _capture_and_replay(self, leaves, spec):
-        self._follow_modules()
         self._prepare_grads()
         self._static_leaves = [t.detach().clone() if isinstance(t, torch.Tensor) else None for t in leaves]
         static_args, static_kwargs = compat.tree_unflatten(
@@ -290,29 +286,20 @@ class GraphedStep:
                 "tensors; the optimizer step belongs outside. Pass enabled=False to run the step eagerly. A failed "
                 "capture can leave PyTorch's CUDA random number generator unusable in this process: restart it"
             ) from e
+        self.graph = graph
         self._static_out = out
         self._watched = [(p, p.grad) for p in self.parameters if p.grad is not None]
         self._record_memory()
-        self.graph = graph
         graph.replay()
         return out
 
-    def _follow_modules(self) -> None:
-        """Take the parameters the modules hold now in place of ones they replaced since the step was made."""
-        old = list(self.parameters)
-        for d, name, i in self._owners:
-            p = d.get(name)
-            if p is not None:
-                self.parameters[i] = p
-        had = {id(p) for p in self._had_grad}  # a replacement of a parameter that had a gradient gets one too
-        self._had_grad = [new for o, new in zip(old, self.parameters) if id(o) in had or new.grad is not None]
-
     def _record_memory(self) -> None:
         self._memory = [(p, _storage_ptrs(p)) for p in self.parameters]
+        self._owners = _owners(self.parameters)
 
     def _check_memory(self) -> None:
         moved = [p for p, ptrs in self._memory if _storage_ptrs(p) != ptrs]
-        replaced = [name for d, name, i in self._owners if d.get(name) is not self.parameters[i]]
+        replaced = [name for d, name, p in self._owners if d.get(name) is not p]
         if moved or replaced:
             what = []
             if moved:
@@ -370,10 +357,9 @@ def graph_step(fn: Callable[..., Any], parameters: Iterable[torch.Tensor], *, wa
           new memory after the capture (``model.to(...)``, ``p.data = ...``) or replaced in their modules
           (``load_state_dict(..., assign=True)``, ``module.weight = nn.Parameter(...)``) raise ``RuntimeError`` at
           the next call, before any replay on the old memory; :meth:`GraphedStep.close` starts over on the current
-          parameters (parameters replaced before the capture are followed there already). The check compares the
-          parameters' storage addresses and their modules' entries at each call (host cost in
-          ``docs/benchmarks.md``); a whole submodule replaced after the capture (``model.layer = ...``) is not
-          seen: make a new step then;
+          parameters. The check compares the parameters' storage addresses and their modules' entries at each call
+          (host cost in ``docs/benchmarks.md``); a whole submodule replaced after the capture
+          (``model.layer = ...``) is not seen, nor a parameter replaced before the capture: make a new step then;
         * inside ``fn`` nothing synchronizes with the host (``.item()``, data-dependent shapes,
           ``clip_grad_norm_(error_if_nonfinite=True)``); the optimizer step stays outside.
 

@@ -9,9 +9,14 @@ import torch.nn as nn
 import fp8tensor
 
 
-def _model(seed: int) -> nn.Module:
+def _model(seed: int, bias_free_tail: bool = False) -> nn.Module:
+    """A converted MLP; ``bias_free_tail``: a last Linear without bias (a None entry among the module's parameters,
+    which graph_step's checks must step over)."""
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 32), nn.Linear(32, 32, bias=False))
+    layers = [nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 32)]
+    if bias_free_tail:
+        layers.append(nn.Linear(32, 32, bias=False))
+    model = nn.Sequential(*layers)
     fp8tensor.convert_to_fp8(model)
     return model
 
@@ -148,7 +153,7 @@ def test_cpu_fallback_refuses_parameters_moved_after_the_capture(how):
     cause and the remedy, before anything runs; ``close()`` then starts over on the modules' current parameters."""
     import warnings
 
-    model = _model(0)
+    model = _model(0, bias_free_tail=True)
     calls = []
     inner = _fwd_bwd_of(model)
 
@@ -193,7 +198,7 @@ def test_cpu_fallback_dtensor_parameters():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1,))
-        model = _model(0)
+        model = _model(0, bias_free_tail=True)
         parallelize_module(model, mesh, {"0": ColwiseParallel()})
         step = fp8tensor.graph_step(_fwd_bwd_of(model), model.parameters(), warmup_steps=1)
         with warnings.catch_warnings():

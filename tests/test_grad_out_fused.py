@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import fp8tensor
+from fp8tensor.numerics.cache import OPERANDS
 from fp8tensor import kernels
 from fp8tensor import linear as linear_mod
 from fp8tensor import quantize as qmod
@@ -197,7 +198,7 @@ def test_row_operand_shared_by_consecutive_linears(monkeypatch):
             h.mul_(2)  # a new version: quantized again
         ys.append(fp8tensor.fp8_linear(h, ws[2]))
         sum(y.float().sum() for y in ys).backward()
-        assert linear_mod._LAST_ROWS[0] is None  # emptied by the backward
+        assert "x_rows" not in OPERANDS._held  # emptied by the backward
         return [y.detach() for y in ys], x.grad, [w.grad for w in ws]
 
     x_rows.clear()

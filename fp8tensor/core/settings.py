@@ -54,9 +54,9 @@ class Config:
             the dispatch through ``fp8_mm`` (less host time per Linear, ``benchmarks/host_overhead.py``). False: every
             Linear takes the general path (same bits; to compare the two or to rule the fast path out).
         share_input_quantization: (default True) an input read by several GEMMs one after another is quantized once
-            and shared: the row-wise e4m3 input of eager fp8 Linears (q/k/v, w1/w3; one slot, emptied when a
-            backward starts) and the token tensor of eager fp8 grouped GEMMs (one-entry memos for the per-token and
-            the per-group column quantizations). Eager plain tensors only; False: every GEMM quantizes its input
+            and shared: the row-wise e4m3 input of eager fp8 Linears (q/k/v, w1/w3; one held copy, freed when a
+            backward starts) and the token tensor of eager fp8 grouped GEMMs (the per-token and the per-group column
+            quantizations), kept in :data:`fp8tensor.numerics.cache.OPERANDS`. Eager plain tensors only; False: every GEMM quantizes its input
             itself (same bits, more quantization work, less fp8 memory held between Linears).
         fused_grad_out: one of :data:`FUSED_GRAD_OUT_MODES` (default ``"eager"``): whether the ``grad_out`` of an
             eager backward of an fp8 weight with row scales (FSDP2's fp8 all-gather, frozen fp8 weights) is

@@ -5,39 +5,22 @@
   cached all-gather buffers;
 * :func:`check_fsdp_sharded` refuses, before anything changes, to convert parameters that FSDP2 currently holds
   unsharded;
-* the flat copy FSDP2 keeps of a :class:`~fp8tensor.tensor.ScaledFp8Tensor` shard is dropped before each of its
-  all-gathers (registered with :func:`fp8tensor.tensor.register_fsdp_pre_all_gather_callback` on import).
 
 FSDP2's ``FSDPParam`` / ``FSDPState`` attributes are not public API (``torch/distributed/fsdp/_fully_shard/``): they
 are read and written through :mod:`fp8tensor.compat` only.
 """
 from __future__ import annotations
 
-import weakref
 from typing import Optional
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from ..core import compat
-from ..numerics import fsdp_payload as _payload
 from ..training.master import Fp8MasterWeight
-from ..subclass.tensor import ScaledFp8Tensor, _is_dtensor, register_fsdp_pre_all_gather_callback
+from ..numerics.fsdp_payload import fsdp_params as _fsdp_params
+from ..subclass.tensor import _is_dtensor
 
 __all__ = ["refresh_fsdp_param", "find_fsdp_param", "check_fsdp_sharded"]
-
-
-def _fsdp_params(module: Optional[torch.nn.Module] = None):
-    """All ``FSDPParam`` s, of the FSDP2 states of ``module``'s submodules or (``None``) of every live state."""
-    if module is None:
-        states = compat.fsdp_states()
-    else:
-        states = [s for m in module.modules() if (s := compat.fsdp_module_state(m)) is not None]
-    out = []
-    for state in states:
-        for group in compat.fsdp_param_groups(state):
-            out.extend(compat.fsdp_params_of(group))
-    return out
 
 
 def find_fsdp_param(param: torch.Tensor, module: Optional[torch.nn.Module] = None):
@@ -112,58 +95,3 @@ def check_fsdp_sharded(params, op: str) -> None:
                 f"({compat.fsdp_state_name(fp)}); call model.reshard() (or convert before the first forward). "
                 "The model was not changed."
             )
-
-
-# Keyed by tensor identity (a WeakKeyDictionary would compare colliding tensor keys with ``==``).
-_FSDP_PARAM_OF = WeakIdKeyDictionary()
-
-
-def _drop_flat_copy(local: ScaledFp8Tensor) -> None:
-    """Free the flat copy FSDP2 keeps of a ScaledFp8Tensor shard.
-
-    FSDP2 stores ``_sharded_param_data = local.view(-1)`` (at ``fully_shard``, lazy init and after
-    ``load_state_dict``); it is the all-gather input of the default path only, which an extension never takes. For a
-    ScaledFp8Tensor a 1-D view needs one scale per *element* (4 bytes each, on top of the 1-byte data), so the copy
-    would cost 5x the fp8 shard. It is replaced by the shard itself (same storage, nothing extra). The owning
-    ``FSDPParam`` is looked up once per local tensor.
-    """
-    ref = _FSDP_PARAM_OF.get(local)
-    fp = ref() if ref is not None else None
-    if fp is None:
-        fp = next((f for f in _fsdp_params() if compat.fsdp_sharded_local(f) is local), None)
-        if fp is None:
-            return
-        _FSDP_PARAM_OF[local] = weakref.ref(fp)  # weak both ways: the FSDPParam holds the local tensor
-    if compat.fsdp_flat_shard(fp) is not local:
-        compat.fsdp_set_flat_shard(fp, local)
-
-
-register_fsdp_pre_all_gather_callback(_drop_flat_copy)
-
-
-_GROUP_OF = WeakIdKeyDictionary()
-
-
-def _group_locals(local):
-    """``(FSDPParamGroup, its sharded local tensors)`` for the sharded local tensor ``local``, or ``(None, [])``.
-
-    The group of each local tensor is looked up once (a scan of the live FSDP2 states) and cached weakly; the
-    FSDP2 pre-all-gather of :class:`Fp8MasterWeight` uses it to quantize the whole group in one launch
-    (``fp8tensor.fsdp.register_group_finder``)."""
-    ref = _GROUP_OF.get(local)
-    group = ref() if ref is not None else None
-    if group is None:
-        for state in compat.fsdp_states():
-            for g in compat.fsdp_param_groups(state):
-                if any(compat.fsdp_sharded_local(fp) is local for fp in compat.fsdp_params_of(g)):
-                    group = g
-                    break
-            if group is not None:
-                break
-        if group is None:
-            return None, []
-        _GROUP_OF[local] = weakref.ref(group)
-    return group, [compat.fsdp_sharded_local(fp) for fp in compat.fsdp_params_of(group)]
-
-
-_payload.register_group_finder(_group_locals)

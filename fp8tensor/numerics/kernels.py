@@ -438,12 +438,11 @@ def _tl_dtype(dtype: torch.dtype):
             torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}[dtype]
 
 
-def quantize_last_dim_group(xs: list, float8_dtype: torch.dtype, scale_floor: float, *, out=None) -> list:
+def quantize_last_dim_group(xs: list, float8_dtype: torch.dtype, scale_floor: float) -> list:
     """:func:`quantize_last_dim` of several tensors in one launch (same bits as one launch each).
 
     ``xs``: tensors for which :func:`row_kernel_available` holds, all of one dtype on one device. Returns one
-    ``(qdata, scale)`` per tensor; the results are views of two flat buffers (one fp8, one float32), or the
-    contiguous tensors given in ``out`` (one ``(qdata, scale)`` per tensor, any addresses). Meant for the
+    ``(qdata, scale)`` per tensor, views of two flat buffers (one fp8, one float32). Meant for the
     FSDP2 pre-all-gather, which quantizes every master weight of a parameter group at once: one launch and four
     small allocations instead of a launch and two allocations per weight.
 
@@ -454,21 +453,13 @@ def quantize_last_dim_group(xs: list, float8_dtype: torch.dtype, scale_floor: fl
     if any(x.dtype != x0.dtype or x.device != x0.device for x in xs):
         raise ValueError("fp8tensor quantize_last_dim_group: tensors must share dtype and device")
     Ms = [x.numel() // x.shape[-1] for x in xs]
-    if out is None:
-        q_flat = torch.empty(sum(x.numel() for x in xs), dtype=float8_dtype, device=x0.device)
-        s_flat = torch.empty(sum(Ms), dtype=torch.float32, device=x0.device)
-        out, qo, so = [], 0, 0
-        for x, m in zip(xs, Ms):
-            out.append((q_flat[qo:qo + x.numel()].view(x.shape), s_flat[so:so + m].view(*x.shape[:-1], 1)))
-            qo += x.numel()
-            so += m
-    else:
-        out = list(out)
-        for x, (q, s) in zip(xs, out):
-            if (q.shape != x.shape or q.dtype != float8_dtype or not q.is_contiguous() or s.numel() != x.numel() //
-                    x.shape[-1] or s.dtype != torch.float32 or not s.is_contiguous()):
-                raise ValueError("fp8tensor quantize_last_dim_group: out= tensors must be contiguous, of the "
-                                 "input's shape in the fp8 dtype and of one float32 per row")
+    q_flat = torch.empty(sum(x.numel() for x in xs), dtype=float8_dtype, device=x0.device)
+    s_flat = torch.empty(sum(Ms), dtype=torch.float32, device=x0.device)
+    out, qo, so = [], 0, 0
+    for x, m in zip(xs, Ms):
+        out.append((q_flat[qo:qo + x.numel()].view(x.shape), s_flat[so:so + m].view(*x.shape[:-1], 1)))
+        qo += x.numel()
+        so += m
     _launch_group(xs, [q.data_ptr() for q, _ in out], [s.data_ptr() for _, s in out], float8_dtype, scale_floor)
     return out
 

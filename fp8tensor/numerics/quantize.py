@@ -146,14 +146,10 @@ def quantize(
     return cast_to_fp8(x, scale, float8_dtype), scale
 
 
-def quantize_group(xs, float8_dtype: torch.dtype = E4M3, *, out=None) -> list:
+def quantize_group(xs, float8_dtype: torch.dtype = E4M3) -> list:
     """``[quantize(x, -1, float8_dtype) for x in xs]``, in one kernel launch when every ``x`` takes the row-wise kernel
     (eager CUDA, contiguous) and all share dtype and device; same values either way. Used by the FSDP2
     pre-all-gather to quantize a parameter group's master weights together.
-
-    Args:
-        out: optional list of ``(qdata, scale)`` tensors to write the results into (contiguous, of the result
-            shapes and dtypes, e.g. views of one payload buffer); returned as the result.
 
     Raises:
         TypeError: ``float8_dtype`` is not one of the supported fp8 formats.
@@ -166,14 +162,8 @@ def quantize_group(xs, float8_dtype: torch.dtype = E4M3, *, out=None) -> list:
         and all(x.dtype == xs[0].dtype and x.device == xs[0].device for x in xs)
         and all(kernels.row_kernel_available(x) for x in xs)
     ):
-        return kernels.quantize_last_dim_group(xs, float8_dtype, SCALE_FLOOR, out=out)
-    results = [quantize(x, -1, float8_dtype) for x in xs]
-    if out is None:
-        return results
-    for (q, s), (qo, so) in zip(results, out):
-        qo.copy_(q)
-        so.copy_(s)
-    return list(out)
+        return kernels.quantize_last_dim_group(xs, float8_dtype, SCALE_FLOOR)
+    return [quantize(x, -1, float8_dtype) for x in xs]
 
 
 def quantize_rowwise(

@@ -21,7 +21,6 @@ __all__ = [
     "dequantize",
     "OP_TABLE",
     "implements",
-    "register_fsdp_pre_all_gather_callback",
     "validate_parts",
     "make_scaled",
     "rowwise_dims",
@@ -128,18 +127,6 @@ def _unknown_op(name: str) -> None:
 
         warnings.warn(what + "; dequantize explicitly with fp8tensor.dequantize(t) to silence this, or set "
                       "fp8tensor.set_config(unknown_ops='allow'))", UserWarning, stacklevel=3)
-
-
-_PRE_ALL_GATHER_CALLBACKS: list = []
-
-
-def register_fsdp_pre_all_gather_callback(fn: Callable[["ScaledFp8Tensor"], None]) -> None:
-    """Call ``fn(local)`` at the start of every ``ScaledFp8Tensor.fsdp_pre_all_gather`` (after its input check).
-
-    :mod:`fp8tensor.fsdp_state` registers the drop of FSDP2's flat copy of the shard here (it edits FSDP2's private
-    state, which lives above this module)."""
-    if fn not in _PRE_ALL_GATHER_CALLBACKS:
-        _PRE_ALL_GATHER_CALLBACKS.append(fn)
 
 
 class _ScaleWrites:
@@ -448,10 +435,7 @@ class ScaledFp8Tensor(torch.Tensor):
         Raises:
             NotImplementedError: the tensor has fewer than 2 dims.
         """
-        _payload.check_rowwise_input(self, "ScaledFp8Tensor.fsdp_pre_all_gather")
-        for fn in _PRE_ALL_GATHER_CALLBACKS:
-            fn(self)
-        return _payload.scaled_pre_all_gather(self.qdata, self.scale, self.fast_accum, mesh, outer_size)
+        return _payload.scaled_pre_all_gather(self, mesh, outer_size)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         """FSDP2 hook: the unsharded ScaledFp8Tensor from the gathered rows and scales (see :mod:`fp8tensor.fsdp`)."""

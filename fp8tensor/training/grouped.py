@@ -35,8 +35,8 @@ from typing import Optional
 import torch
 
 from ..core import compat
-from ..core.capture import capture_token
 from .linear import QuantizeOnUse
+from ..numerics.cache import OPERANDS
 from ..numerics.quantize import (E4M3, FLOAT8_DTYPES, amax_to_scale, group_ids, quantize, quantize_expert_cols,
                        quantize_group_cols)
 from .recipes import Recipe, get_recipe
@@ -51,51 +51,6 @@ __all__ = ["fp8_grouped_mm", "Fp8GroupedMMMode", "quantize_group_cols", "quantiz
 ALIGN = 16
 
 _HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
-
-class _Memo:
-    """A one-entry memo of a quantization of a plain tensor: hit when called again on the same data (same storage
-    address, shape, strides, dtype, device and version counter, and the same ``extra`` tensors). It holds the source
-    tensors, so their storage cannot be freed and reused while the entry lives.
-
-    Shares the quantization of one token tensor between the grouped GEMMs that read it (``w1`` and ``w3`` of SwiGLU
-    experts read the same tokens): the per-token quantization in the forward and the per-group column quantization
-    for grad_weight each have one (plus that tensor's fp8 copy until the next call replaces it). Eager plain tensors
-    only; ``fp8tensor.config(share_input_quantization=False)``: quantize on every call (same bits)."""
-
-    __slots__ = ("key", "refs", "value")
-
-    def __init__(self):
-        self.key = self.refs = self.value = None
-
-    @staticmethod
-    def _key(tensors):
-        if (compat.is_compiling() or not get_config().share_input_quantization
-                or compat.dispatch_modes_active()):
-            return None
-        key = [capture_token()]  # (never served across a CUDA-graph capture boundary: fp8tensor.capture)
-        for t in tensors:
-            if type(t) is not torch.Tensor:
-                return None
-            key.append((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device, t._version))
-        return tuple(key)
-
-    def get(self, fn, *tensors):
-        key = self._key(tensors)
-        if key is not None and key == self.key:
-            return self.value
-        value = fn()
-        if key is not None:
-            # detached: the entry keeps the storage alive (no address reuse), not an autograd graph
-            self.key, self.refs, self.value = key, tuple(t.detach() for t in tensors), value
-        return value
-
-    def clear(self) -> None:
-        self.key = self.refs = self.value = None
-
-
-_ROWS_MEMO = _Memo()
-_COLS_MEMO = _Memo()
 
 
 # ---------------------------------------------------------------------------------------------- offsets
@@ -294,7 +249,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
             ws = ws.reshape(E, N)
         else:
             wq, ws = fp8
-        aq, as_ = _ROWS_MEMO.get(lambda: _quantize_rows(a, E4M3), a)
+        aq, as_ = OPERANDS.get("expert_rows", a, lambda: _quantize_rows(a, E4M3))  # shared by w1 / w3
         out = grouped_2d3d(aq, as_.reshape(M), wq.transpose(-2, -1), ws, offs, out_dtype,
                            fast_accum=recipe.fast_accum_forward)
         ctx.recipe = recipe
@@ -309,7 +264,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
                 "fp8_grouped_mm: double backward (create_graph=True) is not supported: the fp8 gradient GEMMs are "
                 "not differentiable")
         a, b, offs = ctx.saved_tensors
-        _ROWS_MEMO.clear()  # the forward's token quantizations are not read again
+        OPERANDS.clear("expert_rows")  # the forward's token quantizations are not read again
         recipe: Recipe = ctx.recipe
         gy = gy.contiguous()
         M, N = gy.shape
@@ -335,8 +290,8 @@ class _Fp8GroupedMM(torch.autograd.Function):
             if recipe.grad_weight_fp8:
                 M_pad, pad_ends, pad_starts = padded_offsets(offs, M)
                 gq_t, gs = quantize_group_cols(gy, offs, M_pad, pad_starts, E4M3)
-                xq_t, xs = _COLS_MEMO.get(
-                    lambda: quantize_group_cols(a.contiguous(), offs, M_pad, pad_starts, E4M3), a, offs)
+                xq_t, xs = OPERANDS.get(
+                    "expert_cols", a, lambda: quantize_group_cols(a.contiguous(), offs, M_pad, pad_starts, E4M3), offs)
                 grad_w = grouped_2d2d(gq_t, gs, xq_t, xs, pad_ends, torch.promote_types(gy.dtype, a.dtype),
                                       fast_accum=fast)
             else:

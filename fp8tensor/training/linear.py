@@ -11,15 +11,14 @@ inspected here.
 """
 from __future__ import annotations
 
-import weakref
 from typing import Optional
 
 import torch
 import torch.autograd.forward_ad as _forward_ad
 
 from ..core import compat
-from ..core.capture import capture_token
 from ..subclass.gemm import _check_mm_args, scaled_mm
+from ..numerics.cache import OPERANDS
 from ..numerics.quantize import (E4M3, FLOAT8_DTYPES, quantize, quantize_dim0_t_after, quantize_rows_and_tokens, quantize_tokens,
                        transpose_after)
 from .recipes import Recipe, get_recipe
@@ -80,48 +79,6 @@ _HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 # ---------------------------------------------------------------------------------------------- saved for backward
-#: Eager forwards share the fp8 copy of an input that several Linears consume (q/k/v, w1/w3): id(input) -> (weak
-#: reference to the input, {(version, fp8 dtype, fast accumulation): weak reference to its grad_weight operand}). The
-#: value is weak: it lives exactly as long as a backward still holds it, so a hit never costs memory; the entry goes
-#: when the input dies. (A dict keyed by ``id`` with a weak reference to check it: a lookup per Linear forward costs
-#: a tenth of ``WeakIdKeyDictionary``'s.) Compiled graphs share it through the dim-0 op's trace memo
-#: (``fp8tensor.quantize._trace_memo``) or, on the plain-ops path, common-subexpression elimination, so this cache
-#: is bypassed while tracing.
-_GRAD_WEIGHT_INPUTS: dict = {}
-
-
-def _gw_entries(x: torch.Tensor) -> Optional[dict]:
-    """The cache entries of input ``x`` (see :data:`_GRAD_WEIGHT_INPUTS`), or None."""
-    e = _GRAD_WEIGHT_INPUTS.get(id(x))
-    return e[1] if e is not None and e[0]() is x else None
-
-
-def _gw_drop(key: int, ref) -> None:
-    # weakref callback: the input died (its id may be reused: drop the entry only if it is still this input's)
-    e = _GRAD_WEIGHT_INPUTS.get(key)
-    if e is not None and e[0] is ref:
-        del _GRAD_WEIGHT_INPUTS[key]
-
-
-def _gw_key(x: torch.Tensor, recipe: Recipe) -> tuple:
-    """The key of ``x``'s grad_weight operand in :data:`_GRAD_WEIGHT_INPUTS`: its version, the fp8 format, the
-    backward's fast accumulation, and the CUDA-graph capture (:func:`fp8tensor.capture.capture_token`: an fp8 copy
-    made outside a capture is never served inside one, where it would be baked into the graph)."""
-    return (x._version, recipe.float8_dtype, recipe.fast_accum_backward, capture_token())
-
-
-def _gw_store(x: torch.Tensor, key: tuple, x8: torch.Tensor) -> None:
-    """Remember ``x8`` as the grad_weight operand of ``x`` for ``key``; an older version of ``x`` is never asked for
-    again, so it replaces what the entry held."""
-    entries = _gw_entries(x)
-    if entries is None:
-        i = id(x)
-        entries = {}
-        _GRAD_WEIGHT_INPUTS[i] = (weakref.ref(x, lambda ref, i=i: _gw_drop(i, ref)), entries)
-    entries.clear()
-    entries[key] = weakref.ref(x8)
-
-
 #: ``scaled_dims`` of an input quantized over its tokens: one scale per feature.
 _TOKEN_DIMS = rowwise_dims(2, 0)
 
@@ -150,52 +107,23 @@ def _x_for_grad_weight(x: torch.Tensor, x2: torch.Tensor, recipe: Recipe) -> tor
         return _quantize(x2, 0, fast)
     if compat.is_compiling() or x.is_inference():  # (inference tensors have no version counter)
         return _tokens_fp8(x, x2, fast, recipe.float8_dtype)
-    key = _gw_key(x, recipe)
-    entries = _gw_entries(x)
-    ref = entries.get(key) if entries is not None else None
-    x8 = ref() if ref is not None else None
-    if x8 is None:
+
+    def make():
         if plain and type(x) in _PLAIN:  # _tokens_fp8 of a plain tensor, without its DTensor / subclass checks
             hit = quantize_tokens(x, recipe.float8_dtype) if x.dim() >= 2 else None
             q, s = hit if hit is not None else quantize(x2, 0, recipe.float8_dtype, gemm_layout=True)
-            x8 = make_scaled(q, s, x2.dtype, fast, _TOKEN_DIMS)
-        else:
-            x8 = _tokens_fp8(x, x2, fast, recipe.float8_dtype)
-        _gw_store(x, key, x8)
-    return x8
+            return make_scaled(q, s, x2.dtype, fast, _TOKEN_DIMS)
+        return _tokens_fp8(x, x2, fast, recipe.float8_dtype)
 
-
-#: Eager forwards of Linears that read the same input one after another (q/k/v, w1/w3) share its row-wise e4m3
-#: operand (``fp8tensor.config(share_input_quantization=...)``): one slot, ``(weak reference to the input, its
-#: version, (q, scale))``, replaced by the next input's and emptied when a backward starts, so at most one such fp8
-#: copy outlives its forward.
-_LAST_ROWS: list = [None]
-
-
-def _rows_get(x: torch.Tensor) -> Optional[tuple]:
-    """The row-wise e4m3 operand of input ``x`` made by the previous Linear's forward (at the same version, in the
-    same CUDA-graph capture or outside any: :func:`fp8tensor.capture.capture_token`), or None."""
-    e = _LAST_ROWS[0]
-    if e is not None and e[0]() is x and e[1] == (x._version, capture_token()):
-        return e[2]
-    return None
-
-
-def _rows_set(x: torch.Tensor, rows: tuple) -> None:
-    _LAST_ROWS[0] = (weakref.ref(x), (x._version, capture_token()), rows)
+    # shared by the Linears reading ``x`` (q/k/v, w1/w3), as long as a backward holds it
+    return OPERANDS.get(("x_tokens", recipe.float8_dtype, fast), x, make, weak=True)
 
 
 def _x_rows(x: Optional[torch.Tensor], x2: torch.Tensor) -> tuple:
     """``x2`` (``x`` as ``(M, K)``) quantized row-wise in e4m3, shared with the previous Linear's forward when it read
-    the same ``x`` (``fp8tensor.config(share_input_quantization=...)``)."""
-    if x is None or not get_config().share_input_quantization or x.is_inference():
-        return quantize(x2, 1, E4M3, gemm_layout=True)
-    rows = _rows_get(x)
-    if rows is None:
-        _LAST_ROWS[0] = None  # (the previous input's copy dies before this one is made)
-        rows = quantize(x2, 1, E4M3, gemm_layout=True)
-        _rows_set(x, rows)
-    return rows
+    the same ``x`` (held in :data:`fp8tensor.numerics.cache.OPERANDS` until a backward starts)."""
+    make = lambda: quantize(x2, 1, E4M3, gemm_layout=True)  # noqa: E731
+    return make() if x is None else OPERANDS.get("x_rows", x, make)
 
 
 def _weight_for_grad_input(weight: torch.Tensor, gy: torch.Tensor, fast: bool, recipe: Recipe) -> torch.Tensor:
@@ -425,7 +353,7 @@ def _backward(ctx, grad_out):
     x_saved, weight = ctx.saved_tensors
     recipe: Recipe = ctx.recipe
     if not compat.is_compiling():  # the forward is over: no input's row-wise operand is needed again
-        _LAST_ROWS[0] = None
+        OPERANDS.clear("x_rows")
     g2 = grad_out if grad_out.dim() == 2 else grad_out.reshape(-1, ctx.n_out)
     fast = recipe.fast_accum_backward
     grad_x = grad_w = grad_b = None

@@ -24,7 +24,6 @@ def _train(seed: int, reshard: bool, grouped: bool, compiled: bool = False) -> d
 
     import fp8tensor
     from fp8tensor import fsdp as payload
-    from fp8tensor import fsdp_state
 
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(64, 96, bias=False), nn.Linear(96, 48, bias=False), nn.Linear(48, 64, bias=False))
@@ -35,7 +34,9 @@ def _train(seed: int, reshard: bool, grouped: bool, compiled: bool = False) -> d
     fully_shard(model, mesh=init_device_mesh("cpu", (1,)), reshard_after_forward=reshard)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(seed + 1)
-    payload.register_group_finder(fsdp_state._group_locals if grouped else None)
+    finder = payload.fsdp_group
+    if not grouped:  # no group found: each weight quantized in its own hook call
+        payload.fsdp_group = lambda local: (None, [])
     out = dict(y=[], grads=[], params=[], shared_storage=[])
     def record(mod, args):
         # during forward the Linear holds FSDP2's unsharded fp8 weight: with the packed local payload its data and
@@ -56,7 +57,7 @@ def _train(seed: int, reshard: bool, grouped: bool, compiled: bool = False) -> d
             opt.zero_grad()
             out["params"].append([p.to_local()._data.clone() for p in model.parameters()])
     finally:
-        payload.register_group_finder(fsdp_state._group_locals)
+        payload.fsdp_group = finder
     return out
 
 
@@ -118,17 +119,15 @@ def test_kept_result_not_served_after_update(packed):
     """The first hook call of a group quantizes every weight and keeps the others' results; a weight updated in
     place before its own call (version bump) is quantized again, from its new values."""
     from fp8tensor import fsdp as payload
-    from fp8tensor import fsdp_state
     from fp8tensor.master import Fp8MasterWeight
     from fp8tensor.quantize import quantize
 
     torch.manual_seed(0)
     ws = [Fp8MasterWeight(torch.randn(n, 32)) for n in (16, 24, 8)]
-    key = nn.Linear(1, 1)  # any weak-referenceable object stands for the FSDP2 parameter group
-    payload.register_group_finder(lambda local: (key, ws))
+    finder, payload.fsdp_group = payload.fsdp_group, lambda local: (None, ws)  # ws stands for the FSDP2 group
     try:
         def hook(w):
-            hit = payload._group_quantized(w, torch.float8_e4m3fn, packed)
+            hit = payload._quantized_rows(w, torch.float8_e4m3fn, packed)
             assert hit is not None and (hit[2] is not None) == packed
             return hit[0], hit[1]
 
@@ -140,41 +139,38 @@ def test_kept_result_not_served_after_update(packed):
             qr, sr = quantize(w._data, -1)
             assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr)
     finally:
-        payload.register_group_finder(fsdp_state._group_locals)
+        payload.fsdp_group = finder
 
 
 def test_local_group_payload_layout_and_kept_results():
-    """The 1-rank payload of a group (one buffer, layout computed once per group) holds every weight's fp8 bytes and
-    scales exactly as :func:`packed_buffers` + :func:`quantize` would; a weight updated before its own hook call is
-    quantized again, and the layout is recomputed when the group's shapes change."""
+    """The 1-rank payload of a group (one buffer) holds every weight's fp8 bytes and scales exactly as
+    :func:`pack` of :func:`quantize` would (zero padding included); a weight updated before its own hook call is
+    quantized again; a group of new shapes gets its own layout."""
     from fp8tensor import fsdp as payload
-    from fp8tensor import fsdp_state
     from fp8tensor.master import Fp8MasterWeight
     from fp8tensor.quantize import quantize
 
     torch.manual_seed(0)
     ws = [Fp8MasterWeight(torch.randn(n, k)) for n, k in ((16, 32), (5, 24), (8, 3))]  # odd sizes: padding bytes
-    key = nn.Linear(1, 1)
-    payload.register_group_finder(lambda local: (key, ws))
+    finder, payload.fsdp_group = payload.fsdp_group, lambda local: (None, ws)
     try:
         for round_ in range(2):
-            first = payload._local_group_payload(ws[0], torch.float8_e4m3fn)
+            first = payload._quantized_rows(ws[0], torch.float8_e4m3fn, True)
             with torch.no_grad():
                 ws[2]._data.mul_(3.0)  # updated before its own call: its kept result must not be served
-            got = [first] + [payload._local_group_payload(w, torch.float8_e4m3fn) for w in ws[1:]]
-            for w, ((buf,), meta) in zip(ws, got):
-                assert meta.mode == payload.LOCAL and meta.rows == w.shape[0]
+            got = [first] + [payload._quantized_rows(w, torch.float8_e4m3fn, True) for w in ws[1:]]
+            for w, (q, s, buf) in zip(ws, got):
                 qr, sr = quantize(w._data, -1)
-                ref = payload.pack(qr, sr)
-                assert torch.equal(buf, ref)  # data, scales and zero padding, byte for byte
-            assert got[1][0][0].untyped_storage().data_ptr() == got[0][0][0].untyped_storage().data_ptr()
+                assert torch.equal(buf, payload.pack(qr, sr))  # data, scales and zero padding, byte for byte
+                assert q.data_ptr() == buf.data_ptr() and torch.equal(s, sr)
+            assert got[1][2].untyped_storage().data_ptr() == got[0][2].untyped_storage().data_ptr()
         ws.append(Fp8MasterWeight(torch.randn(4, 16)))  # a new layout
-        got = [payload._local_group_payload(w, torch.float8_e4m3fn) for w in ws]
-        for w, ((buf,), meta) in zip(ws, got):
+        got = [payload._quantized_rows(w, torch.float8_e4m3fn, True) for w in ws]
+        for w, (_, _, buf) in zip(ws, got):
             qr, sr = quantize(w._data, -1)
             assert torch.equal(buf, payload.pack(qr, sr))
     finally:
-        payload.register_group_finder(fsdp_state._group_locals)
+        payload.fsdp_group = finder
 
 
 def test_pre_all_gather_hook_signature_is_prebuilt():
@@ -201,21 +197,19 @@ def test_kept_result_not_served_after_data_swap():
     """A kept group result belongs to the data it was computed from: after ``w.data = new`` (a new ``_data``) the
     weight is quantized again."""
     from fp8tensor import fsdp as payload
-    from fp8tensor import fsdp_state
     from fp8tensor.master import Fp8MasterWeight
     from fp8tensor.quantize import quantize
 
     ws = [Fp8MasterWeight(torch.randn(n, 32)) for n in (16, 24)]
-    key = nn.Linear(1, 1)
-    payload.register_group_finder(lambda local: (key, ws))
+    finder, payload.fsdp_group = payload.fsdp_group, lambda local: (None, ws)
     try:
-        payload._group_quantized(ws[0], torch.float8_e4m3fn, False)
+        payload._quantized_rows(ws[0], torch.float8_e4m3fn, False)
         ws[1].data = torch.randn(24, 32)
-        q, s, _ = payload._group_quantized(ws[1], torch.float8_e4m3fn, False)
+        q, s, _ = payload._quantized_rows(ws[1], torch.float8_e4m3fn, False)
         qr, sr = quantize(ws[1]._data, -1)
         assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr)
     finally:
-        payload.register_group_finder(fsdp_state._group_locals)
+        payload.fsdp_group = finder
 
 
 def worker_kept_results(rank: int, world: int, seed: int) -> dict:

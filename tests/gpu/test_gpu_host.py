@@ -73,7 +73,6 @@ def test_fsdp_one_rank_grouped_packed_matches_per_weight(reshard):
 
     import fp8tensor
     from fp8tensor import fsdp as payload
-    from fp8tensor import fsdp_state
 
     own = not dist.is_initialized()
     if own:
@@ -95,7 +94,9 @@ def test_fsdp_one_rank_grouped_packed_matches_per_weight(reshard):
                 _local(m.weight).qdata.untyped_storage().data_ptr()
                 == _local(m.weight).scale.untyped_storage().data_ptr()))
             gen = torch.Generator(device=DEV).manual_seed(1)
-            payload.register_group_finder(fsdp_state._group_locals if grouped else None)
+            finder = payload.fsdp_group
+            if not grouped:
+                payload.fsdp_group = lambda local: (None, [])
             ys = []
             try:
                 for _ in range(3):
@@ -106,7 +107,7 @@ def test_fsdp_one_rank_grouped_packed_matches_per_weight(reshard):
                     opt.zero_grad()
                     ys.append(y.detach())
             finally:
-                payload.register_group_finder(fsdp_state._group_locals)
+                payload.fsdp_group = finder
             runs[grouped] = (ys, [p.to_local()._data.clone() for p in model.parameters()], shared)
         (yg, pg, sg), (ys_, ps, ss) = runs[True], runs[False]
         assert all(torch.equal(a, b) for a, b in zip(yg, ys_))
@@ -255,21 +256,22 @@ def test_fast_launch_bit_identical_to_jit(fast, monkeypatch):
 def test_local_group_payload_matches_packed_quantize():
     """FSDP2's 1-rank group payload on CUDA (one buffer, raw-address group launch) holds the bytes of
     ``pack(quantize(w))`` for every weight."""
-    import torch.nn as nn
 
     from fp8tensor import fsdp as payload
-    from fp8tensor import fsdp_state
     from fp8tensor.master import Fp8MasterWeight
 
     torch.manual_seed(0)
     ws = [Fp8MasterWeight(torch.randn(n, k, device=DEV) * 3) for n, k in ((2048, 2048), (512, 2048), (7, 33), (1, 48))]
-    key = nn.Linear(1, 1)
-    payload.register_group_finder(lambda local: (key, ws))
+    finder, payload.fsdp_group = payload.fsdp_group, lambda local: (None, ws)
     try:
         for _ in range(2):
-            got = [payload._local_group_payload(w, torch.float8_e4m3fn) for w in ws]
-            for w, ((buf,), meta) in zip(ws, got):
+            got = [payload._quantized_rows(w, torch.float8_e4m3fn, True) for w in ws]
+            for w, (_, _, buf) in zip(ws, got):
                 qr, sr = quantize(w._data, -1)
                 assert torch.equal(buf, payload.pack(qr, sr))
+        # one weight alone (no group) takes the same one-launch path
+        payload.fsdp_group = lambda local: (None, [])
+        (_, _, buf) = payload._quantized_rows(ws[0], torch.float8_e4m3fn, True)
+        assert torch.equal(buf, payload.pack(*quantize(ws[0]._data, -1)))
     finally:
-        payload.register_group_finder(fsdp_state._group_locals)
+        payload.fsdp_group = finder

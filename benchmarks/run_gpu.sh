@@ -10,7 +10,8 @@
 #   linear       benchmarks/linear.py (per-layer forward + backward, M = 16384)
 #   memory-4096  benchmarks/memory.py at dim 4096 (FSDP2, compiled blocks, one AdamW over all parameters)
 #   moe          benchmarks/moe.py (MoE experts forward + backward, DeepSeek-V3-like and Qwen3-30B-A3B-like shapes)
-#   serve        tests/gpu/test_gpu_export.py (torch.export + AOTInductor) and benchmarks/serve.py (eager / AOTI, fp8 / bf16)
+#   serve        tests/gpu/test_gpu_export.py (torch.export + AOTInductor) and benchmarks/serve.py (decode / prefill,
+#                eager / compile, bf16 / fp8tensor / torchao) at Llama3-8B shapes, then the README model
 #   quant        benchmarks/quant_cost.py (grad_out quantization: separate passes vs one fused pass)
 #   size-rule    benchmarks/size_rule.py --quick (fp8 vs bf16 per Linear shape at small sizes)
 #   train        examples/train.py --cuda-graph on the README model (1200 steps, bf16 / rowwise / rowwise --size-rule)
@@ -58,7 +59,7 @@ for stage in "$@"; do
              > "$out/memory_4096.txt" 2>&1; tail -30 "$out/memory_4096.txt" ;;
     moe) timeout 300 $py benchmarks/moe.py --out "$out/moe.json" --profile > "$out/moe.txt" 2>&1; table "$out/moe.txt" ;;
     serve) { timeout 300 $py -m pytest -q -p no:cacheprovider -p no:logging --tb=short -W ignore tests/gpu/test_gpu_export.py
-             timeout 300 $py benchmarks/serve.py; } > "$out/serve.txt" 2>&1
+             timeout ${SERVE_TIMEOUT:-400} $py benchmarks/serve.py ${SERVE_ARGS:-}; } > "$out/serve.txt" 2>&1
            grep -E "^\||^# serve|passed|failed|FAILED|Error" "$out/serve.txt" | cut -c1-220 ;;
     quant) timeout 200 $py benchmarks/quant_cost.py > "$out/quant.txt" 2>&1; table "$out/quant.txt" ;;
     size-rule) timeout 200 $py benchmarks/size_rule.py --quick > "$out/size_rule.txt" 2>&1; table "$out/size_rule.txt" ;;

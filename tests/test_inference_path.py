@@ -1,0 +1,61 @@
+"""The fp8 Linear with autograd off (serving): eager calls skip the autograd Function, give the bits of the training
+forward, record no graph, and stay within the fp8 bound of a float64 reference; every shape, 0 and 1 tokens included."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fp8tensor
+import fp8tensor.linear as linear_mod
+from conftest import E4M3_GEMM_BOUND, rel_err, same_bits
+
+
+def _refuse_function(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the autograd Function ran under no_grad")
+
+    monkeypatch.setattr(linear_mod._Fp8Linear, "apply", refuse)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(0, 48), (1, 48), (7, 48), (3, 5, 48), (2, 1, 48)])
+@pytest.mark.parametrize("conversion", ["quantize_weights", "convert_to_fp8"])
+def test_no_grad_forward_skips_the_function(monkeypatch, dtype, shape, conversion):
+    torch.manual_seed(0)
+    base = nn.Linear(48, 32).to(dtype)
+    m = getattr(fp8tensor, conversion)(nn.Sequential(base))[0]
+    assert fp8tensor.is_fp8_module(m) if hasattr(fp8tensor, "is_fp8_module") else type(m) is not nn.Linear
+    x = torch.randn(*shape, dtype=dtype)
+    ref_train = m(x).detach()  # grad mode on: the autograd Function (its forward's pairs path)
+    with monkeypatch.context() as mp:
+        _refuse_function(mp)
+        with torch.no_grad():
+            y = m(x)
+        with torch.inference_mode():
+            yi = m(x)
+    assert y.grad_fn is None and y.shape == (*shape[:-1], 32) and y.dtype == dtype
+    assert same_bits(y, ref_train) and same_bits(yi, ref_train)
+    ref = x.double() @ base.weight.double().t() + base.bias.double()
+    if x.numel():
+        assert rel_err(y, ref) < E4M3_GEMM_BOUND
+    else:
+        assert y.numel() == 0
+
+
+def test_no_grad_output_is_writable_and_independent():
+    """The output may be changed in place (a residual add) without touching anything the Linear keeps."""
+    torch.manual_seed(0)
+    m = fp8tensor.quantize_weights(nn.Sequential(nn.Linear(32, 16, bias=False)))[0]
+    x = torch.randn(2, 3, 32)
+    with torch.no_grad():
+        y = m(x)
+        y2 = m(x).clone()
+        y.add_(1.0)
+        assert same_bits(m(x), y2)
+
+
+def test_no_grad_bad_input_names_the_op():
+    m = fp8tensor.quantize_weights(nn.Sequential(nn.Linear(32, 16)))[0]
+    with torch.no_grad(), pytest.raises(RuntimeError, match="fp8_linear: input's last dim"):
+        m(torch.randn(4, 31))

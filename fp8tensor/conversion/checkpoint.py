@@ -112,7 +112,26 @@ def load_safetensors(module: torch.nn.Module, path, *, strict: bool = True):
     state: dict = {}
     for f in files:
         state.update(load_file(str(f)))
+    _warn_dtype_mismatch(module, state)
     return module.load_state_dict(state, strict=strict)
+
+
+def _warn_dtype_mismatch(module: torch.nn.Module, state: dict) -> None:
+    """Warn when the checkpoint's high-precision tensors have another dtype than the model's (``load_state_dict``
+    casts them silently, and the model then computes in its own dtype, not the saved one)."""
+    own = module.state_dict()
+    diff = [(k, v.dtype, own[k].dtype) for k, v in state.items()
+            if k in own and v.dtype.is_floating_point and v.dtype not in FLOAT8_DTYPES
+            and own[k].dtype.is_floating_point and own[k].dtype not in FLOAT8_DTYPES and v.dtype != own[k].dtype]
+    if diff:
+        import warnings
+
+        k, saved, model = diff[0]
+        warnings.warn(
+            f"fp8tensor.load_safetensors: {len(diff)} checkpoint tensors are {saved} where the model's are {model} "
+            f"(e.g. {k!r}): load_state_dict casts them and the model computes in {model}, so its outputs differ "
+            f"from the saved model's; build the model in {saved} (model.to({saved}) before quantize_weights) to serve "
+            "it as saved", UserWarning, stacklevel=2)
 
 
 def state_dict_hook(module, state_dict, prefix, local_metadata):

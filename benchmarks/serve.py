@@ -68,6 +68,7 @@ def main():
         print("benchmarks/serve.py: needs CUDA")
         return
     rows, modes, names = a.rows.split(","), a.modes.split(","), a.variants.split(",")
+    torch._dynamo.config.automatic_dynamic_shapes = False  # one static graph per row (as a server's fixed buckets)
     torch.manual_seed(0)
     args = ModelArgs(**MODELS[a.model])
     bf16 = Llama(args).to("cuda", torch.bfloat16).eval()

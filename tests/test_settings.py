@@ -47,7 +47,8 @@ def test_set_config_process_wide():
 
 def test_defaults():
     assert dataclasses.asdict(fp8tensor.Config()) == dict(
-        gemm_backend="auto", unknown_ops="warn", eager_fast_path=True, share_input_quantization=True,
+        gemm_backend="auto", unknown_ops="warn", eager_fast_path=True, weight_only_decode=True,
+        share_input_quantization=True,
         fused_grad_out="eager", grouped_gemm_kernel=True, size_rule=False, size_rule_min=640,
         size_rule_fp8_grad_weight_min=1024, state_dict_fp8="subclass")
 

@@ -39,8 +39,8 @@ STATE_DICT_FP8 = ("subclass", "plain")
 class Config:
     """fp8tensor's settings (immutable; change them with :func:`set_config` or :func:`config`).
 
-    Every field but ``gemm_backend`` (on devices where several backends run) and the ``size_rule*`` fields (which
-    Linears are converted, and with which recipe) leaves the numbers unchanged: the others choose between code
+    Every field but ``gemm_backend`` (on devices where several backends run), ``weight_only_decode`` and the
+    ``size_rule*`` fields (which Linears are converted, and with which recipe) leaves the numbers unchanged: the others choose between code
     paths that compute the same bits, and exist to measure one against the other or to rule a fast path out while
     looking for a problem.
 
@@ -53,6 +53,13 @@ class Config:
             quantizations and ``scaled_mm`` calls as the general path, without transient ``ScaledFp8Tensor`` s and
             the dispatch through ``fp8_mm`` (less host time per Linear, ``benchmarks/host_overhead.py``). False: every
             Linear takes the general path (same bits; to compare the two or to rule the fast path out).
+        weight_only_decode: (default True) with autograd off, a decode-sized input (up to 64 tokens, bf16 / fp16,
+            CUDA with Triton) of an fp8 weight stored per row (``quantize_weights``) is multiplied in its own
+            precision by the fp8 weight read once (:func:`fp8tensor.quantize.weight_only_mm`, eager and
+            ``torch.compile``), instead of being quantized to e4m3 for ``torch._scaled_mm``: faster where the step is
+            bound by the weight's bytes, and more accurate (no activation rounding). Its outputs therefore differ
+            from the exported program's (which always quantizes the input) by the fp8 rounding of the activations;
+            False: the same GEMM as training and ``torch.export``.
         share_input_quantization: (default True) an input read by several GEMMs one after another is quantized once
             and shared: the row-wise e4m3 input of eager fp8 Linears (q/k/v, w1/w3; one held copy, freed when a
             backward starts) and the token tensor of eager fp8 grouped GEMMs (the per-token and the per-group column
@@ -91,6 +98,7 @@ class Config:
     gemm_backend: str = "auto"
     unknown_ops: str = "warn"
     eager_fast_path: bool = True
+    weight_only_decode: bool = True
     share_input_quantization: bool = True
     fused_grad_out: str = "eager"
     grouped_gemm_kernel: bool = True
@@ -104,7 +112,8 @@ class Config:
         _check_choice("unknown_ops", self.unknown_ops, UNKNOWN_OPS)
         _check_choice("fused_grad_out", self.fused_grad_out, FUSED_GRAD_OUT_MODES)
         _check_choice("state_dict_fp8", self.state_dict_fp8, STATE_DICT_FP8)
-        for name in ("eager_fast_path", "share_input_quantization", "grouped_gemm_kernel", "size_rule"):
+        for name in ("eager_fast_path", "weight_only_decode", "share_input_quantization", "grouped_gemm_kernel",
+                     "size_rule"):
             value = getattr(self, name)
             if type(value) is not bool:
                 raise ValueError(f"fp8tensor.config: {name} must be True or False, got {value!r}")

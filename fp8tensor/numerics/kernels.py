@@ -37,7 +37,7 @@ __all__ = [
     "kernel_available", "launch_dim0_t", "quantize_last_dim", "quantize_last_dim_group", "row_kernel_available",
     "eager_launch_ok", "transpose_available", "launch_transpose", "quantize_last_dim_group_into",
     "group_col_kernel_available", "launch_group_cols_t",
-    "rows_dim0_available", "launch_rows_dim0_t",
+    "rows_dim0_available", "launch_rows_dim0_t", "w8_mm_available", "launch_w8_mm", "W8_MM_CONFIG",
 ]
 
 try:  # Triton is only present with CUDA builds of torch.
@@ -764,3 +764,123 @@ def launch_group_cols_t(x: torch.Tensor, ends: torch.Tensor, dst: torch.Tensor, 
         dict(FMAX=torch.finfo(float8_dtype).max, EPS=scale_floor, ALIGN=align, MIN_PAD=min_pad,
              BLOCK_M=c["block_m"], BLOCK_C=c["block_c"]),
         c["warps"], x.device)
+
+
+# ------------------------------------------------------------------------------ small-M fp8-weight GEMM (decode)
+if _HAS_TRITON:
+
+    @triton.jit
+    def _w8_mm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, M, N, K, K_PER, stride_xm, stride_wn, stride_om,
+                      stride_os, HAS_BIAS: tl.constexpr, FINAL: tl.constexpr, X_TY: tl.constexpr,
+                      O_TY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # Program (n, s): output columns [n * BLOCK_N, ...) over the K slice [s * K_PER, (s + 1) * K_PER), all M rows.
+        # The fp8 weight tile is widened to x's dtype (exact: every e4m3 / e5m2 value is a bf16 / fp16 value) and
+        # multiplied on the tensor cores with fp32 accumulation; FINAL: row scales (and bias) applied, cast, stored;
+        # else the fp32 partial sum goes to slice s of the workspace.
+        pid_n = tl.program_id(0)
+        pid_s = tl.program_id(1)
+        rm = tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        k_start = pid_s * K_PER
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kk in range(0, K_PER, BLOCK_K):
+            k = k_start + kk + rk
+            x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=(rm[:, None] < M) & (k[None, :] < K),
+                        other=0.0)
+            w = tl.load(w_ptr + rn[None, :] * stride_wn + k[:, None], mask=(rn[None, :] < N) & (k[:, None] < K),
+                        other=0.0)
+            acc += tl.dot(x.to(X_TY), w.to(X_TY))
+        omask = (rm[:, None] < M) & (rn[None, :] < N)
+        if FINAL:
+            s = tl.load(s_ptr + rn, mask=rn < N, other=0.0)
+            acc = acc * s[None, :]
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+            tl.store(o_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(O_TY), mask=omask)
+        else:
+            tl.store(o_ptr + pid_s * stride_os + rm[:, None] * stride_om + rn[None, :], acc, mask=omask)
+
+    @triton.jit
+    def _w8_mm_reduce_kernel(ws_ptr, s_ptr, b_ptr, o_ptr, MN, N, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                             O_TY: tl.constexpr, BLOCK: tl.constexpr):
+        # out = (sum over the SPLIT partial sums) * scale[n] (+ bias[n]), fixed summation order: deterministic
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < MN
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for s in tl.static_range(SPLIT):
+            acc += tl.load(ws_ptr + s * MN + offs, mask=mask, other=0.0)
+        n = offs % N
+        acc = acc * tl.load(s_ptr + n, mask=mask, other=0.0)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + n, mask=mask, other=0.0).to(tl.float32)
+        tl.store(o_ptr + offs, acc.to(O_TY), mask=mask)
+
+
+#: Tiles of the small-M fp8-weight GEMM: inputs of up to ``max_m`` rows take it (decode); ``block_n`` x ``block_k``
+#: weight tiles; the K dim is split until about ``programs_per_sm`` programs per SM stream the weight (each slice at
+#: least ``min_k_tiles`` tiles long).
+W8_MM_CONFIG = dict(max_m=64, block_n=64, block_k=128, warps=4, programs_per_sm=4, min_k_tiles=4, reduce_block=1024)
+_SM_COUNT: dict = {}
+
+
+def w8_mm_available(x: torch.Tensor, w8: torch.Tensor) -> bool:
+    """Whether :func:`launch_w8_mm` takes ``x`` ``(M, K)`` (bf16 / fp16, unit last stride, ``1 <= M <= max_m``) and
+    the fp8 weight ``w8`` ``(N, K)`` (row-major) on one CUDA device, with Triton; fake tensors (compile) included."""
+    return (
+        _HAS_TRITON
+        and x.is_cuda
+        and x.dim() == 2
+        and w8.dim() == 2
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and w8.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+        and x.device == w8.device
+        and 1 <= x.shape[0] <= W8_MM_CONFIG["max_m"]
+        and x.shape[1] == w8.shape[1]
+        and w8.shape[0] > 0
+        and (x.stride(1) == 1 or x.shape[1] <= 1)
+        and (w8.stride(1) == 1 or w8.shape[1] <= 1)
+        and x.numel() < 2**31 and w8.numel() < 2**31
+    )
+
+
+def launch_w8_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor],
+                 *, traced: bool = False) -> torch.Tensor:
+    """``(x @ w8.T) * scale.T (+ bias)`` ``(M, N)`` in ``x``'s dtype, reading the fp8 weight ``w8`` ``(N, K)`` once
+    (check :func:`w8_mm_available` first): the weight is widened to ``x``'s dtype in registers (exact), the products
+    accumulate in float32, ``scale`` ``(N, 1)`` float32 row scales of ``w8`` and the optional ``bias`` ``(N,)`` are
+    applied in float32 before the one rounding to the output dtype. Split over K (fixed order, deterministic) so that
+    small N still streams the weight on every SM. ``traced``: the body of a ``triton_op`` (``wrap_triton``)."""
+    M, K, N = int(x.shape[0]), int(x.shape[1]), int(w8.shape[0])  # (specialized under torch.compile)
+    c = W8_MM_CONFIG
+    bm = max(16, triton.next_power_of_2(M))
+    bn, bk = c["block_n"], c["block_k"]
+    idx = (x.device.index if x.device.index is not None else torch.cuda.current_device()) if x.is_cuda else 0
+    sms = _SM_COUNT.get(idx)
+    if sms is None:
+        sms = _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    nb, kt = triton.cdiv(N, bn), triton.cdiv(K, bk)
+    split = max(1, min(triton.cdiv(sms * c["programs_per_sm"], nb), kt // c["min_k_tiles"]))
+    k_per = triton.cdiv(kt, split) * bk
+    split = triton.cdiv(K, k_per) if K else 1
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    s = scale.reshape(N)
+    b = bias if bias is not None else s
+    ws = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+    consts = dict(HAS_BIAS=bias is not None, FINAL=split == 1, X_TY=_tl_dtype(x.dtype), O_TY=_tl_dtype(x.dtype),
+                  BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+    args = (x, w8, s, b, ws, M, N, K, k_per, x.stride(0), w8.stride(0), N, M * N)
+    rconsts = dict(SPLIT=split, HAS_BIAS=bias is not None, O_TY=_tl_dtype(x.dtype), BLOCK=c["reduce_block"])
+    rgrid = (triton.cdiv(M * N, c["reduce_block"]),)
+    if traced or not x.is_cuda:  # (not CUDA: Triton's interpreter, tests/_w8_mm_interp.py)
+        from torch.library import wrap_triton
+
+        wrap = wrap_triton if traced else (lambda k: k)
+        wrap(_w8_mm_kernel)[(nb, split)](*args, **consts, num_warps=c["warps"])
+        if split > 1:
+            wrap(_w8_mm_reduce_kernel)[rgrid](ws, s, b, out, M * N, N, **rconsts, num_warps=4)
+    else:
+        _launcher(_w8_mm_kernel)((nb, split), args, consts, c["warps"], x.device)
+        if split > 1:
+            _launcher(_w8_mm_reduce_kernel)(rgrid, (ws, s, b, out, M * N, N), rconsts, 4, x.device)
+    return out

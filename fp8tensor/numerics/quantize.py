@@ -42,6 +42,7 @@ __all__ = [
     "after_dep",
     "quantize_tokens",
     "quantize_rows_and_tokens",
+    "weight_only_mm",
     "FLOAT8_DTYPES",
     "E4M3",
     "E5M2",
@@ -449,6 +450,35 @@ if not kernels.HAS_TRITON:  # a triton_op is its own fake kernel; the plain cust
         M = math.prod(x.shape[:-1])
         return (x.new_empty(M, K, dtype=float8_dtype), x.new_empty(M, 1, dtype=torch.float32),
                 x.new_empty(K, M, dtype=float8_dtype), x.new_empty(K, 1, dtype=torch.float32))
+
+
+# ---------------------------------------------------------------------------------------------- small-M GEMM
+def weight_only_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
+                   bias: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """``x @ (w8 * scale).T + bias`` ``(M, N)`` in ``x``'s dtype for a decode-sized ``x`` ``(M, K)`` (``M <= 64``,
+    bf16 / fp16, CUDA with Triton), reading the fp8 weight once and ``x`` in its own precision (no activation
+    quantization: where the GEMM is bound by the weight's bytes, the fp8-by-fp8 GEMM saves nothing and cuBLAS has no
+    small-M row-scaled kernel); None where it does not run. ``w8`` ``(N, K)`` fp8, ``scale`` ``(N, 1)`` float32 row
+    scales, ``bias`` ``(N,)``. Eager: the kernels launched directly; traced: the ``triton_op`` ``fp8tensor::w8_mm``,
+    launched inline by inductor's generated code (CUDA graphs included)."""
+    if not (kernels.w8_mm_available(x, w8) and tuple(scale.shape) == (w8.shape[0], 1)
+            and scale.dtype == torch.float32 and scale.device == x.device
+            and (bias is None or (bias.dim() == 1 and bias.shape[0] == w8.shape[0] and bias.device == x.device))):
+        return None
+    if kernels.eager_launch_ok(x) and type(w8) is torch.Tensor and type(scale) is torch.Tensor and (
+            bias is None or type(bias) is torch.Tensor):
+        return kernels.launch_w8_mm(x, w8, scale.contiguous(), None if bias is None else bias.contiguous())
+    return torch.ops.fp8tensor.w8_mm(x, w8, scale, bias)
+
+
+if kernels.HAS_TRITON:
+
+    @torch.library.triton_op("fp8tensor::w8_mm", mutates_args=())
+    def _w8_mm_op(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
+                  bias: Optional[torch.Tensor]) -> torch.Tensor:
+        # weight_only_mm under torch.compile: inductor launches the kernels from its generated code
+        return kernels.launch_w8_mm(x, w8, scale.contiguous(), None if bias is None else bias.contiguous(),
+                                    traced=True)
 
 
 # ---------------------------------------------------------------------------------------------- grouped (MoE) layouts

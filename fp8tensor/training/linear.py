@@ -19,8 +19,8 @@ import torch.autograd.forward_ad as _forward_ad
 from ..core import compat
 from ..subclass.gemm import _check_mm_args, scaled_mm
 from ..numerics.cache import OPERANDS
-from ..numerics.quantize import (E4M3, FLOAT8_DTYPES, quantize, quantize_dim0_t_after, quantize_rows_and_tokens, quantize_tokens,
-                       transpose_after)
+from ..numerics.quantize import (E4M3, FLOAT8_DTYPES, quantize, quantize_dim0_t_after, quantize_rows_and_tokens,
+                                 quantize_tokens, transpose_after, weight_only_mm)
 from .recipes import Recipe, get_recipe
 from ..core.settings import get_config, scope_token, swap_scope
 from ..subclass.tensor import ScaledFp8Tensor, _is_dtensor, make_scaled, map_local, rowwise_dims
@@ -459,9 +459,18 @@ def _inference_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
                        recipe: Recipe) -> Optional[torch.Tensor]:
     """The fp8 Linear's forward with autograd off, in eager on plain tensors: the pairs path's GEMM
     (:func:`_forward_parts`) and the bias, without the ``autograd.Function`` (no context, nothing saved, less host
-    time per call). Same ops and bits as :class:`_Fp8Linear`'s forward; None where it needs the subclass path."""
+    time per call). Same ops and bits as :class:`_Fp8Linear`'s forward; None where it needs the subclass path.
+
+    Decode-sized inputs (up to 64 tokens, bf16 / fp16, CUDA) with a row-scaled fp8 weight of their dtype take
+    :func:`fp8tensor.quantize.weight_only_mm` instead, eager and compiled (``fp8tensor.config(weight_only_decode=...)``):
+    ``x`` stays in its precision and the fp8 weight is read once (the step is bound by the weight's bytes)."""
     wd = weight._data if isinstance(weight, QuantizeOnUse) else weight
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    if (type(weight) is ScaledFp8Tensor and weight.dtype == x.dtype and type(x2) in _PLAIN and weight.dim() == 2
+            and get_config().weight_only_decode):
+        out = weight_only_mm(x2, weight.qdata, weight.scale, bias)
+        if out is not None:
+            return out if x.dim() == 2 else out.view(*x.shape[:-1], wd.shape[0])
     out = _forward_parts(x2, weight, wd, recipe, x)
     if out is None:
         return None

@@ -77,46 +77,46 @@ def main():
     print("| row (batch x tokens) | mode | " + " | ".join(f"{n} ms" for n in names)
           + " | " + " | ".join(f"{n} vs bf16" for n in names if n != "bf16") + " |")
     print("|---|---|" + "---|" * (2 * len(names) - (1 if "bf16" in names else 0)))
-    results = {}
+    models = {}
+    for n in names:
+        try:
+            models[n] = variant(n, bf16)
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc(file=sys.stderr)
+            models[n] = f"{type(e).__name__}"
+    cell = lambda x: f"{x:.3f}" if isinstance(x, float) else str(x)  # noqa: E731
     for mode in modes:
-        for n in names:
-            torch._dynamo.reset()
-            try:
-                m = variant(n, bf16)
-                fwd = torch.compile(m, mode="reduce-overhead") if mode == "compile" else m
-            except Exception as e:  # noqa: BLE001
-                traceback.print_exc(file=sys.stderr)
-                for r in rows:
-                    results[(r, mode, n)] = f"{type(e).__name__}"
-                continue
-            for r in rows:
-                B, T = ROWS[r]
-                ids = torch.randint(0, args.vocab_size, (B, T), device="cuda")
+        for r in rows:  # one line per row as soon as it is measured (one static graph per row and variant)
+            B, T = ROWS[r]
+            ids = torch.randint(0, args.vocab_size, (B, T), device="cuda")
+            v = {}
+            for n in names:
+                m = models[n]
+                if isinstance(m, str):
+                    v[n] = m
+                    continue
                 t0 = time.time()
                 try:
+                    torch._dynamo.reset()
+                    fwd = torch.compile(m, mode="reduce-overhead") if mode == "compile" else m
+
                     def call(f=fwd, compiled=mode == "compile", x=ids):
                         if compiled:
                             torch.compiler.cudagraph_mark_step_begin()
                         with torch.no_grad():
                             return f(x)
-                    results[(r, mode, n)] = bench(call)
+                    v[n] = bench(call)
                     if a.profile == r and mode == "compile":
                         print(f"<!-- {n} {mode} {r}: top kernels\n{top_kernels(call)}\n-->", flush=True)
                 except Exception as e:  # noqa: BLE001
                     traceback.print_exc(file=sys.stderr)
-                    results[(r, mode, n)] = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
+                    v[n] = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
                 print(f"<!-- {n} {mode} {r}: {time.time() - t0:.0f} s -->", file=sys.stderr, flush=True)
-            del m, fwd
-            torch.cuda.empty_cache()
-        for r in rows:
-            v = {n: results.get((r, mode, n)) for n in names}
-            cell = lambda x: f"{x:.3f}" if isinstance(x, float) else str(x)  # noqa: E731
             base = v.get("bf16")
             ratio = lambda x: f"{base / x:.2f}x" if isinstance(x, float) and isinstance(base, float) else "-"  # noqa
-            B, T = ROWS[r]
             print(f"| {r} ({B} x {T}) | {mode} | " + " | ".join(cell(v[n]) for n in names) + " | "
                   + " | ".join(ratio(v[n]) for n in names if n != "bf16") + " |", flush=True)
-
+        torch._dynamo.reset()
 
 if __name__ == "__main__":
     main()

@@ -75,8 +75,8 @@ def main():
     print(f"# serve {a.model} · {env_line()} · do_bench medians, ms per forward (no grad); speed-up vs bf16, same mode")
     print()
     print("| row (batch x tokens) | mode | " + " | ".join(f"{n} ms" for n in names)
-          + " | " + " | ".join(f"{n} vs bf16" for n in names if n != "bf16") + " |")
-    print("|---|---|" + "---|" * (2 * len(names) - (1 if "bf16" in names else 0)))
+          + " | " + " | ".join(f"{n} vs bf16" for n in names if n != "bf16") + " | tokens/s (" + " / ".join(names) + ") |")
+    print("|---|---|" + "---|" * (2 * len(names) - (1 if "bf16" in names else 0) + 1))
     models = {}
     for n in names:
         try:
@@ -114,8 +114,9 @@ def main():
                 print(f"<!-- {n} {mode} {r}: {time.time() - t0:.0f} s -->", file=sys.stderr, flush=True)
             base = v.get("bf16")
             ratio = lambda x: f"{base / x:.2f}x" if isinstance(x, float) and isinstance(base, float) else "-"  # noqa
+            tps = " / ".join(f"{B * T / v[n] * 1e3:,.0f}" if isinstance(v[n], float) else "-" for n in names)
             print(f"| {r} ({B} x {T}) | {mode} | " + " | ".join(cell(v[n]) for n in names) + " | "
-                  + " | ".join(ratio(v[n]) for n in names if n != "bf16") + " |", flush=True)
+                  + " | ".join(ratio(v[n]) for n in names if n != "bf16") + f" | {tps} |", flush=True)
         torch._dynamo.reset()
 
 if __name__ == "__main__":

@@ -66,7 +66,10 @@ def test_linear_no_grad_takes_it_up_to_64_tokens(tokens, monkeypatch):
     assert y.shape == (*tokens, 256)
     if n:
         ref = hp.double()(x.double())
-        assert rel_err(y, ref) < E4M3_GEMM_BOUND and rel_err(y_w8a8, ref) < 2 * E4M3_GEMM_BOUND
+        # two GEMMs in series: the weight-only path rounds only the weights (one GEMM's bound), the fp8 x fp8 path the
+        # activations too (two GEMMs' worth: 5.3% measured at 65 tokens)
+        assert rel_err(y, ref) < (E4M3_GEMM_BOUND if n <= 64 else 2 * E4M3_GEMM_BOUND)
+        assert rel_err(y_w8a8, ref) < 2 * E4M3_GEMM_BOUND
         if n > 64:
             assert torch.equal(y, y_w8a8)
 

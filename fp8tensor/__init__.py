@@ -27,13 +27,13 @@ from .training.recipes import Recipe, RECIPES
 from .training.linear import fp8_linear
 from .training.grouped import fp8_grouped_mm
 from .training.master import Fp8MasterWeight
-from .distributed import fsdp_state  # drops FSDP2's flat copy of fp8 shards
+from .distributed import fsdp_state  # FSDP2 state for conversion after fully_shard
 from .distributed import collectives  # fp8 collectives for DTensor / TP
 from .conversion.convert import convert_to_fp8, quantize_weights
 from .conversion.checkpoint import load_safetensors, plain_state_dict
 from .training.graphs import GraphedStep, graph_step
 
-#: Modules imported for what they register (op table entries, FSDP2 and collective handlers), not for names.
+#: Modules imported for what they register (op table entries, collective handlers) or hold, not for names.
 _REGISTERING = (ops, fsdp_state, collectives)
 
 

@@ -130,8 +130,8 @@ def _warn_dtype_mismatch(module: torch.nn.Module, state: dict) -> None:
         warnings.warn(
             f"fp8tensor.load_safetensors: {len(diff)} checkpoint tensors are {saved} where the model's are {model} "
             f"(e.g. {k!r}): load_state_dict casts them and the model computes in {model}, so its outputs differ "
-            f"from the saved model's; build the model in {saved} (model.to({saved}) before quantize_weights) to serve "
-            "it as saved", UserWarning, stacklevel=2)
+            f"from the saved model's; build the model in {saved} to serve it as saved (Hugging Face: "
+            f"AutoModelForCausalLM.from_config(config, dtype={saved}), then quantize_weights)", UserWarning, stacklevel=2)
 
 
 def state_dict_hook(module, state_dict, prefix, local_metadata):

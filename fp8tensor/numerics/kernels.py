@@ -872,7 +872,7 @@ def launch_w8_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: O
     args = (x, w8, s, b, ws, M, N, K, k_per, x.stride(0), w8.stride(0), N, M * N)
     rconsts = dict(SPLIT=split, HAS_BIAS=bias is not None, O_TY=_tl_dtype(x.dtype), BLOCK=c["reduce_block"])
     rgrid = (triton.cdiv(M * N, c["reduce_block"]),)
-    if traced or not x.is_cuda:  # (not CUDA: Triton's interpreter, tests/_w8_mm_interp.py)
+    if traced or not x.is_cuda:  # (not CUDA: Triton's interpreter)
         from torch.library import wrap_triton
 
         wrap = wrap_triton if traced else (lambda k: k)

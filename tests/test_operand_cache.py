@@ -59,10 +59,10 @@ def test_held_values_one_per_kind_and_cleared():
 def test_weak_values_live_as_long_as_someone_holds_them():
     c = OperandCache()
     x = torch.randn(5)
-    v = torch.randn(5)
-    assert c.get("gw", x, lambda: v, weak=True) is v
-    assert c.get("gw", x, lambda: None, weak=True) is v
-    del v
+    held = [torch.randn(5)]
+    assert c.get("gw", x, lambda: held[0], weak=True) is held[0]
+    assert c.get("gw", x, lambda: None, weak=True) is held[0]
+    held.clear()
     gc.collect()
     fresh = torch.randn(1)
     assert c.get("gw", x, lambda: fresh, weak=True) is fresh  # the old value died: made again

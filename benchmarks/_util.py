@@ -53,6 +53,19 @@ def top_kernels(fn, n: int = 12) -> str:
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=n, max_name_column_width=70)
 
 
+def top_host(fn, n: int = 25) -> str:
+    """Profile three calls of ``fn`` and return the top host (CPU) ops by self time, with stacks off."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=n, max_name_column_width=60)
+
+
 def one_process_mesh(device: torch.device, shape: tuple, names=None):
     """A device mesh of ``shape`` (all ones) over a single-process group, created if none exists: NCCL on CUDA, gloo
     on CPU (the one-GPU runs of ``e2e.py`` and ``host_overhead.py``)."""

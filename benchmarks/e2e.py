@@ -10,7 +10,9 @@ Variants: ``<precision>@<setup>`` (comma-separated in ``--variants``):
 
 * precision: ``bf16``; ``rowwise`` / ``rowwise_gw_hp`` (fp8tensor recipes); ``ao_tensorwise``, ``ao_rowwise``,
   ``ao_rowwise_gw_hp`` (torchao.float8, skipped when not importable); ``ao_tensorwise_ag`` (torchao tensorwise with
-  its fp8 FSDP2 all-gather).
+  its fp8 FSDP2 all-gather). A ``.inductor`` suffix on an fp8tensor precision (``rowwise.inductor``) compiles that
+  variant with ``fp8tensor.config(compiled_quantization="inductor")`` (token-dim quantizations as plain ops that
+  inductor generates and fuses) instead of fp8tensor's kernels.
 * setup: ``fsdp`` (default; FSDP2 over a 1-rank mesh, float32 master, ``MixedPrecisionPolicy(bf16, fp32 reduce)``,
   ``reshard_after_forward=False``), ``plain`` (no FSDP2: bf16 parameters, bf16 master), ``tp`` (block Linears under
   ``parallelize_module`` on a 1-rank TP mesh, then FSDP2 over the 1-rank dp mesh of the same 2-D mesh), ``tp_plain``
@@ -138,6 +140,8 @@ def build(precision: str, setup: str, args, mesh, device, mode=None):
     fsdp = setup in ("fsdp", "tp")
     if not fsdp:
         model = model.to(torch.bfloat16)  # no FSDP2: bf16 parameters (bf16 master)
+    inductor_quant = precision.endswith(".inductor")  # compiled_quantization="inductor" for this variant
+    precision = precision.removesuffix(".inductor")
     sized = precision.endswith(".sized")  # fp8tensor's size-aware choice on (small Linears stay bf16)
     precision = precision.removesuffix(".sized")
     if precision in ("rowwise", "rowwise_gw_hp"):
@@ -146,6 +150,7 @@ def build(precision: str, setup: str, args, mesh, device, mode=None):
         print(f"# {precision}: fp8tensor from {os.path.dirname(fp8tensor.__file__)}", flush=True)
         if args.fused_grad_out is not None:
             fp8tensor.set_config(fused_grad_out=args.fused_grad_out)  # process-wide: backward threads see it too
+        fp8tensor.set_config(compiled_quantization="inductor" if inductor_quant else "kernels")
 
         fp8tensor.convert_to_fp8(model, recipe=precision, module_filter_fn=fp8_module_filter, size_rule=sized)
     elif precision.startswith("ao_"):
@@ -408,13 +413,15 @@ PRECISIONS = ("bf16", "rowwise", "rowwise_gw_hp", "ao_tensorwise", "ao_rowwise",
 
 
 def check_variant(variant: str) -> tuple[str, str, str]:
-    """``(precision, setup, suffix)`` of ``<precision>[.sized]@<setup>[+cg|+graph]`` (``.sized``: fp8tensor's
+    """``(precision, setup, suffix)`` of ``<precision>[.sized][.inductor]@<setup>[+cg|+graph]`` (``.inductor``:
+    ``fp8tensor.config(compiled_quantization="inductor")`` for this variant; ``.sized``: fp8tensor's
     size-aware choice on, ``convert_to_fp8(size_rule=True)``); SystemExit naming the variant on a typo (before
     anything runs: a misspelled precision must not silently run as bf16)."""
     precision, _, setup = variant.partition("@")
     setup, _, extra = (setup or "fsdp").partition("+")
-    if precision.removesuffix(".sized") not in PRECISIONS or (precision.endswith(".sized")
-                                                               and not precision.startswith("rowwise")):
+    base = precision.removesuffix(".inductor")
+    if base.removesuffix(".sized") not in PRECISIONS or (base != precision and not base.startswith("rowwise")) or (
+            base.endswith(".sized") and not base.startswith("rowwise")):
         raise SystemExit(f"e2e.py: unknown precision {precision!r} in {variant!r}; expected one of {PRECISIONS}")
     if setup not in SETUPS:
         raise SystemExit(f"e2e.py: unknown setup {setup!r} in {variant!r}; expected one of {SETUPS}")

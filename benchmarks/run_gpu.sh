@@ -11,7 +11,9 @@
 #   memory-4096  benchmarks/memory.py at dim 4096 (FSDP2, compiled blocks, one AdamW over all parameters)
 #   moe          benchmarks/moe.py (MoE experts forward + backward, DeepSeek-V3-like and Qwen3-30B-A3B-like shapes)
 #   serve        tests/gpu/test_gpu_export.py (torch.export + AOTInductor) and benchmarks/serve.py (decode / prefill,
-#                eager / compile, bf16 / fp8tensor / torchao) at Llama3-8B shapes, then the README model
+#                eager / compile, bf16 / fp8tensor / torchao) at Llama3-8B shapes (SERVE_ARGS="--model readme": the
+#                README model); compiled rows with --parallel
+#   w8-tune      benchmarks/w8_tune.py --quick --host (tiles of the decode GEMM, graphed, and its host cost per call)
 #   quant        benchmarks/quant_cost.py (grad_out quantization: separate passes vs one fused pass)
 #   size-rule    benchmarks/size_rule.py --quick (fp8 vs bf16 per Linear shape at small sizes)
 #   train        examples/train.py --cuda-graph on the README model (1200 steps, bf16 / rowwise / rowwise --size-rule)
@@ -58,8 +60,13 @@ for stage in "$@"; do
              --layers 4 --seq 8192 --warmup 1 --variants bf16@compile,rowwise@compile,rowwise_gw_hp@compile \
              > "$out/memory_4096.txt" 2>&1; tail -30 "$out/memory_4096.txt" ;;
     moe) timeout 300 $py benchmarks/moe.py --out "$out/moe.json" --profile > "$out/moe.txt" 2>&1; table "$out/moe.txt" ;;
+    w8-tune) timeout 330 $py benchmarks/w8_tune.py --quick --host > "$out/w8_tune.txt" 2>&1
+           grep -vE "^  skip" "$out/w8_tune.txt" | tail -30 ;;
     serve) { timeout 300 $py -m pytest -q -p no:cacheprovider -p no:logging --tb=short -W ignore tests/gpu/test_gpu_export.py
-             timeout ${SERVE_TIMEOUT:-400} $py benchmarks/serve.py ${SERVE_ARGS:-}; } > "$out/serve.txt" 2>&1
+             timeout 200 $py benchmarks/serve.py --modes eager ${SERVE_ARGS:-}
+             timeout $((${SERVE_TIMEOUT:-400} + 30)) $py benchmarks/serve.py --modes compile --parallel \
+               --time-limit ${SERVE_TIMEOUT:-400} ${SERVE_ARGS:-}
+           } > "$out/serve.txt" 2>&1
            grep -E "^\||^# serve|passed|failed|FAILED|Error" "$out/serve.txt" | cut -c1-220 ;;
     quant) timeout 200 $py benchmarks/quant_cost.py > "$out/quant.txt" 2>&1; table "$out/quant.txt" ;;
     size-rule) timeout 200 $py benchmarks/size_rule.py --quick > "$out/size_rule.txt" 2>&1; table "$out/size_rule.txt" ;;

@@ -7,10 +7,13 @@ heads, 8 kv heads, 2 layers, byte vocabulary), no KV cache; ``--model readme``: 
 Rows: decode at batch 1, 8, 64 (one token per sequence) and prefill of 1 and 4 sequences of 2048 tokens. Times:
 ``triton.testing.do_bench`` medians (ms per forward, the L2 cache flushed between calls); speed-up = bf16 ms / ms, in
 the same mode. Every variant runs in its own ``try``: a failure prints an error cell and the table goes on.
-``--profile ROW``: the top CUDA kernels of each variant's compiled forward at that row.
+``--profile ROW``: the top CUDA kernels of each variant's forward at that row (eager: also the top host ops). ``--parallel``: one process per
+variant, compiling side by side and taking turns (a file lock) for the timed part; meant for ``--modes compile``
+(eager rows are bound by the host, so they are timed without other processes compiling beside them).
 
     python benchmarks/serve.py [--model 8b|readme] [--rows decode1,decode8,decode64,prefill1,prefill4]
                                [--modes eager,compile] [--variants bf16,fp8tensor,torchao] [--profile decode8]
+                               [--parallel]
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
 import fp8tensor  # noqa: E402
-from _util import env_line, top_kernels  # noqa: E402
+from _util import env_line, top_host, top_kernels  # noqa: E402
 from llama import Llama, ModelArgs  # noqa: E402
 
 ROWS = {"decode1": (1, 1), "decode8": (8, 1), "decode64": (64, 1), "prefill1": (1, 2048), "prefill4": (4, 2048)}
@@ -56,27 +59,32 @@ def bench(fn) -> float:
     return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", choices=sorted(MODELS), default="8b")
-    ap.add_argument("--rows", default=",".join(ROWS))
-    ap.add_argument("--modes", default="eager,compile")
-    ap.add_argument("--variants", default="bf16,fp8tensor,torchao")
-    ap.add_argument("--profile", default=None, help="a row whose compiled forward is profiled per variant")
-    a = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("benchmarks/serve.py: needs CUDA")
-        return
-    rows, modes, names = a.rows.split(","), a.modes.split(","), a.variants.split(",")
-    torch._dynamo.config.automatic_dynamic_shapes = False  # one static graph per row (as a server's fixed buckets)
-    torch.manual_seed(0)
-    args = ModelArgs(**MODELS[a.model])
-    bf16 = Llama(args).to("cuda", torch.bfloat16).eval()
-    print(f"# serve {a.model} · {env_line()} · do_bench medians, ms per forward (no grad); speed-up vs bf16, same mode")
-    print()
-    print("| row (batch x tokens) | mode | " + " | ".join(f"{n} ms" for n in names)
-          + " | " + " | ".join(f"{n} vs bf16" for n in names if n != "bf16") + " | tokens/s (" + " / ".join(names) + ") |")
-    print("|---|---|" + "---|" * (2 * len(names) - (1 if "bf16" in names else 0) + 1))
+class _GpuLock:
+    """Exclusive use of the GPU for the timed part (``--lock FILE``): the processes of ``--parallel`` compile side
+    by side and time one at a time."""
+
+    def __init__(self, path):
+        self.path, self.f = path, None
+
+    def __enter__(self):
+        if self.path:
+            import fcntl
+
+            self.f = open(self.path, "a")
+            fcntl.flock(self.f, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        if self.f is not None:
+            import fcntl
+
+            fcntl.flock(self.f, fcntl.LOCK_UN)
+            self.f.close()
+            self.f = None
+
+
+def measure(a, args: ModelArgs, bf16: torch.nn.Module, names: list, rows: list, modes: list, emit) -> dict:
+    """``{(mode, row): {variant: ms or error text}}``; ``emit(mode, row, cells)`` after each row."""
     models = {}
     for n in names:
         try:
@@ -84,11 +92,11 @@ def main():
         except Exception as e:  # noqa: BLE001
             traceback.print_exc(file=sys.stderr)
             models[n] = f"{type(e).__name__}"
-    cell = lambda x: f"{x:.3f}" if isinstance(x, float) else str(x)  # noqa: E731
+    out = {}
     for mode in modes:
-        for r in rows:  # one line per row as soon as it is measured (one static graph per row and variant)
+        for r in rows:  # one static graph per row and variant
             B, T = ROWS[r]
-            ids = torch.randint(0, args.vocab_size, (B, T), device="cuda")
+            ids = torch.randint(0, args.vocab_size, (B, T), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
             v = {}
             for n in names:
                 m = models[n]
@@ -105,19 +113,105 @@ def main():
                             torch.compiler.cudagraph_mark_step_begin()
                         with torch.no_grad():
                             return f(x)
-                    v[n] = bench(call)
-                    if a.profile == r and mode == "compile":
-                        print(f"<!-- {n} {mode} {r}: top kernels\n{top_kernels(call)}\n-->", flush=True)
+                    for _ in range(3):  # compile, record the graphs (outside the GPU lock)
+                        call()
+                    torch.cuda.synchronize()
+                    with _GpuLock(a.lock):
+                        v[n] = bench(call)
+                        if a.profile == r:
+                            print(f"<!-- {n} {mode} {r}: top kernels\n{top_kernels(call)}\n-->", flush=True)
+                            if mode == "eager":
+                                print(f"<!-- {n} {mode} {r}: host\n{top_host(call)}\n-->", flush=True)
                 except Exception as e:  # noqa: BLE001
                     traceback.print_exc(file=sys.stderr)
                     v[n] = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
                 print(f"<!-- {n} {mode} {r}: {time.time() - t0:.0f} s -->", file=sys.stderr, flush=True)
-            base = v.get("bf16")
-            ratio = lambda x: f"{base / x:.2f}x" if isinstance(x, float) and isinstance(base, float) else "-"  # noqa
-            tps = " / ".join(f"{B * T / v[n] * 1e3:,.0f}" if isinstance(v[n], float) else "-" for n in names)
-            print(f"| {r} ({B} x {T}) | {mode} | " + " | ".join(cell(v[n]) for n in names) + " | "
-                  + " | ".join(ratio(v[n]) for n in names if n != "bf16") + f" | {tps} |", flush=True)
+            out[(mode, r)] = v
+            emit(mode, r, v)
+            if a.json:  # (after each row: a parent past its time limit still prints the rows measured)
+                import json
+
+                with open(a.json + ".tmp", "w") as f:
+                    json.dump({f"{k[0]}|{k[1]}": w[names[0]] for k, w in out.items()}, f)
+                os.replace(a.json + ".tmp", a.json)
         torch._dynamo.reset()
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=sorted(MODELS), default="8b")
+    ap.add_argument("--rows", default=",".join(ROWS))
+    ap.add_argument("--modes", default="eager,compile")
+    ap.add_argument("--variants", default="bf16,fp8tensor,torchao")
+    ap.add_argument("--profile", default=None, help="a row whose compiled forward is profiled per variant")
+    ap.add_argument("--parallel", action="store_true",
+                    help="one process per variant: they compile side by side and take turns on the GPU to be timed")
+    ap.add_argument("--time-limit", type=float, default=0,
+                    help="with --parallel: seconds after which unfinished processes are stopped (their rows: '-')")
+    ap.add_argument("--lock", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--json", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("benchmarks/serve.py: needs CUDA")
+        return
+    rows, modes, names = a.rows.split(","), a.modes.split(","), a.variants.split(",")
+    torch._dynamo.config.automatic_dynamic_shapes = False  # one static graph per row (as a server's fixed buckets)
+    cell = lambda x: f"{x:.3f}" if isinstance(x, float) else str(x)  # noqa: E731
+
+    def emit(mode, r, v):
+        if a.json:
+            return
+        B, T = ROWS[r]
+        base = v.get("bf16")
+        ratio = lambda x: f"{base / x:.2f}x" if isinstance(x, float) and isinstance(base, float) else "-"  # noqa
+        tps = " / ".join(f"{B * T / v[n] * 1e3:,.0f}" if isinstance(v[n], float) else "-" for n in names)
+        print(f"| {r} ({B} x {T}) | {mode} | " + " | ".join(cell(v[n]) for n in names) + " | "
+              + " | ".join(ratio(v[n]) for n in names if n != "bf16") + f" | {tps} |", flush=True)
+
+    if not a.json:
+        print(f"# serve {a.model} · {env_line()} · do_bench medians, ms per forward (no grad); speed-up vs bf16, "
+              "same mode" + (" · variants compiled in parallel processes, timed one at a time" if a.parallel else ""))
+        print()
+        print("| row (batch x tokens) | mode | " + " | ".join(f"{n} ms" for n in names) + " | "
+              + " | ".join(f"{n} vs bf16" for n in names if n != "bf16") + " | tokens/s (" + " / ".join(names) + ") |")
+        print("|---|---|" + "---|" * (2 * len(names) - (1 if "bf16" in names else 0) + 1), flush=True)
+    if a.parallel:
+        import json
+        import subprocess
+        import tempfile
+
+        tmp = tempfile.mkdtemp()
+        lock = os.path.join(tmp, "gpu.lock")
+        procs = {}
+        for n in names:
+            cmd = [sys.executable, os.path.abspath(__file__), "--model", a.model, "--rows", a.rows, "--modes", a.modes,
+                   "--variants", n, "--lock", lock, "--json", os.path.join(tmp, n + ".json")]
+            if a.profile:
+                cmd += ["--profile", a.profile]
+            procs[n] = subprocess.Popen(cmd)
+        end = time.time() + a.time_limit if a.time_limit else None
+        for p in procs.values():
+            try:
+                p.wait(timeout=None if end is None else max(1.0, end - time.time()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+        res = {}
+        for n in names:
+            try:
+                with open(os.path.join(tmp, n + ".json")) as f:
+                    res[n] = {tuple(k.split("|")): v for k, v in json.load(f).items()}
+            except Exception as e:  # noqa: BLE001
+                res[n] = {(mode, r): f"no result ({type(e).__name__})" for mode in modes for r in rows}
+        for mode in modes:
+            for r in rows:
+                emit(mode, r, {n: res[n].get((mode, r), "not measured in the time limit") for n in names})
+        return
+    torch.manual_seed(0)
+    args = ModelArgs(**MODELS[a.model])
+    bf16 = Llama(args).to("cuda", torch.bfloat16).eval()
+    measure(a, args, bf16, names, rows, modes, emit)
+
 
 if __name__ == "__main__":
     main()

@@ -49,13 +49,14 @@ def test_defaults():
     assert dataclasses.asdict(fp8tensor.Config()) == dict(
         gemm_backend="auto", unknown_ops="warn", eager_fast_path=True, weight_only_decode=True,
         share_input_quantization=True,
-        fused_grad_out="eager", grouped_gemm_kernel=True, size_rule=False, size_rule_min=640,
+        fused_grad_out="eager", compiled_quantization="kernels", grouped_gemm_kernel=True, size_rule=False, size_rule_min=640,
         size_rule_fp8_grad_weight_min=1024, state_dict_fp8="subclass")
 
 
 def test_every_knob_scopes():
     base = fp8tensor.get_config()
     changes = dict(eager_fast_path=False, share_input_quantization=False, fused_grad_out="never",
+                   compiled_quantization="inductor",
                    grouped_gemm_kernel=False, size_rule=True, size_rule_min=1000.5, state_dict_fp8="plain")
     with fp8tensor.config(**changes) as c:
         assert {k: getattr(fp8tensor.get_config(), k) for k in changes} == changes and c == fp8tensor.get_config()
@@ -70,6 +71,7 @@ def test_every_knob_scopes():
     (dict(backend="auto"), TypeError, r"unknown setting\(s\) \['backend'\]"),
     (dict(fused_grad_out="traced"), ValueError, "unknown fused_grad_out 'traced'"),
     (dict(fused_grad_out=True), ValueError, "unknown fused_grad_out True"),
+    (dict(compiled_quantization="triton"), ValueError, "unknown compiled_quantization 'triton'"),
     (dict(eager_fast_path=0), ValueError, "eager_fast_path must be True or False, got 0"),
     (dict(share_input_quantization="yes"), ValueError, "share_input_quantization must be True or False"),
     (dict(grouped_gemm_kernel=None), ValueError, "grouped_gemm_kernel must be True or False"),

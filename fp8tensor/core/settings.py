@@ -20,7 +20,7 @@ import threading
 from typing import Iterator
 
 __all__ = ["Config", "config", "get_config", "set_config", "GEMM_BACKENDS", "UNKNOWN_OPS",
-           "FUSED_GRAD_OUT_MODES", "STATE_DICT_FP8"]  # public as fp8tensor.*
+           "FUSED_GRAD_OUT_MODES", "COMPILED_QUANTIZATION", "STATE_DICT_FP8"]  # public as fp8tensor.*
 
 #: GEMM backends (see :mod:`fp8tensor.gemm`): ``auto`` picks row-wise ``torch._scaled_mm`` where the device supports
 #: it, else tensor-wise with the row scales applied to the output, else an emulation in high precision.
@@ -31,6 +31,8 @@ GEMM_BACKENDS = ("auto", "rowwise", "tensorwise", "emulated")
 UNKNOWN_OPS = ("warn", "raise", "allow")
 #: Where ``grad_out`` is quantized for both gradient GEMMs in one fused pass (see :attr:`Config.fused_grad_out`).
 FUSED_GRAD_OUT_MODES = ("eager", "never")
+#: How compiled graphs quantize the grad_weight GEMMs' token-dim operands (see :attr:`Config.compiled_quantization`).
+COMPILED_QUANTIZATION = ("kernels", "inductor")
 #: What ``state_dict()`` of a ``quantize_weights`` model holds for an fp8 weight (see :attr:`Config.state_dict_fp8`).
 STATE_DICT_FP8 = ("subclass", "plain")
 
@@ -53,7 +55,7 @@ class Config:
             quantizations and ``scaled_mm`` calls as the general path, without transient ``ScaledFp8Tensor`` s and
             the dispatch through ``fp8_mm`` (less host time per Linear, ``benchmarks/host_overhead.py``). False: every
             Linear takes the general path (same bits; to compare the two or to rule the fast path out).
-        weight_only_decode: (default True) with autograd off, a decode-sized input (up to 64 tokens, bf16 / fp16,
+        weight_only_decode: (default True) with autograd off, a decode-sized input (up to 32 tokens, bf16 / fp16,
             CUDA with Triton) of an fp8 weight stored per row (``quantize_weights``) is multiplied in its own
             precision by the fp8 weight read once (:func:`fp8tensor.quantize.weight_only_mm`, eager and
             ``torch.compile``), instead of being quantized to e4m3 for ``torch._scaled_mm``: faster where the step is
@@ -71,6 +73,11 @@ class Config:
             (:func:`fp8tensor.quantize.quantize_rows_and_tokens`; CUDA with Triton), the one case where the pass
             measured faster than the separate kernels on H200 (``benchmarks/quant_cost.py``); ``"never"``: each
             layout on its own. Same bits either way.
+        compiled_quantization: one of :data:`COMPILED_QUANTIZATION` (default ``"kernels"``): how a compiled graph
+            (``torch.compile``) quantizes the token-dim (column) operands of the grad_weight GEMMs. ``"kernels"``:
+            fp8tensor's Triton kernels, launched inline by inductor's generated code; ``"inductor"``: as plain
+            torch ops (column amax, scale, cast, transpose) that inductor generates itself and may fuse into their
+            producers (norm, SwiGLU, residual add). Same math either way; read when a graph is traced.
         grouped_gemm_kernel: (default True) fp8 grouped GEMMs (MoE) run ``torch._scaled_grouped_mm`` where it exists
             (CUDA, e4m3, dims multiples of 16). False: a loop of ``torch._scaled_mm`` over the groups everywhere
             (the CPU path; to compare the two on a GPU).
@@ -101,6 +108,7 @@ class Config:
     weight_only_decode: bool = True
     share_input_quantization: bool = True
     fused_grad_out: str = "eager"
+    compiled_quantization: str = "kernels"
     grouped_gemm_kernel: bool = True
     size_rule: bool = False
     size_rule_min: float = 640
@@ -111,6 +119,7 @@ class Config:
         _check_choice("gemm_backend", self.gemm_backend, GEMM_BACKENDS)
         _check_choice("unknown_ops", self.unknown_ops, UNKNOWN_OPS)
         _check_choice("fused_grad_out", self.fused_grad_out, FUSED_GRAD_OUT_MODES)
+        _check_choice("compiled_quantization", self.compiled_quantization, COMPILED_QUANTIZATION)
         _check_choice("state_dict_fp8", self.state_dict_fp8, STATE_DICT_FP8)
         for name in ("eager_fast_path", "weight_only_decode", "share_input_quantization", "grouped_gemm_kernel",
                      "size_rule"):

@@ -317,19 +317,21 @@ class _Launcher:
         self.defaults = {p.name: p.default for p in params if getattr(p, "has_default", False)}
         self.cache: dict = {}
 
-    def __call__(self, grid: tuple, args: tuple, consts: dict, num_warps: int, device: torch.device) -> None:
+    def __call__(self, grid: tuple, args: tuple, consts: dict, num_warps: int, device: torch.device,
+                 num_stages: Optional[int] = None) -> None:
         idx = device.index if device.index is not None else torch.cuda.current_device()
         switch = torch.cuda.current_device() != idx
         if switch:  # Triton launches on the current device
             with torch.cuda.device(idx):
-                return self(grid, args, consts, num_warps, device)
+                return self(grid, args, consts, num_warps, device, num_stages)
+        opts = dict(num_warps=num_warps) if num_stages is None else dict(num_warps=num_warps, num_stages=num_stages)
         if not _FAST_OK:
-            self.fn[grid](*args, **consts, num_warps=num_warps)
+            self.fn[grid](*args, **consts, **opts)
             return None
         full = list(args)
         for name in self.names[len(args):]:
             full.append(consts[name] if name in consts else self.defaults[name])
-        key = [idx, num_warps]
+        key = [idx, num_warps, num_stages]
         for a, const in zip(full, self.is_constexpr):
             if const:
                 key.append(a)
@@ -342,7 +344,7 @@ class _Launcher:
         key = tuple(key)
         kernel = self.cache.get(key)
         if kernel is None:
-            kernel = self.fn[grid](*args, **consts, num_warps=num_warps)
+            kernel = self.fn[grid](*args, **consts, **opts)
             if kernel is not None and hasattr(kernel, "run") and hasattr(kernel, "packed_metadata"):
                 if len(self.cache) >= 64:
                     self.cache.clear()
@@ -772,7 +774,8 @@ if _HAS_TRITON:
     @triton.jit
     def _w8_mm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, M, N, K, K_PER, stride_xm, stride_wn, stride_om,
                       stride_os, HAS_BIAS: tl.constexpr, FINAL: tl.constexpr, X_TY: tl.constexpr,
-                      O_TY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      O_TY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      N_MAJOR: tl.constexpr = False):
         # Program (n, s): output columns [n * BLOCK_N, ...) over the K slice [s * K_PER, (s + 1) * K_PER), all M rows.
         # The fp8 weight tile is widened to x's dtype (exact: every e4m3 / e5m2 value is a bf16 / fp16 value) and
         # multiplied on the tensor cores with fp32 accumulation; FINAL: row scales (and bias) applied, cast, stored;
@@ -788,8 +791,12 @@ if _HAS_TRITON:
             k = k_start + kk + rk
             x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=(rm[:, None] < M) & (k[None, :] < K),
                         other=0.0)
-            w = tl.load(w_ptr + rn[None, :] * stride_wn + k[:, None], mask=(rn[None, :] < N) & (k[:, None] < K),
-                        other=0.0)
+            if N_MAJOR:  # the weight tile loaded (BLOCK_N, BLOCK_K), K contiguous, and transposed in registers
+                w = tl.trans(tl.load(w_ptr + rn[:, None] * stride_wn + k[None, :],
+                                     mask=(rn[:, None] < N) & (k[None, :] < K), other=0.0))
+            else:
+                w = tl.load(w_ptr + rn[None, :] * stride_wn + k[:, None], mask=(rn[None, :] < N) & (k[:, None] < K),
+                            other=0.0)
             acc += tl.dot(x.to(X_TY), w.to(X_TY))
         omask = (rm[:, None] < M) & (rn[None, :] < N)
         if FINAL:
@@ -817,11 +824,18 @@ if _HAS_TRITON:
         tl.store(o_ptr + offs, acc.to(O_TY), mask=mask)
 
 
-#: Tiles of the small-M fp8-weight GEMM: inputs of up to ``max_m`` rows take it (decode); ``block_n`` x ``block_k``
-#: weight tiles; the K dim is split until about ``programs_per_sm`` programs per SM stream the weight (each slice at
-#: least ``min_k_tiles`` tiles long).
-W8_MM_CONFIG = dict(max_m=64, block_n=64, block_k=128, warps=4, programs_per_sm=4, min_k_tiles=4, reduce_block=1024)
+#: Tiles of the small-M fp8-weight GEMM: inputs of up to ``max_m`` rows take it (decode). Per row block
+#: (``BLOCK_M`` = 16 or 32 rows): ``block_n`` x ``block_k`` weight tiles (``n_major``: loaded K-contiguous and
+#: transposed in registers), ``warps``, ``stages``; the K dim is split until about ``programs_per_sm`` programs per SM
+#: stream the weight (each slice at least ``min_k_tiles`` tiles long); a split sums its fp32 partials in a second
+#: kernel (fixed order). Tuned on H200 over a Llama3-8B layer's shapes, graphed (``benchmarks/w8_tune.py``); from 33
+#: rows on, cuBLAS's fp8 x fp8 row-scaled GEMM measured faster than these tiles, so larger inputs take it.
+W8_MM_CONFIG = dict(max_m=32, reduce_block=1024, tiles={
+    16: dict(block_n=32, block_k=128, warps=4, stages=3, programs_per_sm=4, min_k_tiles=4, n_major=False),
+    32: dict(block_n=64, block_k=128, warps=4, stages=3, programs_per_sm=8, min_k_tiles=4, n_major=True),
+})
 _SM_COUNT: dict = {}
+_W8_PLANS: dict = {}
 
 
 def w8_mm_available(x: torch.Tensor, w8: torch.Tensor) -> bool:
@@ -844,6 +858,29 @@ def w8_mm_available(x: torch.Tensor, w8: torch.Tensor) -> bool:
     )
 
 
+def _w8_mm_plan(M: int, N: int, K: int, device: torch.device) -> tuple:
+    """``(BLOCK_M, tiles, grid, split, k_per)`` of :func:`launch_w8_mm` for an ``(M, K) x (N, K)^T`` product."""
+    idx = (device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" else -1
+    key = (idx, M, N, K)
+    plan = _W8_PLANS.get(key)
+    if plan is not None:
+        return plan
+    sms = _SM_COUNT.get(idx)
+    if sms is None:
+        sms = _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count if idx >= 0 else 1
+    bm = max(16, triton.next_power_of_2(M))
+    c = W8_MM_CONFIG["tiles"][bm]
+    nb, kt = triton.cdiv(N, c["block_n"]), triton.cdiv(K, c["block_k"])
+    split = max(1, min(triton.cdiv(sms * c["programs_per_sm"], nb), kt // c["min_k_tiles"]))
+    k_per = triton.cdiv(kt, split) * c["block_k"]
+    split = triton.cdiv(K, k_per) if K else 1
+    plan = (bm, c, (nb, split), split, k_per)
+    if len(_W8_PLANS) >= 4096:
+        _W8_PLANS.clear()
+    _W8_PLANS[key] = plan
+    return plan
+
+
 def launch_w8_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor],
                  *, traced: bool = False) -> torch.Tensor:
     """``(x @ w8.T) * scale.T (+ bias)`` ``(M, N)`` in ``x``'s dtype, reading the fp8 weight ``w8`` ``(N, K)`` once
@@ -852,35 +889,27 @@ def launch_w8_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: O
     applied in float32 before the one rounding to the output dtype. Split over K (fixed order, deterministic) so that
     small N still streams the weight on every SM. ``traced``: the body of a ``triton_op`` (``wrap_triton``)."""
     M, K, N = int(x.shape[0]), int(x.shape[1]), int(w8.shape[0])  # (specialized under torch.compile)
-    c = W8_MM_CONFIG
-    bm = max(16, triton.next_power_of_2(M))
-    bn, bk = c["block_n"], c["block_k"]
-    idx = (x.device.index if x.device.index is not None else torch.cuda.current_device()) if x.is_cuda else 0
-    sms = _SM_COUNT.get(idx)
-    if sms is None:
-        sms = _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    nb, kt = triton.cdiv(N, bn), triton.cdiv(K, bk)
-    split = max(1, min(triton.cdiv(sms * c["programs_per_sm"], nb), kt // c["min_k_tiles"]))
-    k_per = triton.cdiv(kt, split) * bk
-    split = triton.cdiv(K, k_per) if K else 1
+    bm, c, grid, split, k_per = _w8_mm_plan(M, N, K, x.device)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     s = scale.reshape(N)
     b = bias if bias is not None else s
     ws = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
-    consts = dict(HAS_BIAS=bias is not None, FINAL=split == 1, X_TY=_tl_dtype(x.dtype), O_TY=_tl_dtype(x.dtype),
-                  BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+    ty = _tl_dtype(x.dtype)
+    consts = dict(HAS_BIAS=bias is not None, FINAL=split == 1, X_TY=ty, O_TY=ty,
+                  BLOCK_M=bm, BLOCK_N=c["block_n"], BLOCK_K=c["block_k"], N_MAJOR=c.get("n_major", False))
     args = (x, w8, s, b, ws, M, N, K, k_per, x.stride(0), w8.stride(0), N, M * N)
-    rconsts = dict(SPLIT=split, HAS_BIAS=bias is not None, O_TY=_tl_dtype(x.dtype), BLOCK=c["reduce_block"])
-    rgrid = (triton.cdiv(M * N, c["reduce_block"]),)
+    rblock = W8_MM_CONFIG["reduce_block"]
+    rconsts = dict(SPLIT=split, HAS_BIAS=bias is not None, O_TY=ty, BLOCK=rblock)
+    rgrid = (triton.cdiv(M * N, rblock),)
     if traced or not x.is_cuda:  # (not CUDA: Triton's interpreter)
         from torch.library import wrap_triton
 
         wrap = wrap_triton if traced else (lambda k: k)
-        wrap(_w8_mm_kernel)[(nb, split)](*args, **consts, num_warps=c["warps"])
+        wrap(_w8_mm_kernel)[grid](*args, **consts, num_warps=c["warps"], num_stages=c["stages"])
         if split > 1:
             wrap(_w8_mm_reduce_kernel)[rgrid](ws, s, b, out, M * N, N, **rconsts, num_warps=4)
     else:
-        _launcher(_w8_mm_kernel)((nb, split), args, consts, c["warps"], x.device)
+        _launcher(_w8_mm_kernel)(grid, args, consts, c["warps"], x.device, c["stages"])
         if split > 1:
             _launcher(_w8_mm_reduce_kernel)(rgrid, (ws, s, b, out, M * N, N), rconsts, 4, x.device)
     return out

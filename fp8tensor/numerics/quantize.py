@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 
 from ..core import compat
+from ..core.settings import get_config
 from . import kernels
 
 __all__ = [
@@ -135,7 +136,7 @@ def quantize(
     """
     check_float8_dtype(float8_dtype, "quantize_rowwise")
     if x.is_cuda:
-        if gemm_layout and x.dim() == 2:
+        if gemm_layout and x.dim() == 2 and not _inductor_quantizes():
             if dim % 2 == 0 and kernels.kernel_available(x):
                 q, s = _dim0_t(x, float8_dtype)
                 return q.t(), s.t()
@@ -188,6 +189,12 @@ def quantize_rowwise(
 
 
 # ---------------------------------------------------------------------------------------------- dim-0 triton op
+def _inductor_quantizes() -> bool:
+    """Whether a graph being traced quantizes the token-dim operands as plain ops for inductor to generate (and fuse)
+    rather than through fp8tensor's kernels (``fp8tensor.config(compiled_quantization="inductor")``)."""
+    return compat.is_compiling() and get_config().compiled_quantization == "inductor"
+
+
 def _reference_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype):
     K = x.shape[-1]
     q, s = quantize_rowwise(x.reshape(math.prod(x.shape[:-1]), K).t(), dim=-1, float8_dtype=float8_dtype)
@@ -273,7 +280,7 @@ def quantize_tokens(x: torch.Tensor, float8_dtype: torch.dtype = E4M3):
         ``torch._scaled_mm`` wants its second operand); ``scale`` ``(1, K)`` float32, ``q.float() * scale ≈
         x.reshape(-1, K)``. Same bits as ``quantize(x.reshape(-1, K), 0, float8_dtype, gemm_layout=True)``.
     """
-    if not (x.is_cuda and kernels.kernel_available(x) and (x.dim() == 2 or x.is_contiguous())):
+    if not (x.is_cuda and kernels.kernel_available(x) and (x.dim() == 2 or x.is_contiguous())) or _inductor_quantizes():
         return None
     q, s = _dim0_t(x, float8_dtype, shared=True)
     return q.t(), s.t()
@@ -346,7 +353,7 @@ def quantize_rows_and_tokens(x: torch.Tensor, float8_dtype: torch.dtype = E4M3, 
         TypeError: ``float8_dtype`` is not one of the supported fp8 formats.
     """
     check_float8_dtype(float8_dtype, "quantize_rows_and_tokens")
-    if not (x.is_cuda and kernels.rows_dim0_available(x)):
+    if not (x.is_cuda and kernels.rows_dim0_available(x)) or _inductor_quantizes():
         return None
     if col_mul is not None:
         col_mul = col_mul.reshape(-1)
@@ -430,7 +437,7 @@ def quantize_dim0_t_after(
     if (kernels.eager_launch_ok(w) and kernels.eager_launch_ok(after)
             and not (w.requires_grad and torch.is_grad_enabled())):
         return _quantize_columns_after_impl(w, after, float8_dtype)  # eager: the op's body, no dispatcher trip
-    if kernels.kernel_available(w):
+    if kernels.kernel_available(w) and not _inductor_quantizes():
         return torch.ops.fp8tensor.quantize_columns_after(w, after, float8_dtype)
     return _dim0_t_dep_plain(w, after_dep(after), float8_dtype)
 
@@ -455,7 +462,7 @@ if not kernels.HAS_TRITON:  # a triton_op is its own fake kernel; the plain cust
 # ---------------------------------------------------------------------------------------------- small-M GEMM
 def weight_only_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
                    bias: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-    """``x @ (w8 * scale).T + bias`` ``(M, N)`` in ``x``'s dtype for a decode-sized ``x`` ``(M, K)`` (``M <= 64``,
+    """``x @ (w8 * scale).T + bias`` ``(M, N)`` in ``x``'s dtype for a decode-sized ``x`` ``(M, K)`` (``M <= 32``,
     bf16 / fp16, CUDA with Triton), reading the fp8 weight once and ``x`` in its own precision (no activation
     quantization: where the GEMM is bound by the weight's bytes, the fp8-by-fp8 GEMM saves nothing and cuBLAS has no
     small-M row-scaled kernel); None where it does not run. ``w8`` ``(N, K)`` fp8, ``scale`` ``(N, 1)`` float32 row

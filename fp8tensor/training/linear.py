@@ -461,7 +461,7 @@ def _inference_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
     (:func:`_forward_parts`) and the bias, without the ``autograd.Function`` (no context, nothing saved, less host
     time per call). Same ops and bits as :class:`_Fp8Linear`'s forward; None where it needs the subclass path.
 
-    Decode-sized inputs (up to 64 tokens, bf16 / fp16, CUDA) with a row-scaled fp8 weight of their dtype take
+    Decode-sized inputs (up to 32 tokens, bf16 / fp16, CUDA) with a row-scaled fp8 weight of their dtype take
     :func:`fp8tensor.quantize.weight_only_mm` instead, eager and compiled (``fp8tensor.config(weight_only_decode=...)``):
     ``x`` stays in its precision and the fp8 weight is read once (the step is bound by the weight's bytes)."""
     wd = weight._data if isinstance(weight, QuantizeOnUse) else weight

@@ -23,6 +23,16 @@ def test_compiled_linear_trains_like_eager(monkeypatch, ndim, fullgraph, weights
                                  fullgraph=fullgraph, backend="inductor", bit_exact=False)
 
 
+@pytest.mark.parametrize("weights,recipe", [("master", "rowwise"), ("fp8", "rowwise")])
+def test_compiled_linear_with_inductor_quantization_trains_like_eager(monkeypatch, weights, recipe):
+    # compiled_quantization="inductor": the token-dim operands as plain ops inductor generates (no fp8tensor kernels)
+    import fp8tensor
+
+    with fp8tensor.config(compiled_quantization="inductor"):
+        check_compiled_matches_eager(monkeypatch, device="cuda", ndim=3, weights=weights, recipe=recipe,
+                                     fullgraph=True, backend="inductor", bit_exact=False)
+
+
 @pytest.fixture(scope="module")
 def one_rank_mesh():
     import torch.distributed as dist

@@ -1,6 +1,6 @@
 """The decode-sized inference GEMM on CUDA (skipped without a GPU): ``weight_only_mm`` against a float64 reference
-(the fp8 weight widened exactly, float32 accumulation, one rounding), the Linear's no-grad path taking it up to 64
-tokens (and not past), eager vs ``torch.compile`` (default and ``reduce-overhead``) bit for bit, and the model
+(the fp8 weight widened exactly, float32 accumulation, one rounding), the Linear's no-grad path taking it up to
+``W8_MM_CONFIG["max_m"]`` (32) tokens (and not past), eager vs ``torch.compile`` (default and ``reduce-overhead``) bit for bit, and the model
 within the fp8 bound of the float64 model."""
 from __future__ import annotations
 
@@ -18,9 +18,11 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 DEV = "cuda"
 from conftest import E4M3_GEMM_BOUND, rel_err  # noqa: E402
 
+MAX_M = kernels.W8_MM_CONFIG["max_m"]
+
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("M,K,N", [(1, 4096, 1024), (8, 4096, 14336), (64, 14336, 4096), (3, 300, 70),
+@pytest.mark.parametrize("M,K,N", [(1, 4096, 1024), (8, 4096, 14336), (32, 14336, 4096), (24, 4096, 6144), (3, 300, 70),
                                    (17, 96, 5), (1, 16, 1)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_kernel_against_float64(dtype, M, K, N, bias):
@@ -39,7 +41,7 @@ def test_kernel_against_float64(dtype, M, K, N, bias):
 
 def test_not_taken_where_it_does_not_apply():
     q, s = quantize(torch.randn(32, 64, device=DEV), -1)
-    assert weight_only_mm(torch.randn(65, 64, device=DEV, dtype=torch.bfloat16), q, s) is None  # past 64 tokens
+    assert weight_only_mm(torch.randn(MAX_M + 1, 64, device=DEV, dtype=torch.bfloat16), q, s) is None  # past max_m
     assert weight_only_mm(torch.randn(4, 64, device=DEV), q, s) is None  # float32 input
     assert weight_only_mm(torch.randn(0, 64, device=DEV, dtype=torch.bfloat16), q, s) is None  # no tokens
 
@@ -50,8 +52,8 @@ def _model(dtype=torch.bfloat16):
     return hp, fp8tensor.quantize_weights(copy.deepcopy(hp)).eval()
 
 
-@pytest.mark.parametrize("tokens", [(1, 1), (8, 1), (2, 32), (65, 1), (1, 0)])
-def test_linear_no_grad_takes_it_up_to_64_tokens(tokens, monkeypatch):
+@pytest.mark.parametrize("tokens", [(1, 1), (8, 1), (2, 16), (33, 1), (65, 1), (1, 0)])
+def test_linear_no_grad_takes_it_up_to_max_m_tokens(tokens, monkeypatch):
     hp, m = _model()
     x = torch.randn(*tokens, 512, device=DEV, dtype=torch.bfloat16)
     calls = []
@@ -62,15 +64,15 @@ def test_linear_no_grad_takes_it_up_to_64_tokens(tokens, monkeypatch):
         with fp8tensor.config(weight_only_decode=False):
             y_w8a8 = m(x)
     n = tokens[0] * tokens[1]
-    assert len(calls) == (2 if 1 <= n <= 64 else 0)
+    assert len(calls) == (2 if 1 <= n <= MAX_M else 0)
     assert y.shape == (*tokens, 256)
     if n:
         ref = hp.double()(x.double())
         # two GEMMs in series: the weight-only path rounds only the weights (one GEMM's bound), the fp8 x fp8 path the
         # activations too (two GEMMs' worth: 5.3% measured at 65 tokens)
-        assert rel_err(y, ref) < (E4M3_GEMM_BOUND if n <= 64 else 2 * E4M3_GEMM_BOUND)
+        assert rel_err(y, ref) < (E4M3_GEMM_BOUND if n <= MAX_M else 2 * E4M3_GEMM_BOUND)
         assert rel_err(y_w8a8, ref) < 2 * E4M3_GEMM_BOUND
-        if n > 64:
+        if n > MAX_M:
             assert torch.equal(y, y_w8a8)
 
 
@@ -82,7 +84,7 @@ def test_compiled_equals_eager(mode):
     torch._dynamo.reset()
     c = torch.compile(m, mode=mode)
     with torch.no_grad():
-        for n in (1, 8, 64):
+        for n in (1, 8, MAX_M):
             x = torch.randn(n, 512, device=DEV, dtype=torch.bfloat16)
             if mode == "reduce-overhead":
                 torch.compiler.cudagraph_mark_step_begin()

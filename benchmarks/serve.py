@@ -7,9 +7,10 @@ heads, 8 kv heads, 2 layers, byte vocabulary), no KV cache; ``--model readme``: 
 Rows: decode at batch 1, 8, 64 (one token per sequence) and prefill of 1 and 4 sequences of 2048 tokens. Times:
 ``triton.testing.do_bench`` medians (ms per forward, the L2 cache flushed between calls); speed-up = bf16 ms / ms, in
 the same mode. Every variant runs in its own ``try``: a failure prints an error cell and the table goes on.
-``--profile ROW``: the top CUDA kernels of each variant's forward at that row (eager: also the top host ops). ``--parallel``: one process per
-variant, compiling side by side and taking turns (a file lock) for the timed part; meant for ``--modes compile``
-(eager rows are bound by the host, so they are timed without other processes compiling beside them).
+``--profile ROW``: the top CUDA kernels of each variant's forward at that row (eager: also the top host ops).
+``--parallel``: one process per variant and row, compiling side by side and taking turns (a file lock) for the timed
+part; meant for ``--modes compile`` (eager rows are bound by the host, so they are timed without other processes
+compiling beside them).
 
     python benchmarks/serve.py [--model 8b|readme] [--rows decode1,decode8,decode64,prefill1,prefill4]
                                [--modes eager,compile] [--variants bf16,fp8tensor,torchao] [--profile decode8]
@@ -146,7 +147,7 @@ def main():
     ap.add_argument("--variants", default="bf16,fp8tensor,torchao")
     ap.add_argument("--profile", default=None, help="a row whose compiled forward is profiled per variant")
     ap.add_argument("--parallel", action="store_true",
-                    help="one process per variant: they compile side by side and take turns on the GPU to be timed")
+                    help="one process per variant and row: they compile side by side and take turns on the GPU to be timed")
     ap.add_argument("--time-limit", type=float, default=0,
                     help="with --parallel: seconds after which unfinished processes are stopped (their rows: '-')")
     ap.add_argument("--lock", default=None, help=argparse.SUPPRESS)
@@ -185,24 +186,26 @@ def main():
         lock = os.path.join(tmp, "gpu.lock")
         procs = {}
         for n in names:
-            cmd = [sys.executable, os.path.abspath(__file__), "--model", a.model, "--rows", a.rows, "--modes", a.modes,
-                   "--variants", n, "--lock", lock, "--json", os.path.join(tmp, n + ".json")]
-            if a.profile:
-                cmd += ["--profile", a.profile]
-            procs[n] = subprocess.Popen(cmd)
+            for r in rows:
+                cmd = [sys.executable, os.path.abspath(__file__), "--model", a.model, "--rows", r, "--modes",
+                       a.modes, "--variants", n, "--lock", lock, "--json", os.path.join(tmp, f"{n}.{r}.json")]
+                if a.profile:
+                    cmd += ["--profile", a.profile]
+                # (one compile worker each: the processes themselves use the cores)
+                procs[(n, r)] = subprocess.Popen(cmd, env=dict(os.environ, TORCHINDUCTOR_COMPILE_THREADS="1"))
         end = time.time() + a.time_limit if a.time_limit else None
         for p in procs.values():
             try:
                 p.wait(timeout=None if end is None else max(1.0, end - time.time()))
             except subprocess.TimeoutExpired:
                 p.kill()
-        res = {}
-        for n in names:
+        res = {n: {} for n in names}
+        for n, r in procs:
             try:
-                with open(os.path.join(tmp, n + ".json")) as f:
-                    res[n] = {tuple(k.split("|")): v for k, v in json.load(f).items()}
-            except Exception as e:  # noqa: BLE001
-                res[n] = {(mode, r): f"no result ({type(e).__name__})" for mode in modes for r in rows}
+                with open(os.path.join(tmp, f"{n}.{r}.json")) as f:
+                    res[n].update({tuple(k.split("|")): v for k, v in json.load(f).items()})
+            except FileNotFoundError:
+                pass
         for mode in modes:
             for r in rows:
                 emit(mode, r, {n: res[n].get((mode, r), "not measured in the time limit") for n in names})

@@ -172,7 +172,7 @@ def main():
 
     if not a.json:
         print(f"# serve {a.model} · {env_line()} · do_bench medians, ms per forward (no grad); speed-up vs bf16, "
-              "same mode" + (" · variants compiled in parallel processes, timed one at a time" if a.parallel else ""))
+              "same mode" + (" · one process per variant and row, compiled side by side, timed one at a time" if a.parallel else ""))
         print()
         print("| row (batch x tokens) | mode | " + " | ".join(f"{n} ms" for n in names) + " | "
               + " | ".join(f"{n} vs bf16" for n in names if n != "bf16") + " | tokens/s (" + " / ".join(names) + ") |")

@@ -8,8 +8,8 @@ Rows: decode at batch 1, 8, 64 (one token per sequence) and prefill of 1 and 4 s
 ``triton.testing.do_bench`` medians (ms per forward, the L2 cache flushed between calls); speed-up = bf16 ms / ms, in
 the same mode. Every variant runs in its own ``try``: a failure prints an error cell and the table goes on.
 ``--profile ROW``: the top CUDA kernels of each variant's forward at that row (eager: also the top host ops).
-``--parallel``: one process per variant and row, compiling side by side and taking turns (a file lock) for the timed
-part; meant for ``--modes compile`` (eager rows are bound by the host, so they are timed without other processes
+``--parallel``: one process per variant and row, compiling side by side; once all have compiled and warmed up (or 85%
+of ``--time-limit`` has passed) they take turns (a file lock) for the timed part; meant for ``--modes compile`` (eager rows are bound by the host, so they are timed without other processes
 compiling beside them).
 
     python benchmarks/serve.py [--model 8b|readme] [--rows decode1,decode8,decode64,prefill1,prefill4]
@@ -84,6 +84,17 @@ class _GpuLock:
             self.f = None
 
 
+def _barrier(a) -> None:
+    """With ``--parallel``: mark this process ready, then wait until every process is (or the time limit passes)."""
+    if not a.lock:
+        return
+    d = os.path.dirname(a.lock)
+    open(os.path.join(d, f"ready.{os.getpid()}"), "w").close()
+    while (len([f for f in os.listdir(d) if f.startswith("ready.")]) < a.peers
+           and time.time() < a.start + a.barrier_s):
+        time.sleep(0.2)
+
+
 def measure(a, args: ModelArgs, bf16: torch.nn.Module, names: list, rows: list, modes: list, emit) -> dict:
     """``{(mode, row): {variant: ms or error text}}``; ``emit(mode, row, cells)`` after each row."""
     models = {}
@@ -117,6 +128,7 @@ def measure(a, args: ModelArgs, bf16: torch.nn.Module, names: list, rows: list, 
                     for _ in range(3):  # compile, record the graphs (outside the GPU lock)
                         call()
                     torch.cuda.synchronize()
+                    _barrier(a)  # (--parallel: no process times while another still compiles and warms up)
                     with _GpuLock(a.lock):
                         v[n] = bench(call)
                         if a.profile == r:
@@ -151,6 +163,9 @@ def main():
     ap.add_argument("--time-limit", type=float, default=0,
                     help="with --parallel: seconds after which unfinished processes are stopped (their rows: '-')")
     ap.add_argument("--lock", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--peers", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--start", type=float, default=0.0, help=argparse.SUPPRESS)
+    ap.add_argument("--barrier-s", type=float, default=0.0, help=argparse.SUPPRESS)
     ap.add_argument("--json", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -185,18 +200,21 @@ def main():
         tmp = tempfile.mkdtemp()
         lock = os.path.join(tmp, "gpu.lock")
         procs = {}
+        start = time.time()
+        barrier_s = 0.85 * a.time_limit if a.time_limit else 3600.0
         for n in names:
             for r in rows:
                 cmd = [sys.executable, os.path.abspath(__file__), "--model", a.model, "--rows", r, "--modes",
-                       a.modes, "--variants", n, "--lock", lock, "--json", os.path.join(tmp, f"{n}.{r}.json")]
+                       a.modes, "--variants", n, "--lock", lock, "--json", os.path.join(tmp, f"{n}.{r}.json"),
+                       "--peers", str(len(names) * len(rows)), "--start", str(start), "--barrier-s", str(barrier_s)]
                 if a.profile:
                     cmd += ["--profile", a.profile]
                 # (one compile worker each: the processes themselves use the cores)
                 procs[(n, r)] = subprocess.Popen(cmd, env=dict(os.environ, TORCHINDUCTOR_COMPILE_THREADS="1"))
-        end = time.time() + a.time_limit if a.time_limit else None
+        end = start + a.time_limit if a.time_limit else None
         for p in procs.values():
             try:
-                p.wait(timeout=None if end is None else max(1.0, end - time.time()))
+                p.wait(timeout=None if end is None else max(0.01, end - time.time()))
             except subprocess.TimeoutExpired:
                 p.kill()
         res = {n: {} for n in names}

@@ -8,8 +8,8 @@ Rows: decode at batch 1, 8, 64 (one token per sequence) and prefill of 1 and 4 s
 ``triton.testing.do_bench`` medians (ms per forward, the L2 cache flushed between calls); speed-up = bf16 ms / ms, in
 the same mode. Every variant runs in its own ``try``: a failure prints an error cell and the table goes on.
 ``--profile ROW``: the top CUDA kernels of each variant's forward at that row (eager: also the top host ops).
-``--parallel``: one process per variant and row, compiling side by side; once all have compiled and warmed up (or 85%
-of ``--time-limit`` has passed) they take turns (a file lock) for the timed part; meant for ``--modes compile`` (eager rows are bound by the host, so they are timed without other processes
+``--parallel``: one process per variant, row and mode, compiling side by side; once all have compiled and warmed up (or
+failed, or 85% of ``--time-limit`` has passed) they take turns (a file lock) for the timed part; meant for ``--modes compile`` (eager rows are bound by the host, so they are timed without other processes
 compiling beside them).
 
     python benchmarks/serve.py [--model 8b|readme] [--rows decode1,decode8,decode64,prefill1,prefill4]
@@ -25,7 +25,9 @@ import sys
 import time
 import traceback
 
-import torch
+_T0 = time.time()  # (the --parallel parent's clock starts before the imports)
+
+import torch  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
@@ -84,12 +86,18 @@ class _GpuLock:
             self.f = None
 
 
+def _mark_ready(a) -> None:
+    """With ``--parallel``: this process has compiled and warmed up, or failed (the parent marks processes that end)."""
+    if a.lock:
+        open(os.path.join(os.path.dirname(a.lock), f"ready.{os.getpid()}"), "w").close()
+
+
 def _barrier(a) -> None:
-    """With ``--parallel``: mark this process ready, then wait until every process is (or the time limit passes)."""
+    """With ``--parallel``: mark this process ready, then wait until every process is (or the barrier time passes)."""
     if not a.lock:
         return
+    _mark_ready(a)
     d = os.path.dirname(a.lock)
-    open(os.path.join(d, f"ready.{os.getpid()}"), "w").close()
     while (len([f for f in os.listdir(d) if f.startswith("ready.")]) < a.peers
            and time.time() < a.start + a.barrier_s):
         time.sleep(0.2)
@@ -114,8 +122,10 @@ def measure(a, args: ModelArgs, bf16: torch.nn.Module, names: list, rows: list, 
                 m = models[n]
                 if isinstance(m, str):
                     v[n] = m
+                    _mark_ready(a)
                     continue
                 t0 = time.time()
+                ready = False
                 try:
                     torch._dynamo.reset()
                     fwd = torch.compile(m, mode="reduce-overhead") if mode == "compile" else m
@@ -129,6 +139,7 @@ def measure(a, args: ModelArgs, bf16: torch.nn.Module, names: list, rows: list, 
                         call()
                     torch.cuda.synchronize()
                     _barrier(a)  # (--parallel: no process times while another still compiles and warms up)
+                    ready = True
                     with _GpuLock(a.lock):
                         v[n] = bench(call)
                         if a.profile == r:
@@ -138,6 +149,9 @@ def measure(a, args: ModelArgs, bf16: torch.nn.Module, names: list, rows: list, 
                 except Exception as e:  # noqa: BLE001
                     traceback.print_exc(file=sys.stderr)
                     v[n] = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
+                finally:
+                    if not ready:
+                        _mark_ready(a)
                 print(f"<!-- {n} {mode} {r}: {time.time() - t0:.0f} s -->", file=sys.stderr, flush=True)
             out[(mode, r)] = v
             emit(mode, r, v)
@@ -159,9 +173,9 @@ def main():
     ap.add_argument("--variants", default="bf16,fp8tensor,torchao")
     ap.add_argument("--profile", default=None, help="a row whose compiled forward is profiled per variant")
     ap.add_argument("--parallel", action="store_true",
-                    help="one process per variant and row: they compile side by side and take turns on the GPU to be timed")
+                    help="one process per variant, row and mode: they compile side by side, then take turns on the GPU to be timed")
     ap.add_argument("--time-limit", type=float, default=0,
-                    help="with --parallel: seconds after which unfinished processes are stopped (their rows: '-')")
+                    help="with --parallel: seconds (from the start) after which unfinished processes are stopped")
     ap.add_argument("--lock", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--peers", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--start", type=float, default=0.0, help=argparse.SUPPRESS)
@@ -187,46 +201,63 @@ def main():
 
     if not a.json:
         print(f"# serve {a.model} · {env_line()} · do_bench medians, ms per forward (no grad); speed-up vs bf16, "
-              "same mode" + (" · one process per variant and row, compiled side by side, timed one at a time" if a.parallel else ""))
+              "same mode" + (" · one process per variant, row and mode, compiled side by side, then timed one at a time" if a.parallel else ""))
         print()
         print("| row (batch x tokens) | mode | " + " | ".join(f"{n} ms" for n in names) + " | "
               + " | ".join(f"{n} vs bf16" for n in names if n != "bf16") + " | tokens/s (" + " / ".join(names) + ") |")
         print("|---|---|" + "---|" * (2 * len(names) - (1 if "bf16" in names else 0) + 1), flush=True)
-    if a.parallel:
+    if a.parallel:  # one process per variant, row and mode; results as JSON files, merged here
         import json
+        import shutil
         import subprocess
         import tempfile
 
         tmp = tempfile.mkdtemp()
         lock = os.path.join(tmp, "gpu.lock")
-        procs = {}
-        start = time.time()
+        jobs = [(n, r, mode) for mode in modes for r in rows for n in names]
         barrier_s = 0.85 * a.time_limit if a.time_limit else 3600.0
-        for n in names:
-            for r in rows:
-                cmd = [sys.executable, os.path.abspath(__file__), "--model", a.model, "--rows", r, "--modes",
-                       a.modes, "--variants", n, "--lock", lock, "--json", os.path.join(tmp, f"{n}.{r}.json"),
-                       "--peers", str(len(names) * len(rows)), "--start", str(start), "--barrier-s", str(barrier_s)]
-                if a.profile:
-                    cmd += ["--profile", a.profile]
-                # (one compile worker each: the processes themselves use the cores)
-                procs[(n, r)] = subprocess.Popen(cmd, env=dict(os.environ, TORCHINDUCTOR_COMPILE_THREADS="1"))
-        end = start + a.time_limit if a.time_limit else None
-        for p in procs.values():
+        procs = {}
+        for n, r, mode in jobs:
+            cmd = [sys.executable, os.path.abspath(__file__), "--model", a.model, "--rows", r, "--modes", mode,
+                   "--variants", n, "--lock", lock, "--json", os.path.join(tmp, f"{n}.{r}.{mode}.json"),
+                   "--peers", str(len(jobs)), "--start", str(_T0), "--barrier-s", str(barrier_s)]
+            if a.profile:
+                cmd += ["--profile", a.profile]
+            log = open(os.path.join(tmp, f"{n}.{r}.{mode}.log"), "w")  # (profiles: printed after the table)
+            # (one compile worker each: the processes themselves use the cores)
+            procs[(n, r, mode)] = subprocess.Popen(cmd, stdout=log,
+                                                   env=dict(os.environ, TORCHINDUCTOR_COMPILE_THREADS="1"))
+        pending, killed = dict(procs), set()
+        while pending:
+            for key, p in list(pending.items()):
+                if p.poll() is not None:  # ended (perhaps before it marked itself ready: mark it for the others)
+                    open(os.path.join(tmp, f"ready.{p.pid}"), "w").close()
+                    del pending[key]
+            if pending and a.time_limit and time.time() >= _T0 + a.time_limit:
+                for key, p in pending.items():
+                    p.kill()
+                    p.wait()
+                    killed.add(key)
+                break
+            time.sleep(0.2)
+        res = {}
+        for (n, r, mode), p in procs.items():
             try:
-                p.wait(timeout=None if end is None else max(0.01, end - time.time()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-        res = {n: {} for n in names}
-        for n, r in procs:
-            try:
-                with open(os.path.join(tmp, f"{n}.{r}.json")) as f:
-                    res[n].update({tuple(k.split("|")): v for k, v in json.load(f).items()})
-            except FileNotFoundError:
-                pass
+                with open(os.path.join(tmp, f"{n}.{r}.{mode}.json")) as f:
+                    res[(n, r, mode)] = json.load(f)[f"{mode}|{r}"]
+            except (FileNotFoundError, KeyError):
+                res[(n, r, mode)] = ("stopped at the time limit" if (n, r, mode) in killed
+                                     else f"process failed (exit code {p.returncode})")
         for mode in modes:
             for r in rows:
-                emit(mode, r, {n: res[n].get((mode, r), "not measured in the time limit") for n in names})
+                emit(mode, r, {n: res[(n, r, mode)] for n in names})
+        if a.profile:
+            for n, r, mode in jobs:
+                with open(os.path.join(tmp, f"{n}.{r}.{mode}.log")) as f:
+                    text = f.read().strip()
+                if text:
+                    print(text, flush=True)
+        shutil.rmtree(tmp, ignore_errors=True)
         return
     torch.manual_seed(0)
     args = ModelArgs(**MODELS[a.model])

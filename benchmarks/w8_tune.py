@@ -1,6 +1,7 @@
 """Tile sweep of the decode GEMM (``fp8tensor::w8_mm``: bf16 activations x fp8 weight read once) and its host cost.
 
-For each row block of the kernel (``BLOCK_M`` 16 / 32, measured at M = 8 / 32 tokens) the sweep times the
+For each row block of the kernel (``BLOCK_M`` 16 / 32, measured at M = 8 / 32 tokens; and 64 at 64 tokens, past
+``max_m``, to see whether any tile beats cuBLAS there) the sweep times the
 kernel (one layer's GEMMs captured as one CUDA graph, as compiled serving runs them; ``triton.testing.do_bench``
 medians of its replay, the L2 cache flushed between replays) on the Linear shapes of a Llama3-8B
 layer (qkv 6144x4096, wo 4096x4096, w1 / w3 14336x4096, w2 4096x14336), first over weight tiles and warps, then over
@@ -30,7 +31,7 @@ from fp8tensor.quantize import quantize_rowwise  # noqa: E402
 
 SHAPES = [(6144, 4096), (4096, 4096), (14336, 4096), (4096, 14336)]  # (N, K) of one Llama3-8B layer (w1, w3 alike)
 COUNT = [1, 1, 2, 1]
-BUCKETS = {16: 8, 32: 32}  # row block -> tokens measured (W8_MM_CONFIG["tiles"]' keys)
+BUCKETS = {16: 8, 32: 32, 64: 64}  # row block -> tokens measured (a block past max_m: starts from the largest tiles)
 
 
 def bench(fn) -> float:
@@ -51,7 +52,7 @@ def graphed(fn) -> float:
 
 def run_tiles(bm: int, tiles: dict, xs, ws) -> float:
     """Time (ms) of one layer's GEMMs with ``tiles`` for row block ``bm``; inf where the tiles do not compile."""
-    saved = kernels.W8_MM_CONFIG["tiles"][bm]
+    saved = kernels.W8_MM_CONFIG["tiles"].get(bm)
     kernels.W8_MM_CONFIG["tiles"][bm] = tiles
     kernels._W8_PLANS.clear()
     try:
@@ -64,7 +65,10 @@ def run_tiles(bm: int, tiles: dict, xs, ws) -> float:
         print(f"  skip {tiles}: {type(e).__name__}", flush=True)
         return float("inf")
     finally:
-        kernels.W8_MM_CONFIG["tiles"][bm] = saved
+        if saved is None:
+            del kernels.W8_MM_CONFIG["tiles"][bm]
+        else:
+            kernels.W8_MM_CONFIG["tiles"][bm] = saved
         kernels._W8_PLANS.clear()
 
 
@@ -76,7 +80,8 @@ def sweep(quick: bool) -> None:
     best_all = {}
     for bm, M in BUCKETS.items():
         xs = [torch.randn(M, k, device="cuda", dtype=torch.bfloat16) for _, k in SHAPES]
-        base = dict(kernels.W8_MM_CONFIG["tiles"][bm])
+        tiles = kernels.W8_MM_CONFIG["tiles"]
+        base = dict(tiles.get(bm) or tiles[max(tiles)])
         res = []
         first = itertools.product([32, 64, 128], [128, 256] if quick else [128, 256, 512], [4, 8], [False, True])
         for bn, bk, warps, n_major in first:
@@ -99,7 +104,7 @@ def sweep(quick: bool) -> None:
         best_t, best = res[0]
         print(f"| BLOCK_M {bm} (M={M}) | now {now * 1e3:.1f} us | best {best_t * 1e3:.1f} us "
               f"({weight_bytes / best_t / 1e6:.0f} GB/s) | bf16 mm {mm * 1e3:.1f} us | fp8 _scaled_mm {smm * 1e3:.1f} us "
-              f"| best / bf16 {mm / best_t:.2f}x |", flush=True)
+              f"| speed-up vs bf16 {mm / best_t:.2f}x |", flush=True)
         for t, tiles in res[:5]:
             print(f"    {t * 1e3:8.1f} us  {tiles}", flush=True)
         best_all[bm] = best

@@ -59,3 +59,19 @@ def test_no_grad_bad_input_names_the_op():
     m = fp8tensor.quantize_weights(nn.Sequential(nn.Linear(32, 16)))[0]
     with torch.no_grad(), pytest.raises(RuntimeError, match="fp8_linear: input's last dim"):
         m(torch.randn(4, 31))
+
+
+def test_decode_token_limit_has_tiles_and_matches_the_docs():
+    # Every input size the decode GEMM takes has tiles for its row block, and the documented limit is the code's.
+    from pathlib import Path
+
+    from fp8tensor.numerics import kernels
+
+    c = kernels.W8_MM_CONFIG
+    for m in range(1, c["max_m"] + 1):
+        assert max(16, 1 << (m - 1).bit_length()) in c["tiles"], m
+    root = Path(__file__).resolve().parents[1]
+    for doc in ("README.md", "docs/serving.md", "docs/design.md"):
+        text = (root / doc).read_text()
+        assert f"up to {c['max_m']} tokens" in text, doc
+        assert "up to 64 tokens" not in text, doc

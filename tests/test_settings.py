@@ -179,3 +179,32 @@ def test_backward_runs_under_the_settings_of_its_forward(monkeypatch):
     with fp8tensor.config(gemm_backend="emulated"):
         y.sum().backward()
     assert seen == [outside]
+
+
+@pytest.mark.parametrize("mode", ["kernels", "inductor"])
+def test_compiled_quantization_chooses_who_quantizes_the_columns(monkeypatch, mode):
+    # While a graph is traced, "kernels" sends a master weight's column quantization through fp8tensor's kernel op
+    # and "inductor" through plain ops inductor generates. Made observable on CPU: the kernels are declared available
+    # and their launch raises, so only the kernel path can fail; the plain path must give the float64-checked values.
+    from fp8tensor.numerics import kernels, quantize as q
+
+    monkeypatch.setattr(q.compat, "is_compiling", lambda: True)
+    monkeypatch.setattr(kernels, "kernel_available", lambda x: True)
+    monkeypatch.setattr(kernels, "eager_launch_ok", lambda x: False)
+
+    def launch(*a, **k):
+        raise RuntimeError("kernel launched")
+
+    monkeypatch.setattr(kernels, "launch_dim0_t", launch)
+    w = torch.randn(48, 32, dtype=torch.float64) * torch.logspace(-2, 2, 32, dtype=torch.float64)
+    g = torch.randn(5, 48)
+    with fp8tensor.config(compiled_quantization=mode):
+        assert q._inductor_quantizes() is (mode == "inductor")
+        if mode == "kernels":
+            with pytest.raises(RuntimeError, match="kernel launched"):
+                q.quantize_dim0_t_after(w.float(), g)
+            return
+        qt, st = q.quantize_dim0_t_after(w.float(), g)
+    assert qt.shape == (32, 48) and st.shape == (32, 1)
+    deq = qt.double() * st.double()  # (K, N) ≈ w.T, one e4m3 rounding per element: relative error <= 2^-4
+    assert ((deq - w.t()).norm() / w.norm()).item() < 2.0 ** -4

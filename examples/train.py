@@ -128,7 +128,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=4, help="key/value heads (grouped-query attention)")
     p.add_argument("--moe", action="store_true",
                    help="mixture-of-experts MLPs (router, top-k experts as grouped GEMMs; fp8: the experts' grouped "
-                        "GEMMs run in fp8, docs/moe.md); needs --tp 1")
+                        "GEMMs run in fp8, docs/moe.md); needs --tp 1. With --compile the experts run eagerly "
+                        "inside the compiled blocks")
     p.add_argument("--experts", type=int, default=None, help="experts per MoE layer (with --moe; default 8)")
     p.add_argument("--top-k", type=int, default=None, help="experts per token (with --moe; default 2)")
     p.add_argument("--shared-expert", action="store_true", default=None,
@@ -204,8 +205,6 @@ def check_args(args: argparse.Namespace, world: int, local_world: int) -> str | 
     if args.moe and args.tp != 1:
         return (f"--moe runs with --tp 1 (data parallel FSDP2; the experts have no tensor-parallel plan), "
                 f"got --tp {args.tp}")
-    if args.moe and args.compile:
-        return "--moe runs eagerly: torch.compile of the fp8 grouped-experts modules is not supported (drop --compile)"
     if args.moe and not 1 <= args.top_k <= args.experts:
         return f"--top-k must be between 1 and --experts {args.experts}, got {args.top_k}"
     if world % args.tp:

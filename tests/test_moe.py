@@ -421,3 +421,25 @@ def test_compiled_moe_blocks_with_eager_experts_match_eager():
     assert all(isinstance(getattr(b.feed_forward.experts, w), Fp8MasterWeight)
                for b in model.layers for w in ("w1", "w2", "w3"))
     assert all(eager[1][f"layers.{i}.feed_forward.experts.w1"].abs().sum() > 0 for i in range(args.n_layers))
+
+
+def test_torchtitan_filter_keeps_routed_experts_in_high_precision():
+    """docs/torchtitan.md's advice for compiled MoE jobs: ``filter_fqns=["routed_experts"]`` leaves torchtitan's
+    grouped experts in high precision and still converts the shared experts' Linears."""
+    pytest.importorskip("torchtitan")
+    import torchtitan.models.deepseek_v3 as ds
+    from torchtitan.models.common.linear import Linear
+    from torchtitan.models.common.moe import GroupedExperts
+
+    from fp8tensor.torchtitan import Fp8TensorGroupedExperts, Fp8TensorLinear, convert_model_config
+
+    def fresh():
+        return ds.deepseekv3_configs["debugmodel"](attn_backend="flex", moe_comm_backend="standard")
+
+    everything = convert_model_config(fresh(), recipe="rowwise")
+    assert any(type(c) is Fp8TensorGroupedExperts.Config for _, c, *_ in everything.traverse(GroupedExperts.Config))
+    cfg = convert_model_config(fresh(), recipe="rowwise", filter_fqns=["routed_experts"])
+    experts = list(cfg.traverse(GroupedExperts.Config))
+    assert experts and all(type(c) is GroupedExperts.Config for _, c, *_ in experts)
+    shared = [c for fqn, c, *_ in cfg.traverse(Linear.Config) if "shared_experts" in fqn]
+    assert shared and all(type(c) is Fp8TensorLinear.Config for c in shared)

@@ -246,6 +246,10 @@ class MoE(nn.Module):
         self.shared_expert = FeedForward(args.dim, args.expert_hidden_dim) if args.shared_expert else None
         self.ep_group = None
         self.aux_loss = torch.zeros(())
+        self.eager_experts = False  # True: the experts run outside compiled graphs (exclude_experts_from_compile)
+
+    def _experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return run_experts_eagerly(self.experts, x, counts) if self.eager_experts else self.experts(x, counts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, D = x.shape
@@ -261,7 +265,7 @@ class MoE(nn.Module):
         token_of = order // self.top_k
         routed = xt[token_of]
         if self.ep_group is None:
-            out = self.experts(routed, counts)
+            out = self._experts(routed, counts)
         else:
             out = self._expert_parallel(routed, counts)
         out = out * top_p.flatten()[order, None].to(out.dtype)
@@ -286,7 +290,7 @@ class MoE(nn.Module):
         # regroup the received rows by local expert (expert-major), as the grouped GEMM wants them
         idx = torch.cat([torch.arange(int(starts[r * e_loc + e]), int(starts[r * e_loc + e]) + int(rc[r, e]))
                          for e in range(e_loc) for r in range(W)] or [torch.zeros(0, dtype=torch.long)])
-        local = self.experts(got[idx], rc.sum(0))
+        local = self._experts(got[idx], rc.sum(0))
         back = torch.empty_like(local).index_copy_(0, idx, local)
         return _all_to_all(back, in_splits, out_splits, group)
 
@@ -456,12 +460,19 @@ def block_tp_plan(*, sequence_parallel: bool = True) -> dict:
 def exclude_experts_from_compile(moe: "MoE") -> None:
     """Run ``moe.experts`` eagerly inside a ``torch.compile``-d block (in place; parameter names unchanged).
 
-    fp8tensor's fp8 grouped-experts modules do not compile yet (docs/moe.md): the block's compiled graph breaks
-    around the experts' forward (``torch.compiler.disable``), which runs as in eager mode, fp8 grouped GEMMs
-    included; the router, the token permutation, the shared expert and the rest of the block compile. bf16 models
-    get the same split, so the two compare like for like."""
-    experts = moe.experts
-    experts.forward = torch.compiler.disable(experts.forward)
+    fp8tensor's fp8 grouped-experts modules do not compile yet (docs/moe.md): with this, :class:`MoE` calls its
+    experts through :func:`run_experts_eagerly` (``torch.compiler.disable``), so the block's compiled graph breaks
+    around them and they run as in eager mode, fp8 grouped GEMMs included; the router, the token permutation, the
+    shared expert and the rest of the block compile. The switch is a plain attribute (``moe.eager_experts``), so
+    ``copy.deepcopy`` and ``torch.save`` of the module keep working. bf16 models get the same split, so the two
+    compare like for like."""
+    moe.eager_experts = True
+
+
+@torch.compiler.disable
+def run_experts_eagerly(experts: nn.Module, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``experts(x, counts)`` outside any compiled graph (a graph break under ``torch.compile``)."""
+    return experts(x, counts)
 
 
 def parallelize_llama(

@@ -258,10 +258,13 @@ class MoE(nn.Module):
         top_p, top_e = torch.topk(probs, self.top_k, dim=-1)
         top_p = top_p / top_p.sum(-1, keepdim=True)
         E = self.num_experts
-        counts = torch.bincount(top_e.flatten(), minlength=E)
+        flat_e = top_e.flatten()
+        # tokens per expert; a fixed-size scatter rather than bincount, whose output size depends on the values
+        # (a graph break under torch.compile)
+        counts = torch.zeros(E, dtype=torch.long, device=x.device).index_add_(0, flat_e, torch.ones_like(flat_e))
         f = counts.float() / max(1, top_e.numel())
         self.aux_loss = E * (f * probs.mean(0)).sum()
-        order = torch.argsort(top_e.flatten(), stable=True)
+        order = torch.argsort(flat_e, stable=True)
         token_of = order // self.top_k
         routed = xt[token_of]
         if self.ep_group is None:

@@ -70,6 +70,10 @@ def only_gloo_abort(msg: str) -> bool:
     return bool(chunks) and all(any(sig in c for sig in GLOO_ABORT) for c in chunks)
 
 
+class _TimedOut(RuntimeError):
+    """A rank was still running at the time limit: a hang, never repeated."""
+
+
 def _spawn_once(module, fn_name, world, out_dir, extra, timeout) -> list[dict]:
     import torch.multiprocessing as mp
 
@@ -85,12 +89,16 @@ def _spawn_once(module, fn_name, world, out_dir, extra, timeout) -> list[dict]:
         p.start()
     for p in procs:
         p.join(timeout=timeout)
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
     for p in procs:
         if p.is_alive():
             p.kill()
+            p.join()
     errors = []
     while not errq.empty():
         errors.append(errq.get())
+    if hung:
+        raise _TimedOut(f"ranks {hung} still running after {timeout} s (killed)\n" + "\n".join(errors))
     if errors or any(p.exitcode != 0 for p in procs):
         raise RuntimeError("\n".join(errors) or f"exit codes {[p.exitcode for p in procs]}")
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
@@ -103,9 +111,12 @@ def spawn(module: str, fn_name: str, world: int, out_dir, extra: tuple = (), tim
     torch's gloo backend now and then kills a rank (heap corruption when two collectives of one process group are in
     flight, DTensor's own plain-tensor collectives included: docs/pytorch_issues.md item 3). A run that fails that
     way and only that way (:func:`only_gloo_abort`) is repeated once, with fresh processes and seed, and a warning
-    names the first failure; a second such failure, any Python error or any wrong value fails the test."""
+    names the first failure; a second such failure, any Python error, any wrong value or a rank still running after
+    ``timeout`` seconds (a hang, not repeated) fails the test."""
     try:
         return _spawn_once(module, fn_name, world, out_dir, extra, timeout)
+    except _TimedOut:
+        raise
     except RuntimeError as err:
         if not only_gloo_abort(str(err)):
             raise

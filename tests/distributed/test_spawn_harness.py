@@ -63,3 +63,23 @@ def test_spawn_does_not_repeat_a_python_error(tmp_path):
     with pytest.raises(RuntimeError, match="a Python error of the test itself"):
         spawn(__name__, "python_error", 2, tmp_path, extra=(marker,))
     assert open(marker + ".rank0").read().count("run") == 1
+
+
+def hang_once(rank: int, world: int, marker: str, seed: int) -> dict:
+    """Every run: count it, then rank 1 sleeps past the harness's time limit (a hang)."""
+    import time
+
+    with open(marker + f".rank{rank}", "a") as f:
+        f.write("run\n")
+    if rank == 1:
+        time.sleep(60)
+    return {}
+
+
+def test_spawn_does_not_repeat_a_hang(tmp_path):
+    from _spawn import spawn
+
+    marker = str(tmp_path / "runs")
+    with pytest.raises(RuntimeError, match=r"still running after 5 s"):
+        spawn(__name__, "hang_once", 2, tmp_path, extra=(marker,), timeout=5)
+    assert open(marker + ".rank1").read().count("run") == 1

@@ -460,6 +460,7 @@ def block_tp_plan(*, sequence_parallel: bool = True) -> dict:
         "feed_forward.w3": ColwiseParallel(),
     }
 
+
 def exclude_experts_from_compile(moe: "MoE") -> None:
     """Run ``moe.experts`` eagerly inside a ``torch.compile``-d block (in place; parameter names unchanged).
 

@@ -249,7 +249,8 @@ class MoE(nn.Module):
         self.eager_experts = False  # True: the experts run outside compiled graphs (exclude_experts_from_compile)
 
     def _experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        return run_experts_eagerly(self.experts, x, counts) if self.eager_experts else self.experts(x, counts)
+        eager = getattr(self, "eager_experts", False)  # (absent from modules pickled before the attribute existed)
+        return run_experts_eagerly(self.experts, x, counts) if eager else self.experts(x, counts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, D = x.shape

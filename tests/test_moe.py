@@ -18,7 +18,7 @@ from fp8tensor import Fp8MasterWeight, ScaledFp8Tensor, convert_to_fp8
 from fp8tensor.grouped import fp8_grouped_mm, padded_offsets, quantize_expert_cols, quantize_group_cols
 from fp8tensor.quantize import quantize_rowwise
 
-from conftest import set_knobs
+from conftest import E4M3_GEMM_BOUND, set_knobs
 
 U = 2.0**-4 / math.sqrt(3)
 TWO = math.sqrt(2) * U  # two rounded operands
@@ -382,9 +382,11 @@ def test_out_dtype_must_be_high_precision_float():
 def test_compiled_moe_blocks_with_eager_experts_match_eager():
     """The example's way to compile a MoE model whose experts are fp8 (examples/llama.py,
     ``exclude_experts_from_compile``): each block compiles, the experts run eagerly. With ``aot_eager`` (the same
-    forward ops) the output is bit-identical to the eager fp8 model; its gradients, and everything with inductor
-    (fused, reordered float ops), within 5e-3 of it (measured: 1e-7 and 3e-5): a reordered float32 sum can flip an
-    fp8 rounding downstream, one e4m3 step (at most 2^-3 relative) on a few elements. The blocks did compile, and the experts' weights got gradients through the fp8
+    forward ops) the output is bit-identical to the eager fp8 model. Its gradients, and everything with inductor
+    (fused, reordered float32 ops), differ from eager only by float32 reordering, which an fp8 re-rounding
+    downstream can amplify to one e4m3 step on a few elements; the bound asks that compiling changes the result by
+    far less than fp8 itself does: a fifth of the fp8 GEMM bound (``E4M3_GEMM_BOUND / 5`` = 1e-2). ``pytest -s``
+    prints the measured differences. The blocks did compile, and the experts' weights got gradients through the fp8
     grouped GEMMs. A deep copy runs its own experts and a pickled model keeps the switch."""
     import copy
     import io
@@ -419,9 +421,12 @@ def test_compiled_moe_blocks_with_eager_experts_match_eager():
         compiled = run(model)
         assert counters["stats"]["unique_graphs"] >= 2 * len(model.layers)  # graphs before and after the experts
         assert compiled[1].keys() == eager[1].keys()
-        assert torch.equal(compiled[0], eager[0]) if backend == "aot_eager" else _rel(compiled[0], eager[0]) <= 5e-3
+        worst = max(_rel(compiled[1][name], g) for name, g in eager[1].items())
+        print(f"compiled MoE blocks, {backend}: output {_rel(compiled[0], eager[0]):.2e}, worst gradient {worst:.2e}")
+        assert torch.equal(compiled[0], eager[0]) if backend == "aot_eager" else \
+            _rel(compiled[0], eager[0]) <= E4M3_GEMM_BOUND / 5
         for name, g in eager[1].items():
-            assert _rel(compiled[1][name], g) <= 5e-3, name
+            assert _rel(compiled[1][name], g) <= E4M3_GEMM_BOUND / 5, name
     assert all(isinstance(getattr(b.feed_forward.experts, w), Fp8MasterWeight)
                for b in model.layers for w in ("w1", "w2", "w3"))
     assert all(eager[1][f"layers.{i}.feed_forward.experts.w1"].abs().sum() > 0 for i in range(args.n_layers))

@@ -52,22 +52,40 @@ def _entry(rank, world, port, module, fn_name, extra, out_dir, seed, errq) -> No
         dist.barrier()
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - reported to the parent
-        errq.put(f"rank {rank}:\n{traceback.format_exc()}")
+        errq.put((rank, traceback.format_exc()))
         raise
 
 
 #: What the surviving ranks report when another rank died of torch's gloo heap corruption (docs/pytorch_issues.md
-#: item 3; a rank killed by a segmentation fault or the C library's abort reports nothing itself).
-GLOO_ABORT = ("Connection reset by peer", "Connection closed by peer")
+#: item 3), as the last line of their traceback: gloo's TCP transport names its source file, then the reason.
+_GLOO_TRANSPORT = re.compile(r"gloo/transport/tcp/\S+\] .*(Connection reset by peer|Connection closed by peer)")
 
 
-def only_gloo_abort(msg: str) -> bool:
-    """Whether a failed run's error is only torch's gloo abort: every reporting rank failed in gloo's transport (no
-    Python error of fp8tensor or of a comparison), or no rank reported anything but some exited non-zero."""
-    if msg.startswith("exit codes"):
-        return True
-    chunks = re.split(r"(?m)^rank \d+:\n", msg)[1:]
-    return bool(chunks) and all(any(sig in c for sig in GLOO_ABORT) for c in chunks)
+class RankFailure(RuntimeError):
+    """A spawned run failed: ``errors`` maps each rank that reported a Python exception to its traceback text,
+    ``exitcodes`` lists every rank's exit code (negative: killed by that signal)."""
+
+    def __init__(self, errors: dict, exitcodes: list):
+        self.errors, self.exitcodes = errors, exitcodes
+        text = "\n".join(f"rank {r}:\n{tb}" for r, tb in sorted(errors.items()))
+        super().__init__(text or f"exit codes {exitcodes}")
+
+
+def only_gloo_abort(errors: dict, exitcodes: list) -> bool:
+    """Whether a failed run is only torch's gloo abort: some rank was killed by a signal (a segmentation fault, the C
+    library's abort) without reporting anything, every rank that reported an exception ended in gloo's transport
+    ("Connection reset / closed by peer" as its last line), and no rank exited with a positive code of its own."""
+    lost = [r for r, code in enumerate(exitcodes) if code is not None and code < 0 and r not in errors]
+    if not lost:
+        return False
+    for r, code in enumerate(exitcodes):
+        if r in errors:
+            last = errors[r].strip().splitlines()[-1] if errors[r].strip() else ""
+            if not _GLOO_TRANSPORT.search(last):
+                return False
+        elif code not in (0, None) and code > 0:
+            return False
+    return True
 
 
 class _TimedOut(RuntimeError):
@@ -77,6 +95,8 @@ class _TimedOut(RuntimeError):
 def _spawn_once(module, fn_name, world, out_dir, extra, timeout) -> list[dict]:
     import torch.multiprocessing as mp
 
+    for r in range(world):  # no result of an earlier run can be read as this run's
+        Path(out_dir, f"rank{r}.pt").unlink(missing_ok=True)
     ctx = mp.get_context("spawn")
     errq = ctx.SimpleQueue()
     port = free_port()
@@ -94,13 +114,16 @@ def _spawn_once(module, fn_name, world, out_dir, extra, timeout) -> list[dict]:
         if p.is_alive():
             p.kill()
             p.join()
-    errors = []
+    errors = {}
     while not errq.empty():
-        errors.append(errq.get())
+        rank, tb = errq.get()
+        errors[rank] = tb
     if hung:
-        raise _TimedOut(f"ranks {hung} still running after {timeout} s (killed)\n" + "\n".join(errors))
-    if errors or any(p.exitcode != 0 for p in procs):
-        raise RuntimeError("\n".join(errors) or f"exit codes {[p.exitcode for p in procs]}")
+        raise _TimedOut(f"ranks {hung} still running after {timeout} s (killed)\n"
+                        + "\n".join(f"rank {r}:\n{tb}" for r, tb in sorted(errors.items())))
+    exitcodes = [p.exitcode for p in procs]
+    if errors or any(code != 0 for code in exitcodes):
+        raise RankFailure(errors, exitcodes)
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
 
 
@@ -115,10 +138,8 @@ def spawn(module: str, fn_name: str, world: int, out_dir, extra: tuple = (), tim
     ``timeout`` seconds (a hang, not repeated) fails the test."""
     try:
         return _spawn_once(module, fn_name, world, out_dir, extra, timeout)
-    except _TimedOut:
-        raise
-    except RuntimeError as err:
-        if not only_gloo_abort(str(err)):
+    except RankFailure as err:
+        if not only_gloo_abort(err.errors, err.exitcodes):
             raise
         warnings.warn(f"gloo: a rank of {module}.{fn_name} died in torch's gloo transport (docs/pytorch_issues.md "
                       f"item 3); running again: {str(err)[-300:]}")

@@ -144,6 +144,8 @@ def build(precision: str, setup: str, args, mesh, device, mode=None):
     precision = precision.removesuffix(".inductor")
     sized = precision.endswith(".sized")  # fp8tensor's size-aware choice on (small Linears stay bf16)
     precision = precision.removesuffix(".sized")
+    hp_gather = precision.endswith(".hpag")  # plain high-precision weights: FSDP2 gathers them in bf16
+    precision = precision.removesuffix(".hpag")
     if precision in ("rowwise", "rowwise_gw_hp"):
         import fp8tensor
 
@@ -152,7 +154,8 @@ def build(precision: str, setup: str, args, mesh, device, mode=None):
             fp8tensor.set_config(fused_grad_out=args.fused_grad_out)  # process-wide: backward threads see it too
         fp8tensor.set_config(compiled_quantization="inductor" if inductor_quant else "kernels")
 
-        fp8tensor.convert_to_fp8(model, recipe=precision, module_filter_fn=fp8_module_filter, size_rule=sized)
+        fp8tensor.convert_to_fp8(model, recipe=precision, module_filter_fn=fp8_module_filter, size_rule=sized,
+                                 fp8_all_gather=not hp_gather)
     elif precision.startswith("ao_"):
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -419,7 +422,7 @@ def check_variant(variant: str) -> tuple[str, str, str]:
     anything runs: a misspelled precision must not silently run as bf16)."""
     precision, _, setup = variant.partition("@")
     setup, _, extra = (setup or "fsdp").partition("+")
-    base = precision.removesuffix(".inductor")
+    base = precision.removesuffix(".inductor").removesuffix(".hpag")
     if base.removesuffix(".sized") not in PRECISIONS or (base != precision and not base.startswith("rowwise")) or (
             base.endswith(".sized") and not base.startswith("rowwise")):
         raise SystemExit(f"e2e.py: unknown precision {precision!r} in {variant!r}; expected one of {PRECISIONS}")

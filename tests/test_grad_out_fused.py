@@ -7,8 +7,6 @@
   the plain ops.
 * The op ``fp8tensor::quantize_rows_dim0_t`` (its plain-ops body off CUDA) against :func:`quantize` and
   :func:`quantize_dim0_t`; its registration (``opcheck``).
-* The backward's wiring (eager and traced), with the op standing in for the CUDA-only entry point: gradients with the
-  fused quantization are bit-identical to the separate quantizations, and track float64.
 """
 from __future__ import annotations
 
@@ -21,14 +19,9 @@ import pytest
 import torch
 
 import fp8tensor
-from fp8tensor.numerics.cache import OPERANDS
 from fp8tensor import kernels
-from fp8tensor import linear as linear_mod
 from fp8tensor import quantize as qmod
-from fp8tensor.quantize import SCALE_FLOOR, quantize, quantize_dim0_t
-from fp8tensor.tensor import make_scaled
-
-from conftest import E4M3_GEMM_BOUND, rel_err, set_knobs
+from fp8tensor.quantize import quantize, quantize_dim0_t
 
 F8 = torch.float8_e4m3fn
 
@@ -117,95 +110,3 @@ def test_entry_point_declines_cpu_and_bad_multiplier():
     assert qmod.quantize_rows_and_tokens(x) is None  # CPU: the callers quantize each layout on their own
     with pytest.raises(TypeError):
         qmod.quantize_rows_and_tokens(x, torch.int8)
-
-
-def _stand_in(calls):
-    """quantize_rows_and_tokens through the op (its plain-ops body on CPU), counting calls."""
-
-    def f(x, float8_dtype=F8, *, col_mul=None):
-        if not torch.compiler.is_dynamo_compiling():  # (Python side effects are for eager and AOT tracing only)
-            calls.append(col_mul is not None)
-        qr, sr, qt, st = torch.ops.fp8tensor.quantize_rows_dim0_t(x, col_mul, float8_dtype)
-        return (qr, sr), (qt.t(), st.t())
-
-    return f
-
-
-def _op_targets(gm) -> set:
-    """Names of the ops called anywhere in a dynamo graph (its subgraphs included)."""
-    return {str(n.target) for m in gm.modules() if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes
-            if n.op == "call_function"}
-
-
-def _grads(x, w, gy, bias):
-    xr = x.detach().clone().requires_grad_()
-    wr = w.detach().clone().requires_grad_() if type(w) is torch.Tensor else w
-    y = fp8tensor.fp8_linear(xr, wr, bias)
-    y.backward(gy)
-    return y.detach(), xr.grad, wr.grad
-
-
-def _ref_grads(x, w_ref, gy, bias):
-    xd = x.double().requires_grad_()
-    wd = w_ref.double().clone().requires_grad_()
-    torch.nn.functional.linear(xd, wd, None if bias is None else bias.double()).backward(gy.double())
-    return xd.grad, wd.grad
-
-
-@pytest.mark.parametrize("weight", ["hp", "fp8"])
-def test_eager_backward_same_bits(weight, monkeypatch):
-    K, N = 48, 40
-    x = torch.randn(3, 8, K, dtype=torch.bfloat16)
-    gy = torch.randn(3, 8, N, dtype=torch.bfloat16)
-    w_hp = torch.randn(N, K, dtype=torch.bfloat16) * K ** -0.5
-    bias = torch.randn(N, dtype=torch.bfloat16)
-    if weight == "fp8":  # a row-scaled fp8 weight that requires grad (as FSDP2's gathered one): scale folding
-        q, s = quantize(w_hp, -1, F8)
-        make_w = lambda: make_scaled(q, s, torch.bfloat16, requires_grad=True)  # noqa: E731
-        w_ref = q.double() * s.double()
-    else:
-        make_w = lambda: w_hp  # noqa: E731
-        w_ref = w_hp
-    set_knobs(monkeypatch, fused_grad_out="never")
-    y0, gx0, gw0 = _grads(x, make_w(), gy, bias)
-    calls = []
-    monkeypatch.setattr(linear_mod, "quantize_rows_and_tokens", _stand_in(calls))
-    set_knobs(monkeypatch, fused_grad_out="eager")
-    y1, gx1, gw1 = _grads(x, make_w(), gy, bias)
-    # "eager": grad_out in backward only where the fp8 weight's row scales are folded in by the kernel
-    assert calls == ([True] if weight == "fp8" else []), calls
-    assert torch.equal(y1, y0) and torch.equal(gx1, gx0) and torch.equal(gw1, gw0)
-    gxd, gwd = _ref_grads(x, w_ref, gy, bias)  # and the float64 math
-    assert rel_err(gx1, gxd) <= E4M3_GEMM_BOUND and rel_err(gw1, gwd) <= E4M3_GEMM_BOUND
-
-
-def test_row_operand_shared_by_consecutive_linears(monkeypatch):
-    """q/k/v read one input: its row-wise operand is made once (and again after an in-place change); same bits."""
-    real = linear_mod.quantize
-    x_rows = []
-    monkeypatch.setattr(linear_mod, "quantize",
-                        lambda t, dim=-1, *a, **k: (x_rows.append(1) if t.shape == (16, 32) and dim == 1 else None)
-                        or real(t, dim, *a, **k))
-
-    def run(share):
-        set_knobs(monkeypatch, share_input_quantization=share)
-        torch.manual_seed(0)
-        x = torch.randn(16, 32, dtype=torch.bfloat16, requires_grad=True)
-        ws = [torch.randn(24, 32, dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
-        h = x * 1  # the shared input (a non-leaf, as a norm's output)
-        ys = [fp8tensor.fp8_linear(h, w) for w in ws[:2]]
-        with torch.no_grad():
-            h.mul_(2)  # a new version: quantized again
-        ys.append(fp8tensor.fp8_linear(h, ws[2]))
-        sum(y.float().sum() for y in ys).backward()
-        assert "x_rows" not in OPERANDS._held  # emptied by the backward
-        return [y.detach() for y in ys], x.grad, [w.grad for w in ws]
-
-    x_rows.clear()
-    y1, gx1, gw1 = run(True)
-    n_shared = len(x_rows)
-    x_rows.clear()
-    y0, gx0, gw0 = run(False)
-    assert n_shared == 2 and len(x_rows) == 3
-    assert all(torch.equal(a, b) for a, b in zip(y1, y0)) and torch.equal(gx1, gx0)
-    assert all(torch.equal(a, b) for a, b in zip(gw1, gw0))

@@ -182,10 +182,11 @@ def test_backward_runs_under_the_settings_of_its_forward(monkeypatch):
 
 
 @pytest.mark.parametrize("mode", ["kernels", "inductor"])
-def test_compiled_quantization_chooses_who_quantizes_the_columns(monkeypatch, mode):
-    # While a graph is traced, "kernels" sends a master weight's column quantization through fp8tensor's kernel op
-    # and "inductor" through plain ops inductor generates. Made observable on CPU: the kernels are declared available
-    # and their launch raises, so only the kernel path can fail; the plain path must give the float64-checked values.
+def test_compiled_weight_columns_are_plain_ops(monkeypatch, mode):
+    # While a graph is traced, a master weight's column quantization (grad_input's operand) is plain ops that
+    # inductor generates, whatever compiled_quantization says (an opaque op there costs a Python call per Linear per
+    # step). Made observable on CPU: the kernels are declared available and their launch raises, so only a kernel
+    # path could fail; the plain path must give the float64-checked values.
     from fp8tensor.numerics import kernels, quantize as q
 
     monkeypatch.setattr(q.compat, "is_compiling", lambda: True)
@@ -200,10 +201,6 @@ def test_compiled_quantization_chooses_who_quantizes_the_columns(monkeypatch, mo
     g = torch.randn(5, 48)
     with fp8tensor.config(compiled_quantization=mode):
         assert q._inductor_quantizes() is (mode == "inductor")
-        if mode == "kernels":
-            with pytest.raises(RuntimeError, match="kernel launched"):
-                q.quantize_dim0_t_after(w.float(), g)
-            return
         qt, st = q.quantize_dim0_t_after(w.float(), g)
     assert qt.shape == (32, 48) and st.shape == (32, 1)
     deq = qt.double() * st.double()  # (K, N) ≈ w.T, one e4m3 rounding per element: relative error <= 2^-4

@@ -212,7 +212,7 @@ def _convert_experts(root: nn.Module, chosen, r, skipped: list) -> None:
 
 def convert_to_fp8(
     module: nn.Module, *, recipe="rowwise", module_filter_fn: Optional[FilterFn] = None,
-    size_rule: Optional[bool] = None,
+    size_rule: Optional[bool] = None, fp8_all_gather: bool = True,
 ) -> nn.Module:
     """Convert every ``nn.Linear`` of ``module`` (in place) to fp8 training with high-precision master weights.
 
@@ -309,7 +309,7 @@ def convert_to_fp8(
         elif lr is None:
             skipped.append(f"{fqn or '<root>'} ({lin.in_features}->{lin.out_features}, size rule)")
             continue
-        else:
+        elif fp8_all_gather:
             new = swap_local(w, lambda lt, lr=lr: Fp8MasterWeight(lt, lr))
             if new is not None:  # a plain Parameter: every holder of it gets the master (tied weights)
                 _adopt_parameter(module, w, new)
@@ -321,6 +321,7 @@ def convert_to_fp8(
             lin.register_load_state_dict_post_hook(rewrap_after_load)
             lin._fp8_hooks = True
         lin.fp8_recipe = lr
+        lin.fp8_all_gather = fp8_all_gather
         install_fp8_forward(lin, classes[fqn], redirects[fqn])
         add_tp_export_hook(lin)
     _convert_experts(module, experts, r, skipped)

@@ -273,7 +273,7 @@ def rewrap_after_load(module, incompatible_keys):
     for name in getattr(module, "fp8_expert_params", None) or ("weight",):
         w = getattr(module, name)
         local = compat.local_tensor(w) if _is_dtensor(w) else w
-        if isinstance(local, (Fp8MasterWeight, ScaledFp8Tensor)):
+        if isinstance(local, (Fp8MasterWeight, ScaledFp8Tensor)) or not getattr(module, "fp8_all_gather", True):
             continue
         new = swap_local(w, lambda lt: Fp8MasterWeight(lt, module.fp8_recipe))
         if new is not None:

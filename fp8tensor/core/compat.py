@@ -14,7 +14,7 @@ __all__ = ["TORCH_VERSION", "register_foreach_type", "local_tensor", "set_local_
            "fsdp_state_name", "fsdp_unsharded_param", "fsdp_flat_shard", "fsdp_set_flat_shard",
            "fsdp_reset_extension", "process_group_size", "wait_work", "tree_flatten", "tree_unflatten", "tree_leaves",
            "tree_map_only", "is_fake", "local_tensor_cls", "run_per_simulated_rank", "COMPOSITE_IMPLICIT",
-           "DISABLED_TORCH_FUNCTION", "DATA_SETTER", "disable_torch_function_subclass", "parse_to", "is_exporting", "is_compiling",
+           "DISABLED_TORCH_FUNCTION", "DATA_SETTER", "DATA_GETTER", "disable_torch_function_subclass", "parse_to", "is_exporting", "is_compiling",
            "prepend_forward_pre_hook", "disable_current_modes",
            "is_functorch_wrapped", "raw_cuda_stream", "rebuild_parameter", "functional_collectives",
            "register_state_dict_hook", "functional_data", "forward_ad_active"]
@@ -25,6 +25,7 @@ COMPOSITE_IMPLICIT = torch._C.DispatchKey.CompositeImplicitAutograd
 DISABLED_TORCH_FUNCTION = torch._C._disabled_torch_function_impl
 #: What ``__torch_function__`` receives as ``func`` for ``t.data = new``.
 DATA_SETTER = torch._C.TensorBase.data.__set__
+DATA_GETTER = torch._C.TensorBase.data.__get__
 
 
 def parse_to(*args, **kwargs):

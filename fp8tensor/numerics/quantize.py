@@ -437,7 +437,7 @@ def quantize_dim0_t_after(
     if (kernels.eager_launch_ok(w) and kernels.eager_launch_ok(after)
             and not (w.requires_grad and torch.is_grad_enabled())):
         return _quantize_columns_after_impl(w, after, float8_dtype)  # eager: the op's body, no dispatcher trip
-    if kernels.kernel_available(w) and not _inductor_quantizes():
+    if kernels.kernel_available(w) and not compat.is_compiling():
         return torch.ops.fp8tensor.quantize_columns_after(w, after, float8_dtype)
     return _dim0_t_dep_plain(w, after_dep(after), float8_dtype)
 
@@ -613,6 +613,9 @@ def transpose_after(q: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
       input."""
     if kernels.eager_launch_ok(q) and kernels.eager_launch_ok(after):
         return _transpose_after_impl(q, after)  # eager: the op's body (the kernel on CUDA), no dispatcher trip
+    if compat.is_compiling():  # plain ops inductor fuses (an opaque op costs a Python call per Linear per step)
+        dep = after_dep(after).reshape(1, 1)  # +0.0: the values are unchanged (a -0.0 becomes +0.0)
+        return (q.t().to(torch.float32) + dep).to(q.dtype).contiguous()
     return torch.ops.fp8tensor.transpose_after(q, after)
 
 

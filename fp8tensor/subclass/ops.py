@@ -31,9 +31,20 @@ def _wrap(qdata: torch.Tensor, scale: torch.Tensor, like: ScaledFp8Tensor, share
     dims = like.scaled_dims if dims is None else dims
     if torch.is_inference_mode_enabled() and not like.is_inference():
         with torch.inference_mode(False):
-            return make_scaled(qdata, scale, like.orig_dtype, like.fast_accum, dims, shares_scale=shares,
-                               scale_writes=writes)
-    return make_scaled(qdata, scale, like.orig_dtype, like.fast_accum, dims, shares_scale=shares, scale_writes=writes)
+            out = make_scaled(qdata, scale, like.orig_dtype, like.fast_accum, dims, shares_scale=shares,
+                              scale_writes=writes)
+    else:
+        out = make_scaled(qdata, scale, like.orig_dtype, like.fast_accum, dims, shares_scale=shares,
+                          scale_writes=writes)
+    if shares:  # the tensor whose scale groups this view cuts through: a partial write re-quantizes them in it
+        root = like.__dict__.get(_ROOT)
+        out.__dict__[_ROOT] = root if root is not None else (like.qdata, like.scale, like.scaled_dims)
+    return out
+
+
+#: Attribute of a view that shares scales with elements outside it (``shares_scale``): ``(qdata, scale,
+#: scaled_dims)`` of the tensor it was cut from, where :func:`_write_scale_groups` re-quantizes what a write touches.
+_ROOT = "_fp8tensor_scale_root"
 
 
 def _norm_dim(d: int, ndim: int) -> int:
@@ -103,6 +114,9 @@ def _copy_into_data_and_scale(func, args, kwargs):
             if s is None:
                 q, s = _quantize_like(src.to_hp(torch.float32), dst)
     else:
+        if dst.shares_scale:  # a partial write of high-precision values: re-quantize the scale groups it touches
+            _write_scale_groups(dst, src)
+            return dst
         q, s = _quantize_like(src.to(dst.device), dst)
     if dst.shares_scale and not _shared_scale_write_ok(dst, s):
         raise NotImplementedError(
@@ -114,6 +128,56 @@ def _copy_into_data_and_scale(func, args, kwargs):
     dst.qdata.copy_(q)
     dst.scale.copy_(s)
     return dst
+
+
+@implements([aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default])
+def _fill_as_copy(func, args, kwargs):
+    """``t.fill_(v)`` / ``t.zero_()`` (also ``t[i, j] = v``): a ``copy_`` of the value (the groups a partial view
+    touches are re-quantized, :func:`_write_scale_groups`)."""
+    dst = args[0]
+    value = 0.0 if func is aten.zero_.default else args[1]
+    if isinstance(value, ScaledFp8Tensor):
+        value = value.to_hp(torch.float32)
+    src = torch.as_tensor(value, dtype=torch.float32, device=dst.device).expand(dst.shape)
+    return _copy_into_data_and_scale(aten.copy_.default, (dst, src), {})
+
+
+def _write_scale_groups(dst: ScaledFp8Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for a view ``dst`` whose scales also scale elements outside it (an element, a column slice
+    of a row-scaled tensor): the values of every scale group (row) the view touches are dequantized from the tensor
+    the view was cut from, the written elements replaced by ``src``, and those groups quantized again with their own
+    amax; groups the view does not touch keep their bytes and scales. So a write changes no value but the ones
+    written (up to the fp8 rounding of its groups).
+
+    Raises:
+        NotImplementedError: the view's origin is unknown (a view rebuilt by ``torch.compile``, a deep copy or a
+            pickle of one): nothing is written."""
+    root = dst.__dict__.get(_ROOT)
+    if root is None:
+        raise NotImplementedError(
+            "ScaledFp8Tensor copy_: a partial write (into a view whose scales also scale elements outside it, e.g. "
+            f"an element or a column slice of a row-scaled tensor: data {tuple(dst.shape)}, scale "
+            f"{tuple(dst.scale.shape)}) whose originating tensor is not known here; write into the whole tensor "
+            "(t.copy_(new_values)) or into its high-precision form")
+    rq, rs, rdims = root
+    dev = rq.device
+    # Where each element of dst lies in root: a tensor with root's strides holding logical positions, viewed as dst.
+    pos = torch.empty_strided(rq.shape, rq.stride(), dtype=torch.long, device=dev)
+    pos.copy_(torch.arange(rq.numel(), device=dev).view(rq.shape))
+    where = pos.as_strided(dst.qdata.shape, dst.qdata.stride(), dst.qdata.storage_offset() - rq.storage_offset())
+    where = where.reshape(-1)
+    hp = (rq.to(torch.float32) * rs).reshape(-1)
+    hp[where] = src.to(device=dev, dtype=torch.float32).expand(dst.shape).reshape(-1)
+    hp = hp.view(rq.shape)
+    touched = torch.zeros(rq.numel(), dtype=torch.bool, device=dev)
+    touched[where] = True
+    unscaled = [d for d in range(rq.dim()) if not rdims[d]]
+    touched = touched.view(rq.shape)
+    groups = touched.amax(dim=unscaled, keepdim=True) if unscaled else touched  # (scale's shape)
+    like = make_scaled(rq, rs, dst.orig_dtype, dst.fast_accum, rdims)
+    q, s = _quantize_like(hp, like)
+    rs.copy_(torch.where(groups, s, rs))
+    rq.view(torch.uint8).copy_(torch.where(groups, q.view(torch.uint8), rq.view(torch.uint8)))
 
 
 def _shared_scale_write_ok(dst: ScaledFp8Tensor, new_scale: torch.Tensor) -> bool:

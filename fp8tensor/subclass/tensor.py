@@ -418,6 +418,37 @@ class ScaledFp8Tensor(torch.Tensor):
 
     __torch_function__ = compat.DISABLED_TORCH_FUNCTION
 
+    @property
+    def data(self) -> "ScaledFp8Tensor":
+        """A detached alias (``Tensor.data``): writes into it (``t.data.copy_(new)``) write this tensor."""
+        return compat.DATA_GETTER(self)
+
+    @data.setter
+    def data(self, new: torch.Tensor) -> None:
+        """``t.data = new``: ``t`` takes ``new``'s values and shape. A ScaledFp8Tensor is taken as it is (its fp8
+        data and scales); a high-precision tensor is quantized into ``t``'s scale layout (its fp8 format and scaled
+        dims). (Without this, the wrapper would keep computing with its old fp8 data while reporting ``new``'s
+        metadata.)
+
+        Raises:
+            TypeError: ``new`` is not a floating-point tensor, or is a plain fp8 tensor (no scales to read it by)."""
+        if not isinstance(new, ScaledFp8Tensor):
+            if not isinstance(new, torch.Tensor) or not new.dtype.is_floating_point or new.dtype in FLOAT8_DTYPES:
+                raise TypeError(
+                    f"ScaledFp8Tensor.data = ...: expected a ScaledFp8Tensor or a high-precision floating-point "
+                    f"tensor, got {getattr(new, 'dtype', type(new))}")
+            if new.dim() != self.dim():
+                raise TypeError(f"ScaledFp8Tensor.data = ...: expected a tensor of {self.dim()} dims (this tensor's "
+                                f"scale layout), got shape {tuple(new.shape)}")
+            from .ops import _quantize_like  # (the op table imports this module)
+
+            q, sc = _quantize_like(new.detach().to(torch.float32), self)
+            new = make_scaled(q, sc, new.dtype, self.fast_accum, self.scaled_dims)
+        compat.DATA_SETTER(self, new)
+        self.qdata, self.scale = new.qdata, new.scale
+        self.orig_dtype, self.scaled_dims = new.orig_dtype, new.scaled_dims
+        self.shares_scale, self._scale_writes = new.shares_scale, new._scale_writes
+
     def __repr__(self) -> str:
         return (
             f"ScaledFp8Tensor(shape={tuple(self.shape)}, qdata_dtype={self.qdata.dtype}, "

@@ -36,7 +36,6 @@ import torch
 
 from ..core import compat
 from .linear import QuantizeOnUse
-from ..numerics.cache import OPERANDS
 from ..numerics.quantize import (E4M3, FLOAT8_DTYPES, amax_to_scale, group_ids, quantize, quantize_expert_cols,
                        quantize_group_cols)
 from .recipes import Recipe, get_recipe
@@ -249,7 +248,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
             ws = ws.reshape(E, N)
         else:
             wq, ws = fp8
-        aq, as_ = OPERANDS.get("expert_rows", a, lambda: _quantize_rows(a, E4M3))  # shared by w1 / w3
+        aq, as_ = _quantize_rows(a, E4M3)
         out = grouped_2d3d(aq, as_.reshape(M), wq.transpose(-2, -1), ws, offs, out_dtype,
                            fast_accum=recipe.fast_accum_forward)
         ctx.recipe = recipe
@@ -264,7 +263,6 @@ class _Fp8GroupedMM(torch.autograd.Function):
                 "fp8_grouped_mm: double backward (create_graph=True) is not supported: the fp8 gradient GEMMs are "
                 "not differentiable")
         a, b, offs = ctx.saved_tensors
-        OPERANDS.clear("expert_rows")  # the forward's token quantizations are not read again
         recipe: Recipe = ctx.recipe
         gy = gy.contiguous()
         M, N = gy.shape
@@ -290,8 +288,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
             if recipe.grad_weight_fp8:
                 M_pad, pad_ends, pad_starts = padded_offsets(offs, M)
                 gq_t, gs = quantize_group_cols(gy, offs, M_pad, pad_starts, E4M3)
-                xq_t, xs = OPERANDS.get(
-                    "expert_cols", a, lambda: quantize_group_cols(a.contiguous(), offs, M_pad, pad_starts, E4M3), offs)
+                xq_t, xs = quantize_group_cols(a.contiguous(), offs, M_pad, pad_starts, E4M3)
                 grad_w = grouped_2d2d(gq_t, gs, xq_t, xs, pad_ends, torch.promote_types(gy.dtype, a.dtype),
                                       fast_accum=fast)
             else:

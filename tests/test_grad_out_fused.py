@@ -18,7 +18,6 @@ import textwrap
 import pytest
 import torch
 
-import fp8tensor
 from fp8tensor import kernels
 from fp8tensor import quantize as qmod
 from fp8tensor.quantize import quantize, quantize_dim0_t

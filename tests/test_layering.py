@@ -20,7 +20,7 @@ PKG = pathlib.Path(fp8tensor.__file__).parent
 # lower rows (modules of one row are independent); a folder's rows all lie above the rows of the folders before it.
 LAYERS = [
     ("core", [["compat", "capture", "settings"]]),
-    ("numerics", [["kernels", "cache"], ["quantize"], ["fsdp_payload"]]),
+    ("numerics", [["kernels"], ["quantize"], ["fsdp_payload"]]),
     ("subclass", [["tensor"], ["ops"], ["gemm"]]),
     ("training", [["recipes", "graphs"], ["linear"], ["grouped"], ["master"]]),
     ("distributed", [["fsdp_state", "collectives", "parallel"]]),

@@ -614,8 +614,8 @@ def transpose_after(q: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
     if kernels.eager_launch_ok(q) and kernels.eager_launch_ok(after):
         return _transpose_after_impl(q, after)  # eager: the op's body (the kernel on CUDA), no dispatcher trip
     if compat.is_compiling():  # plain ops inductor fuses (an opaque op costs a Python call per Linear per step)
-        dep = after_dep(after).reshape(1, 1)  # +0.0: the values are unchanged (a -0.0 becomes +0.0)
-        return (q.t().to(torch.float32) + dep).to(q.dtype).contiguous()
+        dep = after_dep(after).reshape(1, 1).to(torch.int16)  # 0: the bytes are unchanged
+        return (q.t().view(torch.uint8).to(torch.int16) + dep).to(torch.uint8).view(q.dtype).contiguous()
     return torch.ops.fp8tensor.transpose_after(q, after)
 
 

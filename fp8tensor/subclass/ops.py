@@ -13,8 +13,8 @@ from typing import Sequence
 import torch
 
 from ..core import compat
-from ..numerics.quantize import FLOAT8_DTYPES, amax_to_scale, cast_to_fp8
-from .tensor import ScaledFp8Tensor, implements, make_scaled
+from ..numerics.quantize import FLOAT8_DTYPES
+from .tensor import ScaledFp8Tensor, implements, make_scaled, quantize_like
 
 aten = torch.ops.aten
 
@@ -207,15 +207,7 @@ def _scale_fits(src_scale: torch.Tensor, dst_scale: torch.Tensor) -> bool:
 
 def _quantize_like(x: torch.Tensor, like: ScaledFp8Tensor):
     """Quantize ``x`` with ``like``'s fp8 dtype, reducing amax over the dims ``like`` shares its scale along."""
-    dims = [d for d in range(x.ndim) if not like.scaled_dims[d]]
-    if not dims:
-        amax = x.abs()
-    elif any(x.shape[d] == 0 for d in dims):  # an empty reduction: amax 0, as for an all-zero row
-        amax = x.new_zeros([1 if d in dims else n for d, n in enumerate(x.shape)])
-    else:
-        amax = x.abs().amax(dim=dims, keepdim=True)
-    scale = amax_to_scale(amax, like.qdata.dtype)
-    return cast_to_fp8(x, scale, like.qdata.dtype), scale
+    return quantize_like(x, like.scaled_dims, like.qdata.dtype)
 
 
 # --------------------------------------------------------------------------------------------- factories

@@ -13,7 +13,7 @@ import torch
 
 from ..core import compat
 from ..numerics import fsdp_payload as _payload
-from ..numerics.quantize import E4M3, FLOAT8_DTYPES, check_float8_dtype, quantize
+from ..numerics.quantize import E4M3, FLOAT8_DTYPES, amax_to_scale, cast_to_fp8, check_float8_dtype, quantize
 from ..core.settings import get_config
 
 __all__ = [
@@ -440,9 +440,7 @@ class ScaledFp8Tensor(torch.Tensor):
             if new.dim() != self.dim():
                 raise TypeError(f"ScaledFp8Tensor.data = ...: expected a tensor of {self.dim()} dims (this tensor's "
                                 f"scale layout), got shape {tuple(new.shape)}")
-            from .ops import _quantize_like  # (the op table imports this module)
-
-            q, sc = _quantize_like(new.detach().to(torch.float32), self)
+            q, sc = quantize_like(new.detach().to(torch.float32), self.scaled_dims, self.qdata.dtype)
             new = make_scaled(q, sc, new.dtype, self.fast_accum, self.scaled_dims)
         compat.DATA_SETTER(self, new)
         self.qdata, self.scale = new.qdata, new.scale
@@ -510,6 +508,20 @@ class ScaledFp8Tensor(torch.Tensor):
 
 
 # ---------------------------------------------------------------------------------------------- layout and checks
+def quantize_like(x: torch.Tensor, scaled_dims, float8_dtype: torch.dtype) -> tuple:
+    """``(qdata, scale)`` of ``x`` in the layout ``scaled_dims`` declares: the amax is reduced over the dims that share
+    a scale (an empty reduction: amax 0, as an all-zero row), in ``float8_dtype``."""
+    dims = [d for d in range(x.ndim) if not scaled_dims[d]]
+    if not dims:
+        amax = x.abs()
+    elif any(x.shape[d] == 0 for d in dims):
+        amax = x.new_zeros([1 if d in dims else n for d, n in enumerate(x.shape)])
+    else:
+        amax = x.abs().amax(dim=dims, keepdim=True)
+    scale = amax_to_scale(amax, float8_dtype)
+    return cast_to_fp8(x, scale, float8_dtype), scale
+
+
 def rowwise_dims(ndim: int, dim: int) -> tuple:
     """``scaled_dims`` of a quantization reduced over ``dim``: one scale per index of every other dim."""
     dim = dim % ndim if ndim else 0

@@ -56,7 +56,9 @@ def main() -> None:
     dev = torch.device("cuda")
     vs = variants(not args.no_peers)
     if args.fast_accum_backward:
-        r = fp8tensor.Recipe("rowwise_fastbw", grad_weight_fp8=True, fast_accum_backward=True)
+        from fp8tensor.recipes import Gemm
+
+        r = fp8tensor.Recipe("rowwise_fastbw", grad_input=Gemm(fast_accum=True), grad_weight=Gemm(fast_accum=True))
         vs["fp8tensor rowwise+fast bwd"] = lambda m: fp8tensor.convert_to_fp8(m, recipe=r)
     print(f"# Linear forward+backward, M={args.M} ({env_line()})\n")
     names = list(vs)

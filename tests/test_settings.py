@@ -134,10 +134,19 @@ def test_recipe_float8_dtype_is_an_fp8_format():
     import torch
 
     from fp8tensor import Recipe
+    from fp8tensor.recipes import Gemm, Operand, weight_format
 
-    assert Recipe("r", True, float8_dtype=torch.float8_e5m2).float8_dtype == torch.float8_e5m2
+    assert weight_format(Recipe("r"), torch.float8_e5m2).float8_dtype == torch.float8_e5m2
     with pytest.raises(ValueError, match="float8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2"):
-        Recipe("r", True, float8_dtype=torch.bfloat16)
+        Operand("rowwise", torch.bfloat16)
+    with pytest.raises(ValueError, match="activation side"):
+        Gemm(a=Operand("rowwise", torch.float8_e5m2))
+    with pytest.raises(ValueError, match="both operands are fp8 or both high precision"):
+        Gemm(b=Operand("hp"))
+    with pytest.raises(ValueError, match="tensor-wise scaling is not offered"):
+        Operand("tensorwise")
+    with pytest.raises(ValueError, match="one fp8 format"):
+        Recipe("r", grad_input=Gemm(b=Operand("rowwise", torch.float8_e5m2)))
 
 
 def test_set_config_inside_a_block_changes_the_fields_the_block_does_not_name():

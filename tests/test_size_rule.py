@@ -136,12 +136,12 @@ def test_convert_middle_tier_trains_as_rowwise_gw_hp():
 
 def test_size_choice_keeps_a_custom_recipe_fields():
     from fp8tensor.convert import fp8_size_choice
-    from fp8tensor.recipes import Recipe
+    from fp8tensor.recipes import Gemm, Recipe, weight_format
 
-    fast = Recipe("rowwise", True, fast_accum_backward=True)
+    fast = Recipe("rowwise", grad_input=Gemm(fast_accum=True), grad_weight=Gemm(fast_accum=True))
     got = fp8_size_choice(1280, 1280, fast)  # K·N/(K+N) = 640: the middle tier
     assert got.name == "rowwise_gw_hp" and got.grad_weight_fp8 is False and got.fast_accum_backward is True
-    e5 = Recipe("rowwise", True, float8_dtype=torch.float8_e5m2)
+    e5 = weight_format(fp8tensor.RECIPES["rowwise"], torch.float8_e5m2)
     got = fp8_size_choice(1280, 1280, e5)
     assert got.grad_weight_fp8 is False and got.float8_dtype == torch.float8_e5m2
     assert fp8_size_choice(2048, 2048, e5) is e5  # above both thresholds: the recipe itself

@@ -20,7 +20,7 @@ from ..core import compat
 from ..subclass.gemm import fp8_mm
 from ..numerics.quantize import (E4M3, FLOAT8_DTYPES, quantize, quantize_dim0_t_after, quantize_tokens,
                                  transpose_after, weight_only_mm)
-from .recipes import Recipe, get_recipe
+from .recipes import Gemm, Recipe, get_recipe
 from ..core.settings import get_config, scope_token, swap_scope
 from ..subclass.tensor import ScaledFp8Tensor, _is_dtensor, make_scaled, map_local, rowwise_dims
 
@@ -54,8 +54,12 @@ def _quantize(t: torch.Tensor, dim: int, fast_accum: bool, float8_dtype=E4M3) ->
 
 
 def _dequantize(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t`` (a tensor, ScaledFp8Tensor or DTensor of either) as a high-precision tensor of ``dtype``."""
-    return map_local(t, lambda lt: lt.to_hp(dtype) if isinstance(lt, ScaledFp8Tensor) else lt.to(dtype))
+    """``t`` (a tensor, master, ScaledFp8Tensor or DTensor of these) as a high-precision tensor of ``dtype``."""
+    def hp(lt):
+        if isinstance(lt, ScaledFp8Tensor):
+            return lt.to_hp(dtype)
+        return (lt._data if isinstance(lt, QuantizeOnUse) else lt).to(dtype)
+    return map_local(t, hp)
 
 
 def _is_fp8(t: torch.Tensor) -> bool:
@@ -101,7 +105,7 @@ def _tokens_fp8(t: torch.Tensor, t2: torch.Tensor, fast: bool, float8_dtype) -> 
     return _quantize(t2, 0, fast, float8_dtype)
 
 
-def _x_for_grad_weight(x: torch.Tensor, x2: torch.Tensor, recipe: Recipe) -> torch.Tensor:
+def _x_for_grad_weight(x: torch.Tensor, x2: torch.Tensor, gemm: Gemm) -> torch.Tensor:
     """The grad_weight operand of the ``rowwise`` recipe, computed in forward: ``x2`` ``(M, K)`` quantized per input
     feature over the tokens (dim 0), as a ScaledFp8Tensor (or a DTensor of one). Backward would compute exactly this
     from the high-precision ``x``; saving it instead of ``x`` halves (bf16) or quarters (fp32) what the Linear keeps.
@@ -110,13 +114,13 @@ def _x_for_grad_weight(x: torch.Tensor, x2: torch.Tensor, recipe: Recipe) -> tor
 
     An ``x2`` that is already fp8 scaled per token (fp8 sequence-parallel all-gather) is kept as it is: ``fp8_mm``
     folds its token scales into ``gy^T``."""
-    fast = recipe.fast_accum_backward
+    fast = gemm.fast_accum
     if type(x2) is not torch.Tensor and _is_fp8(x2):
         return _quantize(x2, 0, fast)
-    return _tokens_fp8(x, x2, fast, recipe.float8_dtype)
+    return _tokens_fp8(x, x2, fast, gemm.b.float8_dtype)
 
 
-def _weight_for_grad_input(weight: torch.Tensor, gy: torch.Tensor, fast: bool, recipe: Recipe) -> torch.Tensor:
+def _weight_for_grad_input(weight: torch.Tensor, gy: torch.Tensor, gemm: Gemm) -> torch.Tensor:
     """The weight operand of ``grad_x = gy @ W``, made in backward after ``gy`` (``grad_out``, any shape: it is only an
     ordering input) exists (plain tensors; DTensor shards are prepared as they come).
 
@@ -125,6 +129,7 @@ def _weight_for_grad_input(weight: torch.Tensor, gy: torch.Tensor, fast: bool, r
       :func:`fp8tensor.quantize.transpose_after`.
     * a master / high-precision weight: re-quantized along N (per input column),
       :func:`fp8tensor.quantize.quantize_dim0_t_after`."""
+    fast, float8_dtype = gemm.fast_accum, gemm.b.float8_dtype
     if _is_fp8(weight):
         if (
             isinstance(weight, ScaledFp8Tensor)
@@ -139,17 +144,26 @@ def _weight_for_grad_input(weight: torch.Tensor, gy: torch.Tensor, fast: bool, r
     if not _is_dtensor(weight) and not _is_dtensor(gy):
         w = weight._data if isinstance(weight, QuantizeOnUse) else weight
         if w.dim() == 2 and w.dtype.is_floating_point:
-            qt, st = quantize_dim0_t_after(w, gy, recipe.float8_dtype)
+            qt, st = quantize_dim0_t_after(w, gy, float8_dtype)
             return make_scaled(qt.t(), st.t(), w.dtype, fast, rowwise_dims(2, 0))
-    return _quantize(weight, 0, fast, recipe.float8_dtype)
+    return _quantize(weight, 0, fast, float8_dtype)
 
 
 # ---------------------------------------------------------------------------------------------- the one path
+def _hp_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` in high precision (a recipe's ``"hp"`` GEMM), in the promoted dtype of the two."""
+    dt = torch.promote_types(a.dtype, b.dtype)
+    return torch.mm(_dequantize(a, dt), _dequantize(b, dt))
+
+
 def _forward(x2: torch.Tensor, weight: torch.Tensor, recipe: Recipe) -> torch.Tensor:
-    """The output GEMM ``x2 @ W^T`` ``(M, N)``: the weight quantized per row (an fp8 weight used as it is), ``x2`` per
-    row in e4m3 by the GEMM engine, the forward's fast accumulation. The one forward of the fp8 Linear: run inside
-    :class:`_Fp8Linear` when autograd records, directly when it does not."""
-    return _mm(x2, _quantize(weight, -1, recipe.fast_accum_forward, recipe.float8_dtype).t())
+    """The output GEMM ``x2 @ W^T`` ``(M, N)`` per ``recipe.output``: the weight quantized per row (an fp8 weight used
+    as it is), ``x2`` per row in e4m3 by the GEMM engine; or in high precision. The one forward of the fp8 Linear:
+    run inside :class:`_Fp8Linear` when autograd records, directly when it does not."""
+    g = recipe.output
+    if not g.fp8:
+        return _hp_mm(x2, weight.t())
+    return _mm(x2, _quantize(weight, -1, g.fast_accum, g.b.float8_dtype).t())
 
 
 class _Fp8Linear(torch.autograd.Function):
@@ -180,7 +194,7 @@ class _Fp8Linear(torch.autograd.Function):
         ctx.settings = None if compat.is_compiling() else scope_token()
         x_saved = None
         if ctx.needs_input_grad[1]:
-            x_saved = _x_for_grad_weight(x, x2, recipe) if recipe.grad_weight_fp8 else x
+            x_saved = _x_for_grad_weight(x, x2, recipe.grad_weight) if recipe.grad_weight.fp8 else x
         ctx.save_for_backward(x_saved, weight if ctx.needs_input_grad[0] else None)
         # Not a view of ``out`` (as F.linear's output is not): FSDP2 hooks the module output for backward, and an
         # in-place op on a view output would drop that hook (torch warns about it).
@@ -213,15 +227,18 @@ def _backward(ctx, grad_out):
     x_saved, weight = ctx.saved_tensors
     recipe: Recipe = ctx.recipe
     g2 = grad_out if grad_out.dim() == 2 else grad_out.reshape(-1, ctx.n_out)
-    fast = recipe.fast_accum_backward
     grad_x = grad_w = grad_b = None
     if ctx.needs_input_grad[0]:
-        # ``grad_out`` itself (not its reshape) orders the weight operand after it: see fp8tensor.quantize.transpose_after
-        grad_x = _mm(g2, _weight_for_grad_input(weight, grad_out, fast, recipe))
+        if recipe.grad_input.fp8:
+            # ``grad_out`` itself (not its reshape) orders the weight operand after it: see quantize.transpose_after
+            grad_x = _mm(g2, _weight_for_grad_input(weight, grad_out, recipe.grad_input))
+        else:
+            grad_x = _hp_mm(g2, weight)
         if grad_x.shape != ctx.x_shape:
             grad_x = grad_x.reshape(ctx.x_shape)
     if ctx.needs_input_grad[1]:
-        if recipe.grad_weight_fp8:
+        fast = recipe.grad_weight.fast_accum
+        if recipe.grad_weight.fp8:
             # gy^T (N, M) quantized per output feature over the tokens: from grad_out itself on CUDA (as x in
             # forward, see _tokens_fp8), else by fp8_mm; the same bits. Nothing derived from grad_out goes through
             # map_local: under torch.compile the backward of an autograd.Function is traced with grad placements
@@ -232,8 +249,7 @@ def _backward(ctx, grad_out):
                 gt = make_scaled(hit[0].t(), hit[1].t(), grad_out.dtype, fast, rowwise_dims(2, 1))
             grad_w = _mm(gt, x_saved)
         else:
-            x2 = x_saved.reshape(-1, ctx.x_shape[-1])
-            grad_w = torch.mm(g2.t(), _dequantize(x2, g2.dtype))
+            grad_w = _hp_mm(g2.t(), x_saved.reshape(-1, ctx.x_shape[-1]))
         grad_w = grad_w.to(ctx.w_dtype)
     if ctx.has_bias and ctx.needs_input_grad[2]:
         grad_b = g2.sum(0)

@@ -25,43 +25,141 @@ import torch
 from ..numerics.quantize import E4M3, E5M2
 from ..core.settings import get_config
 
-__all__ = ["Recipe", "RECIPES", "get_recipe", "fp8_size_rule", "fp8_size_choice"]
+__all__ = ["Recipe", "Gemm", "Operand", "SCALINGS", "RECIPES", "get_recipe", "weight_format", "fp8_size_rule",
+           "fp8_size_choice"]
+
+
+#: Operand scalings a recipe can name. ``"rowwise"``: one float32 scale per slice along the GEMM's contraction dim
+#: (per token, per output row, per feature over the tokens: each operand's outer dim); ``"hp"``: the GEMM runs in
+#: high precision. Tensor-wise scaling is not offered: on Hopper the row-wise ``torch._scaled_mm`` runs as fast as
+#: the tensor-wise one (docs/benchmarks.md) and is the more accurate of the two.
+SCALINGS = ("rowwise", "hp")
+
+
+@dataclass(frozen=True)
+class Operand:
+    """How one GEMM operand is prepared.
+
+    Attributes:
+        scaling: one of :data:`SCALINGS`.
+        float8_dtype: ``torch.float8_e4m3fn`` (default) or ``torch.float8_e5m2`` (ignored for ``"hp"``).
+
+    Raises:
+        ValueError: unknown scaling (``"tensorwise"`` included, with the reason) or a non-fp8 ``float8_dtype``.
+    """
+
+    scaling: str = "rowwise"
+    float8_dtype: torch.dtype = E4M3
+
+    def __post_init__(self):
+        if self.scaling not in SCALINGS:
+            why = (" (tensor-wise scaling is not offered: row-wise runs as fast on Hopper and is more accurate)"
+                   if self.scaling == "tensorwise" else "")
+            raise ValueError(f"fp8tensor Operand: scaling must be one of {SCALINGS}, got {self.scaling!r}{why}")
+        if self.float8_dtype not in (E4M3, E5M2):
+            raise ValueError("fp8tensor Operand: float8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got "
+                             f"{self.float8_dtype}")
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """One of the fp8 Linear's three GEMMs ``a @ b``: ``a`` is the activation side (``x`` for the output,
+    ``grad_out`` for grad_input, ``grad_out^T`` for grad_weight), ``b`` the weight side (``W^T``, ``W``, and the saved
+    ``x`` for grad_weight).
+
+    Attributes:
+        a, b: :class:`Operand` s. Both ``"rowwise"`` (an fp8 GEMM) or both ``"hp"``. The activation side is e4m3:
+            ``torch._scaled_mm`` takes e5m2 on one side only, and fp8tensor puts it on the weight side (which is
+            also the format FSDP2's fp8 all-gather sends).
+        fast_accum: fp8 fast accumulation (``torch._scaled_mm(use_fast_accum=True)``).
+
+    Raises:
+        ValueError: mixed scalings, or an e5m2 activation side.
+    """
+
+    a: Operand = Operand()
+    b: Operand = Operand()
+    fast_accum: bool = False
+
+    def __post_init__(self):
+        if self.a.scaling != self.b.scaling:
+            raise ValueError(f"fp8tensor Gemm: both operands are fp8 or both high precision, got a={self.a.scaling!r}"
+                             f" and b={self.b.scaling!r}")
+        if self.fp8 and self.a.float8_dtype != E4M3:
+            raise ValueError("fp8tensor Gemm: the activation side (a) is e4m3 (torch._scaled_mm takes e5m2 on one "
+                             "side only, the weight side b)")
+        if not isinstance(self.fast_accum, bool):
+            raise ValueError(f"fp8tensor Gemm: fast_accum must be True or False, got {self.fast_accum!r}")
+
+    @property
+    def fp8(self) -> bool:
+        """Whether this GEMM runs in fp8."""
+        return self.a.scaling != "hp"
+
+
+_HP = Operand("hp")
 
 
 @dataclass(frozen=True)
 class Recipe:
-    """An fp8 training recipe.
+    """An fp8 training recipe: what each of the fp8 Linear's three GEMMs does, as data (a new recipe is a new value:
+    :data:`RECIPES` names the built-in ones). Stored on each converted Linear (``module.fp8_recipe``) at conversion.
 
     Attributes:
-        name: ``"rowwise"`` or ``"rowwise_gw_hp"``.
-        grad_weight_fp8: run the grad_weight GEMM in fp8 (True) or in high precision (False).
-        fast_accum_forward: fp8 fast accumulation for the output GEMM.
-        fast_accum_backward: fp8 fast accumulation for the gradient GEMMs.
-        float8_dtype: fp8 format of the *weight side* of every fp8 GEMM: the weight in the output and grad_input
-            GEMMs (and FSDP2's fp8 all-gather of it), the saved input in the grad_weight GEMM. The other operand
-            (activations, grad_out) is always e4m3, so every GEMM is e4m3 × ``float8_dtype`` — the combinations
-            ``torch._scaled_mm`` runs (it has no e5m2 × e5m2 GEMM). ``torch.float8_e4m3fn`` (default) or
-            ``torch.float8_e5m2``.
+        name: a label (``"rowwise"``, ``"rowwise_gw_hp"``, or your own).
+        output: :class:`Gemm` of ``y = x @ W^T`` (default fp8, fast accumulation).
+        grad_input: :class:`Gemm` of ``grad_x = grad_out @ W`` (default fp8, slow accumulation).
+        grad_weight: :class:`Gemm` of ``grad_W = grad_out^T @ x`` (default fp8, slow accumulation).
 
     Raises:
-        ValueError: ``float8_dtype`` is not an fp8 format.
+        ValueError: the weight side of the output and grad_input GEMMs differ in fp8 format (both quantize the one
+            weight, which FSDP2 may gather in fp8 in that format).
     """
 
     name: str
-    grad_weight_fp8: bool
-    fast_accum_forward: bool = True
-    fast_accum_backward: bool = False
-    float8_dtype: torch.dtype = E4M3
+    output: Gemm = Gemm(fast_accum=True)
+    grad_input: Gemm = Gemm()
+    grad_weight: Gemm = Gemm()
 
     def __post_init__(self):
-        if self.float8_dtype not in (E4M3, E5M2):
-            raise ValueError(f"fp8tensor Recipe {self.name!r}: float8_dtype must be torch.float8_e4m3fn or "
-                             f"torch.float8_e5m2, got {self.float8_dtype}")
+        if self.output.fp8 and self.grad_input.fp8 and self.output.b.float8_dtype != self.grad_input.b.float8_dtype:
+            raise ValueError(f"fp8tensor Recipe {self.name!r}: the output and grad_input GEMMs quantize the one "
+                             "weight, so their weight sides (b) have one fp8 format")
+
+    # The fields the Linear, the grouped GEMM and FSDP2's payload read, derived from the GEMMs:
+    @property
+    def float8_dtype(self) -> torch.dtype:
+        """The weight's fp8 format (the weight side of the output GEMM; FSDP2's fp8 all-gather sends it)."""
+        return self.output.b.float8_dtype if self.output.fp8 else self.grad_input.b.float8_dtype
+
+    @property
+    def grad_weight_fp8(self) -> bool:
+        return self.grad_weight.fp8
+
+    @property
+    def fast_accum_forward(self) -> bool:
+        return self.output.fast_accum
+
+    @property
+    def fast_accum_backward(self) -> bool:
+        return self.grad_input.fast_accum
+
+    def replace(self, **changes) -> "Recipe":
+        """A copy with some fields changed (``dataclasses.replace``)."""
+        return dataclasses.replace(self, **changes)
+
+
+def weight_format(recipe: "Recipe", float8_dtype: torch.dtype) -> "Recipe":
+    """``recipe`` with every fp8 weight side (and the saved input of an fp8 grad_weight) in ``float8_dtype``."""
+    def b(g: Gemm) -> Gemm:
+        return dataclasses.replace(g, b=Operand(g.b.scaling, float8_dtype)) if g.fp8 else g
+    return dataclasses.replace(recipe, output=b(recipe.output), grad_input=b(recipe.grad_input),
+                               grad_weight=b(recipe.grad_weight))
 
 
 RECIPES = {
-    "rowwise": Recipe("rowwise", grad_weight_fp8=True),
-    "rowwise_gw_hp": Recipe("rowwise_gw_hp", grad_weight_fp8=False),
+    "rowwise": Recipe("rowwise"),
+    "rowwise_gw_hp": Recipe("rowwise_gw_hp", grad_weight=Gemm(_HP, _HP)),
 }
 
 
@@ -138,6 +236,6 @@ def fp8_size_choice(in_features: int, out_features: int, recipe="rowwise") -> Op
     if r.grad_weight_fp8 and K * N < get_config().size_rule_fp8_grad_weight_min * (K + N):
         hp = get_recipe("rowwise_gw_hp")
         # the requested recipe with its grad_weight GEMM in high precision (its other fields kept)
-        mid = dataclasses.replace(r, name=hp.name, grad_weight_fp8=False)
+        mid = dataclasses.replace(r, name=hp.name, grad_weight=Gemm(_HP, _HP))
         return hp if mid == hp else mid
     return r

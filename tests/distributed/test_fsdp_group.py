@@ -220,6 +220,7 @@ def worker_kept_results(rank: int, world: int, seed: int) -> dict:
 
     import fp8tensor
     from fp8tensor import Recipe
+    from fp8tensor.recipes import weight_format
     from fp8tensor.quantize import quantize
 
     torch.manual_seed(seed)
@@ -253,7 +254,7 @@ def worker_kept_results(rank: int, world: int, seed: int) -> dict:
     model.load_state_dict({k: v * 2 for k, v in model.state_dict().items()})
     res["after_load"] = payload_matches(B) and payload_matches(C)
     hook(A)
-    B.recipe = Recipe("rowwise_e5m2", True, True, False, torch.float8_e5m2)
+    B.recipe = weight_format(Recipe("rowwise_e5m2"), torch.float8_e5m2)
     hook(A)  # a new round that leaves B out (another format)
     res["after_format_switch"] = payload_matches(B)
     res["versions"] = versions

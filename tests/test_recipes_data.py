@@ -1,0 +1,68 @@
+"""Recipes are data: a :class:`fp8tensor.Recipe` names, for each of the Linear's three GEMMs, each operand's scaling
+and fp8 format and the accumulation; the one Linear path honours every combination, with no function per recipe.
+
+Each recipe below runs a converted Linear's forward and backward in float32; every GEMM is checked against float64:
+an fp8 GEMM within the fp8 bound (e4m3 activations; e4m3 or e5m2 weight side), a high-precision one within float32
+rounding. The number of ``torch._scaled_mm`` calls equals the number of fp8 GEMMs the recipe names.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fp8tensor
+from fp8tensor.recipes import Gemm, Operand, Recipe, weight_format
+
+from conftest import E4M3_GEMM_BOUND, E5M2_GEMM_BOUND, count_scaled_mm, rel_err
+
+HP = Operand("hp")
+HP_BOUND = 1e-5  # float32 GEMM against float64 (sqrt(K) * 2^-24 with margin)
+
+RECIPES = {
+    "rowwise": fp8tensor.RECIPES["rowwise"],
+    "rowwise_gw_hp": fp8tensor.RECIPES["rowwise_gw_hp"],
+    "grad_input_hp": Recipe("grad_input_hp", grad_input=Gemm(HP, HP)),
+    "forward_only": Recipe("forward_only", grad_input=Gemm(HP, HP), grad_weight=Gemm(HP, HP)),
+    "backward_only": Recipe("backward_only", output=Gemm(HP, HP)),
+    "all_hp": Recipe("all_hp", output=Gemm(HP, HP), grad_input=Gemm(HP, HP), grad_weight=Gemm(HP, HP)),
+    "e5m2_weights": weight_format(fp8tensor.RECIPES["rowwise"], torch.float8_e5m2),
+    "fast_everywhere": Recipe("fast", grad_input=Gemm(fast_accum=True), grad_weight=Gemm(fast_accum=True)),
+}
+
+
+def _bound(g: Gemm) -> float:
+    if not g.fp8:
+        return HP_BOUND
+    return E5M2_GEMM_BOUND if g.b.float8_dtype == torch.float8_e5m2 else E4M3_GEMM_BOUND
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_each_gemm_follows_the_recipe(name):
+    r = RECIPES[name]
+    M, K, N = 96, 64, 48
+    lin = fp8tensor.convert_to_fp8(nn.Linear(K, N, bias=False), recipe=r)
+    assert lin.fp8_recipe == r
+    x = torch.randn(M, K, requires_grad=True)
+    gy = torch.randn(M, N)
+    lin(x).backward(gy)  # (the CPU backend probes torch._scaled_mm once per format pair: not counted below)
+    x.grad = lin.weight.grad = None
+    with count_scaled_mm() as n:
+        y = lin(x)
+        y.backward(gy)
+    w = lin.weight._data.double()
+    xd, gyd = x.detach().double(), gy.double()
+    assert rel_err(y, xd @ w.t()) <= _bound(r.output)
+    assert rel_err(x.grad, gyd @ w) <= _bound(r.grad_input)
+    assert rel_err(lin.weight.grad, gyd.t() @ xd) <= _bound(r.grad_weight)
+    assert n[0] == sum(g.fp8 for g in (r.output, r.grad_input, r.grad_weight))
+
+
+def test_a_recipe_is_a_frozen_value_stored_at_conversion():
+    r = RECIPES["grad_input_hp"]
+    with pytest.raises(Exception):
+        r.name = "other"  # frozen
+    assert r == Recipe("grad_input_hp", grad_input=Gemm(HP, HP)) and hash(r) == hash(
+        Recipe("grad_input_hp", grad_input=Gemm(HP, HP)))
+    lin = fp8tensor.convert_to_fp8(nn.Linear(32, 16), recipe=r)
+    assert lin.fp8_recipe is r and lin.weight.recipe is r

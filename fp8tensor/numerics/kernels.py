@@ -15,10 +15,6 @@ the memory-bound time. Here:
 A third kernel quantizes along the last dim (row-wise, contiguous rows) in one launch for eager CUDA callers
 (``quantize_rowwise``, ``ScaledFp8Tensor.from_hp``, FSDP2's pre-all-gather of master weights).
 
-For an operand two GEMMs consume in both layouts (a backward's ``grad_out``, a forward's ``x``),
-:func:`launch_rows_dim0_t` writes both from two reads: a row-wise kernel that also reduces the column amax
-(``atomic_max``), then the cast kernel of step 2.
-
 This module is a leaf: it imports nothing from fp8tensor. The numerics' constants (the scale floor; the fp8 max
 follows from the fp8 dtype) are passed in by :mod:`fp8tensor.quantize`, which decides when a kernel runs and
 registers the dim-0 kernels as the ``torch.library.triton_op`` ``fp8tensor::quantize_dim0_t`` (``torch.compile`` calls
@@ -37,7 +33,7 @@ __all__ = [
     "kernel_available", "launch_dim0_t", "quantize_last_dim", "quantize_last_dim_group", "row_kernel_available",
     "eager_launch_ok", "transpose_available", "launch_transpose", "quantize_last_dim_group_into",
     "group_col_kernel_available", "launch_group_cols_t",
-    "rows_dim0_available", "launch_rows_dim0_t", "w8_mm_available", "launch_w8_mm", "W8_MM_CONFIG",
+    "w8_mm_available", "launch_w8_mm", "W8_MM_CONFIG",
 ]
 
 try:  # Triton is only present with CUDA builds of torch.
@@ -150,66 +146,6 @@ if _HAS_TRITON:
             q_ptr = tl.multiple_of(q_ptr, 16)
         offs_m = (pid - first) * BLOCK_M + tl.arange(0, BLOCK_M)
         _quantize_rows(x_ptr, q_ptr, scale_ptr, offs_m, M, K, FMAX, EPS, BLOCK_M, BLOCK_K)
-
-
-    @triton.jit
-    def _rows_col_amax_kernel(x_ptr, mul_ptr, q_ptr, scale_ptr, amax_ptr, M, K, FMAX: tl.constexpr,
-                              EPS: tl.constexpr, HAS_MUL: tl.constexpr, BLOCK_M: tl.constexpr,
-                              BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr, N_AMAX: tl.constexpr):
-        # One read of rows offs_m of a row-major (M, K) tensor for two quantizations: the row-wise one
-        # (_quantize_rows' arithmetic, of x * mul[None, :] when HAS_MUL: the grad_input operand with a weight's row
-        # scales folded in) and the column amax of x itself (_col_amax_kernel's arithmetic, atomic_max into amax).
-        # The first loop reads x from memory, the second (divide, saturate, cast, store) mostly from L2; ONE_PASS
-        # (BLOCK_K >= K): the rows stay in registers between the two steps and are read once. amax_ptr: (N_AMAX, K);
-        # program p reduces into row p % N_AMAX (N_AMAX copies spread the atomics' contention; max of the rows later).
-        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        amax_ptr += (tl.program_id(0) % N_AMAX) * K
-        mmask = offs_m < M
-        rows = offs_m.to(tl.int64)[:, None] * K
-        if ONE_PASS:
-            offs_k = tl.arange(0, BLOCK_K)
-            kmask = offs_k < K
-            mask = mmask[:, None] & kmask[None, :]
-            x = tl.load(x_ptr + rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
-            a = tl.abs(x)
-            a = tl.where(a != a, float("inf"), a)
-            tl.atomic_max(amax_ptr + offs_k, tl.max(a, axis=0), mask=kmask)
-            if HAS_MUL:
-                x = x * tl.load(mul_ptr + offs_k, mask=kmask, other=1.0)[None, :]
-                a = tl.abs(x)
-                a = tl.where(a != a, float("inf"), a)
-            scale1 = tl.maximum(tl.max(a, axis=1) / FMAX, EPS)
-            tl.store(scale_ptr + offs_m, scale1, mask=mmask)
-            y = tl.div_rn(x, scale1[:, None])
-            y = tl.clamp(y, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
-            tl.store(q_ptr + rows + offs_k[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
-            return
-        acc = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            kmask = offs_k < K
-            mask = mmask[:, None] & kmask[None, :]
-            x = tl.load(x_ptr + rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
-            a = tl.abs(x)
-            a = tl.where(a != a, float("inf"), a)  # NaN -> inf, as both kernels it stands for
-            tl.atomic_max(amax_ptr + offs_k, tl.max(a, axis=0), mask=kmask)
-            if HAS_MUL:
-                x = x * tl.load(mul_ptr + offs_k, mask=kmask, other=1.0)[None, :]
-                a = tl.abs(x)
-                a = tl.where(a != a, float("inf"), a)
-            acc = tl.maximum(acc, tl.max(a, axis=1))
-        scale = tl.maximum(acc / FMAX, EPS)
-        tl.store(scale_ptr + offs_m, scale, mask=mmask)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            kmask = offs_k < K
-            mask = mmask[:, None] & kmask[None, :]
-            x = tl.load(x_ptr + rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
-            if HAS_MUL:
-                x = x * tl.load(mul_ptr + offs_k, mask=kmask, other=1.0)[None, :]
-            y = tl.div_rn(x, scale[:, None])
-            y = tl.clamp(y, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
-            tl.store(q_ptr + rows + offs_k[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
 
 
     @triton.jit
@@ -607,90 +543,6 @@ def _dim0_t_kernels(amax_k, cast_k, x, amax, q, scale, M, K, stride_m, fmax, sca
     grid = (triton.cdiv(M, c["cast_block_m"]), triton.cdiv(K, c["cast_block_k"]))
     cast_k[grid](x, amax, q, scale, M, K, stride_m, FMAX=fmax, EPS=scale_floor, BLOCK_M=c["cast_block_m"],
                  BLOCK_K=c["cast_block_k"], N_AMAX=1, num_warps=c["cast_warps"])
-
-
-#: Tiles of :func:`launch_rows_dim0_t`'s first kernel (rows per program, columns per step, warps); its second kernel
-#: is the dim-0 cast kernel with :data:`CONFIG`'s cast tiles. ``one_pass_elems``: rows of up to this many elements
-#: per program (``block_m`` times K rounded up to a power of two, ``block_m`` halved down to 1 to fit) are read once
-#: and kept in registers; 0 turns that off. ``amax_copies``: the column amax is reduced into this many rows (program p
-#: into row p mod copies: fewer atomics on one address), the cast kernel takes their max. Any config gives the same
-#: bits.
-ROWS_DIM0_CONFIG = dict(block_m=32, block_k=512, warps=4, one_pass_elems=0, amax_copies=8)
-
-
-def rows_dim0_available(x: torch.Tensor) -> bool:
-    """Whether :func:`launch_rows_dim0_t` takes ``x`` (``fp8tensor.config(fused_grad_out=...)`` decides whether it is
-    used): a contiguous CUDA fp32/bf16/fp16 tensor
-    of at least 2 dims and one element that the dim-0 kernels take (:func:`kernel_available`). Fake and traced tensors
-    qualify (the traced launch goes through ``torch.library.wrap_triton``)."""
-    return x.dim() >= 2 and x.is_contiguous() and kernel_available(x)
-
-
-def _launch(fn, grid: tuple, args: tuple, consts: dict, num_warps: int, device: torch.device) -> None:
-    # An eager launch: _Launcher on CUDA; Triton's own path elsewhere (the CPU interpreter, TRITON_INTERPRET=1).
-    if device.type == "cuda":
-        _launcher(fn)(grid, args, consts, num_warps, device)
-    else:
-        fn[grid](*args, **consts, num_warps=num_warps)
-
-
-def launch_rows_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype, scale_floor: float, *,
-                       col_mul: Optional[torch.Tensor] = None, traced: bool = False):
-    """Both fp8 layouts of ``x`` ``(..., K)`` (read as ``(M, K)``, ``M = numel / K``) from two reads of it: the
-    row-wise quantization (one scale per row, of ``x * col_mul`` when ``col_mul`` is given) and the dim-0
-    quantization in the transposed layout (one scale per column, of ``x`` itself).
-
-    Kernel 1 (:data:`ROWS_DIM0_CONFIG`) reads each row block once, computes the row amax, reduces the column amax with
-    ``atomic_max`` and writes the row-wise fp8 (its second loop over the row reads from L2); kernel 2 is the dim-0
-    cast kernel of :func:`launch_dim0_t`. Replaces three reads and launches (row-wise kernel, column amax, cast) by
-    two, and with ``col_mul`` the float32 product the row-wise kernel would otherwise read.
-
-    Same bits as the separate paths: ``(q_rows, s_rows)`` as :func:`quantize_last_dim` of ``x.reshape(M, K)`` (times
-    ``col_mul`` in float32 first), ``(q_t, s_t)`` as :func:`launch_dim0_t` of ``x``.
-
-    Args:
-        x: CUDA tensor for which :func:`rows_dim0_available` holds (a CPU tensor under ``TRITON_INTERPRET=1``).
-        float8_dtype: fp8 format of both results.
-        scale_floor: the smallest scale, ``max(amax / fmax, floor)``.
-        col_mul: optional float32 ``(K,)`` contiguous multiplier of the columns (row-wise result only).
-        traced: the body of a ``triton_op`` (kernels through ``torch.library.wrap_triton``).
-
-    Returns:
-        ``(q_rows, s_rows, q_t, s_t)``: ``(M, K)`` fp8, ``(M, 1)`` float32, ``(K, M)`` row-major fp8 holding ``x.T``
-        quantized row-wise, ``(K, 1)`` float32.
-    """
-    K = x.shape[-1]
-    M = x.numel() // K
-    dev = x.device
-    r, c = ROWS_DIM0_CONFIG, CONFIG
-    block_m, block_k, one_pass = r["block_m"], r["block_k"], False
-    k_pow2 = triton.next_power_of_2(K)
-    if r.get("one_pass_elems", 0) and k_pow2 <= r["one_pass_elems"]:
-        block_m, block_k, one_pass = max(1, min(block_m, r["one_pass_elems"] // k_pow2)), k_pow2, True
-    copies = max(1, min(r.get("amax_copies", 1), triton.cdiv(M, block_m)))
-    amax = torch.zeros(copies, K, dtype=torch.float32, device=dev)
-    q_rows = torch.empty(M, K, dtype=float8_dtype, device=dev)
-    s_rows = torch.empty(M, 1, dtype=torch.float32, device=dev)
-    q_t = torch.empty(K, M, dtype=float8_dtype, device=dev)
-    s_t = torch.empty(K, 1, dtype=torch.float32, device=dev)
-    fmax = torch.finfo(float8_dtype).max
-    mul = col_mul if col_mul is not None else s_t  # (never read without HAS_MUL)
-    grid1 = (triton.cdiv(M, block_m),)
-    args1 = (x, mul, q_rows, s_rows, amax, M, K)
-    consts1 = dict(FMAX=fmax, EPS=scale_floor, HAS_MUL=col_mul is not None, BLOCK_M=block_m, BLOCK_K=block_k,
-                   ONE_PASS=one_pass, N_AMAX=copies)
-    grid2 = (triton.cdiv(M, c["cast_block_m"]), triton.cdiv(K, c["cast_block_k"]))
-    args2 = (x, amax, q_t, s_t, M, K, K)
-    consts2 = dict(FMAX=fmax, EPS=scale_floor, BLOCK_M=c["cast_block_m"], BLOCK_K=c["cast_block_k"], N_AMAX=copies)
-    if traced:
-        from torch.library import wrap_triton
-
-        wrap_triton(_rows_col_amax_kernel)[grid1](*args1, **consts1, num_warps=r["warps"])
-        wrap_triton(_cast_t_kernel)[grid2](*args2, **consts2, num_warps=c["cast_warps"])
-    else:
-        _launch(_rows_col_amax_kernel, grid1, args1, consts1, r["warps"], dev)
-        _launch(_cast_t_kernel, grid2, args2, consts2, c["cast_warps"], dev)
-    return q_rows, s_rows, q_t, s_t
 
 
 #: Tiles of the transpose kernel (1-byte elements).

@@ -5,9 +5,7 @@ This module is the only place where fp8 rounding happens, and :func:`quantize` i
 ``torch.compile``, tensors the kernels do not take), or the ``fp8tensor::quantize_dim0_t`` triton op (GEMM operands
 reduced over their outer dim, in the transposed layout ``torch._scaled_mm`` wants). ``from_hp``, the GEMM engine's
 operand preparation, training, the FSDP2 pre-all-gather and ``copy_`` all go through it (or, for a scale layout
-given by an existing tensor, through :func:`amax_to_scale` / :func:`cast_to_fp8`). An operand needed in both GEMM
-layouts (the fp8 Linear's ``grad_out`` and ``x``) may instead go through :func:`quantize_rows_and_tokens`: the same
-bits as the two separate calls, from two reads of the tensor instead of three.
+given by an existing tensor, through :func:`amax_to_scale` / :func:`cast_to_fp8`).
 
 Scale convention (used everywhere in fp8tensor): ``scale`` is the *dequantization multiplier*, a float32
 tensor with the same number of dims as the data, of size 1 on every dim it does not vary over::
@@ -42,7 +40,6 @@ __all__ = [
     "quantize_dim0_t_after",
     "after_dep",
     "quantize_tokens",
-    "quantize_rows_and_tokens",
     "weight_only_mm",
     "FLOAT8_DTYPES",
     "E4M3",
@@ -299,74 +296,6 @@ def _dim0_t(x: torch.Tensor, float8_dtype: torch.dtype, *, shared: bool = False
 
 
 # ---------------------------------------------------------------------------------------------- both layouts
-def _reference_rows_dim0_t(x: torch.Tensor, col_mul, float8_dtype: torch.dtype):
-    # The two separate quantizations fp8tensor.kernels.launch_rows_dim0_t stands for, as the plain ops.
-    K = x.shape[-1]
-    x2 = x.reshape(-1, K)
-    xr = x2 if col_mul is None else x2.to(torch.float32) * col_mul.reshape(1, K)
-    q_rows, s_rows = quantize(xr, -1, float8_dtype)
-    q_t, s_t = _reference_dim0_t(x, float8_dtype)
-    return q_rows, s_rows, q_t, s_t
-
-
-def _rows_dim0_t_body(x: torch.Tensor, col_mul, float8_dtype: torch.dtype):
-    if not kernels.rows_dim0_available(x):
-        return _reference_rows_dim0_t(x, col_mul, float8_dtype)
-    return kernels.launch_rows_dim0_t(x, float8_dtype, SCALE_FLOOR, col_mul=col_mul, traced=True)
-
-
-@_register_op("fp8tensor::quantize_rows_dim0_t", mutates_args=())
-def quantize_rows_dim0_t(x: torch.Tensor, col_mul: Optional[torch.Tensor], float8_dtype: torch.dtype
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Both fp8 layouts of ``x`` ``(..., K)`` (read as ``(M, K)``): row-wise (of ``x * col_mul`` when ``col_mul``,
-    float32 ``(K,)``, is given) and per column over the rows in the transposed layout, as
-    :func:`fp8tensor.kernels.launch_rows_dim0_t` (two kernels reading ``x`` twice) where it takes ``x``, else the
-    plain ops. Registered with ``torch.library.triton_op``: inductor launches the kernels from its generated code.
-
-    Returns:
-        ``(q_rows, s_rows, q_t, s_t)``: ``(M, K)`` fp8 and ``(M, 1)`` float32 (row-wise), ``(K, M)`` row-major fp8 and
-        ``(K, 1)`` float32 (``x.T`` quantized row-wise); same bits as :func:`quantize` of the row-major ``(M, K)``
-        (float32 product with ``col_mul``) along dim -1 and :func:`quantize_dim0_t` of ``x``.
-    """
-    return _rows_dim0_t_body(x, col_mul, float8_dtype)
-
-
-def quantize_rows_and_tokens(x: torch.Tensor, float8_dtype: torch.dtype = E4M3, *,
-                             col_mul: Optional[torch.Tensor] = None):
-    """The two GEMM operands of a backward's ``grad_out`` ``x`` ``(..., N)`` from two reads of it, or None where the
-    fused kernels do not take ``x`` (not CUDA, not contiguous, no Triton): the caller then quantizes
-    each layout on its own (:func:`quantize`, :func:`quantize_tokens`; same values).
-
-    Args:
-        x: the high-precision tensor (fp32/bf16/fp16), read as ``(M, N)``, ``M`` the product of its leading dims.
-        float8_dtype: fp8 format of both results.
-        col_mul: optional float32 ``(N,)`` multiplier of the columns applied (in float32) before the row-wise
-            quantization only: a weight's row scales folded into ``grad_out`` for the grad_input GEMM.
-
-    Returns:
-        ``((q_rows, s_rows), (q_tok, s_tok))``: ``q_rows`` ``(M, N)`` row-major fp8 with ``s_rows`` ``(M, 1)``
-        float32, the same bits as ``quantize(x2 * col_mul, -1, float8_dtype)`` (``x2`` the ``(M, N)`` view);
-        ``q_tok`` ``(M, N)`` fp8, a transposed view of a row-major ``(N, M)`` tensor, with ``s_tok`` ``(1, N)``, the
-        same bits as :func:`quantize_tokens` of ``x``. Treat the results as read-only.
-
-    Raises:
-        TypeError: ``float8_dtype`` is not one of the supported fp8 formats.
-    """
-    check_float8_dtype(float8_dtype, "quantize_rows_and_tokens")
-    if not (x.is_cuda and kernels.rows_dim0_available(x)) or _inductor_quantizes():
-        return None
-    if col_mul is not None:
-        col_mul = col_mul.reshape(-1)
-        if col_mul.dtype != torch.float32 or not col_mul.is_contiguous() or col_mul.shape[0] != x.shape[-1]:
-            return None
-    traced = not (kernels.eager_launch_ok(x) and (col_mul is None or kernels.eager_launch_ok(col_mul)))
-    if not traced and not (x.requires_grad and torch.is_grad_enabled()):
-        q_rows, s_rows, q_t, s_t = kernels.launch_rows_dim0_t(x, float8_dtype, SCALE_FLOOR, col_mul=col_mul)
-    else:
-        q_rows, s_rows, q_t, s_t = torch.ops.fp8tensor.quantize_rows_dim0_t(x, col_mul, float8_dtype)
-    return (q_rows, s_rows), (q_t.t(), s_t.t())
-
-
 #: The library of fp8tensor's opaque ops (``torch.library.Library``: a schema and one Python kernel for every backend;
 #: ``torch.library.custom_op``'s Python wrappers cost more than the kernel launches of these ops, which run once per
 #: Linear in every compiled backward).
@@ -450,13 +379,6 @@ if not kernels.HAS_TRITON:  # a triton_op is its own fake kernel; the plain cust
 
     quantize_dim0_t.register_fake(_dim0_fake)
     _quantize_dim0_t_shared.register_fake(_dim0_fake)
-
-    @quantize_rows_dim0_t.register_fake
-    def _(x, col_mul, float8_dtype):
-        K = x.shape[-1]
-        M = math.prod(x.shape[:-1])
-        return (x.new_empty(M, K, dtype=float8_dtype), x.new_empty(M, 1, dtype=torch.float32),
-                x.new_empty(K, M, dtype=float8_dtype), x.new_empty(K, 1, dtype=torch.float32))
 
 
 # ---------------------------------------------------------------------------------------------- small-M GEMM

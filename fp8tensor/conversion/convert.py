@@ -264,6 +264,12 @@ def convert_to_fp8(
             the filter selects with ``recipe`` (False); None (default): ``fp8tensor.get_config().size_rule``
             (default False).
             Applied after ``module_filter_fn``.
+        fp8_all_gather: True (default): each weight becomes an :class:`Fp8MasterWeight`, which FSDP2 all-gathers in
+            fp8 with its row scales (``K + 4`` bytes per row instead of ``2 K``). False: the weight stays a plain
+            Parameter that FSDP2 all-gathers in its ``param_dtype`` (its foreach copy-in, no extension hooks), and
+            each Linear quantizes it on use, inside its compiled block. Choose False where the all-gather is not
+            bound by the link (one GPU, one node over NVLink): no per-parameter hook runs on the host; True where the
+            bytes on the wire cost more (across nodes). Stored on each Linear (``module.fp8_all_gather``).
 
     Returns:
         ``module`` itself.

@@ -151,9 +151,14 @@ def _weight_for_grad_input(weight: torch.Tensor, gy: torch.Tensor, gemm: Gemm) -
 
 # ---------------------------------------------------------------------------------------------- the one path
 def _hp_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` in high precision (a recipe's ``"hp"`` GEMM), in the promoted dtype of the two."""
+    """``a @ b`` in high precision (a recipe's ``"hp"`` GEMM), in the promoted dtype of the two. ``a`` (the input or
+    ``grad_out``) is only cast (an fp8 input dequantized): under ``torch.compile`` a tensor derived from
+    ``grad_out`` must not go through ``map_local`` (its traced placements are guessed, see :func:`_backward`); ``b``
+    (the weight, or the saved input) may be fp8 or a master and is dequantized shard by shard."""
     dt = torch.promote_types(a.dtype, b.dtype)
-    return torch.mm(_dequantize(a, dt), _dequantize(b, dt))
+    if type(a) is not torch.Tensor and _is_fp8(a):  # (an input gathered in fp8 by fp8 sequence parallelism)
+        a = _dequantize(a, dt)
+    return torch.mm(a if a.dtype == dt else a.to(dt), _dequantize(b, dt))
 
 
 def _forward(x2: torch.Tensor, weight: torch.Tensor, recipe: Recipe) -> torch.Tensor:

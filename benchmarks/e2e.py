@@ -90,7 +90,7 @@ def parse(argv=None):
                         "an unsharded parameter (an experiment: patches dynamo for the whole process, so every "
                         "variant of the run, bf16 included, is compiled under it; recorded in the JSON and header)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--profile", action="store_true", help="print top host ops of every fp8tensor variant")
+    p.add_argument("--profile", action="store_true", help="print top host ops of every variant")
     p.add_argument("--trace-dir", default=os.environ.get("OUT"), help="write chrome traces here with --profile")
     p.add_argument("--json", default=None, help="write the rows as JSON here")
     p.add_argument("--kernels", action="store_true", help="print the top GPU kernels of every variant")
@@ -380,11 +380,11 @@ def run_variant(variant: str, args, mesh, device):
             ks.sort(key=lambda e: -e.self_device_time_total)
             for e in ks[:40]:
                 print(f"{e.self_device_time_total / 3e3:9.3f} {e.count // 3:5d}  {e.key[:110]}")
-        if args.profile and precision not in ("bf16",):
+        if args.profile:
             print(f"\n## {variant}: top host ops (3 steps), wall {ms:.2f} ms, GPU {gpu_ms:.2f} ms per step")
             print(ka.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=80))
             print(ka.table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=80))
-            if args.trace_dir:
+            if args.trace_dir and precision != "bf16":
                 os.makedirs(args.trace_dir, exist_ok=True)
                 prof.export_chrome_trace(os.path.join(args.trace_dir, f"trace_{args.size}_{precision}_{setup}{'_cg' if graphs else ''}.json"))
     if args.gc == "step":

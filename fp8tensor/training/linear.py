@@ -18,6 +18,7 @@ import torch.autograd.forward_ad as _forward_ad
 
 from ..core import compat
 from ..subclass.gemm import fp8_mm
+from ..subclass.ops import t_view
 from ..numerics.quantize import (E4M3, FLOAT8_DTYPES, quantize, quantize_dim0_t_after, quantize_tokens,
                                  transpose_after, weight_only_mm)
 from .recipes import Gemm, Recipe, get_recipe
@@ -41,7 +42,7 @@ def _quantize_local(t: torch.Tensor, dim: int, fast_accum: bool, float8_dtype=E4
     A ScaledFp8Tensor is returned as is (only its fast-accumulation flag set): it is never re-quantized, and
     :func:`fp8tensor.gemm.fp8_mm` folds its scale when it lies on the contraction dim."""
     if isinstance(t, ScaledFp8Tensor):
-        return t.with_fast_accum(fast_accum)
+        return t if t.fast_accum == fast_accum else t.with_fast_accum(fast_accum)
     if isinstance(t, QuantizeOnUse):
         t = t._data
     q, s = quantize(t, dim, float8_dtype, gemm_layout=True)  # fused kernel + GEMM layout where it applies
@@ -168,7 +169,9 @@ def _forward(x2: torch.Tensor, weight: torch.Tensor, recipe: Recipe) -> torch.Te
     g = recipe.output
     if not g.fp8:
         return _hp_mm(x2, weight.t())
-    return _mm(x2, _quantize(weight, -1, g.fast_accum, g.b.float8_dtype).t())
+    w8 = _quantize(weight, -1, g.fast_accum, g.b.float8_dtype)
+    # (eager: the op table's aten.t entry called directly, without the dispatcher round trip)
+    return _mm(x2, t_view(w8) if type(w8) is ScaledFp8Tensor and not compat.is_compiling() else w8.t())
 
 
 class _Fp8Linear(torch.autograd.Function):

@@ -1,13 +1,10 @@
-"""The fp8 Linear: an ``autograd.Function`` running the output, grad_input and grad_weight GEMMs in fp8 per the
-recipe (:mod:`fp8tensor.recipes`), and its functional form :func:`fp8_linear`.
+"""The fp8 Linear: one forward and one backward running the output, grad_input and grad_weight GEMMs per the
+recipe (:mod:`fp8tensor.recipes`: each in fp8 or high precision), and its functional form :func:`fp8_linear`.
 
-When the weight is already fp8 (a frozen :class:`ScaledFp8Tensor`, or the fp8 weight FSDP2 all-gathered), grad_input
-uses *scale folding* instead of re-quantizing W: ``gy @ (diag(s) W8) = (gy diag(s)) @ W8``.
-
-The mechanism is an ``autograd.Function`` (:func:`fp8_linear`) that receives the input and the weight as they come —
-plain tensors or DTensors — and only calls tensor ops (``reshape``, ``t``, ``mm``) plus :func:`map_local` for
-quantization. DTensor's own sharding rules place the GEMMs; each rank quantizes its own shard. No placement is ever
-inspected here.
+The forward and backward receive the input and the weight as they come — plain tensors or DTensors — and only call
+tensor ops (``reshape``, ``t``, ``mm``) plus :func:`map_local` for quantization: DTensor's own sharding rules place
+the GEMMs, each rank quantizes its own shard, no placement is ever inspected here. An fp8 weight (frozen, or
+FSDP2-gathered) is never re-quantized: grad_input folds its row scales, ``gy @ (diag(s) W8) = (gy diag(s)) @ W8``.
 """
 from __future__ import annotations
 
@@ -37,10 +34,8 @@ class QuantizeOnUse:
 
 # ---------------------------------------------------------------------------------------------- quantization
 def _quantize_local(t: torch.Tensor, dim: int, fast_accum: bool, float8_dtype=E4M3) -> torch.Tensor:
-    """Quantize a plain tensor or a master weight along ``dim`` into a ScaledFp8Tensor.
-
-    A ScaledFp8Tensor is returned as is (only its fast-accumulation flag set): it is never re-quantized, and
-    :func:`fp8tensor.gemm.fp8_mm` folds its scale when it lies on the contraction dim."""
+    """A plain tensor or a master weight quantized along ``dim`` into a ScaledFp8Tensor; a ScaledFp8Tensor as it is
+    (its fast-accumulation flag set; :func:`fp8tensor.gemm.fp8_mm` folds a scale that lies on the contraction dim)."""
     if isinstance(t, ScaledFp8Tensor):
         return t if t.fast_accum == fast_accum else t.with_fast_accum(fast_accum)
     if isinstance(t, QuantizeOnUse):
@@ -76,60 +71,38 @@ def _is_fp8(t: torch.Tensor) -> bool:
 
 # ---------------------------------------------------------------------------------------------- the GEMM
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` where one operand is fp8 (a ScaledFp8Tensor, or a DTensor of one): the GEMM engine
-    :func:`fp8tensor.gemm.fp8_mm`, called directly on plain ScaledFp8Tensor operands in eager (the same call the op
-    table's ``aten.mm`` entry makes, without the dispatcher round trip), else through ``torch.mm`` (DTensor's
-    sharding rules, ``torch.compile``, ``torch.export``, dispatch modes), which reaches that entry on each shard."""
-    if (type(a) in _LOCAL and type(b) in _LOCAL and not compat.is_compiling()
-            and not compat.dispatch_modes_active()):
+    """``a @ b`` with an fp8 operand (a ScaledFp8Tensor, or a DTensor of one): the GEMM engine
+    :func:`fp8tensor.gemm.fp8_mm` called directly in eager on plain operands (what the op table's ``aten.mm`` entry
+    calls, without the dispatcher round trip), else ``torch.mm`` (DTensor's rules, compile, export, modes)."""
+    if (type(a) in (torch.Tensor, ScaledFp8Tensor) and type(b) in (torch.Tensor, ScaledFp8Tensor)
+            and not compat.is_compiling() and not compat.dispatch_modes_active()):
         return fp8_mm(a, b, op="aten.mm")
     return torch.mm(a, b)
 
 
-#: Operand types :func:`_mm` hands to the GEMM engine directly.
-_LOCAL = (torch.Tensor, ScaledFp8Tensor)
-
-
 # ---------------------------------------------------------------------------------------------- operands
-#: ``scaled_dims`` of an input quantized over its tokens: one scale per feature.
-_TOKEN_DIMS = rowwise_dims(2, 0)
-
-
-def _tokens_fp8(t: torch.Tensor, t2: torch.Tensor, fast: bool, float8_dtype) -> torch.Tensor:
-    """``t2 = t.reshape(-1, K)`` quantized per feature over the tokens (dim 0), as a ScaledFp8Tensor (or a DTensor of
-    one). A plain CUDA ``t`` goes to the dim-0 kernels as it is (:func:`fp8tensor.quantize.quantize_tokens`: no view
-    for inductor to write out once per kernel argument); same bits either way."""
-    if not _is_dtensor(t) and not isinstance(t, ScaledFp8Tensor) and t.dim() >= 2:
-        hit = quantize_tokens(t, float8_dtype)
-        if hit is not None:
-            return make_scaled(hit[0], hit[1], t.dtype, fast, _TOKEN_DIMS)
-    return _quantize(t2, 0, fast, float8_dtype)
-
-
 def _x_for_grad_weight(x: torch.Tensor, x2: torch.Tensor, gemm: Gemm) -> torch.Tensor:
-    """The grad_weight operand of the ``rowwise`` recipe, computed in forward: ``x2`` ``(M, K)`` quantized per input
-    feature over the tokens (dim 0), as a ScaledFp8Tensor (or a DTensor of one). Backward would compute exactly this
-    from the high-precision ``x``; saving it instead of ``x`` halves (bf16) or quarters (fp32) what the Linear keeps.
-    Nothing is kept between calls: Linears reading one ``x`` (q/k/v) each quantize it in eager (a copy shared across
-    calls could miss an in-place write that does not bump the version counter); a compiled graph makes one copy.
-
-    An ``x2`` that is already fp8 scaled per token (fp8 sequence-parallel all-gather) is kept as it is: ``fp8_mm``
-    folds its token scales into ``gy^T``."""
-    fast = gemm.fast_accum
+    """The grad_weight operand, computed in forward: ``x2 = x.reshape(-1, K)`` quantized per input feature over the
+    tokens (dim 0), as a ScaledFp8Tensor (or a DTensor of one); saving it instead of ``x`` halves (bf16) or quarters
+    (fp32) what the Linear keeps. A plain CUDA ``x`` goes to the dim-0 kernels as it is
+    (:func:`fp8tensor.quantize.quantize_tokens`: no view for inductor to write out per kernel argument; same bits).
+    Nothing is kept between calls (Linears reading one ``x`` each quantize it in eager; a compiled graph makes one
+    copy). An ``x2`` already fp8 scaled per token (fp8 sequence parallelism) is kept: ``fp8_mm`` folds its scales."""
+    fast, float8_dtype = gemm.fast_accum, gemm.b.float8_dtype
     if type(x2) is not torch.Tensor and _is_fp8(x2):
         return _quantize(x2, 0, fast)
-    return _tokens_fp8(x, x2, fast, gemm.b.float8_dtype)
+    if not _is_dtensor(x) and not isinstance(x, ScaledFp8Tensor) and x.dim() >= 2:
+        hit = quantize_tokens(x, float8_dtype)
+        if hit is not None:
+            return make_scaled(hit[0], hit[1], x.dtype, fast, (False, True))
+    return _quantize(x2, 0, fast, float8_dtype)
 
 
 def _weight_for_grad_input(weight: torch.Tensor, gy: torch.Tensor, gemm: Gemm) -> torch.Tensor:
-    """The weight operand of ``grad_x = gy @ W``, made in backward after ``gy`` (``grad_out``, any shape: it is only an
-    ordering input) exists (plain tensors; DTensor shards are prepared as they come).
-
-    * fp8 weight scaled per row (the FSDP2-gathered weight, a frozen fp8 weight): scale folding, ``fp8_mm`` folds the
-      row scales (on the contraction dim N) into ``gy``; the weight's column-major copy is made by
-      :func:`fp8tensor.quantize.transpose_after`.
-    * a master / high-precision weight: re-quantized along N (per input column),
-      :func:`fp8tensor.quantize.quantize_dim0_t_after`."""
+    """The weight operand of ``grad_x = gy @ W``, made after ``gy`` (``grad_out``: only an ordering input) exists:
+    an fp8 weight scaled per row (FSDP2-gathered, frozen) transposed (:func:`fp8tensor.quantize.transpose_after`), its
+    row scales folded into ``gy`` by ``fp8_mm``; a master / high-precision weight quantized per input column
+    (:func:`fp8tensor.quantize.quantize_dim0_t_after`). DTensor shards are prepared as they come."""
     fast, float8_dtype = gemm.fast_accum, gemm.b.float8_dtype
     if _is_fp8(weight):
         if (
@@ -152,10 +125,8 @@ def _weight_for_grad_input(weight: torch.Tensor, gy: torch.Tensor, gemm: Gemm) -
 
 # ---------------------------------------------------------------------------------------------- the one path
 def _hp_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` in high precision (a recipe's ``"hp"`` GEMM), in the promoted dtype of the two. ``a`` (the input or
-    ``grad_out``) is only cast (an fp8 input dequantized): under ``torch.compile`` a tensor derived from
-    ``grad_out`` must not go through ``map_local`` (its traced placements are guessed, see :func:`_backward`); ``b``
-    (the weight, or the saved input) may be fp8 or a master and is dequantized shard by shard."""
+    """``a @ b`` in high precision (a recipe's ``"hp"`` GEMM) in the promoted dtype. ``a`` (input or ``grad_out``) is
+    only cast, never through ``map_local`` (see :func:`_backward`); ``b`` (weight, saved input) is dequantized."""
     dt = torch.promote_types(a.dtype, b.dtype)
     if type(a) is not torch.Tensor and _is_fp8(a):  # (an input gathered in fp8 by fp8 sequence parallelism)
         a = _dequantize(a, dt)
@@ -175,15 +146,9 @@ def _forward(x2: torch.Tensor, weight: torch.Tensor, recipe: Recipe) -> torch.Te
 
 
 class _Fp8Linear(torch.autograd.Function):
-    """``y = x @ W^T + b`` with all GEMMs in fp8 per the recipe; see the module docstring.
-
-    Saved for backward (the minimum each gradient needs; bit-identical gradients to quantizing in backward):
-
-    * for grad_weight (only when the weight requires grad): ``rowwise``: ``x`` already quantized per input feature over
-      the tokens (fp8 + one float32 per feature); ``rowwise_gw_hp``: ``x`` in high precision;
-    * for grad_input (only when ``x`` requires grad): the weight as the forward received it (the master, or the fp8
-      weight FSDP2 gathered; no quantized copy of it);
-    * shapes and dtypes (no tensors)."""
+    """``y = x @ W^T + b`` per the recipe. Saved for backward (the minimum each gradient needs): for grad_weight, ``x``
+    quantized per input feature over the tokens (fp8 grad_weight) or ``x`` itself; for grad_input, the weight as the
+    forward received it (the master, or the fp8 weight FSDP2 gathered; no quantized copy); shapes and dtypes."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, recipe: Recipe):
@@ -248,9 +213,8 @@ def _backward(ctx, grad_out):
         fast = recipe.grad_weight.fast_accum
         if recipe.grad_weight.fp8:
             # gy^T (N, M) quantized per output feature over the tokens: from grad_out itself on CUDA (as x in
-            # forward, see _tokens_fp8), else by fp8_mm; the same bits. Nothing derived from grad_out goes through
-            # map_local: under torch.compile the backward of an autograd.Function is traced with grad placements
-            # guessed from the forward output (Partial), which need not be the runtime ones.
+            # forward), else by fp8_mm; same bits. Nothing derived from grad_out goes through map_local: a compiled
+            # backward is traced with grad placements guessed from the forward output (Partial), not the runtime ones.
             gt = g2.t()
             hit = quantize_tokens(grad_out, E4M3) if not _is_dtensor(grad_out) and grad_out.dim() >= 2 else None
             if hit is not None:  # q (N, M) row-major, scale (N, 1): fp8_mm uses them as they are
@@ -361,19 +325,10 @@ def tp_export_message(where: str) -> str:
 
 def _exported_forward(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                       recipe: Recipe) -> torch.Tensor:
-    """The fp8 Linear's forward as ``torch.export`` traces it: the ops of :class:`_Fp8Linear`'s general forward path
-    (the weight quantized per row, or an fp8 weight used as it is; ``x`` quantized per row; one fp8 GEMM; the bias
-    added to its output), outside the ``autograd.Function``.
-
-    ``torch.export`` cannot trace a tensor subclass inside an ``autograd.Function`` (its ``autograd_function_apply``
-    body fails on the subclass's first op), and an exported program is a forward graph: the backward of the Function
-    is never part of it. The same quantizations and the same ``torch._scaled_mm`` call as the eager forward, so the
-    exported program's outputs equal eager ones to the bit. Under ``torch.autocast`` the operands are cast as
-    :func:`_autocast_linear` casts them.
-
-    Returns:
-        ``(*, N)``, as :func:`fp8_linear`.
-    """
+    """The fp8 Linear's forward as ``torch.export`` traces it, outside the ``autograd.Function`` (export cannot
+    trace a subclass inside one; an exported program has no backward): the quantizations and ``torch._scaled_mm``
+    call of the eager forward through the op table, so the program's outputs equal eager ones to the bit. Returns
+    ``(*, N)``, as :func:`fp8_linear`; under ``torch.autocast`` the operands are cast as :func:`_autocast_linear` does."""
     dev = input.device.type
     if (dev in _AUTOCAST_TYPES or torch.amp.is_autocast_available(dev)) and torch.is_autocast_enabled(dev):
         input, weight, bias = _autocast_operands(input, weight, bias, dev)

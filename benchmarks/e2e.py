@@ -94,9 +94,6 @@ def parse(argv=None):
     p.add_argument("--trace-dir", default=os.environ.get("OUT"), help="write chrome traces here with --profile")
     p.add_argument("--json", default=None, help="write the rows as JSON here")
     p.add_argument("--kernels", action="store_true", help="print the top GPU kernels of every variant")
-    p.add_argument("--fused-grad-out", default=None, choices=("eager", "never"),
-                   help="fp8tensor.set_config(fused_grad_out=...) (default: the library's; recorded in the header "
-                        "and the JSON)")
     p.add_argument("--gc", default="on", choices=("on", "step"),
                    help="Python garbage collector: on (default) or step (disabled in steps, gc.collect() between "
                         "measured steps outside the timing, as torchtitan's GarbageCollection does)")
@@ -150,8 +147,6 @@ def build(precision: str, setup: str, args, mesh, device, mode=None):
         import fp8tensor
 
         print(f"# {precision}: fp8tensor from {os.path.dirname(fp8tensor.__file__)}", flush=True)
-        if args.fused_grad_out is not None:
-            fp8tensor.set_config(fused_grad_out=args.fused_grad_out)  # process-wide: backward threads see it too
         fp8tensor.set_config(compiled_quantization="inductor" if inductor_quant else "kernels")
 
         fp8tensor.convert_to_fp8(model, recipe=precision, module_filter_fn=fp8_module_filter, size_rule=sized,
@@ -491,7 +486,6 @@ def main(argv=None):
           f"heads, {c['layers']} layers, seq {c['seq']} x batch {c['batch']}; compile "
           f"{'off' if args.no_compile else (args.mode or 'default')}"
           f"{'; parameters copied into CUDA graphs (--cudagraph-params copy)' if args.cudagraph_params == 'copy' else ''}"
-          f"{'' if args.fused_grad_out is None else f'; fused_grad_out={args.fused_grad_out}'}"
           f"; {env}\n")
     print("| variant | step ms | tokens/s | vs bf16 | GPU ms/step | wall / GPU | peak GiB |")
     print("|---|---|---|---|---|---|---|")
@@ -509,7 +503,7 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(size=args.size, cfg=c, env=env, mode=args.mode, cudagraph_params=args.cudagraph_params,
-                           fused_grad_out=args.fused_grad_out, rows=rows), f, indent=1)
+                           rows=rows), f, indent=1)
     import torch.distributed as dist
 
     dist.destroy_process_group()

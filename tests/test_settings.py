@@ -47,21 +47,19 @@ def test_set_config_process_wide():
 
 def test_defaults():
     assert dataclasses.asdict(fp8tensor.Config()) == dict(
-        gemm_backend="auto", unknown_ops="warn", eager_fast_path=True, weight_only_decode=True,
-        share_input_quantization=True,
-        fused_grad_out="eager", compiled_quantization="kernels", grouped_gemm_kernel=True, size_rule=False, size_rule_min=640,
+        gemm_backend="auto", unknown_ops="warn", weight_only_decode=True, compiled_quantization="kernels", grouped_gemm_kernel=True, size_rule=False, size_rule_min=640,
         size_rule_fp8_grad_weight_min=1024, state_dict_fp8="subclass")
 
 
 def test_every_knob_scopes():
     base = fp8tensor.get_config()
-    changes = dict(eager_fast_path=False, share_input_quantization=False, fused_grad_out="never",
-                   compiled_quantization="inductor",
+    changes = dict(weight_only_decode=False, compiled_quantization="inductor",
                    grouped_gemm_kernel=False, size_rule=True, size_rule_min=1000.5, state_dict_fp8="plain")
     with fp8tensor.config(**changes) as c:
         assert {k: getattr(fp8tensor.get_config(), k) for k in changes} == changes and c == fp8tensor.get_config()
-        with fp8tensor.config(fused_grad_out="never"):
-            assert fp8tensor.get_config().fused_grad_out == "never" and fp8tensor.get_config().size_rule is True
+        with fp8tensor.config(compiled_quantization="kernels"):
+            assert fp8tensor.get_config().compiled_quantization == "kernels"
+            assert fp8tensor.get_config().size_rule is True
     assert fp8tensor.get_config() == base
 
 
@@ -69,11 +67,11 @@ def test_every_knob_scopes():
     (dict(gemm_backend="fast"), ValueError, "unknown gemm_backend 'fast'"),
     (dict(unknown_ops="ignore"), ValueError, "unknown unknown_ops 'ignore'"),
     (dict(backend="auto"), TypeError, r"unknown setting\(s\) \['backend'\]"),
-    (dict(fused_grad_out="traced"), ValueError, "unknown fused_grad_out 'traced'"),
-    (dict(fused_grad_out=True), ValueError, "unknown fused_grad_out True"),
+    (dict(recipe="rowwise"), TypeError, r"unknown setting\(s\) \['recipe'\]"),
+    (dict(gemm_backend="fastest"), ValueError, "unknown gemm_backend 'fastest'"),
+    (dict(state_dict_fp8="hf"), ValueError, "unknown state_dict_fp8 'hf'"),
     (dict(compiled_quantization="triton"), ValueError, "unknown compiled_quantization 'triton'"),
-    (dict(eager_fast_path=0), ValueError, "eager_fast_path must be True or False, got 0"),
-    (dict(share_input_quantization="yes"), ValueError, "share_input_quantization must be True or False"),
+    (dict(weight_only_decode=0), ValueError, "weight_only_decode must be True or False, got 0"),
     (dict(grouped_gemm_kernel=None), ValueError, "grouped_gemm_kernel must be True or False"),
     (dict(size_rule=1), ValueError, "size_rule must be True or False"),
     (dict(size_rule_min=0), ValueError, "size_rule_min must be a positive finite number, got 0"),
@@ -88,9 +86,45 @@ def test_bad_settings_raise_and_change_nothing(changes, err, match):
     with pytest.raises(err, match=match):
         fp8tensor.set_config(**changes)
     with pytest.raises(err, match=match):
-        with fp8tensor.config(**changes):
-            pass
+        fp8tensor.config(**changes)  # raised when called, before any `with`
     assert fp8tensor.get_config() == before
+
+
+def test_config_without_with_raises_at_the_next_operation():
+    """``fp8tensor.config(...)`` without ``with`` would change nothing: the next fp8tensor operation of the thread
+    raises, once, naming the fix; nothing changed."""
+    before = fp8tensor.get_config()
+    fp8tensor.config(gemm_backend="emulated")  # the mistake (the result is dropped)
+    with pytest.raises(RuntimeError, match="without `with`"):
+        fp8tensor.fp8_linear(torch.randn(4, 16), torch.randn(8, 16))
+    assert fp8tensor.get_config() == before  # reported once; nothing changed
+    kept = fp8tensor.config(unknown_ops="allow")  # kept and not entered: set_config raises too
+    with pytest.raises(RuntimeError, match="set_config"):
+        fp8tensor.set_config(unknown_ops="raise")
+    assert fp8tensor.get_config() == before
+    with kept as c:  # a scope entered later works
+        assert c.unknown_ops == "allow" == fp8tensor.get_config().unknown_ops
+    assert fp8tensor.get_config() == before
+
+
+def test_config_scope_in_another_thread_is_its_own():
+    import threading
+
+    seen = {}
+    base = fp8tensor.get_config().unknown_ops
+    fp8tensor.config(gemm_backend="emulated")  # a mistake in this thread only
+
+    def other():
+        with fp8tensor.config(unknown_ops="raise"):
+            seen["inside"] = fp8tensor.get_config().unknown_ops
+        seen["after"] = fp8tensor.get_config().unknown_ops
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    assert seen == {"inside": "raise", "after": base}
+    with pytest.raises(RuntimeError, match="without `with`"):
+        fp8tensor.get_config()
 
 
 def _fp8(shape=(8, 16)):

@@ -14,13 +14,12 @@ experts) see the settings of the thread they run in: use :func:`set_config` for 
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import threading
-from typing import Iterator
+import weakref
 
 __all__ = ["Config", "config", "get_config", "set_config", "GEMM_BACKENDS", "UNKNOWN_OPS",
-           "FUSED_GRAD_OUT_MODES", "COMPILED_QUANTIZATION", "STATE_DICT_FP8"]  # public as fp8tensor.*
+           "COMPILED_QUANTIZATION", "STATE_DICT_FP8"]  # public as fp8tensor.*
 
 #: GEMM backends (see :mod:`fp8tensor.gemm`): ``auto`` picks row-wise ``torch._scaled_mm`` where the device supports
 #: it, else tensor-wise with the row scales applied to the output, else an emulation in high precision.
@@ -29,8 +28,6 @@ GEMM_BACKENDS = ("auto", "rowwise", "tensorwise", "emulated")
 #: ``out=`` and collectives always raise): ``warn`` runs it on the dequantized tensors and warns once per op,
 #: ``raise`` raises ``NotImplementedError``, ``allow`` runs it dequantized silently.
 UNKNOWN_OPS = ("warn", "raise", "allow")
-#: Where ``grad_out`` is quantized for both gradient GEMMs in one fused pass (see :attr:`Config.fused_grad_out`).
-FUSED_GRAD_OUT_MODES = ("eager", "never")
 #: How compiled graphs quantize the grad_weight GEMMs' token-dim operands (see :attr:`Config.compiled_quantization`).
 COMPILED_QUANTIZATION = ("kernels", "inductor")
 #: What ``state_dict()`` of a ``quantize_weights`` model holds for an fp8 weight (see :attr:`Config.state_dict_fp8`).
@@ -51,10 +48,6 @@ class Config:
         unknown_ops: one of :data:`UNKNOWN_OPS` (default ``"warn"``): an out-of-place op that fp8tensor does not
             implement in fp8 runs in high precision on the dequantized tensors (correct, but a missing fp8 op looks
             like a working one, hence the warning; ``"raise"`` is for tests that must prove a path stays in fp8).
-        eager_fast_path: (default True) eager fp8 Linears on plain tensors run on ``(qdata, scale)`` pairs: the same
-            quantizations and ``scaled_mm`` calls as the general path, without transient ``ScaledFp8Tensor`` s and
-            the dispatch through ``fp8_mm`` (less host time per Linear, ``benchmarks/host_overhead.py``). False: every
-            Linear takes the general path (same bits; to compare the two or to rule the fast path out).
         weight_only_decode: (default True) with autograd off, a decode-sized input (up to 32 tokens, bf16 / fp16,
             CUDA with Triton) of an fp8 weight stored per row (``quantize_weights``) is multiplied in its own
             precision by the fp8 weight read once (:func:`fp8tensor.quantize.weight_only_mm`, eager and
@@ -62,17 +55,6 @@ class Config:
             bound by the weight's bytes, and more accurate (no activation rounding). Its outputs therefore differ
             from the exported program's (which always quantizes the input) by the fp8 rounding of the activations;
             False: the same GEMM as training and ``torch.export``.
-        share_input_quantization: (default True) an input read by several GEMMs one after another is quantized once
-            and shared: the row-wise e4m3 input of eager fp8 Linears (q/k/v, w1/w3; one held copy, freed when a
-            backward starts) and the token tensor of eager fp8 grouped GEMMs (the per-token and the per-group column
-            quantizations), kept in :data:`fp8tensor.numerics.cache.OPERANDS`. Eager plain tensors only; False: every GEMM quantizes its input
-            itself (same bits, more quantization work, less fp8 memory held between Linears).
-        fused_grad_out: one of :data:`FUSED_GRAD_OUT_MODES` (default ``"eager"``): whether the ``grad_out`` of an
-            eager backward of an fp8 weight with row scales (FSDP2's fp8 all-gather, frozen fp8 weights) is
-            quantized for both gradient GEMMs in one fused pass that also folds the row scales in
-            (:func:`fp8tensor.quantize.quantize_rows_and_tokens`; CUDA with Triton), the one case where the pass
-            measured faster than the separate kernels on H200 (``benchmarks/quant_cost.py``); ``"never"``: each
-            layout on its own. Same bits either way.
         compiled_quantization: one of :data:`COMPILED_QUANTIZATION` (default ``"kernels"``): how a compiled graph
             (``torch.compile``) quantizes the token-dim (column) operands of the grad_weight GEMMs. ``"kernels"``:
             fp8tensor's Triton kernels, launched inline by inductor's generated code; ``"inductor"``: as plain
@@ -104,10 +86,7 @@ class Config:
 
     gemm_backend: str = "auto"
     unknown_ops: str = "warn"
-    eager_fast_path: bool = True
     weight_only_decode: bool = True
-    share_input_quantization: bool = True
-    fused_grad_out: str = "eager"
     compiled_quantization: str = "kernels"
     grouped_gemm_kernel: bool = True
     size_rule: bool = False
@@ -118,11 +97,9 @@ class Config:
     def __post_init__(self):
         _check_choice("gemm_backend", self.gemm_backend, GEMM_BACKENDS)
         _check_choice("unknown_ops", self.unknown_ops, UNKNOWN_OPS)
-        _check_choice("fused_grad_out", self.fused_grad_out, FUSED_GRAD_OUT_MODES)
         _check_choice("compiled_quantization", self.compiled_quantization, COMPILED_QUANTIZATION)
         _check_choice("state_dict_fp8", self.state_dict_fp8, STATE_DICT_FP8)
-        for name in ("eager_fast_path", "weight_only_decode", "share_input_quantization", "grouped_gemm_kernel",
-                     "size_rule"):
+        for name in ("weight_only_decode", "grouped_gemm_kernel", "size_rule"):
             value = getattr(self, name)
             if type(value) is not bool:
                 raise ValueError(f"fp8tensor.config: {name} must be True or False, got {value!r}")
@@ -145,6 +122,8 @@ _local = threading.local()  # .block: (overrides of the innermost block, the glo
 def get_config() -> Config:
     """The settings in force in this thread: the fields named by the enclosing :func:`config` blocks, the
     process-wide settings (:func:`set_config`, also when changed inside a block) for the others."""
+    if getattr(_local, "pending", None) is not None:
+        _check_pending()
     block = getattr(_local, "block", None)
     if block is None:
         return _global
@@ -177,27 +156,69 @@ def set_config(**changes) -> Config:
         TypeError: an unknown field. ValueError: an unknown value.
     """
     global _global
+    if getattr(_local, "pending", None) is not None:
+        _check_pending()
     _global = _replace(_global, changes)
     return _global
 
 
-@contextlib.contextmanager
-def config(**changes) -> Iterator[Config]:
+class _Scope:
+    """What :func:`config` returns: a context manager whose settings hold inside its ``with`` block. Its settings are
+    validated when it is made; until it is entered, every fp8tensor operation in this thread raises (a ``config(...)``
+    call without ``with`` would otherwise change nothing, silently)."""
+
+    __slots__ = ("changes", "_prev", "__weakref__")
+
+    def __init__(self, changes: dict):
+        self.changes = changes
+        self._prev = _UNSET
+
+    def __enter__(self) -> Config:
+        if self._prev is not _UNSET:
+            raise RuntimeError("fp8tensor.config(...): this block is already entered; make a new one to nest")
+        if getattr(_local, "pending", None) is not None and _local.pending() is self:
+            _local.pending = None
+        prev = getattr(_local, "block", None)
+        overrides = dict(prev[0]) if prev is not None else {}
+        overrides.update(self.changes)
+        merged = _replace(_global, overrides)
+        self._prev = prev
+        _local.block = (overrides, _global, merged)
+        return merged
+
+    def __exit__(self, *exc) -> None:
+        _local.block, self._prev = self._prev, _UNSET
+
+
+_UNSET = object()
+
+
+def config(**changes) -> _Scope:
     """Scope changed settings (fields of :class:`Config`) to a ``with`` block in the current thread; the fields it
-    does not name follow the process-wide settings. Blocks nest (the inner one wins for the fields both name).
+    does not name follow the process-wide settings. Blocks nest (the inner one wins for the fields both name)::
+
+        with fp8tensor.config(gemm_backend="emulated") as cfg:   # cfg: the Config in force inside
+            model(x)
+
+    For process-wide settings use :func:`set_config`.
 
     Raises:
-        TypeError: an unknown field. ValueError: an unknown value.
+        TypeError: an unknown field. ValueError: an unknown value (both when called, before any ``with``).
+        RuntimeError: (at the next fp8tensor operation of this thread) the result was not used with ``with``.
     """
-    prev = getattr(_local, "block", None)
-    overrides = dict(prev[0]) if prev is not None else {}
-    overrides.update(changes)
-    merged = _replace(_global, overrides)  # (validates)
-    _local.block = (overrides, _global, merged)
-    try:
-        yield merged
-    finally:
-        _local.block = prev
+    _replace(_global, changes)  # validates now
+    scope = _Scope(changes)
+    _local.pending = weakref.ref(scope)
+    return scope
+
+
+def _check_pending() -> None:
+    """Raise: a :func:`config` scope of this thread was made and never entered (reported once)."""
+    _local.pending = None
+    raise RuntimeError(
+            "fp8tensor.config(...) was called without `with`, so its settings never took effect: write "
+            "`with fp8tensor.config(...):` around the code it applies to, or call fp8tensor.set_config(...) for "
+            "process-wide settings")
 
 
 def _replace(base: Config, changes: dict) -> Config:

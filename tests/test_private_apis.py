@@ -18,7 +18,7 @@ PKG = pathlib.Path(fp8tensor.__file__).parent
 
 #: Private torch names allowed anywhere: the ops and the wrapper-subclass constructor (no public spelling exists).
 ALLOWED_TORCH = {"_scaled_mm", "_scaled_grouped_mm", "_grouped_mm", "_make_wrapper_subclass", "_unsafe_view",
-                 "_version", "_is_view", "_foreach_add_", "_foreach_mul_"}
+                 "_version", "_is_view", "_foreach_add_", "_foreach_mul_", "_to_copy"}
 
 
 def _torch_private_names() -> set[str]:
@@ -27,6 +27,8 @@ def _torch_private_names() -> set[str]:
     names = {n for n in dir(torch) if n.startswith("_") and not n.startswith("__")}
     names |= {n for n in dir(torch.Tensor) if n.startswith("_") and not n.startswith("__")}
     names |= {n for n in dir(torch.nn.Module) if n.startswith("_") and not n.startswith("__")}
+    # instance attributes every Module has (module._parameters, ._buffers, ._modules, its hook dicts)
+    names |= {n for n in vars(torch.nn.Module()) if n.startswith("_") and not n.startswith("__")}
     try:
         from torch.distributed.tensor import DTensor
 
@@ -48,9 +50,14 @@ def _violations(path: pathlib.Path, private: set[str]) -> list[str]:
             torch_names |= {a.asname or a.name.split(".")[0] for a in node.names if a.name.startswith("torch")}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("torch"):
             torch_names |= {a.asname or a.name for a in node.names}
+    def rooted_at_torch(node) -> bool:  # ``torch.autograd.x``: an attribute chain that starts at a torch name
+        while isinstance(node, ast.Attribute):
+            node = node.value
+        return isinstance(node, ast.Name) and node.id in torch_names
+
     for node in ast.walk(tree):
-        on_torch_name = (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-                         and node.value.id in torch_names and node.attr.startswith("_")
+        on_torch_name = (isinstance(node, ast.Attribute) and rooted_at_torch(node.value)
+                         and node.attr.startswith("_")
                          and not node.attr.startswith("__") and node.attr not in ALLOWED_TORCH)
         if isinstance(node, ast.Attribute) and (node.attr in private or on_torch_name):
             out.append(f"{path.name}:{node.lineno}: .{node.attr}")
@@ -74,7 +81,9 @@ def test_the_walker_sees_private_uses(tmp_path):
     f = tmp_path / "m.py"
     f.write_text("import torch\nimport torch.autograd.forward_ad as fwd\nfrom torch._subclasses import FakeTensor\n"
                  "x = torch._C._len_torch_dispatch_stack()\ndef g(t):\n    return t._local_tensor, fwd._current_level\n"
-                 "import torch._dynamo\ny = torch._scaled_mm\nz = torch.nn.Linear\n")
+                 "import torch._dynamo\ny = torch._scaled_mm\nz = torch.nn.Linear\n"
+                 "w = torch.autograd._unsafe_preserve_version_counter\ndef h(m):\n    return m._parameters, m._buffers\n")
     found = {v.split(": ", 1)[1] for v in _violations(f, _torch_private_names())}
     assert found == {"from torch._subclasses import ...", "._C", "._local_tensor",
-                     "._current_level", "import torch._dynamo"}, found
+                     "._current_level", "import torch._dynamo", "._unsafe_preserve_version_counter", "._parameters",
+                     "._buffers", "._len_torch_dispatch_stack"}, found

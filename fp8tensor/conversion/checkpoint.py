@@ -144,7 +144,7 @@ def state_dict_hook(module, state_dict, prefix, local_metadata):
     refusal = getattr(module, "_fp8_plain_refusal", None)
     if refusal is not None:
         raise ValueError(f"{op}: {refusal}")
-    for name in module._parameters:
+    for name in compat.parameters_dict(module):
         key = prefix + name
         v = state_dict.get(key)
         if isinstance(v, ScaledFp8Tensor):
@@ -166,7 +166,7 @@ def load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict,
         TypeError / ValueError: the scale entry is not float32 or does not match the data's shape (naming the key);
             a plain fp8 entry without its scale for a weight that is not plain fp8 itself (its values are unknown).
     """
-    for name, p in module._parameters.items():
+    for name, p in compat.parameters_dict(module).items():
         key = prefix + name
         scale = state_dict.get(key + SCALE_SUFFIX)
         q = state_dict.get(key)
@@ -225,7 +225,7 @@ def set_hf_quantization_config(module: torch.nn.Module) -> Optional[object]:
         return None
     fp8_mods, hp_linears, representable = [], [], True
     for name, m in module.named_modules():
-        fp8_params = [p for p in m._parameters.values() if p is not None and isinstance(_local(p), ScaledFp8Tensor)]
+        fp8_params = [p for p in compat.parameters_dict(m).values() if p is not None and isinstance(_local(p), ScaledFp8Tensor)]
         if fp8_params:
             fp8_mods.append(m)
             if not isinstance(m, torch.nn.Linear) or any(

@@ -147,13 +147,13 @@ def _adopt_parameter(root: nn.Module, old: nn.Parameter, new: nn.Parameter) -> N
     except RuntimeError:
         holder = new
         for mod in root.modules():
-            for name, p in list(mod._parameters.items()):
+            for name, p in list(compat.parameters_dict(mod).items()):
                 if p is old:
-                    mod._parameters[name] = new
+                    compat.parameters_dict(mod)[name] = new
     for mod in root.modules():
         if isinstance(mod, nn.Linear) or getattr(mod, "_fp8_state_dict_hook", False):
             continue
-        if any(p is holder for p in mod._parameters.values()):
+        if any(p is holder for p in compat.parameters_dict(mod).values()):
             compat.register_state_dict_hook(mod, plain_state_dict_hook)
             mod._fp8_state_dict_hook = True
 
@@ -165,7 +165,7 @@ def _select_experts(module: nn.Module, module_filter_fn: Optional[FilterFn], op:
     for fqn, mod in module.named_modules():
         if isinstance(mod, nn.Linear):
             continue
-        names = [n for n, p in mod._parameters.items()
+        names = [n for n, p in compat.parameters_dict(mod).items()
                  if p is not None and p.dim() == 3 and (p.dtype.is_floating_point or isinstance(
                      compat.local_tensor(p) if _is_dtensor(p) else p, ScaledFp8Tensor))]
         if not names or not (isinstance(mod, Fp8GroupedExpertsMixin) or uses_grouped_mm(type(mod))):
@@ -185,7 +185,7 @@ def _convert_experts(root: nn.Module, chosen, r, skipped: list) -> None:
     for fqn, mod, names in chosen:
         done = []
         for name in names:
-            w = mod._parameters[name]
+            w = compat.parameters_dict(mod)[name]
             local = compat.local_tensor(w) if _is_dtensor(w) else w
             if isinstance(local, Fp8MasterWeight):
                 local.recipe = r
@@ -425,7 +425,7 @@ def quantize_weights(
     for fqn, mod, names in experts:  # grouped experts: each 3-D weight stored as row-wise fp8 ([E, out, 1] scales)
         done = []
         for name in names:
-            w = mod._parameters[name]
+            w = compat.parameters_dict(mod)[name]
             local = compat.local_tensor(w) if _is_dtensor(w) else w
             if not isinstance(local, ScaledFp8Tensor) and (w.shape[1] % 16 or w.shape[2] % 16):
                 continue

@@ -21,7 +21,7 @@ def tp_fp8_module(m: nn.Module) -> bool:
     names = getattr(m, "fp8_expert_params", None)
     if names is None:
         names = ("weight",) if getattr(m, "fp8_recipe", None) is not None else ()  # a converted Linear
-    return any(_is_dtensor(m._parameters.get(n)) for n in names)
+    return any(_is_dtensor(compat.parameters_dict(m).get(n)) for n in names)
 
 
 def refuse_tp_export(module: nn.Module, args):
@@ -42,7 +42,7 @@ def add_tp_export_hook(lin: nn.Module) -> None:
     """Once per Linear whose weight is a DTensor: :func:`refuse_tp_export`, first among its pre-hooks (only
     tensor-parallel Linears get it: a plain Linear's forward keeps its hook-free fast path). Called at conversion
     and when a DTensor weight is registered later (:meth:`fp8tensor.modules.Fp8LinearMixin.register_parameter`)."""
-    if _is_dtensor(lin._parameters.get("weight")) and not getattr(lin, "_fp8_tp_export_hook", False):
+    if _is_dtensor(compat.parameters_dict(lin).get("weight")) and not getattr(lin, "_fp8_tp_export_hook", False):
         compat.prepend_forward_pre_hook(lin, refuse_tp_export)
         lin._fp8_tp_export_hook = True
 

@@ -250,7 +250,7 @@ def swap_local(param: torch.Tensor, fn) -> Optional[nn.Parameter]:
 def plain_state_dict_hook(module, state_dict, prefix, local_metadata):
     """State dict of a converted module holds plain high-precision weights (loadable without fp8tensor): every
     parameter of ``module`` that is a master weight (or a DTensor of one) is stored as its high-precision data."""
-    for name, p in module._parameters.items():
+    for name, p in compat.parameters_dict(module).items():
         key = prefix + name
         t = state_dict.get(key)
         if t is None:
@@ -300,7 +300,7 @@ def requantize_after_load(module, incompatible_keys):
     dt = getattr(module, "_fp8_float8_dtype", E4M3)
     names = getattr(module, "fp8_expert_params", None) or ("weight",)
     for name in names:
-        w = module._parameters.get(name)
+        w = compat.parameters_dict(module).get(name)
         if w is None or _is_dtensor(w) or isinstance(w, ScaledFp8Tensor) or not w.dtype.is_floating_point \
                 or w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             continue

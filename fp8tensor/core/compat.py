@@ -348,3 +348,20 @@ def run_per_simulated_rank(fn):
     from torch.distributed._local_tensor import maybe_run_for_local_tensor
 
     return maybe_run_for_local_tensor(fn)
+
+
+def parameters_dict(module: torch.nn.Module) -> dict:
+    """``module``'s own parameter dict (``Module._parameters``: name -> Parameter or None, the live dict, so
+    assigning into it swaps a parameter without ``Module.__setattr__``'s checks; no public API returns it)."""
+    return module._parameters
+
+
+def preserve_version_counter(t: torch.Tensor):
+    """Context manager: writes into ``t`` inside it leave ``t``'s version counter as it was
+    (``torch.autograd._unsafe_preserve_version_counter``)."""
+    return torch.autograd._unsafe_preserve_version_counter(t)
+
+
+def c10d_functional_ops():
+    """The ``torch.ops._c10d_functional`` namespace (the functional collectives DTensor issues)."""
+    return torch.ops._c10d_functional

@@ -55,7 +55,7 @@ from ..subclass.tensor import ScaledFp8Tensor, implements, make_scaled
 __all__: list[str] = []
 
 aten = torch.ops.aten
-_funcol = torch.ops._c10d_functional
+_funcol = compat.c10d_functional_ops()
 _c10d = torch.ops.c10d
 
 

@@ -373,7 +373,7 @@ def refill(dst_qdata: torch.Tensor, dst_scale: torch.Tensor, qdata: torch.Tensor
     the re-gather before backward writes the same values. FSDP2 does the same for the outputs it copies into."""
     for dst, src in ((dst_qdata, qdata), (dst_scale, scale)):
         if dst.data_ptr() != src.data_ptr():
-            with torch.autograd._unsafe_preserve_version_counter(dst):
+            with compat.preserve_version_counter(dst):
                 dst.copy_(src)
 
 

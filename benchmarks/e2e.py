@@ -310,7 +310,7 @@ def run_variant(variant: str, args, mesh, device):
     if whole:
         import fp8tensor
 
-        fwd_bwd = fp8tensor.graph_step(fwd_bwd, model.parameters(), warmup_steps=min(3, max(1, args.warmup - 1)))
+        fwd_bwd = fp8tensor.graph_step(fwd_bwd, model, warmup_steps=min(3, max(1, args.warmup - 1)))
 
     def step(i):
         if graphs:

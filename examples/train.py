@@ -431,7 +431,7 @@ def train_one(name: str, args, train_data, val_data, device, mesh) -> dict:
     if args.cuda_graph:  # forward + loss + backward as one CUDA graph; the optimizer stays outside
         import fp8tensor
 
-        fwd_bwd = fp8tensor.graph_step(fwd_bwd, model.parameters(), warmup_steps=GRAPH_WARMUP, enabled=True)
+        fwd_bwd = fp8tensor.graph_step(fwd_bwd, model, warmup_steps=GRAPH_WARMUP, enabled=True)
     for step in bar:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args)

@@ -126,10 +126,10 @@ def test_bad_enabled_and_pool_raise(kwargs, match):
         fp8tensor.graph_step(_fwd_bwd_of(model), model.parameters(), **kwargs)
 
 
-def test_module_instead_of_parameters_raises():
+def test_not_a_model_nor_tensors_raises():
     model = _model(0)
-    with pytest.raises(TypeError, match=r"graph_step: parameters must be an iterable of tensors \(model.parameters\(\)\)"):
-        fp8tensor.graph_step(_fwd_bwd_of(model), model)
+    with pytest.raises(TypeError, match=r"graph_step: parameters must be the model \(an nn.Module\) or an iterable"):
+        fp8tensor.graph_step(_fwd_bwd_of(model), 3)
 
 
 def _moved_by(how: str, model: nn.Module) -> None:
@@ -142,15 +142,18 @@ def _moved_by(how: str, model: nn.Module) -> None:
         sd = {k: v.detach().clone() for k, v in nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 32),
                                                                 nn.Linear(32, 32, bias=False)).state_dict().items()}
         model.load_state_dict(sd, assign=True)
-    else:
+    elif how == "setattr":
         model[2].weight = nn.Parameter(torch.randn(32, 128))
+    else:  # a whole submodule swapped
+        model[2] = nn.Linear(128, 32)
 
 
-@pytest.mark.parametrize("how", ["to", "data", "assign", "setattr"])
+@pytest.mark.parametrize("how", ["to", "data", "assign", "setattr", "submodule"])
 def test_cpu_fallback_refuses_parameters_moved_after_the_capture(how):
-    """Parameters moved to new memory (``model.to``, ``p.data =``) or replaced in their modules
-    (``load_state_dict(assign=True)``, attribute assignment) after the capture raise at the next call, naming the
-    cause and the remedy, before anything runs; ``close()`` then starts over on the modules' current parameters."""
+    """Parameters moved to new memory (``model.to``, ``p.data =``) or replaced in the model
+    (``load_state_dict(assign=True)``, attribute assignment, a swapped submodule) after the capture raise at the next
+    call, naming the cause and the remedy, before anything runs; ``close()`` then starts over on the model's current
+    parameters (compared with a snapshot taken at capture; no heap search)."""
     import warnings
 
     model = _model(0, bias_free_tail=True)
@@ -161,7 +164,7 @@ def test_cpu_fallback_refuses_parameters_moved_after_the_capture(how):
         calls.append(1)
         return inner(x, scale)
 
-    step = fp8tensor.graph_step(fn, model.parameters(), warmup_steps=1)
+    step = fp8tensor.graph_step(fn, model, warmup_steps=1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         step(torch.randn(4, 64))  # warm-up
@@ -175,7 +178,7 @@ def test_cpu_fallback_refuses_parameters_moved_after_the_capture(how):
     assert len(calls) == n, "the step ran on stale parameters"
     step.close()
     params = {id(p) for p in step.parameters}
-    assert params == {id(p) for p in model.parameters()}, "close() did not take the modules' current parameters"
+    assert params == {id(p) for p in model.parameters()}, "close() did not take the model's current parameters"
     model.zero_grad(set_to_none=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
@@ -212,3 +215,19 @@ def test_cpu_fallback_dtensor_parameters():
         if own:
             dist.destroy_process_group()
 
+
+
+@pytest.mark.parametrize("how", ["to", "data"])
+def test_cpu_fallback_given_parameters_refuses_moved_memory(how):
+    """Given only the parameters (``model.parameters()``), memory moved after the capture is still refused."""
+    import warnings
+
+    model = _model(0, bias_free_tail=True)
+    step = fp8tensor.graph_step(_fwd_bwd_of(model), model.parameters(), warmup_steps=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for _ in range(3):
+            step(torch.randn(4, 64))
+    _moved_by(how, model)
+    with pytest.raises(RuntimeError, match=r"graph_step: .*other memory.*close\(\)"):
+        step(torch.randn(4, 64))

@@ -13,7 +13,6 @@ DTensor's collectives and compiled blocks are recorded as they run.
 """
 from __future__ import annotations
 
-import gc
 import warnings
 from typing import Any, Callable, Iterable, Optional
 
@@ -69,25 +68,6 @@ def _storage_ptrs(t: torch.Tensor) -> tuple:
     return (t.untyped_storage().data_ptr(),)
 
 
-def _owners(params: list) -> list:
-    """``(dict, name, parameter)`` for every module that holds one of ``params`` (its ``_parameters`` dict), found
-    once with ``gc.get_referrers``: so a parameter *replaced* in its module (``load_state_dict(assign=True)``,
-    ``module.weight = nn.Parameter(...)``) is seen, though the step only holds the old tensor."""
-    if not params:
-        return []
-    by_id = {id(p): p for p in params}
-    dicts = [d for d in gc.get_referrers(*params) if type(d) is dict]
-    ids = {id(d) for d in dicts}
-    held = set()
-    for r in gc.get_referrers(*dicts) if dicts else ():
-        pd = r.__dict__.get("_parameters") if isinstance(r, torch.nn.Module) else (
-            r.get("_parameters") if type(r) is dict else None)
-        if pd is not None and id(pd) in ids:
-            held.add(id(pd))
-    return [(d, name, v) for d in dicts if id(d) in held
-            for name, v in list(d.items()) if isinstance(name, str) and by_id.get(id(v)) is v]
-
-
 def _tensor_leaves(tree) -> list:
     return [t for t in compat.tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
@@ -113,10 +93,11 @@ class GraphedStep:
             raise TypeError(f"graph_step: fn must be callable, got {type(fn).__name__}")
         if isinstance(parameters, torch.Tensor):
             parameters = [parameters]
-        if isinstance(parameters, torch.nn.Module) or not hasattr(parameters, "__iter__"):
-            raise TypeError(f"graph_step: parameters must be an iterable of tensors (model.parameters()), got "
-                            f"{type(parameters).__name__}")
-        self.parameters = [p for p in parameters]
+        self._module = parameters if isinstance(parameters, torch.nn.Module) else None
+        if self._module is None and not hasattr(parameters, "__iter__"):
+            raise TypeError(f"graph_step: parameters must be the model (an nn.Module) or an iterable of tensors "
+                            f"(model.parameters()), got {type(parameters).__name__}")
+        self.parameters = list(self._module.parameters() if self._module is not None else parameters)
         for i, p in enumerate(self.parameters):
             if not isinstance(p, torch.Tensor):
                 raise TypeError(f"graph_step: parameters must be tensors (e.g. model.parameters()), item {i} is "
@@ -147,7 +128,7 @@ class GraphedStep:
         self._watched: list = []  # (parameter, its gradient tensor at capture): the tensors the graph writes
         self._had_grad: list = []  # parameters that had a gradient after the last warm-up call
         self._memory: list = []  # (parameter, its storage addresses at capture): the memory the graph reads
-        self._owners: list = []  # (module's _parameters dict, name, parameter) at capture
+        self._named: list = []  # (name, parameter) of the model at capture (when the model was given)
         self._eager = False  # decided on the first call: capture impossible here (CPU), run fn eagerly
 
     @property
@@ -160,8 +141,8 @@ class GraphedStep:
         parameters moved: parameters that their modules replaced since the capture are replaced here too)."""
         if self.graph is not None and torch.cuda.is_available():
             torch.cuda.synchronize()
-        replaced = {id(p): d[name] for d, name, p in self._owners if name in d and d[name] is not p}
-        self.parameters = [replaced.get(id(p), p) for p in self.parameters]  # the modules' parameters of now
+        if self._module is not None:
+            self.parameters = list(self._module.parameters())  # the model's parameters of now
         self._reset()
 
     def __enter__(self) -> "GraphedStep":
@@ -294,12 +275,20 @@ class GraphedStep:
         return out
 
     def _record_memory(self) -> None:
+        """The snapshot the graph reads from: each parameter's storage addresses and, with the model given, the
+        model's (name, parameter) pairs."""
         self._memory = [(p, _storage_ptrs(p)) for p in self.parameters]
-        self._owners = _owners(self.parameters)
+        self._named = list(self._module.named_parameters()) if self._module is not None else []
 
     def _check_memory(self) -> None:
         moved = [p for p, ptrs in self._memory if _storage_ptrs(p) != ptrs]
-        replaced = [name for d, name, p in self._owners if d.get(name) is not p]
+        replaced = []
+        if self._module is not None:
+            now = list(self._module.named_parameters())
+            if len(now) != len(self._named):
+                replaced = sorted({n for n, _ in now} ^ {n for n, _ in self._named}) or ["(the parameter set)"]
+            else:
+                replaced = [n for (n, p), (m, q) in zip(self._named, now) if n != m or p is not q]
         if moved or replaced:
             what = []
             if moved:
@@ -307,7 +296,7 @@ class GraphedStep:
                             "(model.to(...), p.data = ...)")
             if replaced:
                 what.append(f"parameters {sorted(set(replaced))[:4]} were replaced in their modules "
-                            "(load_state_dict(..., assign=True), module.weight = ...)")
+                            "(load_state_dict(..., assign=True), module.weight = ..., a submodule swapped)")
             raise RuntimeError(
                 f"graph_step: {'; '.join(what)} after the capture; the captured graph reads and writes the memory "
                 "of the capture, so the step would silently train stale tensors. Update parameters in place "
@@ -337,7 +326,7 @@ def graph_step(fn: Callable[..., Any], parameters: Iterable[torch.Tensor], *, wa
     graph memory pool and replays it, later calls copy their tensor inputs into the captured (static) inputs and
     replay. Each call is one real forward + backward, so the loop around it is unchanged::
 
-        step = fp8tensor.graph_step(fwd_bwd, model.parameters())
+        step = fp8tensor.graph_step(fwd_bwd, model)
         for x, y in batches:
             loss = step(x, y)                     # graph-owned: read or clone it before the next call
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)   # or inside fwd_bwd
@@ -354,12 +343,12 @@ def graph_step(fn: Callable[..., Any], parameters: Iterable[torch.Tensor], *, wa
           stale memory;
         * the returned value is owned by the graph (overwritten by the next replay): ``.item()`` / ``.clone()`` it;
         * parameters are updated in place (optimizers, ``load_state_dict`` and ``copy_`` do). Parameters moved to
-          new memory after the capture (``model.to(...)``, ``p.data = ...``) or replaced in their modules
-          (``load_state_dict(..., assign=True)``, ``module.weight = nn.Parameter(...)``) raise ``RuntimeError`` at
-          the next call, before any replay on the old memory; :meth:`GraphedStep.close` starts over on the current
-          parameters. The check compares the parameters' storage addresses and their modules' entries at each call
-          (host cost in ``docs/benchmarks.md``); a whole submodule replaced after the capture
-          (``model.layer = ...``) is not seen, nor a parameter replaced before the capture: make a new step then;
+          new memory after the capture (``model.to(...)``, ``p.data = ...``) raise ``RuntimeError`` at the next
+          call, before any replay on the old memory. Given the model (not only its parameters), parameters
+          replaced in it (``load_state_dict(..., assign=True)``, ``module.weight = nn.Parameter(...)``, a submodule
+          swapped) raise too, and :meth:`GraphedStep.close` starts over on its current parameters. The check
+          compares a snapshot taken at capture (each parameter's storage addresses; the model's named parameters)
+          at each call;
         * inside ``fn`` nothing synchronizes with the host (``.item()``, data-dependent shapes,
           ``clip_grad_norm_(error_if_nonfinite=True)``); the optimizer step stays outside.
 
@@ -369,8 +358,10 @@ def graph_step(fn: Callable[..., Any], parameters: Iterable[torch.Tensor], *, wa
 
     Args:
         fn: the step: forward, loss, ``backward()``; returns anything (tensors in it are graph-owned after capture).
-        parameters: the parameters whose gradients ``fn`` computes (``model.parameters()``): gradients are prepared
-            for the capture and checked before each replay. Also used to decide whether capture is possible.
+        parameters: the model (an ``nn.Module``: its parameters, re-read at :meth:`GraphedStep.close`, and
+            replacements in it detected) or the parameters whose gradients ``fn`` computes (``model.parameters()``):
+            gradients are prepared for the capture and checked before each replay. Also used to decide whether
+            capture is possible.
         warmup_steps: eager calls before the capture (>= 1; compiled blocks need one per compile).
         pool: a graph memory pool handle (``torch.cuda.graph_pool_handle()`` or another step's ``.pool``) to share.
         enabled: ``None`` (default): capture on CUDA; where capture cannot work (no CUDA, CPU inputs or parameters)
@@ -381,7 +372,7 @@ def graph_step(fn: Callable[..., Any], parameters: Iterable[torch.Tensor], *, wa
         A :class:`GraphedStep`, called like ``fn``.
 
     Raises:
-        TypeError / ValueError: bad arguments (``fn`` not callable, ``parameters`` not an iterable of tensors,
+        TypeError / ValueError: bad arguments (``fn`` not callable, ``parameters`` not a model or tensors,
             ``warmup_steps`` < 1, ``enabled`` not None / bool, ``pool`` not a pool handle) at construction, or
             changed inputs at a call.
         RuntimeError: the capture failed (the message names the usual causes), gradients were set to ``None`` or

@@ -213,7 +213,8 @@ def test_graph_refuses_parameters_moved_after_capture(how, mesh):
         return loss.detach()
 
     tok = torch.randint(0, 256, (2, 65), device="cuda")
-    step = fp8tensor.graph_step(fwd_bwd, params, warmup_steps=1)
+    step = fp8tensor.graph_step(fwd_bwd, model, warmup_steps=1)  # the model: replacements in it are seen
+    assert step.parameters == params
     for _ in range(3):
         step(tok)
     assert step.captured

@@ -12,18 +12,51 @@ capture (or in another capture) is never served inside one.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
-__all__ = ["capture_token", "begin_capture"]
+__all__ = ["capture_token", "begin_capture", "end_capture", "keep_for_replays", "Capture"]
 
 _generation = 0
+_active = None  # weak reference to the Capture in progress (made by begin_capture), else None
 
 
-def begin_capture() -> int:
-    """Start a new capture generation (call right before a CUDA-graph capture); returns its number (>= 1)."""
-    global _generation
+class Capture:
+    """One capture of :class:`fp8tensor.graphs.GraphedStep`: its generation number and the objects its graph reads at
+    every replay (the pinned host buffers of its host-to-device copy nodes), alive exactly as long as this object,
+    which the step keeps with its graph."""
+
+    __slots__ = ("generation", "kept", "__weakref__")
+
+    def __init__(self, generation: int):
+        self.generation, self.kept = generation, []
+
+
+def begin_capture() -> Capture:
+    """Start a new capture generation (call right before a CUDA-graph capture); returns its :class:`Capture`."""
+    global _generation, _active
     _generation += 1
-    return _generation
+    c = Capture(_generation)
+    _active = weakref.ref(c)
+    return c
+
+
+def end_capture(c: Capture) -> None:
+    """The capture ``c`` is over (captured or failed)."""
+    global _active
+    if _active is not None and _active() is c:
+        _active = None
+
+
+def keep_for_replays(obj) -> bool:
+    """Keep ``obj`` alive as long as the graph being captured (a :func:`begin_capture` capture in progress on this
+    stream); False when there is none (a capture made with ``torch.cuda.graph`` directly: the caller keeps it)."""
+    c = _active() if _active is not None else None
+    if c is None or not torch.cuda.is_current_stream_capturing():
+        return False
+    c.kept.append(obj)
+    return True
 
 
 def capture_token() -> int:

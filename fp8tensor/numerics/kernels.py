@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from ..core import compat
+from ..core import capture, compat
 
 __all__ = [
     "kernel_available", "launch_dim0_t", "quantize_last_dim", "quantize_last_dim_group", "row_kernel_available",
@@ -446,8 +446,10 @@ def _launch_group(xs: list, q_ptrs: list, s_ptrs: list, float8_dtype: torch.dtyp
 _TABLES: dict = {}
 
 
-#: Pinned host copies of the tables used during CUDA-graph captures: the graph's copy node reads the host buffer at
-#: every replay, so it lives as long as the process (one per distinct table: as many as captured group launches).
+#: Pinned host copies of the tables used during CUDA-graph captures made outside ``graph_step`` (``torch.cuda.graph``
+#: directly, torchtitan's graphs): the graph's copy node reads the host buffer at every replay and fp8tensor cannot
+#: tell when that graph dies, so these live as long as the process (one per distinct table). Captures by
+#: ``graph_step`` keep theirs with the graph (:func:`fp8tensor.core.capture.keep_for_replays`).
 _CAPTURED_TABLES: dict = {}
 
 
@@ -460,10 +462,9 @@ def _device_table(values: list, device: torch.device) -> torch.Tensor:
 
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if torch.cuda.is_current_stream_capturing():
-        key = tuple(values)
-        buf = _CAPTURED_TABLES.get(key)
-        if buf is None:
-            buf = _CAPTURED_TABLES[key] = host()
+        buf = host()
+        if not capture.keep_for_replays(buf):  # (freed with graph_step's graph; else kept for the process)
+            buf = _CAPTURED_TABLES.setdefault(tuple(values), buf)
         return buf.to(device, non_blocking=True)  # a copy node of the graph reading ``buf`` at each replay
     key = (idx, compat.raw_cuda_stream(idx), tuple(values))
     table = _TABLES.get(key)

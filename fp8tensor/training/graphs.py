@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from ..core import compat
-from ..core.capture import begin_capture
+from ..core.capture import begin_capture, end_capture
 
 __all__ = ["GraphedStep", "graph_step"]
 
@@ -120,6 +120,7 @@ class GraphedStep:
     def _reset(self) -> None:
         self.calls = 0
         self.graph: Optional[torch.cuda.CUDAGraph] = None
+        self._capture = None
         self.pool = self._given_pool
         self._signature = None  # (treespec, leaf descriptions) of the first call
         self._static_leaves: list = []  # the graph's input tensors, in leaf order (None for non-tensor leaves)
@@ -254,11 +255,12 @@ class GraphedStep:
         graph = torch.cuda.CUDAGraph()
         self._stream.wait_stream(torch.cuda.current_stream())
         torch.cuda.synchronize()
-        begin_capture()
+        cap = begin_capture()
         try:
             with torch.cuda.graph(graph, pool=self.pool, stream=self._stream):
                 out = self.fn(*static_args, **static_kwargs)
         except Exception as e:
+            end_capture(cap)
             self._reset()
             raise RuntimeError(
                 f"graph_step: capturing the step as a CUDA graph failed ({type(e).__name__}: {e}). Inside the step "
@@ -267,7 +269,8 @@ class GraphedStep:
                 "tensors; the optimizer step belongs outside. Pass enabled=False to run the step eagerly. A failed "
                 "capture can leave PyTorch's CUDA random number generator unusable in this process: restart it"
             ) from e
-        self.graph = graph
+        end_capture(cap)
+        self.graph, self._capture = graph, cap  # (cap: what the graph reads at each replay, freed with it)
         self._static_out = out
         self._watched = [(p, p.grad) for p in self.parameters if p.grad is not None]
         self._record_memory()

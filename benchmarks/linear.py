@@ -3,6 +3,11 @@
 Method (same as docs/benchmarks.md): ``nn.Linear(K, N, bias=False, dtype=bf16)`` converted, compiled
 with ``torch.compile``; ``x`` of shape ``[M, K]`` requires grad; one step = forward + backward with a fixed
 grad_output; median time (triton do_bench). Usage: ``PYTHONPATH=. python benchmarks/linear.py [--profile]``.
+
+``--shapes 1024x1024,1024x4096`` times other shapes (the size rule's thresholds are calibrated this way, at small
+shapes and ``--M 8192``). ``--host``: the host time of one eager forward (no grad, ``--host-tokens`` rows) of
+``nn.Linear``, an fp8 Linear with a master weight and a ``quantize_weights`` Linear, in µs per call: calls issued back
+to back without synchronizing, so the time is the host's as long as the GPU keeps up (the rows are tiny).
 """
 from __future__ import annotations
 
@@ -45,6 +50,37 @@ def step_fn(model, x, gy):
     return step
 
 
+def host_table(dev, tokens: int, calls: int = 2000) -> None:
+    """µs of host time per eager forward call, no grad (see the module docstring)."""
+    import time
+
+    print(f"# eager forward host time, {tokens} tokens, no grad ({env_line()})\n")
+    print("| K→N | nn.Linear µs | fp8 master µs (x) | fp8 quantize_weights µs (x) |")
+    print("|---|---|---|---|")
+    for K, N in ((1024, 1024), (4096, 4096)):
+        torch.manual_seed(0)
+        base = nn.Linear(K, N, bias=False, device=dev, dtype=torch.bfloat16)
+        mods = {"bf16": base, "master": fp8tensor.convert_to_fp8(copy.deepcopy(base)),
+                "frozen": fp8tensor.quantize_weights(nn.Sequential(copy.deepcopy(base)))[0]}
+        x = torch.randn(tokens, K, device=dev, dtype=torch.bfloat16)
+        us = {}
+        with torch.no_grad():
+            for name, m in mods.items():
+                for _ in range(50):
+                    m(x)
+                torch.cuda.synchronize()
+                best = float("inf")
+                for _ in range(5):
+                    t0 = time.perf_counter()
+                    for _ in range(calls // 5):
+                        m(x)
+                    best = min(best, (time.perf_counter() - t0) / (calls // 5) * 1e6)
+                    torch.cuda.synchronize()
+                us[name] = best
+        print(f"| {K}→{N} | {us['bf16']:.1f} | {us['master']:.1f} ({us['master'] / us['bf16']:.1f}x) | "
+              f"{us['frozen']:.1f} ({us['frozen'] / us['bf16']:.1f}x) |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--M", type=int, default=16384)
@@ -52,8 +88,15 @@ def main() -> None:
     p.add_argument("--check", action="store_true", help="also print grad error vs fp32 at each shape")
     p.add_argument("--no-peers", action="store_true", help="skip torchao")
     p.add_argument("--fast-accum-backward", action="store_true", help="also time rowwise with fast accumulation in backward")
+    p.add_argument("--shapes", default=None, help="KxN,KxN,... instead of the Llama3-8B shapes")
+    p.add_argument("--host", action="store_true", help="host time of one eager forward per call (see the docstring)")
+    p.add_argument("--host-tokens", type=int, default=16)
     args = p.parse_args()
     dev = torch.device("cuda")
+    if args.host:
+        host_table(dev, args.host_tokens)
+        return
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")] if args.shapes else SHAPES
     vs = variants(not args.no_peers)
     if args.fast_accum_backward:
         from fp8tensor.recipes import Gemm
@@ -64,7 +107,7 @@ def main() -> None:
     names = list(vs)
     print("| K→N | bf16 ms | " + " | ".join(f"{n} (x)" for n in names[1:]) + " |")
     print("|" + "---|" * (len(names) + 1))
-    for K, N in SHAPES:
+    for K, N in shapes:
         torch.manual_seed(0)
         base = nn.Linear(K, N, bias=False, device=dev, dtype=torch.bfloat16)
         x = torch.randn(args.M, K, device=dev, dtype=torch.bfloat16, requires_grad=True)

@@ -13,9 +13,8 @@
 #   serve        tests/gpu/test_gpu_export.py (torch.export + AOTInductor) and benchmarks/serve.py (decode / prefill,
 #                eager / compile, bf16 / fp8tensor / torchao) at Llama3-8B shapes (SERVE_ARGS="--model readme": the
 #                README model); compiled rows with --parallel
-#   w8-tune      benchmarks/w8_tune.py --quick --host (tiles of the decode GEMM, graphed, and its host cost per call)
-#   quant        benchmarks/quant_cost.py (grad_out quantization: separate passes vs one fused pass)
-#   size-rule    benchmarks/size_rule.py --quick (fp8 vs bf16 per Linear shape at small sizes)
+#   host         benchmarks/linear.py --host (host time of one eager Linear forward: nn.Linear vs fp8)
+#   size-rule    benchmarks/linear.py at small shapes, M = 8192 (fp8 vs bf16 per Linear shape: the size rule)
 #   train        examples/train.py --cuda-graph on the README model (1200 steps, bf16 / rowwise / rowwise --size-rule)
 set -uo pipefail
 out=${OUTDIR:-${OUT:-out}}; mkdir -p "$out"
@@ -60,16 +59,16 @@ for stage in "$@"; do
              --layers 4 --seq 8192 --warmup 1 --variants bf16@compile,rowwise@compile,rowwise_gw_hp@compile \
              > "$out/memory_4096.txt" 2>&1; tail -30 "$out/memory_4096.txt" ;;
     moe) timeout 300 $py benchmarks/moe.py --out "$out/moe.json" --profile > "$out/moe.txt" 2>&1; table "$out/moe.txt" ;;
-    w8-tune) timeout 330 $py benchmarks/w8_tune.py --quick --host > "$out/w8_tune.txt" 2>&1
-           grep -vE "^  skip" "$out/w8_tune.txt" | tail -30 ;;
+    host) timeout 200 $py benchmarks/linear.py --host > "$out/host.txt" 2>&1; table "$out/host.txt" ;;
     serve) { timeout 300 $py -m pytest -q -p no:cacheprovider -p no:logging --tb=short -W ignore tests/gpu/test_gpu_export.py
              timeout 200 $py benchmarks/serve.py --modes eager ${SERVE_ARGS:-}
              timeout $((${SERVE_TIMEOUT:-400} + 30)) $py benchmarks/serve.py --modes compile --parallel \
                --time-limit ${SERVE_TIMEOUT:-400} ${SERVE_ARGS:-}
            } > "$out/serve.txt" 2>&1
            grep -E "^\||^# serve|passed|failed|FAILED|Error" "$out/serve.txt" | cut -c1-220 ;;
-    quant) timeout 200 $py benchmarks/quant_cost.py > "$out/quant.txt" 2>&1; table "$out/quant.txt" ;;
-    size-rule) timeout 200 $py benchmarks/size_rule.py --quick > "$out/size_rule.txt" 2>&1; table "$out/size_rule.txt" ;;
+    size-rule) timeout 300 $py benchmarks/linear.py --M 8192 --no-peers \
+             --shapes 1024x1024,768x3072,1024x4096,2048x2048,1280x1280 > "$out/size_rule.txt" 2>&1
+           table "$out/size_rule.txt" ;;
     train) # the main job on one GPU: the README model, 1200 steps, whole-step CUDA graph; bf16 and fp8 rowwise, then
            # fp8 with the size-aware choice (TRAIN_SIZED=0 skips it)
            args="--tp 1 --device cuda --compile --cuda-graph --steps 1200 --dim 1024 --layers 4 --heads 16 --kv-heads 4

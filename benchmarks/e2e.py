@@ -11,7 +11,7 @@ Variants: ``<precision>@<setup>`` (comma-separated in ``--variants``):
 * precision: ``bf16``; ``rowwise`` / ``rowwise_gw_hp`` (fp8tensor recipes); ``ao_tensorwise``, ``ao_rowwise``,
   ``ao_rowwise_gw_hp`` (torchao.float8, skipped when not importable); ``ao_tensorwise_ag`` (torchao tensorwise with
   its fp8 FSDP2 all-gather). A ``.inductor`` suffix on an fp8tensor precision (``rowwise.inductor``) compiles that
-  variant with ``fp8tensor.config(compiled_quantization="inductor")`` (token-dim quantizations as plain ops that
+  variant under ``with fp8tensor.config(compiled_quantization="inductor"):`` (token-dim quantizations as plain ops that
   inductor generates and fuses) instead of fp8tensor's kernels.
 * setup: ``fsdp`` (default; FSDP2 over a 1-rank mesh, float32 master, ``MixedPrecisionPolicy(bf16, fp32 reduce)``,
   ``reshard_after_forward=False``), ``plain`` (no FSDP2: bf16 parameters, bf16 master), ``tp`` (block Linears under
@@ -412,7 +412,7 @@ PRECISIONS = ("bf16", "rowwise", "rowwise_gw_hp", "ao_tensorwise", "ao_rowwise",
 
 def check_variant(variant: str) -> tuple[str, str, str]:
     """``(precision, setup, suffix)`` of ``<precision>[.sized][.inductor]@<setup>[+cg|+graph]`` (``.inductor``:
-    ``fp8tensor.config(compiled_quantization="inductor")`` for this variant; ``.sized``: fp8tensor's
+    ``with fp8tensor.config(compiled_quantization="inductor"):`` for this variant; ``.sized``: fp8tensor's
     size-aware choice on, ``convert_to_fp8(size_rule=True)``); SystemExit naming the variant on a typo (before
     anything runs: a misspelled precision must not silently run as bf16)."""
     precision, _, setup = variant.partition("@")

@@ -8,7 +8,7 @@ Public API:
 * :func:`quantize_weights` — inference / frozen weights stored in fp8.
 * :func:`fp8_linear` — the functional form of an fp8 Linear.
 * :func:`plain_state_dict` / :func:`load_safetensors` — fp8 weights as plain ``weight`` + ``weight_scale`` tensors
-  (safetensors, Hugging Face; ``fp8tensor.config(state_dict_fp8="plain")`` makes ``state_dict()`` write them),
+  (safetensors, Hugging Face; inside ``with fp8tensor.config(state_dict_fp8="plain"):`` ``state_dict()`` writes them),
   see ``docs/serving.md``. ``torch.export`` of fp8 models works as for any model (``docs/serving.md``).
 * :func:`fp8_grouped_mm` — fp8 ``torch._grouped_mm`` for mixture-of-experts weights (``docs/moe.md``); master
   weights and ScaledFp8Tensors of 3-D expert weights route ``torch._grouped_mm`` to it.

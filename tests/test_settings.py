@@ -248,3 +248,153 @@ def test_compiled_weight_columns_are_plain_ops(monkeypatch, mode):
     assert qt.shape == (32, 48) and st.shape == (32, 1)
     deq = qt.double() * st.double()  # (K, N) ≈ w.T, one e4m3 rounding per element: relative error <= 2^-4
     assert ((deq - w.t()).norm() / w.norm()).item() < 2.0 ** -4
+
+
+# ------------------------------------------------------------------------------------- config(...) without `with`
+def test_a_dropped_config_is_caught_by_the_next_config_call():
+    """The usual slip: a bare ``fp8tensor.config(...)`` line followed by a correct block. The bare line's scope is
+    gone before the block starts; the block's ``config(...)`` call raises, naming the fix, and nothing changed."""
+    before = fp8tensor.get_config()
+    fp8tensor.config(unknown_ops="raise")  # the mistake
+    with pytest.raises(RuntimeError, match="without `with`"):
+        with fp8tensor.config(gemm_backend="emulated"):
+            pytest.fail("the block must not run")  # pragma: no cover
+    assert fp8tensor.get_config() == before
+    with fp8tensor.config(gemm_backend="emulated") as c:  # reported once: the next block works
+        assert c.gemm_backend == "emulated" == fp8tensor.get_config().gemm_backend
+    assert fp8tensor.get_config() == before
+
+
+def test_scopes_made_first_and_entered_together_work():
+    before = fp8tensor.get_config()
+    outer, inner = fp8tensor.config(gemm_backend="emulated"), fp8tensor.config(unknown_ops="allow")
+    with outer, inner:
+        c = fp8tensor.get_config()
+        assert (c.gemm_backend, c.unknown_ops) == ("emulated", "allow")
+    assert fp8tensor.get_config() == before
+    # one of two entered, the other still pending: the next operation raises and names the pending one
+    outer, inner = fp8tensor.config(gemm_backend="emulated"), fp8tensor.config(unknown_ops="allow")
+    with outer:
+        with pytest.raises(RuntimeError, match=r"fp8tensor\.config\(unknown_ops='allow'\), not entered yet"):
+            fp8tensor.get_config()
+        assert fp8tensor.get_config().gemm_backend == "emulated"  # the entered block still holds
+    assert fp8tensor.get_config() == before
+
+
+def test_a_scope_is_entered_once_at_a_time_and_again_after():
+    before = fp8tensor.get_config()
+    scope = fp8tensor.config(size_rule=True)
+    with scope:
+        with pytest.raises(RuntimeError, match="already entered"):
+            with scope:
+                pass  # pragma: no cover
+        assert fp8tensor.get_config().size_rule is True
+    assert fp8tensor.get_config() == before
+    with scope:  # entered again after its block ended
+        assert fp8tensor.get_config().size_rule is True
+    assert fp8tensor.get_config() == before
+
+
+def test_nested_blocks_restore_each_level_also_on_errors():
+    before = fp8tensor.get_config()
+    with fp8tensor.config(gemm_backend="emulated", unknown_ops="allow"):
+        with pytest.raises(KeyError):
+            with fp8tensor.config(unknown_ops="raise", size_rule=True):
+                c = fp8tensor.get_config()
+                assert (c.gemm_backend, c.unknown_ops, c.size_rule) == ("emulated", "raise", True)
+                raise KeyError("inside")
+        c = fp8tensor.get_config()
+        assert (c.gemm_backend, c.unknown_ops, c.size_rule) == ("emulated", "allow", before.size_rule)
+    assert fp8tensor.get_config() == before
+
+
+def test_threads_in_their_own_blocks_do_not_see_each_other():
+    """Two threads, each inside its own block, read their own settings while the other's block is open (a barrier
+    holds both blocks open at once); the main thread's settings are untouched, and a bare ``config(...)`` in one
+    thread does not disturb the other."""
+    before = fp8tensor.get_config()
+    barrier = threading.Barrier(2, timeout=30)
+    seen, errors = {}, []
+
+    def worker(name, backend, bare):
+        try:
+            with fp8tensor.config(gemm_backend=backend):
+                barrier.wait()
+                seen[name] = fp8tensor.get_config().gemm_backend
+                barrier.wait()
+            if bare:
+                fp8tensor.config(unknown_ops="raise")  # this thread's mistake
+                barrier.wait()
+                try:
+                    fp8tensor.get_config()
+                except RuntimeError as e:
+                    seen[name + " bare"] = "raised" if "without `with`" in str(e) else str(e)
+            else:
+                barrier.wait()
+                seen[name + " after"] = fp8tensor.get_config().gemm_backend
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=worker, args=("a", "emulated", True)),
+               threading.Thread(target=worker, args=("b", "tensorwise", False))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert seen == {"a": "emulated", "b": "tensorwise", "a bare": "raised", "b after": before.gemm_backend}, seen
+    assert fp8tensor.get_config() == before
+
+
+def _bad_values(field: dataclasses.Field) -> list:
+    """Values every field of its kind must refuse with ValueError (by the field's annotation)."""
+    kind = field.type if isinstance(field.type, str) else field.type.__name__
+    if kind == "bool":
+        return [0, 1, "True", None, 1.0]
+    if kind == "str":
+        return ["no-such-choice", "", None, 3, field.default.upper() + "X"]
+    if kind in ("float", "int"):
+        return [0, -1, -0.5, float("inf"), float("nan"), "640", None, True, [640]]
+    raise AssertionError(f"Config.{field.name}: annotation {kind!r} has no bad values here; add them")
+
+
+@pytest.mark.parametrize("field", dataclasses.fields(fp8tensor.Config), ids=lambda f: f.name)
+def test_every_field_refuses_bad_values_everywhere(field):
+    """Every Config field, through each of the three doors (``Config(...)``, ``set_config``, ``config``), refuses
+    values of the wrong type or outside its choices with a ValueError naming the field; nothing changes."""
+    before = fp8tensor.get_config()
+    for bad in _bad_values(field):
+        for door in (fp8tensor.Config, fp8tensor.set_config, fp8tensor.config):
+            with pytest.raises(ValueError, match=field.name):
+                door(**{field.name: bad})
+            assert fp8tensor.get_config() == before, (door, bad)
+
+
+@pytest.mark.parametrize("door", [fp8tensor.Config, fp8tensor.set_config, fp8tensor.config],
+                         ids=["Config", "set_config", "config"])
+def test_unknown_keys_raise_type_error_and_change_nothing(door):
+    before = fp8tensor.get_config()
+    with pytest.raises(TypeError, match="recipe"):
+        door(recipe="rowwise", gemm_backend="emulated")  # one good key does not let the unknown one through
+    assert fp8tensor.get_config() == before
+
+
+def test_docs_enter_every_config_block():
+    """README, docs, examples and benchmarks (the code users copy) write ``fp8tensor.config(...)`` (and its
+    ``fp8tensor.gemm_backend(...)`` form) only as ``with ...:`` blocks: a bare call changes nothing (and raises)."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(fp8tensor.__file__).parent.parent
+    files = [root / "README.md", *sorted((root / "docs").glob("*.md")), *sorted((root / "examples").glob("*.py")),
+             *sorted((root / "benchmarks").glob("*.py"))]
+    call = re.compile(r"(fp8tensor\.(?:config|gemm_backend)\()")
+    bare = []
+    for f in files:
+        if not f.exists():
+            continue
+        for n, line in enumerate(f.read_text().splitlines(), 1):
+            for m in call.finditer(line):
+                if not re.search(r"\bwith\s+(?:\S+\s*,\s*)*$", line[:m.start()]):
+                    bare.append(f"{f.relative_to(root)}:{n}: {line.strip()}")
+    assert not bare, "fp8tensor.config(...) written without `with`:\n" + "\n".join(bare)

@@ -122,8 +122,8 @@ _local = threading.local()  # .block: (overrides of the innermost block, the glo
 def get_config() -> Config:
     """The settings in force in this thread: the fields named by the enclosing :func:`config` blocks, the
     process-wide settings (:func:`set_config`, also when changed inside a block) for the others."""
-    if getattr(_local, "pending", None) is not None:
-        _check_pending()
+    if getattr(_local, "pending", None):
+        _raise_pending()
     block = getattr(_local, "block", None)
     if block is None:
         return _global
@@ -156,16 +156,21 @@ def set_config(**changes) -> Config:
         TypeError: an unknown field. ValueError: an unknown value.
     """
     global _global
-    if getattr(_local, "pending", None) is not None:
-        _check_pending()
+    if getattr(_local, "pending", None):
+        _raise_pending()
     _global = _replace(_global, changes)
     return _global
 
 
 class _Scope:
-    """What :func:`config` returns: a context manager whose settings hold inside its ``with`` block. Its settings are
-    validated when it is made; until it is entered, every fp8tensor operation in this thread raises (a ``config(...)``
-    call without ``with`` would otherwise change nothing, silently)."""
+    """What :func:`config` returns: a context manager whose settings hold inside its ``with`` block.
+
+    ``fp8tensor.config(...)`` without ``with`` would change nothing, silently, and Python cannot tell at the call
+    whether its result will be entered. So each scope made in a thread is recorded there (weakly) until it is
+    entered, and the thread's next fp8tensor operation (:func:`get_config`, which every op reads, or
+    :func:`set_config`) raises ``RuntimeError`` while one is recorded; so does the next :func:`config` call once an
+    earlier scope was dropped without being entered. ``with fp8tensor.config(...):`` enters the scope before anything
+    else runs, so correct code never sees the error. A scope may be entered again after its block ended."""
 
     __slots__ = ("changes", "_prev", "__weakref__")
 
@@ -176,8 +181,9 @@ class _Scope:
     def __enter__(self) -> Config:
         if self._prev is not _UNSET:
             raise RuntimeError("fp8tensor.config(...): this block is already entered; make a new one to nest")
-        if getattr(_local, "pending", None) is not None and _local.pending() is self:
-            _local.pending = None
+        pending = getattr(_local, "pending", None)
+        if pending:
+            pending[:] = [r for r in pending if r() is not self]
         prev = getattr(_local, "block", None)
         overrides = dict(prev[0]) if prev is not None else {}
         overrides.update(self.changes)
@@ -188,6 +194,10 @@ class _Scope:
 
     def __exit__(self, *exc) -> None:
         _local.block, self._prev = self._prev, _UNSET
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.changes.items())
+        return f"fp8tensor.config({args})"
 
 
 _UNSET = object()
@@ -200,23 +210,34 @@ def config(**changes) -> _Scope:
         with fp8tensor.config(gemm_backend="emulated") as cfg:   # cfg: the Config in force inside
             model(x)
 
-    For process-wide settings use :func:`set_config`.
+    For process-wide settings use :func:`set_config`. The result must be entered (``with``) before the thread's next
+    fp8tensor operation.
 
     Raises:
         TypeError: an unknown field. ValueError: an unknown value (both when called, before any ``with``).
-        RuntimeError: (at the next fp8tensor operation of this thread) the result was not used with ``with``.
+        RuntimeError: the result was not used with ``with``: raised by the thread's next fp8tensor operation (or
+            :func:`set_config`), or by this call when an earlier ``config(...)`` result of the thread was dropped
+            without being entered.
     """
+    pending = getattr(_local, "pending", None)
+    if pending is None:
+        pending = _local.pending = []
+    elif any(r() is None for r in pending):  # an earlier scope died without being entered
+        _raise_pending()
     _replace(_global, changes)  # validates now
     scope = _Scope(changes)
-    _local.pending = weakref.ref(scope)
+    pending.append(weakref.ref(scope))
     return scope
 
 
-def _check_pending() -> None:
-    """Raise: a :func:`config` scope of this thread was made and never entered (reported once)."""
-    _local.pending = None
+def _raise_pending() -> None:
+    """Raise: a :func:`config` scope of this thread was made and not entered (reported once: the record is
+    cleared)."""
+    scopes = [repr(s) for s in (r() for r in _local.pending) if s is not None]
+    _local.pending.clear()
+    which = f" ({', '.join(scopes)}, not entered yet)" if scopes else ""
     raise RuntimeError(
-            "fp8tensor.config(...) was called without `with`, so its settings never took effect: write "
+            f"fp8tensor.config(...) was called without `with`{which}, so its settings never took effect: write "
             "`with fp8tensor.config(...):` around the code it applies to, or call fp8tensor.set_config(...) for "
             "process-wide settings")
 

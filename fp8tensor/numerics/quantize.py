@@ -188,7 +188,7 @@ def quantize_rowwise(
 # ---------------------------------------------------------------------------------------------- dim-0 triton op
 def _inductor_quantizes() -> bool:
     """Whether a graph being traced quantizes the token-dim operands as plain ops for inductor to generate (and fuse)
-    rather than through fp8tensor's kernels (``fp8tensor.config(compiled_quantization="inductor")``)."""
+    rather than through fp8tensor's kernels (``with fp8tensor.config(compiled_quantization="inductor"):``)."""
     return compat.is_compiling() and get_config().compiled_quantization == "inductor"
 
 

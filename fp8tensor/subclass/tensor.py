@@ -77,7 +77,7 @@ def _dispatch(cls, func, types, args=(), kwargs=None):
     * composite ops (a ``CompositeImplicitAutograd`` kernel; they arrive here only below autograd): decomposed, as
       the dispatcher does above autograd;
     * out-of-place: run on the dequantized tensors, return plain tensors, after a warning once per op (or an error,
-      or nothing: ``fp8tensor.config(unknown_ops=...)``);
+      or nothing: ``with fp8tensor.config(unknown_ops=...):``);
     * in-place or ``out=`` writing into a ScaledFp8Tensor, and collectives: ``NotImplementedError`` naming the op
       (in-place arithmetic says to train with a high-precision master weight instead).
     """
@@ -120,7 +120,7 @@ def _unknown_op(name: str) -> None:
     what = (f"ScaledFp8Tensor: {name} has no fp8 implementation; it runs in high precision on the dequantized "
             "tensors (correct, but not fp8: a missing op table entry")
     if policy == "raise":
-        raise NotImplementedError(what + "). fp8tensor.config(unknown_ops='warn') runs it dequantized")
+        raise NotImplementedError(what + "); under `with fp8tensor.config(unknown_ops='warn'):` it runs dequantized)")
     if name not in _WARNED_OPS:
         _WARNED_OPS.add(name)
         import warnings

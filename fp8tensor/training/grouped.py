@@ -19,9 +19,9 @@ The fp8 kernel (CUDA) needs every token group of the 2-D x 2-D GEMM to start at 
 quantization writes both operands into a padded token layout (each group rounded up to 16 tokens, an empty group
 given 16, zeros in the padding, which add nothing: an expert without tokens gets an exact zero gradient from the
 GEMM itself), so any offsets work — groups of 0 tokens, uneven groups, totals of any size. Without
-``torch._scaled_grouped_mm`` (CPU, or ``fp8tensor.config(grouped_gemm_kernel=False)``) the same quantized operands go
-through a per-group loop over ``torch._scaled_mm`` (CPU supports it for e4m3 with row-wise scales), so CPU runs the
-same numerics.
+``torch._scaled_grouped_mm`` (CPU, or ``with fp8tensor.config(grouped_gemm_kernel=False):``) the same quantized
+operands go through a per-group loop over ``torch._scaled_mm`` (CPU supports it for e4m3 with row-wise scales), so CPU
+runs the same numerics.
 
 Quantization: on CUDA with Triton, the row-wise kernel of :mod:`fp8tensor.kernels` for the per-token operands and the
 per-group column kernel (``launch_group_cols_t``: column amax of each group and the cast, written in the GEMM's

@@ -196,3 +196,21 @@ def test_raw_cuda_stream():
 
         pytest.skip("needs CUDA")
     assert compat.raw_cuda_stream(0) == torch.cuda.current_stream(0).cuda_stream
+
+
+def test_op_schema_and_parameter_marker_and_local_shards():
+    """The compat wrappers of an op's schema, the Parameter marker of subclass tensors and LocalTensor's shards
+    read what torch sets."""
+    from fp8tensor import ScaledFp8Tensor
+
+    schema = compat.op_schema(torch.ops.aten.add_.Tensor)
+    assert schema.is_mutable and schema.arguments[0].alias_info.is_write
+    assert not compat.op_schema(torch.ops.aten.add.Tensor).is_mutable
+    t = ScaledFp8Tensor.from_hp(torch.randn(4, 8))
+    assert not compat.is_parameter_marked(t)
+    p = nn.Parameter(t, requires_grad=False)
+    assert compat.is_parameter_marked(p)
+    u = ScaledFp8Tensor.from_hp(torch.randn(4, 8))
+    compat.mark_parameter(u)
+    assert compat.is_parameter_marked(u)
+    assert compat.local_tensor_shards(torch.randn(2)) == {}

@@ -17,7 +17,8 @@ __all__ = ["TORCH_VERSION", "register_foreach_type", "local_tensor", "set_local_
            "DISABLED_TORCH_FUNCTION", "DATA_SETTER", "DATA_GETTER", "disable_torch_function_subclass", "parse_to", "is_exporting", "is_compiling",
            "prepend_forward_pre_hook", "disable_current_modes",
            "is_functorch_wrapped", "raw_cuda_stream", "rebuild_parameter", "functional_collectives",
-           "register_state_dict_hook", "functional_data", "forward_ad_active"]
+           "register_state_dict_hook", "functional_data", "forward_ad_active", "op_schema", "is_parameter_marked",
+           "mark_parameter", "local_tensor_shards"]
 
 #: The dispatch key of composite ops (decomposed above autograd).
 COMPOSITE_IMPLICIT = torch._C.DispatchKey.CompositeImplicitAutograd
@@ -365,3 +366,29 @@ def preserve_version_counter(t: torch.Tensor):
 def c10d_functional_ops():
     """The ``torch.ops._c10d_functional`` namespace (the functional collectives DTensor issues)."""
     return torch.ops._c10d_functional
+
+
+def op_schema(func):
+    """The ``torch._C.FunctionSchema`` of an ``OpOverload`` (``func._schema``: its arguments with their alias and
+    write annotations, ``is_mutable``); an ``OpOverload`` has no public accessor for it."""
+    return func._schema
+
+
+def is_parameter_marked(t: torch.Tensor) -> bool:
+    """Whether ``t`` (a tensor subclass) was made a parameter by ``nn.Parameter(t)``, which for subclasses returns
+    the tensor itself with the private marker ``_is_param`` set (no public test tells it from a plain tensor of
+    the same class)."""
+    return bool(getattr(t, "_is_param", False))
+
+
+def mark_parameter(t: torch.Tensor) -> None:
+    """Set the marker :func:`is_parameter_marked` reads, as ``nn.Parameter(t)`` does for a tensor subclass (used
+    when unpickling one that was a parameter)."""
+    t._is_param = True
+
+
+def local_tensor_shards(t) -> dict:
+    """The per-rank tensors of a ``LocalTensor`` (``LocalTensorMode``'s one tensor per simulated rank: its private
+    ``_local_tensors`` dict, rank -> tensor); an empty dict for any other tensor."""
+    shards = getattr(t, "_local_tensors", None)
+    return shards if isinstance(shards, dict) else {}

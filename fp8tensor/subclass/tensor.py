@@ -57,7 +57,7 @@ _COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_c10d_
 
 
 def _writes_into_fp8(func, args, kwargs) -> bool:
-    schema = func._schema
+    schema = compat.op_schema(func)
     for i, arg in enumerate(schema.arguments):
         if arg.alias_info is None or not arg.alias_info.is_write:
             continue
@@ -96,7 +96,7 @@ def _dispatch(cls, func, types, args=(), kwargs=None):
     if func.namespace in _COLLECTIVE_NAMESPACES:
         raise NotImplementedError(f"ScaledFp8Tensor: collective op {name} is not implemented for fp8 data and scales")
     if _writes_into_fp8(func, args, kwargs):
-        if any(getattr(a, "is_out", False) for a in func._schema.arguments):
+        if any(getattr(a, "is_out", False) for a in compat.op_schema(func).arguments):
             raise NotImplementedError(f"ScaledFp8Tensor: out= op {name} into a ScaledFp8Tensor is not supported")
         raise NotImplementedError(
             f"ScaledFp8Tensor: in-place op {name} would modify fp8-stored data, which loses updates to rounding. "
@@ -481,7 +481,7 @@ class ScaledFp8Tensor(torch.Tensor):
                 self.orig_dtype,
                 self.fast_accum,
                 self.requires_grad,
-                bool(getattr(self, "_is_param", False)),
+                compat.is_parameter_marked(self),
                 self.qdata.dtype,
                 self.shares_scale,
                 self.scaled_dims,
@@ -497,7 +497,7 @@ class ScaledFp8Tensor(torch.Tensor):
             self.orig_dtype,
             self.fast_accum,
             self.requires_grad,
-            bool(getattr(self, "_is_param", False)),
+            compat.is_parameter_marked(self),
             shares_scale=self.shares_scale,
             scaled_dims=self.scaled_dims,
         )
@@ -621,7 +621,7 @@ def _rebuild_scaled_fp8(qdata, scale, orig_dtype, fast_accum, requires_grad, is_
     dims = _check_layout(qdata, scale, orig_dtype, scaled_dims, "ScaledFp8Tensor (unpickling)")
     t = make_scaled(qdata, scale, orig_dtype, fast_accum, dims, requires_grad=requires_grad, shares_scale=shares_scale)
     if is_param:
-        t._is_param = True  # what nn.Parameter(subclass) sets
+        compat.mark_parameter(t)  # what nn.Parameter(subclass) sets
     return t
 
 

@@ -150,11 +150,12 @@ class Fp8MasterWeight(torch.Tensor, QuantizeOnUse):
         u_args = tuple(_unwrap(a, masters) for a in args)
         u_kwargs = {k: _unwrap(v, masters) for k, v in kwargs.items()} if kwargs else kwargs
         out = func(*u_args, **u_kwargs)
-        if masters and func._schema.is_mutable:
+        mutable = compat.op_schema(func).is_mutable
+        if masters and mutable:
             _bump_written_versions(func, args, kwargs)
         if out is None:
             return None
-        if func._schema.is_mutable:
+        if mutable:
             # In-place / out= ops (optimizer steps, copy_, init): the inner data was updated; return wrappers.
             inner_to_outer = {id(m._data): m for m in masters}
             return _map_tensors(out, lambda t: inner_to_outer.get(id(t), t))
@@ -179,7 +180,7 @@ class Fp8MasterWeight(torch.Tensor, QuantizeOnUse):
         # module's Parameter (``nn.Parameter(master)``, what convert_to_fp8 sets) pickles as a plain Parameter with
         # its requires_grad, as nn.Linear's weight does (``torch.save(model)``: the model loads trainable; its
         # converted Linears quantize the plain weight on use, convert_to_fp8 makes it a master again).
-        if getattr(self, "_is_param", False):
+        if compat.is_parameter_marked(self):
             return (compat.rebuild_parameter(), (self._data, self.requires_grad, collections.OrderedDict()))
         return self._data.__reduce_ex__(protocol)
 
@@ -207,7 +208,7 @@ def _bump_written_versions(func, args, kwargs) -> None:
     sharded parameter — ran it on its local master). Code that keys on the version (the FSDP2 pre-all-gather's kept
     results, ``fp8tensor.fsdp``) needs it to move whenever the values do."""
     written = []
-    for i, a in enumerate(func._schema.arguments):
+    for i, a in enumerate(compat.op_schema(func).arguments):
         info = a.alias_info
         if info is None or not info.is_write:
             continue

@@ -3,7 +3,8 @@
 The syntax tree of every other module of ``fp8tensor/`` is walked. A *private name* starts with one underscore (not a
 dunder). The rule, outside ``compat.py``:
 
-1. No import of a torch module path with a private part (``torch._subclasses``, ``torch.distributed._tensor``).
+1. No import of a torch module path with a private part (``torch._subclasses``, ``torch.distributed._tensor``), nor
+   of a private name from a torch module (``from torch.nn.modules.module import _global_forward_hooks``).
 2. On a torch object reached by name, every private attribute is torch's: an attribute chain rooted at a name bound
    to torch (``torch``, ``import torch.autograd.forward_ad as fwd``, ``from torch import autograd``, or assigned
    from such a chain, ``aten = torch.ops.aten``) may not read a private name anywhere along it
@@ -96,8 +97,8 @@ def _own_names(trees: list, torch_private: set) -> set[str]:
                 own.add(node.name)
             elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
                 own.add(node.id)
-            elif isinstance(node, ast.alias):
-                own.add(node.asname or node.name.split(".")[-1])
+            elif isinstance(node, ast.ImportFrom) and (node.level > 0 or (node.module or "").startswith("fp8tensor")):
+                own |= {a.asname or a.name for a in node.names}  # the package's own modules and names
             elif isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__slots__"
                                                       for t in node.targets):
                 own |= {c.value for c in ast.walk(node.value)
@@ -145,6 +146,8 @@ def _violations(path: pathlib.Path, own: set, torch_private: set) -> list[str]:
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("torch"):
             if any(_private(part) for part in node.module.split(".")):
                 out.append(f"{node.lineno}: from {node.module} import ...")
+            out += [f"{node.lineno}: from {node.module} import {a.name}" for a in node.names
+                    if _private(a.name) and a.name not in ALLOWED_TORCH]
         elif isinstance(node, ast.Import):
             for a in node.names:
                 if a.name.startswith("torch") and any(_private(p) for p in a.name.split(".")):
@@ -221,6 +224,8 @@ def test_the_walker_sees_foreign_private_attributes_of_any_object(tmp_path):
         "    d = aten._foo.default\n"                             # alias of a torch chain
         "    return a, b, c, d, m._fp8_hooks, t._mine, hasattr(t, '_mine'), t._scaled_mm\n"),
         own_src="class A:\n    __slots__ = ('_mine',)\ndef g(m):\n    m._fp8_hooks = True\n    m._other = 1\n")
+    assert "from torch.nn.modules.module import _global_forward_hooks" in _walk_source(
+        tmp_path, "from torch.nn.modules.module import _global_forward_hooks\nx = _global_forward_hooks\n")
     assert found == {"._schema", "._sharded_param_data", "getattr(..., _local_tensors", "setattr(..., _forward_pre_hooks",
                      "._is_param", "._foo"}, found
 

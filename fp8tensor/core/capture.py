@@ -1,59 +1,70 @@
-"""Which CUDA-graph capture (if any) the current stream is in, for the few Python-side caches fp8tensor keeps.
+"""Which CUDA-graph capture (if any) the current stream is in, and what a capture's graph must keep alive.
 
 A CUDA graph replays the kernels recorded during its capture and none of the Python that launched them. A cache
 that hands out a tensor computed *before* the capture would therefore be baked into the graph as a constant: every
-replay would read the old values. The caches of fp8tensor (the eager fp8 copy of a Linear input shared by the
-Linears that consume it, the results of one FSDP2 group-quantization launch kept for the group's later weights, the
-device copies of kernel argument tables) key their entries with :func:`capture_token`, so an entry made outside a
+replay would read the old values. The one such cache of fp8tensor (the results of one FSDP2 group-quantization
+launch kept for the group's later weights) keys its entries with :func:`capture_token`, so an entry made outside a
 capture (or in another capture) is never served inside one.
+
+A graph also reads, at every replay, the host buffers its host-to-device copy nodes were recorded from (the argument
+tables of the grouped quantization kernel): :func:`keep_for_replays` hands them to the :class:`Capture` that
+:class:`fp8tensor.graphs.GraphedStep` keeps with its graph, so they are freed with the graph and not before.
 
 :func:`begin_capture` is called by :class:`fp8tensor.graphs.GraphedStep` before each capture; a capture made with
 ``torch.cuda.graph`` directly still gets a token different from "not capturing".
 """
 from __future__ import annotations
 
+import threading
 import weakref
+from typing import Optional
 
 import torch
 
 __all__ = ["capture_token", "begin_capture", "end_capture", "keep_for_replays", "Capture"]
 
 _generation = 0
-_active = None  # weak reference to the Capture in progress (made by begin_capture), else None
+_local = threading.local()  # .active: weak reference to this thread's Capture in progress (begin_capture), or None
 
 
 class Capture:
-    """One capture of :class:`fp8tensor.graphs.GraphedStep`: its generation number and the objects its graph reads at
-    every replay (the pinned host buffers of its host-to-device copy nodes), alive exactly as long as this object,
-    which the step keeps with its graph."""
+    """One capture of :class:`fp8tensor.graphs.GraphedStep`: its generation number, the stream it records (None: the
+    stream current when an object is kept), and the objects its graph reads at every replay (the pinned host buffers
+    of its host-to-device copy nodes), alive exactly as long as this object, which the step keeps with its graph."""
 
-    __slots__ = ("generation", "kept", "__weakref__")
+    __slots__ = ("generation", "stream", "kept", "__weakref__")
 
-    def __init__(self, generation: int):
-        self.generation, self.kept = generation, []
+    def __init__(self, generation: int, stream=None):
+        self.generation, self.stream, self.kept = generation, stream, []
 
 
-def begin_capture() -> Capture:
-    """Start a new capture generation (call right before a CUDA-graph capture); returns its :class:`Capture`."""
-    global _generation, _active
+def begin_capture(stream: Optional["torch.cuda.Stream"] = None) -> Capture:
+    """Start a new capture generation in this thread (call right before a CUDA-graph capture on ``stream``);
+    returns its :class:`Capture`."""
+    global _generation
     _generation += 1
-    c = Capture(_generation)
-    _active = weakref.ref(c)
+    c = Capture(_generation, stream)
+    _local.active = weakref.ref(c)
     return c
 
 
 def end_capture(c: Capture) -> None:
     """The capture ``c`` is over (captured or failed)."""
-    global _active
-    if _active is not None and _active() is c:
-        _active = None
+    active = getattr(_local, "active", None)
+    if active is not None and active() is c:
+        _local.active = None
 
 
 def keep_for_replays(obj) -> bool:
-    """Keep ``obj`` alive as long as the graph being captured (a :func:`begin_capture` capture in progress on this
-    stream); False when there is none (a capture made with ``torch.cuda.graph`` directly: the caller keeps it)."""
-    c = _active() if _active is not None else None
+    """Keep ``obj`` alive as long as the graph being captured: True when this thread is inside a
+    :func:`begin_capture` capture and the current stream is the one it records (and is capturing); False otherwise
+    (a capture made with ``torch.cuda.graph`` directly, another thread's or another stream's: the caller keeps
+    ``obj`` itself)."""
+    active = getattr(_local, "active", None)
+    c = active() if active is not None else None
     if c is None or not torch.cuda.is_current_stream_capturing():
+        return False
+    if c.stream is not None and torch.cuda.current_stream() != c.stream:
         return False
     c.kept.append(obj)
     return True

@@ -453,25 +453,34 @@ _TABLES: dict = {}
 _CAPTURED_TABLES: dict = {}
 
 
+def _pinned_table(values: list) -> torch.Tensor:
+    """``values`` as an int64 tensor in pinned host memory (the source of an asynchronous host-to-device copy)."""
+    return torch.tensor(values, dtype=torch.int64).pin_memory()
+
+
+def _captured_host_table(values: list) -> torch.Tensor:
+    """The pinned host buffer a CUDA-graph capture copies a table from: the graph's copy node reads it on every
+    replay, so it must live as long as the graph. A capture by ``graph_step`` keeps a new buffer with its graph
+    (freed with it); any other capture shares the process-wide buffer of the same content (:data:`_CAPTURED_TABLES`)."""
+    buf = _pinned_table(values)
+    if capture.keep_for_replays(buf):
+        return buf
+    return _CAPTURED_TABLES.setdefault(tuple(values), buf)
+
+
 def _device_table(values: list, device: torch.device) -> torch.Tensor:
     # Cached per stream: a table is only read on the stream that filled it (ordered after its copy) and freed by the
     # allocator for that stream. While a CUDA graph is being captured, the host->device copy becomes a node of the
     # graph that reads the pinned host buffer on every replay: that buffer must never be freed or reused.
-    def host():
-        return torch.tensor(values, dtype=torch.int64).pin_memory()
-
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if torch.cuda.is_current_stream_capturing():
-        buf = host()
-        if not capture.keep_for_replays(buf):  # (freed with graph_step's graph; else kept for the process)
-            buf = _CAPTURED_TABLES.setdefault(tuple(values), buf)
-        return buf.to(device, non_blocking=True)  # a copy node of the graph reading ``buf`` at each replay
+        return _captured_host_table(values).to(device, non_blocking=True)  # a copy node reading it at each replay
     key = (idx, compat.raw_cuda_stream(idx), tuple(values))
     table = _TABLES.get(key)
     if table is None:
         if len(_TABLES) >= 256:  # addresses that keep changing: keep the cache small
             _TABLES.clear()
-        table = _TABLES[key] = host().to(device, non_blocking=True)  # no host sync
+        table = _TABLES[key] = _pinned_table(values).to(device, non_blocking=True)  # no host sync
     return table
 
 

@@ -7,9 +7,10 @@ is torchtitan's default for its training step (``torchtitan/distributed/cudagrap
 stream, capture on that stream into a graph memory pool, static inputs copied in before each replay, the optimizer
 step outside the graph.
 
-fp8tensor keeps no Python-side per-step state that a replay would skip: its caches are keyed by the capture they were
-made in (:mod:`fp8tensor.capture`), its kernels never synchronize with the host, and FSDP2's fp8 all-gather,
-DTensor's collectives and compiled blocks are recorded as they run.
+fp8tensor keeps no Python-side per-step state that a replay would skip: its one cache (FSDP2 group quantization) is
+keyed by the capture it was made in (:mod:`fp8tensor.capture`), what a graph reads at each replay is kept with the
+graph, its kernels never synchronize with the host, and FSDP2's fp8 all-gather, DTensor's collectives and compiled
+blocks are recorded as they run.
 """
 from __future__ import annotations
 
@@ -83,7 +84,8 @@ class GraphedStep:
     Attributes:
         calls: number of calls so far (warm-up, capture and replays).
         captured: whether the graph exists.
-        graph: the ``torch.cuda.CUDAGraph`` (None before capture and after :meth:`close`).
+        graph: the ``torch.cuda.CUDAGraph`` (None before capture and after :meth:`close`; not to be replayed after
+            :meth:`close`, which frees what it reads).
         pool: the graph memory pool handle (shareable with other graphs through ``graph_step(..., pool=)``).
     """
 
@@ -255,7 +257,7 @@ class GraphedStep:
         graph = torch.cuda.CUDAGraph()
         self._stream.wait_stream(torch.cuda.current_stream())
         torch.cuda.synchronize()
-        cap = begin_capture()
+        cap = begin_capture(self._stream)
         try:
             with torch.cuda.graph(graph, pool=self.pool, stream=self._stream):
                 out = self.fn(*static_args, **static_kwargs)

@@ -214,3 +214,17 @@ def test_op_schema_and_parameter_marker_and_local_shards():
     compat.mark_parameter(u)
     assert compat.is_parameter_marked(u)
     assert compat.local_tensor_shards(torch.randn(2)) == {}
+
+
+def test_module_member_dicts_are_the_live_dicts():
+    """parameters_dict / buffers_dict / children_dict are the module's own live dicts (None entries included)."""
+    m = nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3))
+    m.register_module("empty", None)
+    m[0].register_parameter("extra", None)
+    assert list(compat.parameters_dict(m[0])) == ["weight", "bias", "extra"]
+    assert compat.parameters_dict(m[0])["weight"] is m[0].weight
+    assert list(compat.buffers_dict(m[1])) == ["running_mean", "running_var", "num_batches_tracked"]
+    assert list(compat.children_dict(m)) == ["0", "1", "empty"] and compat.children_dict(m)["empty"] is None
+    new = nn.Linear(2, 3)
+    m[0] = new
+    assert compat.children_dict(m)["0"] is new

@@ -231,3 +231,94 @@ def test_cpu_fallback_given_parameters_refuses_moved_memory(how):
     _moved_by(how, model)
     with pytest.raises(RuntimeError, match=r"graph_step: .*other memory.*close\(\)"):
         step(torch.randn(4, 64))
+
+
+def _stepped(model, calls=None):
+    """A graph_step over ``model`` (given as the model) past the call that would capture, and one more call."""
+    import warnings
+
+    inner = _fwd_bwd_of(model)
+
+    def fn(x, scale=1.0):
+        if calls is not None:
+            calls.append(1)
+        return inner(x, scale)
+
+    step = fp8tensor.graph_step(fn, model, warmup_steps=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for _ in range(3):
+            step(torch.randn(4, 64))
+    return step
+
+
+def _with_buffer(seed: int) -> nn.Module:
+    model = _model(seed, bias_free_tail=True)
+    model[1].register_buffer("shift", torch.zeros(128))  # read by the step: GELU(x) + shift
+    model[1].forward = lambda x, m=model[1]: nn.functional.gelu(x) + m.shift
+    return model
+
+
+@pytest.mark.parametrize("how", ["replaced", "data", "to"])
+def test_buffers_replaced_or_moved_after_the_capture_raise(how):
+    """With the model given, the graph reads its buffers too: a buffer replaced (``module.buf = t``) or moved
+    (``buf.data = ...``, ``model.to``) after the capture would be ignored by every replay, so the next call raises
+    (naming the buffer) before anything runs; in-place buffer updates pass."""
+    model = _with_buffer(0)
+    calls = []
+    step = _stepped(model, calls)
+    model[1].shift.add_(1.0)  # in place: fine (the graph reads the same memory)
+    step(torch.randn(4, 64))
+    n = len(calls)
+    if how == "replaced":
+        model[1].shift = torch.ones(128)
+        match = r"buffers 1\.shift were replaced in their modules"
+    elif how == "data":
+        model[1].shift.data = torch.ones(128)
+        match = "parameters and buffers now live in other memory"
+    else:
+        model.to(torch.float64)
+        match = "other memory"
+    with pytest.raises(RuntimeError, match=match):
+        step(torch.randn(4, 64))  # (the checks run before the step, whatever its inputs' dtype needs now)
+    assert len(calls) == n, "the step ran on a stale buffer"
+
+
+def test_a_swapped_submodule_without_parameters_raises():
+    """Swapping a parameter-free submodule (the activation) changes what the step computes but no parameter: the
+    snapshot of each module's children sees it; the message names it."""
+    model = _model(0, bias_free_tail=True)
+    step = _stepped(model)
+    model[1] = nn.ReLU()
+    with pytest.raises(RuntimeError, match=r"submodules 1 were replaced in their modules \(model\.layer = \.\.\.\)"):
+        step(torch.randn(4, 64))
+    step.close()  # starts over on the model as it is now
+    _stepped(model)  # (warm-up, capture call and one more: no error)
+
+
+def test_a_deep_replacement_names_every_replaced_parameter():
+    model = nn.Sequential(nn.Sequential(_model(0)), nn.Linear(32, 64))
+    fp8tensor.convert_to_fp8(model)
+    step = _stepped(model)
+    inner = model[0][0]
+    inner[0].weight = nn.Parameter(inner[0].weight.detach().clone())
+    inner[2].bias = nn.Parameter(inner[2].bias.detach().clone())
+    with pytest.raises(RuntimeError, match=r"parameters 0\.0\.0\.weight, 0\.0\.2\.bias were replaced"):
+        step(torch.randn(4, 64))
+
+
+def test_the_checks_never_search_the_heap(monkeypatch):
+    """The per-call checks compare a snapshot: no ``gc`` heap walk (which took most of a second on a large heap)."""
+    import gc
+
+    def refuse(*a, **k):
+        raise AssertionError("graph_step searched the heap")
+
+    monkeypatch.setattr(gc, "get_referrers", refuse)
+    monkeypatch.setattr(gc, "get_objects", refuse)
+    model = _model(0)
+    step = _stepped(model)
+    step(torch.randn(4, 64))
+    model[0].weight = nn.Parameter(model[0].weight.detach().clone())
+    with pytest.raises(RuntimeError, match=r"parameters 0\.weight were replaced"):
+        step(torch.randn(4, 64))

@@ -18,7 +18,8 @@ __all__ = ["TORCH_VERSION", "register_foreach_type", "local_tensor", "set_local_
            "prepend_forward_pre_hook", "disable_current_modes",
            "is_functorch_wrapped", "raw_cuda_stream", "rebuild_parameter", "functional_collectives",
            "register_state_dict_hook", "functional_data", "forward_ad_active", "op_schema", "is_parameter_marked",
-           "mark_parameter", "local_tensor_shards"]
+           "mark_parameter", "local_tensor_shards", "buffers_dict", "children_dict",
+           "parameters_dict", "preserve_version_counter", "c10d_functional_ops"]
 
 #: The dispatch key of composite ops (decomposed above autograd).
 COMPOSITE_IMPLICIT = torch._C.DispatchKey.CompositeImplicitAutograd
@@ -355,6 +356,17 @@ def parameters_dict(module: torch.nn.Module) -> dict:
     """``module``'s own parameter dict (``Module._parameters``: name -> Parameter or None, the live dict, so
     assigning into it swaps a parameter without ``Module.__setattr__``'s checks; no public API returns it)."""
     return module._parameters
+
+
+def buffers_dict(module: torch.nn.Module) -> dict:
+    """``module``'s own buffer dict (``Module._buffers``: name -> tensor or None, the live dict)."""
+    return module._buffers
+
+
+def children_dict(module: torch.nn.Module) -> dict:
+    """``module``'s own child-module dict (``Module._modules``: name -> Module or None, the live dict; the public
+    ``named_children`` skips None entries and builds a generator)."""
+    return module._modules
 
 
 def preserve_version_counter(t: torch.Tensor):

@@ -14,6 +14,7 @@ blocks are recorded as they run.
 """
 from __future__ import annotations
 
+import operator
 import warnings
 from typing import Any, Callable, Iterable, Optional
 
@@ -67,6 +68,24 @@ def _storage_ptrs(t: torch.Tensor) -> tuple:
         inner = (getattr(t, n) for n in names)  # (torch >= 2.13 DTensor also lists its device_mesh: not a tensor)
         return tuple(ptr for v in inner if isinstance(v, torch.Tensor) for ptr in _storage_ptrs(v))
     return (t.untyped_storage().data_ptr(),)
+
+
+def _members(m: torch.nn.Module) -> tuple:
+    """``m``'s own parameters, buffers and child modules (the objects, in order; None entries included)."""
+    return (tuple(compat.parameters_dict(m).values()), tuple(compat.buffers_dict(m).values()),
+            tuple(compat.children_dict(m).values()))
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    """Whether two :func:`_members` snapshots hold the same objects (by identity: a tensor's ``==`` is elementwise)."""
+    return all(len(x) == len(y) and all(map(operator.is_, x, y)) for x, y in zip(a, b))
+
+
+def _named_members(model: torch.nn.Module) -> dict:
+    """``{"parameters": [(name, parameter)], "buffers": [...], "submodules": [...]}`` of ``model`` (for messages)."""
+    return {"parameters": list(model.named_parameters(remove_duplicate=False)),
+            "buffers": list(model.named_buffers(remove_duplicate=False)),
+            "submodules": list(model.named_modules(remove_duplicate=False))[1:]}
 
 
 def _tensor_leaves(tree) -> list:
@@ -130,8 +149,9 @@ class GraphedStep:
         self._stream: Optional[torch.cuda.Stream] = None
         self._watched: list = []  # (parameter, its gradient tensor at capture): the tensors the graph writes
         self._had_grad: list = []  # parameters that had a gradient after the last warm-up call
-        self._memory: list = []  # (parameter, its storage addresses at capture): the memory the graph reads
-        self._named: list = []  # (name, parameter) of the model at capture (when the model was given)
+        self._memory: list = []  # (parameter or buffer, its storage addresses at capture): the memory the graph reads
+        self._tree: list = []  # (module, its parameters, buffers, children) of the model at capture (model given)
+        self._names: dict = {}  # {"parameters" / "buffers" / "submodules": [(name, object)]} of the model at capture
         self._eager = False  # decided on the first call: capture impossible here (CPU), run fn eagerly
 
     @property
@@ -190,14 +210,15 @@ class GraphedStep:
         that would capture), so a loop that runs on the CPU also runs captured on a GPU."""
         if self.calls == self.warmup_steps + 1:
             self._prepare_grads()
-            self._watched = [(p, p.grad) for p in self.parameters if p.grad is not None]
-            self._record_memory()
         elif self.calls > self.warmup_steps + 1:
             self._check_memory()
             self._check_grads()
         out = self.fn(*args, **kwargs)
         if self.calls <= self.warmup_steps:
             self._had_grad = [p for p in self.parameters if p.grad is not None]
+        elif self.calls == self.warmup_steps + 1:  # the snapshot after the call, as a capture takes it
+            self._watched = [(p, p.grad) for p in self.parameters if p.grad is not None]
+            self._record_memory()
         return out
 
     def _prepare_grads(self) -> None:
@@ -280,28 +301,36 @@ class GraphedStep:
         return out
 
     def _record_memory(self) -> None:
-        """The snapshot the graph reads from: each parameter's storage addresses and, with the model given, the
-        model's (name, parameter) pairs."""
-        self._memory = [(p, _storage_ptrs(p)) for p in self.parameters]
-        self._named = list(self._module.named_parameters()) if self._module is not None else []
+        """The snapshot the graph reads from: each parameter's storage addresses and, with the model given, its
+        buffers' too, and for each of its modules the identities of its own parameters, buffers and children."""
+        tensors = list(self.parameters)
+        self._tree, self._names = [], {}
+        if self._module is not None:
+            tensors += [b for b in self._module.buffers() if b is not None]
+            self._tree = [(m, _members(m)) for m in self._module.modules()]
+            self._names = _named_members(self._module)
+        self._memory = [(t, _storage_ptrs(t)) for t in tensors]
 
     def _check_memory(self) -> None:
-        moved = [p for p, ptrs in self._memory if _storage_ptrs(p) != ptrs]
-        replaced = []
-        if self._module is not None:
-            now = list(self._module.named_parameters())
-            if len(now) != len(self._named):
-                replaced = sorted({n for n, _ in now} ^ {n for n, _ in self._named}) or ["(the parameter set)"]
-            else:
-                replaced = [n for (n, p), (m, q) in zip(self._named, now) if n != m or p is not q]
+        moved = [t for t, ptrs in self._memory if _storage_ptrs(t) != ptrs]
+        replaced = {}
+        if any(not _same(members, _members(m)) for m, members in self._tree):  # (identities only: no names walk)
+            now = _named_members(self._module)
+            for kind, then in self._names.items():
+                a, b = dict(then), dict(now[kind])
+                names = sorted(n for n in a.keys() | b.keys() if a.get(n) is not b.get(n))
+                if names:
+                    replaced[kind] = names
         if moved or replaced:
             what = []
             if moved:
-                what.append(f"{len(moved)} of {len(self._memory)} parameters now live in other memory "
-                            "(model.to(...), p.data = ...)")
-            if replaced:
-                what.append(f"parameters {sorted(set(replaced))[:4]} were replaced in their modules "
-                            "(load_state_dict(..., assign=True), module.weight = ..., a submodule swapped)")
+                what.append(f"{len(moved)} of {len(self._memory)} parameters{' and buffers' if self._tree else ''} "
+                            "now live in other memory (model.to(...), p.data = ...)")
+            for kind, names in replaced.items():
+                shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+                how = {"parameters": "load_state_dict(..., assign=True), module.weight = ...",
+                       "buffers": "module.some_buffer = ...", "submodules": "model.layer = ..."}[kind]
+                what.append(f"{kind} {shown} were replaced in their modules ({how})")
             raise RuntimeError(
                 f"graph_step: {'; '.join(what)} after the capture; the captured graph reads and writes the memory "
                 "of the capture, so the step would silently train stale tensors. Update parameters in place "
@@ -349,11 +378,12 @@ def graph_step(fn: Callable[..., Any], parameters: Iterable[torch.Tensor], *, wa
         * the returned value is owned by the graph (overwritten by the next replay): ``.item()`` / ``.clone()`` it;
         * parameters are updated in place (optimizers, ``load_state_dict`` and ``copy_`` do). Parameters moved to
           new memory after the capture (``model.to(...)``, ``p.data = ...``) raise ``RuntimeError`` at the next
-          call, before any replay on the old memory. Given the model (not only its parameters), parameters
-          replaced in it (``load_state_dict(..., assign=True)``, ``module.weight = nn.Parameter(...)``, a submodule
-          swapped) raise too, and :meth:`GraphedStep.close` starts over on its current parameters. The check
-          compares a snapshot taken at capture (each parameter's storage addresses; the model's named parameters)
-          at each call;
+          call, before any replay on the old memory. Given the model (not only its parameters), its buffers are
+          held to the same rule, and parameters, buffers or submodules replaced in it
+          (``load_state_dict(..., assign=True)``, ``module.weight = nn.Parameter(...)``, ``module.buf = t``,
+          ``model.act = nn.ReLU()``) raise too, naming them; :meth:`GraphedStep.close` starts over on its current
+          parameters. The check compares a snapshot taken at capture (each parameter's and buffer's storage
+          addresses; each module's own parameters, buffers and children, by identity) at each call;
         * inside ``fn`` nothing synchronizes with the host (``.item()``, data-dependent shapes,
           ``clip_grad_norm_(error_if_nonfinite=True)``); the optimizer step stays outside.
 
@@ -364,7 +394,7 @@ def graph_step(fn: Callable[..., Any], parameters: Iterable[torch.Tensor], *, wa
     Args:
         fn: the step: forward, loss, ``backward()``; returns anything (tensors in it are graph-owned after capture).
         parameters: the model (an ``nn.Module``: its parameters, re-read at :meth:`GraphedStep.close`, and
-            replacements in it detected) or the parameters whose gradients ``fn`` computes (``model.parameters()``):
+            replacements in it and moved buffers detected) or the parameters whose gradients ``fn`` computes (``model.parameters()``):
             gradients are prepared for the capture and checked before each replay. Also used to decide whether
             capture is possible.
         warmup_steps: eager calls before the capture (>= 1; compiled blocks need one per compile).
@@ -381,7 +411,8 @@ def graph_step(fn: Callable[..., Any], parameters: Iterable[torch.Tensor], *, wa
             ``warmup_steps`` < 1, ``enabled`` not None / bool, ``pool`` not a pool handle) at construction, or
             changed inputs at a call.
         RuntimeError: the capture failed (the message names the usual causes), gradients were set to ``None`` or
-            replaced after the capture, parameters moved to other memory or were replaced in their modules after
-            the capture, or ``enabled=True`` where capture is impossible.
+            replaced after the capture, parameters (or, given the model, buffers) moved to other memory or
+            parameters, buffers or submodules were replaced in their modules after the capture, or
+            ``enabled=True`` where capture is impossible.
     """
     return GraphedStep(fn, parameters, warmup_steps=warmup_steps, pool=pool, enabled=enabled)

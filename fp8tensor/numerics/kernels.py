@@ -23,6 +23,7 @@ the kernels inline from its generated code; eager callers launch them directly w
 from __future__ import annotations
 
 import importlib
+import types
 from typing import Optional
 
 import torch
@@ -298,14 +299,21 @@ class _Launcher:
         return None
 
 
+def _frozen(d: dict) -> types.MappingProxyType:
+    """A read-only view of ``d`` (nested dicts too): the tile tables are constants of the package. Some change the
+    bits (the decode GEMM's split over K sets its fp32 summation order) and cached launch plans are derived from them,
+    so no process-wide change may reach them at run time; tune them by editing this file."""
+    return types.MappingProxyType({k: _frozen(v) if isinstance(v, dict) else v for k, v in d.items()})
+
+
 #: Tile sizes of the two kernels (tuned on H200 over the e2e models' shapes: a sweep script at commit b44f11a, results in
 #: docs/benchmarks.md; any config gives the same bits).
-CONFIG = dict(amax_block_k=64, amax_block_m=256, amax_chunk_m=256, amax_warps=4, cast_block_m=64, cast_block_k=128,
-              cast_warps=4)
+CONFIG = _frozen(dict(amax_block_k=64, amax_block_m=256, amax_chunk_m=256, amax_warps=4, cast_block_m=64,
+                     cast_block_k=128, cast_warps=4))
 
 
 #: Tiles of the row-wise (last-dim) kernel.
-ROW_CONFIG = dict(block_m=4, block_k=1024, warps=8)
+ROW_CONFIG = _frozen(dict(block_m=4, block_k=1024, warps=8))
 
 
 def row_kernel_available(x: torch.Tensor) -> bool:
@@ -556,7 +564,7 @@ def _dim0_t_kernels(amax_k, cast_k, x, amax, q, scale, M, K, stride_m, fmax, sca
 
 
 #: Tiles of the transpose kernel (1-byte elements).
-TRANSPOSE_CONFIG = dict(block_m=128, block_n=128, warps=8)
+TRANSPOSE_CONFIG = _frozen(dict(block_m=128, block_n=128, warps=8))
 
 
 def transpose_available(src: torch.Tensor) -> bool:
@@ -588,7 +596,7 @@ def launch_transpose(src: torch.Tensor) -> torch.Tensor:
 
 
 #: Tiles of the per-group column quantization kernel.
-GROUP_COL_CONFIG = dict(block_m=64, block_c=64, warps=4)
+GROUP_COL_CONFIG = _frozen(dict(block_m=64, block_c=64, warps=4))
 
 
 def group_col_kernel_available(x: torch.Tensor) -> bool:
@@ -692,10 +700,10 @@ if _HAS_TRITON:
 #: stream the weight (each slice at least ``min_k_tiles`` tiles long); a split sums its fp32 partials in a second
 #: kernel (fixed order). Tuned on H200 over a Llama3-8B layer's shapes, graphed (a sweep script at commit b44f11a); from 33
 #: rows on, cuBLAS's fp8 x fp8 row-scaled GEMM measured faster than these tiles, so larger inputs take it.
-W8_MM_CONFIG = dict(max_m=32, reduce_block=1024, tiles={
+W8_MM_CONFIG = _frozen(dict(max_m=32, reduce_block=1024, tiles={
     16: dict(block_n=32, block_k=128, warps=4, stages=3, programs_per_sm=4, min_k_tiles=4, n_major=False),
     32: dict(block_n=64, block_k=128, warps=4, stages=3, programs_per_sm=8, min_k_tiles=4, n_major=True),
-})
+}))
 _SM_COUNT: dict = {}
 _W8_PLANS: dict = {}
 

@@ -371,15 +371,21 @@ def _grouped_mm_fp8(func, args, kwargs):
 
 
 # ---------------------------------------------------------------------------------------------- modules
-_GROUPED_FUNCS = {torch._grouped_mm}
-try:
-    import torch.nn.functional as _F
+def _grouped_funcs() -> frozenset:
+    funcs = {torch._grouped_mm}
+    try:
+        import torch.nn.functional as _F
 
-    if hasattr(_F, "grouped_mm"):
-        _GROUPED_FUNCS.add(_F.grouped_mm)
-except ImportError:  # pragma: no cover
-    pass
-_CASTS = {torch.Tensor.to, torch.Tensor.bfloat16, torch.Tensor.half, torch.Tensor.float, torch.Tensor.type_as}
+        if hasattr(_F, "grouped_mm"):
+            funcs.add(_F.grouped_mm)
+    except ImportError:  # pragma: no cover
+        pass
+    return frozenset(funcs)
+
+
+_GROUPED_FUNCS = _grouped_funcs()
+_CASTS = frozenset({torch.Tensor.to, torch.Tensor.bfloat16, torch.Tensor.half, torch.Tensor.float,
+                    torch.Tensor.type_as})
 
 
 def is_grouped_mm(func) -> bool:

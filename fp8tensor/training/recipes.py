@@ -17,6 +17,7 @@ The autograd function that runs them is :mod:`fp8tensor.linear`; the master weig
 from __future__ import annotations
 
 import dataclasses
+import types
 from dataclasses import dataclass
 from typing import Optional
 
@@ -157,10 +158,12 @@ def weight_format(recipe: "Recipe", float8_dtype: torch.dtype) -> "Recipe":
                                grad_weight=b(recipe.grad_weight))
 
 
-RECIPES = {
+#: The named recipes (read-only: a name means the same recipe everywhere in the process; pass a :class:`Recipe`
+#: itself for any other).
+RECIPES = types.MappingProxyType({
     "rowwise": Recipe("rowwise"),
     "rowwise_gw_hp": Recipe("rowwise_gw_hp", grad_weight=Gemm(_HP, _HP)),
-}
+})
 
 
 def get_recipe(recipe) -> Recipe:

@@ -14,6 +14,18 @@ from fp8tensor import ScaledFp8Tensor
 from fp8tensor import tensor as tensor_mod
 
 
+@pytest.fixture(autouse=True)
+def _no_scope_left_pending():
+    """Each test leaves no ``config(...)`` scope made and not entered behind (it would fail the next test instead)."""
+    from fp8tensor.core import settings
+
+    yield
+    left = [r() for r in getattr(settings._local, "pending", None) or []]
+    if left:
+        settings._local.pending.clear()
+        pytest.fail(f"config scopes left pending by this test: {left}")
+
+
 def test_config_scopes_and_restores():
     base = fp8tensor.get_config()
     with fp8tensor.config(gemm_backend="emulated") as c:

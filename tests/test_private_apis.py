@@ -49,10 +49,7 @@ ALLOWED_FOREIGN = {
 #: Uses that wait for a change in a module owned elsewhere, as ``"path:name"`` (path relative to ``fp8tensor/``) ->
 #: the compat function that replaces them. The guard fails on any use not listed here, and on a listed one that is
 #: gone (remove it from this table then).
-PENDING = {
-    "training/linear.py:_local_tensors": "compat.local_tensor_shards(local)",
-    "distributed/collectives.py:_schema": "compat.op_schema(func)",
-}
+PENDING: dict = {}
 
 _ACCESSORS = ("getattr", "hasattr", "setattr", "delattr")
 

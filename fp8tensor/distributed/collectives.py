@@ -74,7 +74,7 @@ def _dist_op(name: str) -> list:
 def _bind(func, args, kwargs) -> dict[str, Any]:
     """Arguments of an op call by schema name, defaults filled in."""
     out = {}
-    for i, arg in enumerate(func._schema.arguments):
+    for i, arg in enumerate(compat.op_schema(func).arguments):
         if i < len(args):
             out[arg.name] = args[i]
         elif arg.name in kwargs:

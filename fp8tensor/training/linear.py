@@ -63,8 +63,8 @@ def _is_fp8(t: torch.Tensor) -> bool:
         local = t.to_local() if compat.is_compiling() else compat.local_tensor(t)
     else:
         local = t
-    shards = getattr(local, "_local_tensors", None)  # LocalTensorMode: one tensor per simulated rank
-    if isinstance(shards, dict) and shards:
+    shards = compat.local_tensor_shards(local)  # LocalTensorMode: one tensor per simulated rank
+    if shards:
         local = next(iter(shards.values()))
     return isinstance(local, ScaledFp8Tensor)
 

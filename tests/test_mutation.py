@@ -278,3 +278,24 @@ def test_data_assign_of_a_scaled_tensor_takes_its_values_and_shape():
     with pytest.raises(TypeError, match="high-precision"):
         t.data = torch.zeros(48, 64, dtype=torch.int32)
     assert torch.equal(t.to_hp(), u.to_hp())
+
+
+@pytest.mark.parametrize("write", ["view_element", "flatten_element", "view_slice_fill", "merged_rows"])
+def test_write_through_a_view_that_merges_rows_raises_and_changes_nothing(write):
+    """``t.view(-1)`` of a row-scaled tensor holds a copy of the scales (one per element): a write through it could
+    not reach the tensor's own scales, so it raises and nothing changes; views that keep the rows work."""
+    t = ScaledFp8Tensor.from_hp(torch.randn(4, 8))
+    q, s = t.qdata.clone(), t.scale.clone()
+    with pytest.raises(NotImplementedError, match="merges the scaled rows"):
+        with torch.no_grad():
+            if write == "view_element":
+                t.view(-1)[5] = 3.0
+            elif write == "flatten_element":
+                t.flatten()[13] = 9.0
+            elif write == "view_slice_fill":
+                t.view(-1)[8:16].fill_(9.0)
+            else:
+                t.view(2, 16)[0, 13] = 9.0
+    assert torch.equal(t.qdata.view(torch.uint8), q.view(torch.uint8)) and torch.equal(t.scale, s)
+    t.view(4, 2, 4)[1, 1, 1] = 7.0  # a view that keeps whole rows: written
+    assert t.to_hp()[1, 5].item() == 7.0

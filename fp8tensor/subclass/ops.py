@@ -36,6 +36,8 @@ def _wrap(qdata: torch.Tensor, scale: torch.Tensor, like: ScaledFp8Tensor, share
     else:
         out = make_scaled(qdata, scale, like.orig_dtype, like.fast_accum, dims, shares_scale=shares,
                           scale_writes=writes)
+    if like.__dict__.get(_SCALE_COPY):  # (a view of a view whose scales are a copy: writes refused too)
+        out.__dict__[_SCALE_COPY] = True
     if shares:  # the tensor whose scale groups this view cuts through: a partial write re-quantizes them in it
         root = like.__dict__.get(_ROOT)
         out.__dict__[_ROOT] = root if root is not None else (like.qdata, like.scale, like.scaled_dims)
@@ -104,6 +106,12 @@ def _copy_into_data_and_scale(func, args, kwargs):
         raise RuntimeError(
             f"ScaledFp8Tensor copy_: shape mismatch, destination {tuple(dst.shape)} and source {tuple(src.shape)}"
         )
+    if dst.__dict__.get(_SCALE_COPY):
+        raise NotImplementedError(
+            "ScaledFp8Tensor copy_: writing through a view whose scales are a copy (a view that merges the scaled "
+            f"rows, e.g. t.view(-1)[i] = v, data {tuple(dst.shape)}) is not supported: the tensor's own scales would "
+            "not change. Write through a view that keeps the rows (t[r, c] = v, t[:, a:b] = ...), or into the "
+            "high-precision tensor")
     if isinstance(src, ScaledFp8Tensor):
         if src.qdata.dtype != dst.qdata.dtype:
             src_hp = src.to_hp(torch.float32)
@@ -364,7 +372,23 @@ def _view_scale_with_data(func, args, kwargs):
     else:  # view, _reshape_alias (its stride argument is the view's own)
         q = aten.view.default(t.qdata, size)
     scale, dims = _view_scale(t.scale, t.shape, q.shape, t.scaled_dims)
-    return _wrap(q, scale, t, dims=dims)
+    return _mark_scale_copy(_wrap(q, scale, t, dims=dims), t)
+
+
+def _mark_scale_copy(out: ScaledFp8Tensor, t: ScaledFp8Tensor) -> ScaledFp8Tensor:
+    """Mark a view of ``t`` whose scale had to be materialized (it no longer aliases ``t``'s): ``copy_`` into it
+    raises (its writes would not reach ``t``'s scales)."""
+    try:
+        copied = out.scale.untyped_storage().data_ptr() != t.scale.untyped_storage().data_ptr()
+    except Exception:  # (tensors without storage: fake or traced)
+        copied = False
+    if copied or t.__dict__.get(_SCALE_COPY):
+        out.__dict__[_SCALE_COPY] = True
+    return out
+
+
+#: Attribute of a view whose scale is a copy of its base's (see :func:`_mark_scale_copy`).
+_SCALE_COPY = "_fp8tensor_scale_copy"
 
 
 @implements([aten.view_as.default])

@@ -15,6 +15,7 @@ compiling beside them).
     python benchmarks/serve.py [--model 8b|readme] [--rows decode1,decode8,decode64,prefill1,prefill4]
                                [--modes eager,compile] [--variants bf16,fp8tensor,torchao] [--profile decode8]
                                [--parallel]
+    python benchmarks/serve.py --host    # host time per eager call: F.linear, nn.Linear, a quantize_weights Linear
 """
 from __future__ import annotations
 
@@ -165,8 +166,43 @@ def measure(a, args: ModelArgs, bf16: torch.nn.Module, names: list, rows: list, 
     return out
 
 
+def host_per_call() -> None:
+    """Host time per eager call (µs, 2000 calls after 50, one synchronization at each end) of a 256 x 256 bf16 weight
+    on one token: ``F.linear``, the decode GEMM's launch alone, a bf16 ``nn.Linear`` and a ``quantize_weights``
+    Linear; the host cost that makes eager decode host-bound."""
+    from fp8tensor import kernels
+
+    torch.manual_seed(0)
+    n = 2000
+
+    def per_call(fn) -> float:
+        for _ in range(50):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / n * 1e6
+
+    lin = torch.nn.Linear(256, 256, bias=False, device="cuda", dtype=torch.bfloat16)
+    q = fp8tensor.quantize_weights(torch.nn.Sequential(torch.nn.Linear(256, 256, bias=False, device="cuda",
+                                                                       dtype=torch.bfloat16)))[0]
+    x = torch.randn(1, 256, device="cuda", dtype=torch.bfloat16)
+    w8, s = q.weight.qdata, q.weight.scale
+    print(f"# host time per eager call, 256 x 256 weight, one token ({env_line()})\n")
+    print("| call | µs |\n|---|---|")
+    with torch.no_grad():
+        for k, fn in {"F.linear bf16": lambda: torch.nn.functional.linear(x, lin.weight),
+                      "decode GEMM launch": lambda: kernels.launch_w8_mm(x, w8, s, None),
+                      "nn.Linear bf16": lambda: lin(x),
+                      "nn.Linear after quantize_weights": lambda: q(x)}.items():
+            print(f"| {k} | {per_call(fn):.1f} |", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--host", action="store_true", help="only the host time per eager call (see host_per_call)")
     ap.add_argument("--model", choices=sorted(MODELS), default="8b")
     ap.add_argument("--rows", default=",".join(ROWS))
     ap.add_argument("--modes", default="eager,compile")
@@ -184,6 +220,9 @@ def main():
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("benchmarks/serve.py: needs CUDA")
+        return
+    if a.host:
+        host_per_call()
         return
     rows, modes, names = a.rows.split(","), a.modes.split(","), a.variants.split(",")
     torch._dynamo.config.automatic_dynamic_shapes = False  # one static graph per row (as a server's fixed buckets)

@@ -362,8 +362,8 @@ class _Launcher:
         return None
 
 
-#: Tile sizes of the two kernels (tuned on H200 over the e2e models' shapes: benchmarks/dim0_sweep.py, results in
-#: docs/benchmarks.md; any config gives the same bits).
+#: Tile sizes of the two kernels (tuned on H200 over the e2e models' shapes by a tile sweep; any config gives the
+#: same bits).
 CONFIG = dict(amax_block_k=64, amax_block_m=256, amax_chunk_m=256, amax_warps=4, cast_block_m=64, cast_block_k=128,
               cast_warps=4)
 
@@ -828,7 +828,7 @@ if _HAS_TRITON:
 #: (``BLOCK_M`` = 16 or 32 rows): ``block_n`` x ``block_k`` weight tiles (``n_major``: loaded K-contiguous and
 #: transposed in registers), ``warps``, ``stages``; the K dim is split until about ``programs_per_sm`` programs per SM
 #: stream the weight (each slice at least ``min_k_tiles`` tiles long); a split sums its fp32 partials in a second
-#: kernel (fixed order). Tuned on H200 over a Llama3-8B layer's shapes, graphed (``benchmarks/w8_tune.py``); from 33
+#: kernel (fixed order). Tuned on H200 over a Llama3-8B layer's shapes, graphed (a tile sweep); from 33
 #: rows on, cuBLAS's fp8 x fp8 row-scaled GEMM measured faster than these tiles, so larger inputs take it.
 W8_MM_CONFIG = dict(max_m=32, reduce_block=1024, tiles={
     16: dict(block_n=32, block_k=128, warps=4, stages=3, programs_per_sm=4, min_k_tiles=4, n_major=False),

@@ -53,7 +53,7 @@ class Config:
             like a working one, hence the warning; ``"raise"`` is for tests that must prove a path stays in fp8).
         eager_fast_path: (default True) eager fp8 Linears on plain tensors run on ``(qdata, scale)`` pairs: the same
             quantizations and ``scaled_mm`` calls as the general path, without transient ``ScaledFp8Tensor`` s and
-            the dispatch through ``fp8_mm`` (less host time per Linear, ``benchmarks/host_overhead.py``). False: every
+            the dispatch through ``fp8_mm`` (less host time per Linear, ``benchmarks/e2e.py --profile``). False: every
             Linear takes the general path (same bits; to compare the two or to rule the fast path out).
         weight_only_decode: (default True) with autograd off, a decode-sized input (up to 32 tokens, bf16 / fp16,
             CUDA with Triton) of an fp8 weight stored per row (``quantize_weights``) is multiplied in its own
@@ -71,7 +71,7 @@ class Config:
             eager backward of an fp8 weight with row scales (FSDP2's fp8 all-gather, frozen fp8 weights) is
             quantized for both gradient GEMMs in one fused pass that also folds the row scales in
             (:func:`fp8tensor.quantize.quantize_rows_and_tokens`; CUDA with Triton), the one case where the pass
-            measured faster than the separate kernels on H200 (``benchmarks/quant_cost.py``); ``"never"``: each
+            measured faster than the separate kernels on H200 (``benchmarks/linear.py --quant``); ``"never"``: each
             layout on its own. Same bits either way.
         compiled_quantization: one of :data:`COMPILED_QUANTIZATION` (default ``"kernels"``): how a compiled graph
             (``torch.compile``) quantizes the token-dim (column) operands of the grad_weight GEMMs. ``"kernels"``:
@@ -86,7 +86,7 @@ class Config:
             mid-sized ``rowwise`` ones get ``rowwise_gw_hp``) when its ``size_rule`` argument is left at None. Off
             by default: converting converts what the filter selects, with the requested recipe.
         size_rule_min: (default 640) the size rule's threshold on ``K * N / (K + N)`` (``K`` in_features, ``N``
-            out_features): below it a Linear stays in high precision; calibrate it with ``benchmarks/size_rule.py``.
+            out_features): below it a Linear stays in high precision; calibrate it with ``benchmarks/linear.py --size-rule``.
             A positive number.
         size_rule_fp8_grad_weight_min: (default 1024) the size rule's second threshold: a Linear converted with the
             ``rowwise`` recipe whose ``K * N / (K + N)`` lies in ``[size_rule_min, size_rule_fp8_grad_weight_min)``

@@ -157,8 +157,8 @@ def _weight_for_grad_input(weight: torch.Tensor, gy: torch.Tensor, fast: bool, r
 # ---------------------------------------------------------------------------------------------- eager plain path
 # Eager Linears on plain tensors run through the ``*_parts`` functions below (the same quantizations
 # and ``scaled_mm`` calls as the general path, on ``(qdata, scale)`` pairs: no transient ScaledFp8Tensors and no
-# dispatch through ``fp8_mm``): less host time per Linear, measured by ``benchmarks/host_overhead.py``
-# (``--no-eager-parts`` runs the general path). ``fp8tensor.config(eager_fast_path=False)``: always the general path
+# dispatch through ``fp8_mm``): less host time per Linear, measured on the host
+# (``benchmarks/e2e.py --profile``). ``fp8tensor.config(eager_fast_path=False)``: always the general path
 # (same bits).
 
 def _eager_plain(t: torch.Tensor) -> bool:
@@ -241,7 +241,7 @@ def _grad_out_both(grad_out: torch.Tensor, weight: torch.Tensor, x_saved: torch.
     """``grad_out``'s two fp8 GEMM operands from two reads of it (:func:`fp8tensor.quantize.quantize_rows_and_tokens`)
     when an eager backward on plain tensors needs both (grad_input and an fp8 grad_weight) and the parts functions take
     the weight and the saved input, and the weight is row-scaled fp8 (its scales folded in by the pass: the one case
-    where it measured faster, ``benchmarks/quant_cost.py``), unless ``fp8tensor.config(fused_grad_out="never")``;
+    where it measured faster, ``benchmarks/linear.py --quant``), unless ``fp8tensor.config(fused_grad_out="never")``;
     else None (each quantized on its own, same bits).
 
     Returns:

@@ -68,7 +68,7 @@ def top_host(fn, n: int = 25) -> str:
 
 def one_process_mesh(device: torch.device, shape: tuple, names=None):
     """A device mesh of ``shape`` (all ones) over a single-process group, created if none exists: NCCL on CUDA, gloo
-    on CPU (the one-GPU runs of ``e2e.py`` and ``host_overhead.py``)."""
+    on CPU (the one-GPU runs of ``e2e.py``)."""
     import os
 
     import torch.distributed as dist

@@ -39,8 +39,15 @@ def _run_train(out_dir: Path, tp: int, extra=()) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("tp", [2, 1], ids=["dp1xtp2", "dp2xtp1"])
 def test_train_example_runs(tmp_path, tp):
     skip = 1 if tp == 2 else 3  # the tok/s of the dp2xtp1 run leaves out its first 3 steps
-    proc = _run_train(tmp_path, tp, extra=("--timing-skip", str(skip)))
+    proc = _run_train(tmp_path, tp, extra=("--timing-skip", str(skip), "--log-every", "5"))
     assert proc.returncode == 0, f"train.py failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    # stdout is a pipe, not a terminal: no progress bar, one line every --log-every steps and at the last, per run
+    assert "it/s" not in proc.stdout + proc.stderr and "\r" not in proc.stdout + proc.stderr
+    want = sorted({s for s in range(5, STEPS + 1, 5)} | {STEPS})
+    for name in ("bf16", "fp8"):
+        got = [int(n) for n in re.findall(rf"^{name} step (\d+)/{STEPS}  loss [\d.]+  gnorm [\d.]+  tokens/s [\d,]+$",
+                                          proc.stdout, re.M)]
+        assert got == want, (name, got, proc.stdout[-3000:])
     note = "the first step, which includes" if skip == 1 else f"the first {skip} steps, which include"
     assert len(re.findall(rf"[\d,]+ tok/s \(after {note} compile / warm-up\)", proc.stdout)) == 2, proc.stdout[-3000:]
 

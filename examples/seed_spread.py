@@ -75,10 +75,12 @@ def main(argv=None) -> dict:
     for seed in args.seeds:
         runs = run_seed(seed, args)["runs"]
         rows[seed] = {name: r["val_loss"] for name, r in runs.items()}
-    print(f"\n{'seed':>4}  {'bf16':>7}  {'fp8':>7}  {'gap':>7}")
+    both = args.mode == "both"
+    print(f"\n{'seed':>4}  {'bf16':>7}" + (f"  {'fp8':>7}  {'gap':>7}" if both else ""))
     for seed, r in rows.items():
         gap = 100 * (r["fp8"] - r["bf16"]) / r["bf16"] if "fp8" in r and "bf16" in r else float("nan")
-        print(f"{seed:>4}  {r.get('bf16', float('nan')):7.4f}  {r.get('fp8', float('nan')):7.4f}  {gap:+6.2f}%")
+        print(f"{seed:>4}  {r.get('bf16', float('nan')):7.4f}"
+              + (f"  {r.get('fp8', float('nan')):7.4f}  {gap:+6.2f}%" if both else ""))
     summary = {"seeds": args.seeds, "train_args": args.train_args, "val_loss": rows}
     for name in ("bf16", "fp8"):
         vals = [r[name] for r in rows.values() if name in r]

@@ -97,6 +97,8 @@ def parse(argv=None):
     p.add_argument("--profile", action="store_true", help="print top host ops of every fp8tensor variant")
     p.add_argument("--trace-dir", default=os.environ.get("OUT"), help="write chrome traces here with --profile")
     p.add_argument("--json", default=None, help="write the rows as JSON here")
+    p.add_argument("--record", default=None, metavar="PATH",
+                   help="write the table as a docs/results record here (name: the file's stem; benchmarks/render.py)")
     p.add_argument("--kernels", action="store_true", help="print the top GPU kernels of every variant")
     p.add_argument("--fused-grad-out", default=None, choices=("eager", "never"),
                    help="fp8tensor.set_config(fused_grad_out=...) (default: the library's; recorded in the header "
@@ -537,6 +539,18 @@ def main(argv=None):
     for r in rows:
         ratio = _ratio(rows, r, "pipe_ms")
         print(f"| {r['variant']} | {r['pipe_ms']:.2f} | {ratio} | {r['pipe_ms'] / r['gpu_ms']:.2f} |")
+    if args.record:
+        from _util import write_record
+
+        table = [{"variant": r["variant"], "step ms": f"{r['ms']:.2f}", "tokens/s": f"{r['tok_s']:,.0f}",
+                  "vs bf16": _ratio(rows, r, "ms"), "GPU ms/step": f"{r['gpu_ms']:.2f}",
+                  "wall / GPU": f"{r['ms'] / r['gpu_ms']:.2f}", "peak GiB": f"{r['peak_gib']:.1f}"} for r in rows]
+        b2b = "; ".join(f"{r['variant']} {r['pipe_ms']:.2f} ({_ratio(rows, r, 'pipe_ms')})" for r in rows)
+        write_record(args.record, os.path.splitext(os.path.basename(args.record))[0], table,
+                     "PYTHONPATH=. python benchmarks/e2e.py " + " ".join(
+                         a for i, a in enumerate(sys.argv[1:]) if a != "--record" and sys.argv[i] != "--record"),
+                     notes=[f"Back to back (one synchronization before and after, none between; ms per step and "
+                            f"ratio): {b2b}."])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(size=args.size, cfg=c, env=env, mode=args.mode, cudagraph_params=args.cudagraph_params,

@@ -19,11 +19,11 @@
 #   train        examples/train.py --cuda-graph on the README model (1200 steps, bf16 / rowwise / rowwise --size-rule)
 #   train-seeds  bf16 alone over seeds 0 1 2 with the same flags (examples/seed_spread.py): bf16's seed-to-seed spread,
 #                printed beside the fp8 gap of the `train` stage (run `train` first, in the same OUTDIR)
-# JSON: e2e-*, linear, quant, size-rule, moe, train and train-seeds write their rows as JSON in OUTDIR; copy a run
-# into docs/results/ (the record's date, GPU, torch version and commit filled in) and render the tables with
-# `python benchmarks/render.py`.
+# JSON: e2e-*, linear, quant and size-rule write docs/results records (command, date, GPU, torch version, commit,
+# rows) into OUTDIR/record/; copy them into docs/results/ and render the tables with `python benchmarks/render.py`.
+# moe, train and train-seeds write their own JSON (moe.json, train/losses.json, seeds/spread.json) in OUTDIR.
 set -uo pipefail
-out=${OUTDIR:-${OUT:-out}}; mkdir -p "$out"
+out=${OUTDIR:-${OUT:-out}}; mkdir -p "$out/record"
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
@@ -61,9 +61,9 @@ for stage in "$@"; do
            grep -E "bit-identical|Error|assert|^E |passed|failed" "$out/graph_tests.txt" | cut -c1-300 | tail -40 ;;
     e2e-*) size=${stage#e2e-}
            timeout ${E2E_TIMEOUT:-420} $py benchmarks/e2e.py --size "$size" --variants "${E2E_VARIANTS:-$(e2e_variants "$size")}" \
-             --json "$out/e2e_$size.json" > "$out/e2e_$size.txt" 2>&1
+             --json "$out/e2e_$size.json" --record "$out/record/e2e_$size.json" > "$out/e2e_$size.txt" 2>&1
            table "$out/e2e_$size.txt" ;;
-    linear) timeout 300 $py benchmarks/linear.py --json "$out/linear.json" > "$out/linear.txt" 2>&1; table "$out/linear.txt" ;;
+    linear) timeout 300 $py benchmarks/linear.py --json "$out/record/linear.json" > "$out/linear.txt" 2>&1; table "$out/linear.txt" ;;
     memory-4096) timeout 300 $py benchmarks/memory.py --fsdp --dim 4096 --ffn 14336 --heads 32 --kv-heads 8 \
              --layers 4 --seq 8192 --warmup 1 --variants bf16@compile,rowwise@compile,rowwise_gw_hp@compile \
              > "$out/memory_4096.txt" 2>&1; tail -30 "$out/memory_4096.txt" ;;
@@ -75,9 +75,9 @@ for stage in "$@"; do
                --time-limit ${SERVE_TIMEOUT:-400} ${SERVE_ARGS:-}
            } > "$out/serve.txt" 2>&1
            grep -E "^\||^# serve|passed|failed|FAILED|Error" "$out/serve.txt" | cut -c1-220 ;;
-    quant) timeout 200 $py benchmarks/linear.py --quant --json "$out/quant.json" > "$out/quant.txt" 2>&1
+    quant) timeout 200 $py benchmarks/linear.py --quant --json "$out/record/quant.json" > "$out/quant.txt" 2>&1
            table "$out/quant.txt" ;;
-    size-rule) timeout 300 $py benchmarks/linear.py --size-rule --quick --json "$out/size_rule.json" > "$out/size_rule.txt" 2>&1
+    size-rule) timeout 300 $py benchmarks/linear.py --size-rule --quick --json "$out/record/size_rule.json" > "$out/size_rule.txt" 2>&1
            table "$out/size_rule.txt" ;;
     train) # the main job on one GPU: the README model, 1200 steps, whole-step CUDA graph; bf16 and fp8 rowwise, then
            # fp8 with the size-aware choice (TRAIN_SIZED=0 skips it)

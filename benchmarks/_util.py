@@ -108,3 +108,31 @@ class Optimizers:
     def zero_grad(self, set_to_none: bool = True):
         for o in self.opts:
             o.zero_grad(set_to_none=set_to_none)
+
+
+def write_record(path, name: str, rows: list, command: str, **meta) -> None:
+    """Write a benchmark's table as a ``docs/results`` record (JSON): ``name``, ``command``, ``date``, ``gpu``,
+    ``torch``, ``commit`` (``git rev-parse --short HEAD`` when available), any ``meta`` (e.g. ``software``,
+    ``title``, ``notes``), ``columns`` and ``rows`` (each row a list of cells, as ``benchmarks/render.py`` prints
+    them). ``rows`` may be dicts (their keys are the columns, in order of first appearance)."""
+    import datetime
+    import json
+    import subprocess
+
+    columns: list = []
+    for r in rows:
+        if isinstance(r, dict):
+            columns += [k for k in r if k not in columns]
+    cells = [[r.get(c, "") for c in columns] if isinstance(r, dict) else list(r) for r in rows]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                check=True).stdout.strip()
+    except Exception:
+        commit = "unknown"
+    record = {"name": name, "command": command, "date": str(datetime.date.today()),
+              "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+              "torch": torch.__version__, "commit": commit, **meta, "columns": columns,
+              "rows": [[c if isinstance(c, str) else json.dumps(c) for c in row] for row in cells]}
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1, ensure_ascii=False)
+        f.write("\n")

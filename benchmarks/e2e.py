@@ -42,6 +42,10 @@ Sizes of the issue (one command each; all variants fit in one device call of < 9
     ... --variants bf16@fsdp,rowwise@fsdp --profile          # + top host ops of the fp8 step, chrome trace in $OUT
 
 CPU smoke run: ``--device cpu --size tiny --no-compile``.
+
+``--graph-check`` (any device, CPU included): host time of ``fp8tensor.graph_step``'s checks before each replay
+(gradients not replaced, parameters' storage addresses and their modules' entries unchanged) on the example Llama's
+parameters (4 blocks, converted): µs per call, paid while the GPU still runs the previous step.
 """
 from __future__ import annotations
 
@@ -93,6 +97,8 @@ def parse(argv=None):
     p.add_argument("--profile", action="store_true", help="print top host ops of every variant")
     p.add_argument("--trace-dir", default=os.environ.get("OUT"), help="write chrome traces here with --profile")
     p.add_argument("--json", default=None, help="write the rows as JSON here")
+    p.add_argument("--record", default=None, metavar="PATH",
+                   help="write the table as a docs/results record here (name: the file's stem; benchmarks/render.py)")
     p.add_argument("--kernels", action="store_true", help="print the top GPU kernels of every variant")
     p.add_argument("--gc", default="on", choices=("on", "step"),
                    help="Python garbage collector: on (default) or step (disabled in steps, gc.collect() between "
@@ -452,7 +458,37 @@ def _ratio(rows: list, r: dict, key: str) -> str:
     return f"{base / r[key]:.3f}x" if base else "—"
 
 
+def graph_check_us(layers: int = 4, reps: int = 2000) -> tuple:
+    """(µs per call, parameters) of ``graph_step``'s per-call checks on the example Llama's parameters (a CPU model:
+    the checks only read Python objects and storage addresses, the same on any device)."""
+    import warnings
+
+    import fp8tensor
+
+    model = Llama(ModelArgs(dim=64, n_layers=layers, n_heads=4, n_kv_heads=2, max_seq_len=16))
+    fp8tensor.convert_to_fp8(model)
+    params = list(model.parameters())
+
+    def fwd_bwd(tok):
+        model(tok).float().square().mean().backward()
+
+    step = fp8tensor.graph_step(fwd_bwd, params, warmup_steps=1)
+    tok = torch.randint(0, 256, (1, 16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        step(tok), step(tok)  # warm-up, then the call that records what the graph reads
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        step._check_memory()
+        step._check_grads()
+    return (time.perf_counter() - t0) / reps * 1e6, len(params)
+
+
 def main(argv=None):
+    if argv is None and "--graph-check" in sys.argv[1:]:
+        us, n = graph_check_us()
+        print(f"graph_step checks per call: {us:.1f} µs for {n} parameters ({us / n:.2f} µs per parameter)")
+        return us
     args = parse(argv)
     for v in (v.strip() for v in args.variants.split(",")):
         if v:
@@ -500,6 +536,18 @@ def main(argv=None):
     for r in rows:
         ratio = _ratio(rows, r, "pipe_ms")
         print(f"| {r['variant']} | {r['pipe_ms']:.2f} | {ratio} | {r['pipe_ms'] / r['gpu_ms']:.2f} |")
+    if args.record:
+        from _util import write_record
+
+        table = [{"variant": r["variant"], "step ms": f"{r['ms']:.2f}", "tokens/s": f"{r['tok_s']:,.0f}",
+                  "vs bf16": _ratio(rows, r, "ms"), "GPU ms/step": f"{r['gpu_ms']:.2f}",
+                  "wall / GPU": f"{r['ms'] / r['gpu_ms']:.2f}", "peak GiB": f"{r['peak_gib']:.1f}"} for r in rows]
+        b2b = "; ".join(f"{r['variant']} {r['pipe_ms']:.2f} ({_ratio(rows, r, 'pipe_ms')})" for r in rows)
+        write_record(args.record, os.path.splitext(os.path.basename(args.record))[0], table,
+                     "PYTHONPATH=. python benchmarks/e2e.py " + " ".join(
+                         a for i, a in enumerate(sys.argv[1:]) if a != "--record" and sys.argv[i] != "--record"),
+                     notes=[f"Back to back (one synchronization before and after, none between; ms per step and "
+                            f"ratio): {b2b}."])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(size=args.size, cfg=c, env=env, mode=args.mode, cudagraph_params=args.cudagraph_params,

@@ -2,12 +2,19 @@
 
 Method (same as docs/benchmarks.md): ``nn.Linear(K, N, bias=False, dtype=bf16)`` converted, compiled
 with ``torch.compile``; ``x`` of shape ``[M, K]`` requires grad; one step = forward + backward with a fixed
-grad_output; median time (triton do_bench). Usage: ``PYTHONPATH=. python benchmarks/linear.py [--profile]``.
+grad_output; median time (triton do_bench). Usage: ``PYTHONPATH=. python benchmarks/linear.py [--profile]
+[--json PATH]``. ``--shapes 1024x1024,1024x4096`` times other shapes.
 
-``--shapes 1024x1024,1024x4096`` times other shapes (the size rule's thresholds are calibrated this way, at small
-shapes and ``--M 8192``). ``--host``: the host time of one eager forward (no grad, ``--host-tokens`` rows) of
-``nn.Linear``, an fp8 Linear with a master weight and a ``quantize_weights`` Linear, in µs per call: calls issued back
-to back without synchronizing, so the time is the host's as long as the GPU keeps up (the rows are tiny).
+Two more modes (CUDA):
+
+* ``--size-rule [--quick]``: calibrate ``convert_to_fp8(..., size_rule=True)`` for a GPU. One Linear's forward +
+  backward, bf16 vs ``rowwise`` and ``rowwise_gw_hp``, eager and captured as one CUDA graph with
+  ``fp8tensor.graph_step`` (no host time, as under a whole-step graph), for square, 4:1 grouped-query k/v and
+  MLP-shaped Linears at M = 8192 and 16384 tokens; prints fp8 time / bf16 time next to the rule's decision and the
+  smallest ``K·N/(K+N)`` above every shape where ``rowwise`` lost (a value for ``size_rule_min``).
+* ``--host``: the host time of one eager forward (no grad, ``--host-tokens`` rows) of ``nn.Linear``, an fp8 Linear
+  with a master weight and a ``quantize_weights`` Linear, in µs per call: calls issued back to back without
+  synchronizing, so the time is the host's as long as the GPU keeps up (the rows are tiny).
 """
 from __future__ import annotations
 
@@ -81,9 +88,72 @@ def host_table(dev, tokens: int, calls: int = 2000) -> None:
               f"{us['frozen']:.1f} ({us['frozen'] / us['bf16']:.1f}x) |")
 
 
+# ------------------------------------------------------------------------------------------------ --size-rule
+SIZE_RULE_VARIANTS = ("bf16", "rowwise", "rowwise_gw_hp")
+
+
+def _size_rule_shapes(quick: bool):
+    feats = (768, 1024, 1536, 2048, 3072) if quick else (512, 768, 1024, 1536, 2048, 3072, 4096)
+    out = []
+    for d in feats:  # attention (square, and the k / v projections of 4:1 grouped-query attention), MLP in / out
+        out += [(d, d), (d, d // 4), (d, 4 * d), (4 * d, d)]
+    return out
+
+
+def graphed_step_ms(K: int, N: int, M: int, variant: str) -> float:
+    """Median ms of one Linear's forward + backward (grad_input and grad_weight), captured as one CUDA graph
+    (``fp8tensor.graph_step``: no host time, as in a whole-step graph), eager (no ``torch.compile``)."""
+    lin = nn.Linear(K, N, bias=False, device="cuda", dtype=torch.bfloat16)
+    if variant != "bf16":
+        fp8tensor.convert_to_fp8(lin, recipe=variant, size_rule=False)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    gy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    step = fp8tensor.graph_step(lambda: lin(x).backward(gy), [*lin.parameters(), x])
+    ms = bench_ms(step)
+    step.close()
+    return ms
+
+
+def size_rule_table(quick: bool, rows: list) -> None:
+    from fp8tensor.recipes import fp8_size_rule
+
+    Ms = (8192, 16384)
+    print("fp8 / bf16 time of one Linear's forward + backward (graph-captured, eager); < 1: fp8 faster\n")
+    print("| K→N | K·N/(K+N) | rule | " + " | ".join(f"{v} M={m}" for m in Ms for v in SIZE_RULE_VARIANTS[1:]) + " |")
+    print("|---|---|---|" + "---|" * (len(Ms) * (len(SIZE_RULE_VARIANTS) - 1)))
+    wins = []
+    for K, N in _size_rule_shapes(quick):
+        cells, rw = {}, []
+        for M in Ms:
+            t = {v: graphed_step_ms(K, N, M, v) for v in SIZE_RULE_VARIANTS}
+            for v in SIZE_RULE_VARIANTS[1:]:
+                cells[f"{v} M={M}"] = t[v] / t["bf16"]
+            rw.append(t["rowwise"] / t["bf16"])
+        inten = K * N / (K + N)
+        wins.append((inten, all(r < 1 for r in rw)))
+        rule = "fp8" if fp8_size_rule(K, N) else "bf16"
+        rows.append({"K→N": f"{K}→{N}", "K·N/(K+N)": round(inten), "rule": rule, **{k: round(v, 2) for k, v in cells.items()}})
+        print(f"| {K}→{N} | {inten:.0f} | {rule} | " + " | ".join(f"{r:.2f}" for r in cells.values()) + " |", flush=True)
+    losing = [i for i, w in wins if not w]
+    above = [i for i, w in sorted(wins) if w and all(i > j for j in losing)]
+    print(f"\nsize_rule_min now {fp8tensor.get_config().size_rule_min}; smallest K·N/(K+N) above every shape where "
+          f"rowwise lost: {min(above) if above else 'none'} (shapes where it lost: {sorted(round(i) for i in losing)})")
+
+
+def write_json(path, table: str, rows: list, command: str) -> None:
+    """The rows as a ``docs/results`` record (see ``benchmarks/render.py``)."""
+    if path:
+        from _util import write_record
+
+        write_record(path, table, rows, command)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--M", type=int, default=16384)
+    p.add_argument("--size-rule", action="store_true", help="calibrate the size rule (fp8 / bf16 per Linear shape)")
+    p.add_argument("--quick", action="store_true", help="with --size-rule: fewer shapes")
+    p.add_argument("--json", default=None, help="write the table as a docs/results record here")
     p.add_argument("--profile", action="store_true", help="print top kernels of fp8tensor rowwise at 4096->4096")
     p.add_argument("--check", action="store_true", help="also print grad error vs fp32 at each shape")
     p.add_argument("--no-peers", action="store_true", help="skip torchao")
@@ -92,12 +162,21 @@ def main() -> None:
     p.add_argument("--host", action="store_true", help="host time of one eager forward per call (see the docstring)")
     p.add_argument("--host-tokens", type=int, default=16)
     args = p.parse_args()
+    command = "python benchmarks/linear.py " + " ".join(sys.argv[1:])
+    if args.size_rule:
+        rows: list = []
+        torch.manual_seed(0)
+        print(f"# size rule ({env_line()})\n")
+        size_rule_table(args.quick, rows)
+        write_json(args.json, "size_rule", rows, command)
+        return
     dev = torch.device("cuda")
     if args.host:
         host_table(dev, args.host_tokens)
         return
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")] if args.shapes else SHAPES
     vs = variants(not args.no_peers)
+    table_rows: list = []
     if args.fast_accum_backward:
         from fp8tensor.recipes import Gemm
 
@@ -137,6 +216,9 @@ def main() -> None:
             del m, cm
         bf = times["bf16"]
         print(f"| {K}→{N} | {bf:.3f} | " + " | ".join(f"{times[n]:.3f} ({bf / times[n]:.2f})" for n in names[1:]) + " |")
+        table_rows.append({"K→N": f"{K}→{N}", "bf16 ms": round(bf, 3),
+                           **{n: f"{times[n]:.3f} ({bf / times[n]:.2f}x)" for n in names[1:]}})
+    write_json(args.json, "linear", table_rows, command)
     if args.profile:
         K, N = 4096, 4096
         base = nn.Linear(K, N, bias=False, device=dev, dtype=torch.bfloat16)

@@ -14,16 +14,25 @@
 #                eager / compile, bf16 / fp8tensor / torchao) at Llama3-8B shapes (SERVE_ARGS="--model readme": the
 #                README model); compiled rows with --parallel
 #   host         benchmarks/linear.py --host (host time of one eager Linear forward: nn.Linear vs fp8)
-#   size-rule    benchmarks/linear.py at small shapes, M = 8192 (fp8 vs bf16 per Linear shape: the size rule)
+#   serve-host   benchmarks/serve.py --host (host time per eager call: F.linear, nn.Linear, a quantize_weights Linear)
+#   size-rule    benchmarks/linear.py --size-rule --quick (fp8 vs bf16 per Linear shape at small sizes)
 #   train        examples/train.py --cuda-graph on the README model (1200 steps, bf16 / rowwise / rowwise --size-rule)
+#   train-seeds  bf16 alone over seeds 0 1 2 with the same flags (examples/seed_spread.py): bf16's seed-to-seed spread,
+#                printed beside the fp8 gap of the `train` stage (run `train` first, in the same OUTDIR)
+# JSON: e2e-*, linear and size-rule write docs/results records (command, date, GPU, torch version, commit,
+# rows) into OUTDIR/record/; copy them into docs/results/ and render the tables with `python benchmarks/render.py`.
+# moe, train and train-seeds write their own JSON (moe.json, train/losses.json, seeds/spread.json) in OUTDIR.
 set -uo pipefail
-out=${OUTDIR:-${OUT:-out}}; mkdir -p "$out"
+out=${OUTDIR:-${OUT:-out}}; mkdir -p "$out/record"
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
 py=python3
 table() { grep -E "^\||^# e2e|FAILED|Error" "$1" | cut -c1-220; }
+# The README's GPU command (examples/train.py on the README model, whole-step CUDA graph); `train` and `train-seeds`
+TRAIN_ARGS="--tp 1 --device cuda --compile --cuda-graph --steps 1200 --dim 1024 --layers 4 --heads 16 --kv-heads 4
+            --seq-len 1024 --batch-size 16 --lr 1e-3 --max-bytes 60000000 --val-batches 16"
 e2e_variants() {  # $1: size. Default compile and whole-step graph rows, bf16 / fp8tensor / torchao
   local g="bf16@fsdp+graph,rowwise@fsdp+graph,ao_tensorwise@fsdp+graph"
   case "$1" in
@@ -52,32 +61,36 @@ for stage in "$@"; do
            grep -E "bit-identical|Error|assert|^E |passed|failed" "$out/graph_tests.txt" | cut -c1-300 | tail -40 ;;
     e2e-*) size=${stage#e2e-}
            timeout ${E2E_TIMEOUT:-420} $py benchmarks/e2e.py --size "$size" --variants "${E2E_VARIANTS:-$(e2e_variants "$size")}" \
-             --json "$out/e2e_$size.json" > "$out/e2e_$size.txt" 2>&1
+             --json "$out/e2e_$size.json" --record "$out/record/e2e_$size.json" > "$out/e2e_$size.txt" 2>&1
            table "$out/e2e_$size.txt" ;;
-    linear) timeout 300 $py benchmarks/linear.py > "$out/linear.txt" 2>&1; table "$out/linear.txt" ;;
+    linear) timeout 300 $py benchmarks/linear.py --json "$out/record/linear.json" > "$out/linear.txt" 2>&1; table "$out/linear.txt" ;;
     memory-4096) timeout 300 $py benchmarks/memory.py --fsdp --dim 4096 --ffn 14336 --heads 32 --kv-heads 8 \
              --layers 4 --seq 8192 --warmup 1 --variants bf16@compile,rowwise@compile,rowwise_gw_hp@compile \
              > "$out/memory_4096.txt" 2>&1; tail -30 "$out/memory_4096.txt" ;;
     moe) timeout 300 $py benchmarks/moe.py --out "$out/moe.json" --profile > "$out/moe.txt" 2>&1; table "$out/moe.txt" ;;
     host) timeout 200 $py benchmarks/linear.py --host > "$out/host.txt" 2>&1; table "$out/host.txt" ;;
+    serve-host) timeout 120 $py benchmarks/serve.py --host > "$out/serve_host.txt" 2>&1; table "$out/serve_host.txt" ;;
     serve) { timeout 300 $py -m pytest -q -p no:cacheprovider -p no:logging --tb=short -W ignore tests/gpu/test_gpu_export.py
              timeout 200 $py benchmarks/serve.py --modes eager ${SERVE_ARGS:-}
              timeout $((${SERVE_TIMEOUT:-400} + 30)) $py benchmarks/serve.py --modes compile --parallel \
                --time-limit ${SERVE_TIMEOUT:-400} ${SERVE_ARGS:-}
            } > "$out/serve.txt" 2>&1
            grep -E "^\||^# serve|passed|failed|FAILED|Error" "$out/serve.txt" | cut -c1-220 ;;
-    size-rule) timeout 300 $py benchmarks/linear.py --M 8192 --no-peers \
-             --shapes 1024x1024,768x3072,1024x4096,2048x2048,1280x1280 > "$out/size_rule.txt" 2>&1
+    size-rule) timeout 300 $py benchmarks/linear.py --size-rule --quick --json "$out/record/size_rule.json" > "$out/size_rule.txt" 2>&1
            table "$out/size_rule.txt" ;;
     train) # the main job on one GPU: the README model, 1200 steps, whole-step CUDA graph; bf16 and fp8 rowwise, then
            # fp8 with the size-aware choice (TRAIN_SIZED=0 skips it)
-           args="--tp 1 --device cuda --compile --cuda-graph --steps 1200 --dim 1024 --layers 4 --heads 16 --kv-heads 4
-                 --seq-len 1024 --batch-size 16 --lr 1e-3 --max-bytes 60000000 --val-batches 16"
+           args=$TRAIN_ARGS
            timeout ${TRAIN_TIMEOUT:-300} $py examples/train.py $args --out "$out/train" > "$out/train.txt" 2>&1
            touch "$out/train_sized.txt"
            [ "${TRAIN_SIZED:-1}" = 1 ] && timeout 200 $py examples/train.py $args --mode fp8 --size-rule \
              --out "$out/train_sized" > "$out/train_sized.txt" 2>&1
            grep -hE "tok/s|final val|Error" "$out/train.txt" "$out/train_sized.txt" | cut -c1-220 ;;
+    train-seeds) # bf16's own seed-to-seed spread at the `train` stage's flags (one bf16 run per seed), printed
+           # beside the fp8 gap of that stage's run ($out/train/losses.json)
+           timeout ${SEEDS_TIMEOUT:-400} $py examples/seed_spread.py --seeds 0 1 2 --nproc 1 --mode bf16 \
+             --gap-from "$out/train/losses.json" --out "$out/seeds" -- $TRAIN_ARGS > "$out/train_seeds.txt" 2>&1
+           tail -12 "$out/train_seeds.txt" ;;
     *) echo "run_gpu.sh: unknown stage $stage" >&2; exit 2 ;;
   esac
 done

@@ -15,6 +15,8 @@ compiling beside them).
     python benchmarks/serve.py [--model 8b|readme] [--rows decode1,decode8,decode64,prefill1,prefill4]
                                [--modes eager,compile] [--variants bf16,fp8tensor,torchao] [--profile decode8]
                                [--parallel]
+    python benchmarks/serve.py --host    # host time per eager call: F.linear, nn.Linear, a quantize_weights Linear
+    python benchmarks/serve.py --agreement [--device cpu|cuda] [--seq 64] [--no-aoti]   # export / AOTI vs eager
 """
 from __future__ import annotations
 
@@ -165,8 +167,96 @@ def measure(a, args: ModelArgs, bf16: torch.nn.Module, names: list, rows: list, 
     return out
 
 
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``‖a − b‖ / ‖b‖`` in float64."""
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def agreement(a) -> None:
+    """How closely each serving form of an fp8 model agrees with eager fp8, and the same for bf16 (``--agreement``):
+    a Hugging Face ``LlamaForCausalLM`` (random weights, 2 layers, dim 256; ``use_cache=False``) in bf16 and its
+    ``quantize_weights`` copy; logits from eager, ``ep.module()``, ``ep.run_decompositions()`` and an AOTInductor
+    package (``--no-aoti`` skips it); ``‖out − eager‖ / ‖eager‖`` and ``‖out − ref‖ / ‖ref‖`` against the float64
+    model. Runs on the CPU (``--device cpu``, the default for this mode) or CUDA."""
+    import datetime
+    import tempfile
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=768, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024, use_cache=False)
+    bf16 = LlamaForCausalLM(cfg).to(a.agree_device, torch.bfloat16).eval()
+    f64 = copy.deepcopy(bf16).double()
+    fp8 = fp8tensor.quantize_weights(copy.deepcopy(bf16))
+    ids = torch.randint(0, cfg.vocab_size, (2, a.agree_seq), device=a.agree_device)
+    seq = torch.export.Dim("seq", min=1, max=1024)
+    with torch.no_grad():
+        ref = f64(ids).logits
+    name = torch.cuda.get_device_name() if a.agree_device == "cuda" else "CPU"
+    print(f"# serving agreement · {datetime.date.today()} · {name} · torch {torch.__version__} · HF Llama 2 layers "
+          f"dim 256, 2 x {a.agree_seq} tokens")
+    print()
+    print("| precision | form | vs eager (same precision) | vs float64 |")
+    print("|---|---|---|---|")
+    tmp = tempfile.mkdtemp(prefix="fp8agree_")
+    for label, m in (("bf16", bf16), ("fp8", fp8)):
+        with torch.no_grad():
+            eager = m(ids).logits
+            ep = torch.export.export(m, (ids,), dynamic_shapes=({1: seq},))
+            forms = {"eager": eager, "ep.module()": ep.module()(ids).logits}
+            dec = ep.run_decompositions()
+            forms["run_decompositions()"] = dec.module()(ids).logits
+            if not a.no_aoti:
+                pkg = torch._inductor.aoti_compile_and_package(dec, package_path=os.path.join(tmp, f"{label}.pt2"))
+                forms["AOTInductor"] = torch._inductor.aoti_load_package(pkg)(ids).logits
+        for form, out in forms.items():
+            print(f"| {label} | {form} | {rel(out, eager):.2e} | {rel(out, ref):.2e} |", flush=True)
+
+
+
+def host_per_call() -> None:
+    """Host time per eager call (µs, 2000 calls after 50, one synchronization at each end) of a 256 x 256 bf16 weight
+    on one token: ``F.linear``, the decode GEMM's launch alone, a bf16 ``nn.Linear`` and a ``quantize_weights``
+    Linear; the host cost that makes eager decode host-bound."""
+    from fp8tensor import kernels
+
+    torch.manual_seed(0)
+    n = 2000
+
+    def per_call(fn) -> float:
+        for _ in range(50):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / n * 1e6
+
+    lin = torch.nn.Linear(256, 256, bias=False, device="cuda", dtype=torch.bfloat16)
+    q = fp8tensor.quantize_weights(torch.nn.Sequential(torch.nn.Linear(256, 256, bias=False, device="cuda",
+                                                                       dtype=torch.bfloat16)))[0]
+    x = torch.randn(1, 256, device="cuda", dtype=torch.bfloat16)
+    w8, s = q.weight.qdata, q.weight.scale
+    print(f"# host time per eager call, 256 x 256 weight, one token ({env_line()})\n")
+    print("| call | µs |\n|---|---|")
+    with torch.no_grad():
+        for k, fn in {"F.linear bf16": lambda: torch.nn.functional.linear(x, lin.weight),
+                      "decode GEMM launch": lambda: kernels.launch_w8_mm(x, w8, s, None),
+                      "nn.Linear bf16": lambda: lin(x),
+                      "nn.Linear after quantize_weights": lambda: q(x)}.items():
+            print(f"| {k} | {per_call(fn):.1f} |", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--host", action="store_true", help="only the host time per eager call (see host_per_call)")
+    ap.add_argument("--agreement", action="store_true",
+                    help="only how closely export / AOTInductor forms agree with eager (see agreement; CPU or CUDA)")
+    ap.add_argument("--device", dest="agree_device", default="cpu", help="with --agreement")
+    ap.add_argument("--seq", dest="agree_seq", type=int, default=64, help="with --agreement: tokens per sequence")
+    ap.add_argument("--no-aoti", action="store_true", help="with --agreement: skip the AOTInductor package")
     ap.add_argument("--model", choices=sorted(MODELS), default="8b")
     ap.add_argument("--rows", default=",".join(ROWS))
     ap.add_argument("--modes", default="eager,compile")
@@ -182,8 +272,14 @@ def main():
     ap.add_argument("--barrier-s", type=float, default=0.0, help=argparse.SUPPRESS)
     ap.add_argument("--json", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.agreement:
+        agreement(a)
+        return
     if not torch.cuda.is_available():
         print("benchmarks/serve.py: needs CUDA")
+        return
+    if a.host:
+        host_per_call()
         return
     rows, modes, names = a.rows.split(","), a.modes.split(","), a.variants.split(",")
     torch._dynamo.config.automatic_dynamic_shapes = False  # one static graph per row (as a server's fixed buckets)

@@ -119,6 +119,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="first steps left out of the reported tok/s (compile and warm-up; default 1, with "
                         "--cuda-graph 4: three warm-up steps and the capture)")
     p.add_argument("--steps", type=int, default=120, help="training steps per run")
+    p.add_argument("--log-every", type=int, default=50,
+                   help="when stdout is not a terminal: print one progress line every N steps (and at the last)")
     p.add_argument("--seq-len", type=int, default=128,
                    help="tokens (bytes) per sequence; with sequence parallelism a multiple of --tp")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per step and data-parallel rank")
@@ -415,7 +417,9 @@ def train_one(name: str, args, train_data, val_data, device, mesh) -> dict:
                             shard=dp_rank, num_shards=dp_size)
     tokens_per_step = args.batch_size * args.seq_len * dp_size
     local_losses: list[float] = []
-    bar = tqdm(range(args.steps), desc=name, disable=dist.get_rank() != 0,
+    # A progress bar on a terminal; elsewhere (a log file, CI) one line every --log-every steps and at the last
+    log_lines = dist.get_rank() == 0 and not sys.stdout.isatty()
+    bar = tqdm(range(args.steps), desc=name, disable=dist.get_rank() != 0 or log_lines,
                dynamic_ncols=True, mininterval=1.0, file=sys.stdout)
     t_start = t_timed = time.perf_counter()
     timed_steps = 0
@@ -452,6 +456,9 @@ def train_one(name: str, args, train_data, val_data, device, mesh) -> dict:
         elapsed = time.perf_counter() - t_timed
         tok_s = tokens_per_step * timed_steps / elapsed if timed_steps else 0.0
         bar.set_postfix(loss=f"{loss_val:.4f}", gnorm=f"{gnorm:.2f}", tok_s=f"{tok_s:,.0f}")
+        if log_lines and ((step + 1) % args.log_every == 0 or step + 1 == args.steps):
+            print(f"{name} step {step + 1}/{args.steps}  loss {loss_val:.4f}  gnorm {gnorm:.2f}  tokens/s {tok_s:,.0f}",
+                  flush=True)
     bar.close()
     train_s = time.perf_counter() - t_start
     losses = _dp_mean_list(local_losses, mesh)  # one collective instead of one per step

@@ -36,12 +36,42 @@ BACKENDS = ("rowwise", "tensorwise", "emulated")
 
 
 @pytest.fixture(autouse=True)
-def _fresh_seed():
-    """Seed torch with a fresh (or replayed, via ``FP8TENSOR_TEST_SEED``) seed and print it."""
+def _fresh_seed(request):
+    """Seed torch with a fresh (or replayed, via ``FP8TENSOR_TEST_SEED``) seed and print it; a failing test's report
+    names it (a ``seed`` section, see :func:`pytest_runtest_makereport`, and the test's ``user_properties``)."""
     seed = int(os.environ.get("FP8TENSOR_TEST_SEED", random.SystemRandom().randrange(2**31)))
     torch.manual_seed(seed)
+    request.node._fp8tensor_seed = seed
+    request.node.user_properties.append(("seed", seed))
     print(f"FP8TENSOR_TEST_SEED={seed}")
     yield seed
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed or erroring test's report carries its seed and the command that replays it, whatever the output
+    capture (``-s``, ``--tb=line``, ``-p no:logging``)."""
+    outcome = yield
+    rep = outcome.get_result()
+    seed = getattr(item, "_fp8tensor_seed", None)
+    if rep.failed and seed is not None:
+        rep.sections.append(("seed", f"FP8TENSOR_TEST_SEED={seed}  (replay: FP8TENSOR_TEST_SEED={seed} "
+                                     f"python -m pytest '{item.nodeid}')"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_process_group_left_behind(request):
+    """A test module that leaves a default process group initialized would make every later module's own group
+    (each creates one of the world size it needs) impossible: destroy it and fail the module, so that no test's
+    outcome depends on the modules run before it."""
+    import torch.distributed as dist
+
+    before = dist.is_available() and dist.is_initialized()
+    yield
+    if dist.is_available() and dist.is_initialized() and not before:
+        dist.destroy_process_group()
+        pytest.fail(f"{request.node.nodeid} left a process group initialized (destroyed now); destroy it where it "
+                    "is created", pytrace=False)
 
 
 def set_knobs(monkeypatch, **changes) -> None:

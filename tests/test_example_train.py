@@ -39,8 +39,15 @@ def _run_train(out_dir: Path, tp: int, extra=()) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("tp", [2, 1], ids=["dp1xtp2", "dp2xtp1"])
 def test_train_example_runs(tmp_path, tp):
     skip = 1 if tp == 2 else 3  # the tok/s of the dp2xtp1 run leaves out its first 3 steps
-    proc = _run_train(tmp_path, tp, extra=("--timing-skip", str(skip)))
+    proc = _run_train(tmp_path, tp, extra=("--timing-skip", str(skip), "--log-every", "5"))
     assert proc.returncode == 0, f"train.py failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    # stdout is a pipe, not a terminal: no progress bar, one line every --log-every steps and at the last, per run
+    assert "it/s" not in proc.stdout + proc.stderr and "\r" not in proc.stdout + proc.stderr
+    want = sorted({s for s in range(5, STEPS + 1, 5)} | {STEPS})
+    for name in ("bf16", "fp8"):
+        got = [int(n) for n in re.findall(rf"^{name} step (\d+)/{STEPS}  loss [\d.]+  gnorm [\d.]+  tokens/s [\d,]+$",
+                                          proc.stdout, re.M)]
+        assert got == want, (name, got, proc.stdout[-3000:])
     note = "the first step, which includes" if skip == 1 else f"the first {skip} steps, which include"
     assert len(re.findall(rf"[\d,]+ tok/s \(after {note} compile / warm-up\)", proc.stdout)) == 2, proc.stdout[-3000:]
 
@@ -242,8 +249,31 @@ def test_seed_spread_summary_from_finished_runs(tmp_path, capsys):
     gaps = [100 * (f - b) / b for b, f in vals.values()]
     assert summary["mean_gap_pct"] == pytest.approx(sum(gaps) / 3)
     assert summary["gap_inside_bf16_range"] is True
-    assert "inside bf16's seed-to-seed range" in capsys.readouterr().out
+    assert "beside bf16's seed-to-seed range 1.98%" in capsys.readouterr().out
     assert json.loads((tmp_path / "spread.json").read_text())["val_loss"]["1"] == {"bf16": 2.04, "fp8": 2.03}
+
+
+def test_seed_spread_bf16_alone_beside_the_main_runs_gap(tmp_path, capsys):
+    """The GPU main job's check: bf16 alone over three seeds (``--mode bf16`` reaches train.py), its spread printed
+    beside the fp8 gap of the main run's losses.json (``--gap-from``); a gap larger than bf16's range is outside."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import seed_spread
+
+    for seed, b in {0: 0.930, 1: 0.932, 2: 0.931}.items():  # bf16 range 0.2% / 0.931
+        out = tmp_path / f"seed{seed}"
+        out.mkdir()
+        argv = ["--steps", "7", "--mode", "bf16", "--seed", str(seed), "--out", str(out)]
+        (out / "losses.json").write_text(json.dumps({"argv": argv, "runs": {"bf16": {"val_loss": b}}}))
+    main_run = tmp_path / "main.json"
+    main_run.write_text(json.dumps({"runs": {"bf16": {"val_loss": 0.9300}, "fp8": {"val_loss": 0.9256}}}))
+    summary = seed_spread.main(["--seeds", "0", "1", "2", "--mode", "bf16", "--gap-from", str(main_run),
+                                "--out", str(tmp_path), "--", "--steps", "7"])
+    gap = 100 * (0.9256 - 0.9300) / 0.9300  # -0.473%
+    assert summary["mean_gap_pct"] == pytest.approx(gap)
+    assert summary["bf16"]["range_pct"] == pytest.approx(100 * 0.002 / 0.931)
+    assert summary["gap_inside_bf16_range"] is False
+    out = capsys.readouterr().out
+    assert f"fp8 gap {gap:+.2f}% (of {main_run}) beside bf16's seed-to-seed range 0.21%" in out and "outside" in out
 
 
 @pytest.mark.parametrize("extra", [("--shared-expert",), ("--compile",)], ids=["eager", "compiled"])

@@ -30,7 +30,7 @@ from .modules import (Fp8GroupedExpertsMixin, Fp8Linear, Fp8LinearMixin, _new_co
                       swap_local, uses_grouped_mm)
 from ..training.recipes import fp8_size_choice, fp8_size_rule, get_recipe
 from ..core.settings import get_config
-from ..subclass.tensor import ScaledFp8Tensor, _is_dtensor, map_shard
+from ..subclass.tensor import ScaledFp8Tensor, _is_dtensor, check_finite_rows, map_shard
 
 __all__ = ["convert_to_fp8", "quantize_weights", "fp8_linear_forward", "Fp8Linear", "Fp8LinearMixin",
            "Fp8GroupedExpertsMixin", "uses_grouped_mm", "fp8_size_rule", "fp8_size_choice"]
@@ -348,6 +348,16 @@ def convert_to_fp8(
     return module
 
 
+def _check_finite_weight(w: torch.Tensor, what: str) -> None:
+    """``check_finite_rows`` of a weight's high-precision values (the local shard of a DTensor, a master's data);
+    fp8 weights are skipped."""
+    local = compat.local_tensor(w) if _is_dtensor(w) else w
+    local = local._data if isinstance(local, Fp8MasterWeight) else local
+    if isinstance(local, ScaledFp8Tensor) or not local.dtype.is_floating_point:
+        return
+    check_finite_rows(local.detach(), what)
+
+
 def quantize_weights(
     module: nn.Module, *, module_filter_fn: Optional[FilterFn] = None, float8_dtype: torch.dtype = E4M3
 ) -> nn.Module:
@@ -382,6 +392,8 @@ def quantize_weights(
 
     Raises:
         TypeError: not an ``nn.Module``, filter not callable, or unsupported ``float8_dtype``.
+        ValueError: a selected weight holds an inf or NaN (the message names the parameter and its rows; on a
+            DTensor, the rows of the local shard): its rows would quantize to all NaN. The model is left unchanged.
         RuntimeError: ``module_filter_fn`` raised, or a forward wrapper cannot be redirected (as in
             :func:`convert_to_fp8`); the model is left unchanged.
     """
@@ -397,6 +409,9 @@ def quantize_weights(
                     if getattr(mod, n).shape[1] % 16 or getattr(mod, n).shape[2] % 16]
     if skipped:
         warnings.warn(f"{op}: left in high precision: {', '.join(skipped)}", stacklevel=2)
+    for fqn, mod, names in [(fqn, lin, ("weight",)) for fqn, lin in chosen] + experts:
+        for n in names:  # inf / NaN rows raise before any change (quantized, they would be all NaN)
+            _check_finite_weight(getattr(mod, n), f"{op}: {fqn + '.' if fqn else ''}{n}")
     classes = {fqn: fp8_class(type(lin)) for fqn, lin in chosen}  # before any change: a failure leaves no trace
     shared: dict = {}  # id(old weight) -> (old weight, its fp8 Parameter): Linears sharing a weight share the fp8 one
     for fqn, lin in chosen:

@@ -68,7 +68,7 @@ class Config:
             mid-sized ``rowwise`` ones get ``rowwise_gw_hp``) when its ``size_rule`` argument is left at None. Off
             by default: converting converts what the filter selects, with the requested recipe.
         size_rule_min: (default 640) the size rule's threshold on ``K * N / (K + N)`` (``K`` in_features, ``N``
-            out_features): below it a Linear stays in high precision; calibrate it with ``benchmarks/linear.py --shapes``.
+            out_features): below it a Linear stays in high precision; calibrate it with ``benchmarks/linear.py --size-rule``.
             A positive number.
         size_rule_fp8_grad_weight_min: (default 1024) the size rule's second threshold: a Linear converted with the
             ``rowwise`` recipe whose ``K * N / (K + N)`` lies in ``[size_rule_min, size_rule_fp8_grad_weight_min)``

@@ -103,7 +103,7 @@ _unbox_wait = compat.wait_work
 def _serial(t: ScaledFp8Tensor) -> bool:
     """Whether ``t``'s collectives run one at a time, each waited on before the next is issued: tensors on the CPU
     (gloo). Two collectives in flight at once on one gloo process group can corrupt the heap (torch 2.13 / 2.14,
-    ``docs/pytorch_issues.md`` item 3, its repro). On CUDA (NCCL, which runs collectives in
+    ``docs/pytorch_issues.md`` item 3, with its repro). On CUDA (NCCL, which runs collectives in
     flight safely) the data and scale collectives are both left in flight, to overlap with what follows."""
     return t.qdata.device.type == "cpu"
 

@@ -94,6 +94,13 @@ def _to_copy_move_scale(func, args, kwargs):
     return make_scaled(qdata, scale, dtype or t.orig_dtype, t.fast_accum, t.scaled_dims)
 
 
+@implements([aten.dequantize.self])
+def _dequantize_float32(func, args, kwargs):
+    """``t.dequantize()``: the plain float32 tensor ``qdata * scale`` (what ``aten.dequantize`` returns for
+    PyTorch's quantized tensors); no warning, whatever ``unknown_ops`` says."""
+    return args[0].to_hp(torch.float32)
+
+
 @implements([aten.copy_.default])
 def _copy_into_data_and_scale(func, args, kwargs):
     """``dst.copy_(src)``: from a ScaledFp8Tensor copy data and scale; from a high-precision tensor, quantize

@@ -337,7 +337,7 @@ class ScaledFp8Tensor(torch.Tensor):
 
         ``scale = amax(|row|) / finfo(float8_dtype).max`` (dequantization multiplier, computed in float32),
         ``qdata = saturate(t / scale)``. All-zero rows get a finite scale and dequantize to exact zeros;
-        a row holding NaN/inf stays non-finite. The result does not require grad.
+        a row holding NaN/inf raises ``ValueError`` (below). The result does not require grad.
 
         Args:
             t: floating-point tensor with at least 2 dims (fp32, bf16, fp16, fp64), or a DTensor of one: then
@@ -356,7 +356,11 @@ class ScaledFp8Tensor(torch.Tensor):
         Raises:
             TypeError: ``t`` is not a tensor, is not floating point, is already fp8, or ``float8_dtype`` is
                 unsupported.
-            ValueError: ``t`` has fewer than 2 dims.
+            ValueError: ``t`` has fewer than 2 dims, or holds an inf or NaN: the message names the rows (indices
+                over the leading dims) and their count. One non-finite value would make its row's scale non-finite
+                and the whole row NaN. The check reads the tensor once (a host synchronization on CUDA): ``from_hp``
+                is a conversion-time call, not part of a training step. It is skipped while tracing
+                (``torch.compile`` / ``torch.export``), on meta and fake tensors and inside a CUDA-graph capture.
         """
         op = "ScaledFp8Tensor.from_hp"
         check_float8_dtype(float8_dtype, op)
@@ -373,6 +377,7 @@ class ScaledFp8Tensor(torch.Tensor):
         if t.ndim < 2:
             raise ValueError(f"{op}: expected a tensor with at least 2 dims (rows × columns), got shape {tuple(t.shape)}")
         t = _plain(t).detach()
+        check_finite_rows(t, op)
         qdata, scale = quantize(t, -1, float8_dtype)
         return make_scaled(qdata, scale, t.dtype, fast_accum, rowwise_dims(t.ndim, -1))
 
@@ -520,6 +525,28 @@ def quantize_like(x: torch.Tensor, scaled_dims, float8_dtype: torch.dtype) -> tu
         amax = x.abs().amax(dim=dims, keepdim=True)
     scale = amax_to_scale(amax, float8_dtype)
     return cast_to_fp8(x, scale, float8_dtype), scale
+
+
+def check_finite_rows(t: torch.Tensor, what: str) -> None:
+    """Raise ``ValueError`` naming the rows of ``t`` (a plain tensor; rows: all dims but the last) that hold an inf
+    or NaN. ``what`` starts the message. Reads ``t`` once (a host synchronization on CUDA); does nothing for an
+    empty tensor, while tracing (``torch.compile`` / ``torch.export``), on meta or fake tensors and inside a CUDA-graph
+    capture (where a host read is impossible). Conversion-time check of :meth:`ScaledFp8Tensor.from_hp` and
+    :func:`fp8tensor.quantize_weights`."""
+    if (t.numel() == 0 or t.ndim < 1 or t.device.type == "meta" or compat.is_fake(t) or compat.is_compiling()
+            or compat.is_functorch_wrapped(t)):
+        return
+    if t.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    bad = ~torch.isfinite(t).all(dim=-1)
+    if not bool(bad.any()):
+        return
+    idx = bad.nonzero()
+    rows = [int(i[0]) if len(i) == 1 else tuple(int(v) for v in i) for i in idx[:8].tolist()]
+    more = f" (first 8 of {len(idx)})" if len(idx) > 8 else ""
+    raise ValueError(
+        f"{what}: inf or NaN in {len(idx)} row(s) of a tensor of shape {tuple(t.shape)}: rows {rows}{more}; "
+        "quantized, each such row would be all NaN (its scale is non-finite). Fix or zero those values first")
 
 
 def rowwise_dims(ndim: int, dim: int) -> tuple:

@@ -190,7 +190,7 @@ def fp8_size_rule(in_features: int, out_features: int) -> bool:
     (1024), ``2048 <-> 5632`` (1502), ``1024 <-> 4096`` (819) and anything larger are converted; ``1024 x 1024``
     (512), ``768 -> 3072`` (614) and small heads (``4096 -> 16``: 16) stay in high precision.
 
-    The default threshold is measured on H200 (a per-shape sweep, ``benchmarks/linear.py --shapes`` recalibrates it: one Linear's forward + backward captured
+    The default threshold is measured on H200 (``benchmarks/linear.py --size-rule``: one Linear's forward + backward captured
     as a CUDA graph, and the end-to-end step in ``docs/benchmarks.md``): below 640 even ``rowwise_gw_hp`` (two fp8
     GEMMs) is slower than bf16 at 8192 and 16384 tokens. It is looser than torchao's size-based filter for its
     row-wise recipe (H100, its kernels: ``N <= 2048`` stays in high precision). For another GPU, calibrate it with
@@ -217,7 +217,7 @@ def fp8_size_choice(in_features: int, out_features: int, recipe="rowwise") -> Op
     * a recipe with an fp8 grad_weight (``rowwise``) and ``K * N / (K + N) < size_rule_fp8_grad_weight_min`` (both
       :class:`fp8tensor.Config` fields; default 640 and 1024): ``rowwise_gw_hp`` — the output and grad_input GEMMs
       in fp8, grad_weight in high precision (a custom :class:`~fp8tensor.recipes.Recipe` keeps its other fields:
-      fp8 format, fast accumulation). Measured on H200 (``docs/benchmarks.md``): at these sizes the per-token
+      fp8 format, fast accumulation). Measured on H200 (``benchmarks/linear.py --size-rule``, ``docs/benchmarks.md``): at these sizes the per-token
       quantizations of ``x`` and ``grad_out`` that an fp8 grad_weight GEMM needs cost more than that GEMM saves,
       while the other two GEMMs still pay for theirs. Numerically this is the more accurate recipe;
     * else ``recipe`` itself.

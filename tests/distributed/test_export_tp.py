@@ -28,7 +28,7 @@ def mesh():
         store = tempfile.NamedTemporaryFile(delete=False)
         dist.init_process_group("gloo", init_method=f"file://{store.name}", rank=0, world_size=1)
     elif dist.get_world_size() != 1:
-        pytest.skip(f"a process group of world size {dist.get_world_size()} is already initialized")
+        pytest.fail(f"a process group of world size {dist.get_world_size()} is already initialized (left by an earlier test)")
     try:
         yield init_device_mesh("cpu", (1,))
     finally:

@@ -1,7 +1,7 @@
 """Repeated fp8 redistributions on real gloo processes: no rank aborts, every result bit-exact.
 
 torch's gloo backend can corrupt the heap when two collectives of one process group are in flight at once
-(``benchmarks/gloo_inflight.py`` (at commit b44f11a) shows it with plain float32 tensors, torch 2.13 and 2.14). Were fp8tensor's all-gather
+(the repro in ``docs/pytorch_issues.md``, item 3, shows it with plain float32 tensors, torch 2.13 and 2.14). Were fp8tensor's all-gather
 and all-to-all handlers to issue the data's and the scale's collectives back to back, a full test run would abort a
 rank in about one run in five (``malloc(): unaligned tcache chunk detected``). On the CPU the handlers wait on each
 collective before issuing the next (``fp8tensor.collectives._serial``).
@@ -11,7 +11,7 @@ through a transposed tensor, scales compact on the gathered dim) many times and 
 reference built without any collective: each rank's ``from_hp`` of its own shard, dequantized and concatenated. The
 parent asserts that every rank finished and found nothing wrong. The abort itself is intermittent: on the code
 before the workaround this test failed in 3 of 6 runs in one series and in none of 3 in another;
-``benchmarks/gloo_inflight.py`` (at commit b44f11a) reproduces the torch bug far more reliably.
+the repro in ``docs/pytorch_issues.md`` reproduces the torch bug far more reliably.
 """
 from __future__ import annotations
 

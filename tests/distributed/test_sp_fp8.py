@@ -104,7 +104,7 @@ def mesh():
     if own:
         dist.init_process_group("fake", rank=0, world_size=W)
     elif dist.get_world_size() != W:
-        pytest.skip(f"a process group of world size {dist.get_world_size()} is already initialized")
+        pytest.fail(f"a process group of world size {dist.get_world_size()} is already initialized (left by an earlier test)")
     mode = LocalTensorMode(frozenset(range(W)))
     with mode:
         m = init_device_mesh("cpu", (W,))

@@ -80,7 +80,7 @@ def mesh(request):
     if own:
         dist.init_process_group("fake", rank=0, world_size=n)
     elif dist.get_world_size() != n:
-        pytest.skip(f"a process group of world size {dist.get_world_size()} is already initialized")
+        pytest.fail(f"a process group of world size {dist.get_world_size()} is already initialized (left by an earlier test)")
     try:
         yield init_device_mesh("cpu", (n,)), LocalTensorMode(frozenset(range(n)))
     finally:

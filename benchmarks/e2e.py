@@ -28,12 +28,16 @@ trees record a block's graphs again while FSDP2's unsharded parameters still mov
 ``--warmup 25`` (the re-records settle within ~20 steps for fp8tensor; the counters printed per variant say whether
 any happened in the timed steps).
 
+Suffixes of an fp8tensor precision: ``.sized`` (``size_rule=True``), ``.inductor`` (``compiled_quantization=
+"inductor"``), ``.hpag`` / ``.fp8ag`` (``fp8_all_gather=False`` / ``True``; without either, ``convert_to_fp8``'s
+default rule: bf16 all-gather on one host over NCCL).
+
 Ratios are to the ``bf16`` row of the same setup and suffix (``+graph`` rows to graphed bf16).
 Two timings per variant: the median of ``--steps`` steps, each synchronized before and after (the table of record),
 and the mean of the same number of steps run back to back with one synchronization at each end, where the host may
 run ahead into the next step as in a training loop that does not read the loss every step.
 
-Sizes of the issue (one command each; all variants fit in one device call of < 9 minutes)::
+Sizes (one command each; all variants fit in one device call of < 9 minutes)::
 
     PYTHONPATH=. python3 benchmarks/e2e.py --size 2048      # dim 2048, FFN 8192, 16/8 heads, 6 layers, seq 4096 x 2
     PYTHONPATH=. python3 benchmarks/e2e.py --size 4096      # dim 4096, FFN 14336, 32/8 heads, 4 layers, seq 8192
@@ -147,8 +151,9 @@ def build(precision: str, setup: str, args, mesh, device, mode=None):
     precision = precision.removesuffix(".inductor")
     sized = precision.endswith(".sized")  # fp8tensor's size-aware choice on (small Linears stay bf16)
     precision = precision.removesuffix(".sized")
-    hp_gather = precision.endswith(".hpag")  # plain high-precision weights: FSDP2 gathers them in bf16
-    precision = precision.removesuffix(".hpag")
+    # FSDP2's weight all-gather: ".hpag" plain weights gathered in bf16, ".fp8ag" in fp8 (neither: the default rule)
+    gather = {".hpag": False, ".fp8ag": True}.get(next((x for x in (".hpag", ".fp8ag") if precision.endswith(x)), ""))
+    precision = precision.removesuffix(".hpag").removesuffix(".fp8ag")
     if precision in ("rowwise", "rowwise_gw_hp"):
         import fp8tensor
 
@@ -156,7 +161,7 @@ def build(precision: str, setup: str, args, mesh, device, mode=None):
         fp8tensor.set_config(compiled_quantization="inductor" if inductor_quant else "kernels")
 
         fp8tensor.convert_to_fp8(model, recipe=precision, module_filter_fn=fp8_module_filter, size_rule=sized,
-                                 fp8_all_gather=not hp_gather)
+                                 fp8_all_gather=gather)
     elif precision.startswith("ao_"):
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -285,6 +290,24 @@ def make_optimizer(model, fused: bool):
     return Optimizers([torch.optim.AdamW(ps, lr=1e-4, fused=fused) for ps in groups.values()])
 
 
+def host_ops(ka, n: int = 8) -> dict:
+    """Self CPU time per step (profiler over 3 steps) of the top ``n`` host ops, with the compiled graphs' calls and
+    FSDP2's per-block hooks each summed into one entry: ``{"total_ms": ..., "ops": [[name, ms, calls], ...]}``."""
+    groups: dict = {}
+    total = 0.0
+    for e in ka:
+        total += e.self_cpu_time_total
+        k = e.key
+        if k.startswith("## Call CompiledFxGraph"):
+            k = "compiled graphs (launch code)"
+        elif k.startswith("FSDP::") and "(" in k:
+            k = k.split(" (")[0] + " (all blocks)"
+        ms, calls = groups.get(k, (0.0, 0))
+        groups[k] = (ms + e.self_cpu_time_total, calls + e.count)
+    top = sorted(groups.items(), key=lambda kv: -kv[1][0])[:n]
+    return dict(total_ms=total / 3e3, ops=[[k, v[0] / 3e3, v[1] // 3] for k, v in top])
+
+
 def run_variant(variant: str, args, mesh, device):
     precision, setup, extra = check_variant(variant)
     mode = "reduce-overhead" if extra == "cg" else args.mode
@@ -365,6 +388,7 @@ def run_variant(variant: str, args, mesh, device):
     ms = statistics.median(times)
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
     gpu_ms = float("nan")
+    host_top = None
     if cuda:
         from torch.profiler import ProfilerActivity, profile
 
@@ -385,6 +409,7 @@ def run_variant(variant: str, args, mesh, device):
             print(f"\n## {variant}: top host ops (3 steps), wall {ms:.2f} ms, GPU {gpu_ms:.2f} ms per step")
             print(ka.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=80))
             print(ka.table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=80))
+            host_top = host_ops(ka)
             if args.trace_dir and precision != "bf16":
                 os.makedirs(args.trace_dir, exist_ok=True)
                 prof.export_chrome_trace(os.path.join(args.trace_dir, f"trace_{args.size}_{precision}_{setup}{'_cg' if graphs else ''}.json"))
@@ -397,7 +422,7 @@ def run_variant(variant: str, args, mesh, device):
     loss = float(step(0).detach().float())
     row = dict(variant=variant, precision=precision, setup=setup, extra=extra, mode=mode or "default", ms=ms, tok_s=c["batch"] * c["seq"] / ms * 1e3,
                gpu_ms=gpu_ms, peak_gib=peak, warmup_s=t_compile, loss=loss, min_ms=min(times), times_ms=times,
-               alloc=alloc, cudagraphs=cg, warmup_ms=warm_times, pipe_ms=pipe_ms)
+               alloc=alloc, cudagraphs=cg, warmup_ms=warm_times, pipe_ms=pipe_ms, host_top=host_top)
     print(f"# {variant}: {ms:.2f} ms/step (min {min(times):.2f}; back to back {pipe_ms:.2f}), GPU {gpu_ms:.2f} ms, peak {peak:.2f} GiB, "
           f"warm-up {t_compile:.1f} s, loss {loss:.3f}; steps (ms): {' '.join(f'{t:.1f}' for t in times)}; caching "
           f"allocator in the timed steps: {alloc}"
@@ -423,7 +448,7 @@ def check_variant(variant: str) -> tuple[str, str, str]:
     anything runs: a misspelled precision must not silently run as bf16)."""
     precision, _, setup = variant.partition("@")
     setup, _, extra = (setup or "fsdp").partition("+")
-    base = precision.removesuffix(".inductor").removesuffix(".hpag")
+    base = precision.removesuffix(".inductor").removesuffix(".hpag").removesuffix(".fp8ag")
     if base.removesuffix(".sized") not in PRECISIONS or (base != precision and not base.startswith("rowwise")) or (
             base.endswith(".sized") and not base.startswith("rowwise")):
         raise SystemExit(f"e2e.py: unknown precision {precision!r} in {variant!r}; expected one of {PRECISIONS}")
@@ -548,6 +573,25 @@ def main(argv=None):
                          a for i, a in enumerate(sys.argv[1:]) if a != "--record" and sys.argv[i] != "--record"),
                      notes=[f"Back to back (one synchronization before and after, none between; ms per step and "
                             f"ratio): {b2b}."])
+        prof = [r for r in rows if r.get("host_top")]
+        if prof:  # --profile: the top host ops per step of each variant, side by side
+            stem = os.path.splitext(args.record)[0] + "_host"
+            depth = max(len(r["host_top"]["ops"]) for r in prof)
+            cols = []
+            for i in range(depth):
+                row = {}
+                for r in prof:
+                    op = r["host_top"]["ops"][i] if i < len(r["host_top"]["ops"]) else ["", 0, 0]
+                    head = (f"{r['variant']} (wall {r['ms']:.1f} ms, GPU {r['gpu_ms']:.1f}; self CPU "
+                            f"{r['host_top']['total_ms']:.1f} ms/step)")
+                    row[head] = f"`{op[0][:60]}`" if op[0] else ""
+                    row[f"ms ({r['variant']})"] = f"{op[1]:.2f}" if op[0] else ""
+                    row[f"calls ({r['variant']})"] = str(op[2]) if op[0] else ""
+                cols.append(row)
+            write_record(stem + ".json", os.path.basename(stem), cols, "PYTHONPATH=. python benchmarks/e2e.py " +
+                         " ".join(a for i, a in enumerate(sys.argv[1:]) if a != "--record" and sys.argv[i] != "--record"),
+                         notes=["Top host ops by self CPU time per step (torch profiler over 3 steps, divided by 3); "
+                                "compiled graphs' calls and FSDP2's per-block hooks summed over the blocks."])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(size=args.size, cfg=c, env=env, mode=args.mode, cudagraph_params=args.cudagraph_params,

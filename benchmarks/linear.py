@@ -57,35 +57,48 @@ def step_fn(model, x, gy):
     return step
 
 
-def host_table(dev, tokens: int, calls: int = 2000) -> None:
-    """µs of host time per eager forward call, no grad (see the module docstring)."""
+def host_table(dev, tokens: int, calls: int = 2000, json_path=None, command: str = "") -> None:
+    """µs of host time per eager forward call, no grad (see the module docstring). The last column is the floor
+    under any fp8 Linear built on ``torch._scaled_mm``: one bare row-wise ``_scaled_mm`` call on operands already
+    quantized."""
     import time
 
+    from fp8tensor.quantize import E4M3, quantize
+
+    def per_call(fn) -> float:
+        for _ in range(50):
+            fn()
+        torch.cuda.synchronize()
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(calls // 5):
+                fn()
+            best = min(best, (time.perf_counter() - t0) / (calls // 5) * 1e6)
+            torch.cuda.synchronize()
+        return best
+
     print(f"# eager forward host time, {tokens} tokens, no grad ({env_line()})\n")
-    print("| K→N | nn.Linear µs | fp8 master µs (x) | fp8 quantize_weights µs (x) |")
-    print("|---|---|---|---|")
+    print("| K→N | nn.Linear µs | fp8 master µs (x) | fp8 quantize_weights µs (x) | bare torch._scaled_mm µs (x) |")
+    print("|---|---|---|---|---|")
+    rows = []
     for K, N in ((1024, 1024), (4096, 4096)):
         torch.manual_seed(0)
         base = nn.Linear(K, N, bias=False, device=dev, dtype=torch.bfloat16)
         mods = {"bf16": base, "master": fp8tensor.convert_to_fp8(copy.deepcopy(base)),
                 "frozen": fp8tensor.quantize_weights(nn.Sequential(copy.deepcopy(base)))[0]}
         x = torch.randn(tokens, K, device=dev, dtype=torch.bfloat16)
-        us = {}
+        xq, xs = quantize(x, -1, E4M3, gemm_layout=True)
+        wq, ws = quantize(base.weight.detach(), -1, E4M3, gemm_layout=True)
         with torch.no_grad():
-            for name, m in mods.items():
-                for _ in range(50):
-                    m(x)
-                torch.cuda.synchronize()
-                best = float("inf")
-                for _ in range(5):
-                    t0 = time.perf_counter()
-                    for _ in range(calls // 5):
-                        m(x)
-                    best = min(best, (time.perf_counter() - t0) / (calls // 5) * 1e6)
-                    torch.cuda.synchronize()
-                us[name] = best
-        print(f"| {K}→{N} | {us['bf16']:.1f} | {us['master']:.1f} ({us['master'] / us['bf16']:.1f}x) | "
-              f"{us['frozen']:.1f} ({us['frozen'] / us['bf16']:.1f}x) |")
+            us = {name: per_call(lambda m=m: m(x)) for name, m in mods.items()}
+            us["scaled_mm"] = per_call(lambda: torch._scaled_mm(xq, wq.t(), xs, ws.t(), out_dtype=torch.bfloat16,
+                                                                use_fast_accum=True))
+        cells = {k: f"{us[k]:.1f} ({us[k] / us['bf16']:.1f}x)" for k in ("master", "frozen", "scaled_mm")}
+        print(f"| {K}→{N} | {us['bf16']:.1f} | {cells['master']} | {cells['frozen']} | {cells['scaled_mm']} |")
+        rows.append({"K→N": f"{K}→{N}", "nn.Linear µs": f"{us['bf16']:.1f}", "fp8 master µs (x)": cells["master"],
+                     "fp8 quantize_weights µs (x)": cells["frozen"], "bare torch._scaled_mm µs (x)": cells["scaled_mm"]})
+    write_json(json_path, "host_linear", rows, command)
 
 
 # ------------------------------------------------------------------------------------------------ --size-rule
@@ -172,7 +185,7 @@ def main() -> None:
         return
     dev = torch.device("cuda")
     if args.host:
-        host_table(dev, args.host_tokens)
+        host_table(dev, args.host_tokens, json_path=args.json, command=command)
         return
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")] if args.shapes else SHAPES
     vs = variants(not args.no_peers)

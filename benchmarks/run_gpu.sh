@@ -68,7 +68,7 @@ for stage in "$@"; do
              --layers 4 --seq 8192 --warmup 1 --variants bf16@compile,rowwise@compile,rowwise_gw_hp@compile \
              > "$out/memory_4096.txt" 2>&1; tail -30 "$out/memory_4096.txt" ;;
     moe) timeout 300 $py benchmarks/moe.py --out "$out/moe.json" --profile > "$out/moe.txt" 2>&1; table "$out/moe.txt" ;;
-    host) timeout 200 $py benchmarks/linear.py --host > "$out/host.txt" 2>&1; table "$out/host.txt" ;;
+    host) timeout 200 $py benchmarks/linear.py --host --json "$out/record/host_linear.json" > "$out/host.txt" 2>&1; table "$out/host.txt" ;;
     serve-host) timeout 120 $py benchmarks/serve.py --host > "$out/serve_host.txt" 2>&1; table "$out/serve_host.txt" ;;
     serve) { timeout 300 $py -m pytest -q -p no:cacheprovider -p no:logging --tb=short -W ignore tests/gpu/test_gpu_export.py
              timeout 200 $py benchmarks/serve.py --modes eager ${SERVE_ARGS:-}

@@ -21,16 +21,16 @@ def _blocks(seed: int) -> nn.Sequential:
                            for _ in range(2)]).to(DEV)
 
 
-def _train(model: nn.Sequential, mode, xs, reshard: bool):
+def _train(model: nn.Sequential, mode, xs, reshard: bool, fp8_all_gather: bool):
     """Convert, compile each block with ``mode``, FSDP2 over a 1-rank mesh (bf16 compute, float32 master and
-    reduction; ``reshard`` is ``reshard_after_forward``), and train on ``xs``; returns the losses and the first
-    step's output."""
+    reduction; ``reshard`` is ``reshard_after_forward``; weights all-gathered in fp8 or in bf16), and train on ``xs``;
+    returns the losses and the first step's output."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     import fp8tensor
 
-    fp8tensor.convert_to_fp8(model)
+    fp8tensor.convert_to_fp8(model, fp8_all_gather=fp8_all_gather)
     mesh = init_device_mesh("cuda", (1,))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model:
@@ -53,8 +53,8 @@ def _train(model: nn.Sequential, mode, xs, reshard: bool):
     return losses, first
 
 
-@pytest.mark.parametrize("reshard", [False, True])
-def test_fsdp_reduce_overhead_trains_like_default_compile(reshard):
+@pytest.mark.parametrize("reshard,fp8_all_gather", [(False, True), (True, True), (False, False)])
+def test_fsdp_reduce_overhead_trains_like_default_compile(reshard, fp8_all_gather):
     import torch.distributed as dist
     from torch._inductor import cudagraph_trees
 
@@ -71,7 +71,7 @@ def test_fsdp_reduce_overhead_trains_like_default_compile(reshard):
         for mode in (None, "reduce-overhead"):
             torch._dynamo.reset()
             counters.clear()
-            runs[mode] = _train(_blocks(0), mode, xs, reshard)
+            runs[mode] = _train(_blocks(0), mode, xs, reshard, fp8_all_gather)
             if mode:
                 mgr = cudagraph_trees.get_container(torch.cuda.current_device()).tree_manager
                 assert mgr is not None and len(mgr.roots) > 0, "reduce-overhead recorded no CUDA graph"

@@ -83,7 +83,7 @@ def test_fsdp_one_rank_grouped_packed_matches_per_weight(reshard):
             torch.manual_seed(0)
             model = nn.Sequential(nn.Linear(256, 512, bias=False), nn.Linear(512, 128, bias=False),
                                   nn.Linear(128, 256, bias=False)).to(DEV)
-            fp8tensor.convert_to_fp8(model)
+            fp8tensor.convert_to_fp8(model, fp8_all_gather=True)
             fully_shard(model, mesh=init_device_mesh("cuda", (1,)), reshard_after_forward=reshard)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
             shared = []

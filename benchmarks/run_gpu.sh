@@ -5,7 +5,7 @@
 # Usage: bash benchmarks/run_gpu.sh STAGE [STAGE ...]
 #   tests        the GPU tests (tests/gpu)
 #   graph        the whole-step CUDA-graph tests (tests/gpu/test_gpu_graph_step.py)
-#   e2e-SIZE     benchmarks/e2e.py at SIZE (2048, 4096, 8192, readme): default compile and whole-step graph rows,
+#   e2e-SIZE     benchmarks/e2e.py at SIZE (2048, 4096, 8192, readme; E2E_ARGS: more flags, e.g. --profile): default compile and whole-step graph rows,
 #                bf16 / fp8tensor rowwise, rowwise_gw_hp / torchao tensorwise, rowwise; plain FSDP2 and DTensor (tp)
 #   linear       benchmarks/linear.py (per-layer forward + backward, M = 16384)
 #   memory-4096  benchmarks/memory.py at dim 4096 (FSDP2, compiled blocks, one AdamW over all parameters)
@@ -36,8 +36,8 @@ TRAIN_ARGS="--tp 1 --device cuda --compile --cuda-graph --steps 1200 --dim 1024 
 e2e_variants() {  # $1: size. Default compile and whole-step graph rows, bf16 / fp8tensor / torchao
   local g="bf16@fsdp+graph,rowwise@fsdp+graph,ao_tensorwise@fsdp+graph"
   case "$1" in
-    2048) echo "bf16@fsdp,rowwise@fsdp,ao_tensorwise@fsdp,$g,rowwise_gw_hp@fsdp+graph,ao_rowwise@fsdp+graph,bf16@tp+graph,rowwise@tp+graph" ;;
-    readme) echo "bf16@fsdp,rowwise@fsdp,$g,rowwise_gw_hp@fsdp+graph" ;;
+    2048) echo "bf16@fsdp,rowwise@fsdp,rowwise.fp8ag@fsdp,ao_tensorwise@fsdp,ao_rowwise@fsdp,bf16@tp,rowwise@tp,$g,bf16@tp+graph,rowwise@tp+graph" ;;
+    readme) echo "bf16@fsdp,rowwise@fsdp,rowwise.sized@fsdp,ao_tensorwise@fsdp,$g,rowwise.sized@fsdp+graph" ;;
     *) echo "bf16@fsdp,rowwise@fsdp,ao_tensorwise@fsdp,$g" ;;
   esac
 }
@@ -61,7 +61,7 @@ for stage in "$@"; do
            grep -E "bit-identical|Error|assert|^E |passed|failed" "$out/graph_tests.txt" | cut -c1-300 | tail -40 ;;
     e2e-*) size=${stage#e2e-}
            timeout ${E2E_TIMEOUT:-420} $py benchmarks/e2e.py --size "$size" --variants "${E2E_VARIANTS:-$(e2e_variants "$size")}" \
-             --json "$out/e2e_$size.json" --record "$out/record/e2e_$size.json" > "$out/e2e_$size.txt" 2>&1
+             --json "$out/e2e_$size.json" --record "$out/record/e2e_$size.json" ${E2E_ARGS:-} > "$out/e2e_$size.txt" 2>&1
            table "$out/e2e_$size.txt" ;;
     linear) timeout 300 $py benchmarks/linear.py --json "$out/record/linear.json" > "$out/linear.txt" 2>&1; table "$out/linear.txt" ;;
     memory-4096) timeout 300 $py benchmarks/memory.py --fsdp --dim 4096 --ffn 14336 --heads 32 --kv-heads 8 \

@@ -29,8 +29,8 @@ trees record a block's graphs again while FSDP2's unsharded parameters still mov
 any happened in the timed steps).
 
 Suffixes of an fp8tensor precision: ``.sized`` (``size_rule=True``), ``.inductor`` (``compiled_quantization=
-"inductor"``), ``.hpag`` / ``.fp8ag`` (``fp8_all_gather=False`` / ``True``; without either, ``convert_to_fp8``'s
-default rule: bf16 all-gather on one host over NCCL).
+"inductor"``), ``.hpag`` (``fp8_all_gather=False``: plain weights, gathered by FSDP2 in bf16), ``.fp8ag`` (``fp8_all_gather=True``,
+the default, named).
 
 Ratios are to the ``bf16`` row of the same setup and suffix (``+graph`` rows to graphed bf16).
 Two timings per variant: the median of ``--steps`` steps, each synchronized before and after (the table of record),
@@ -147,13 +147,10 @@ def build(precision: str, setup: str, args, mesh, device, mode=None):
     fsdp = setup in ("fsdp", "tp")
     if not fsdp:
         model = model.to(torch.bfloat16)  # no FSDP2: bf16 parameters (bf16 master)
-    inductor_quant = precision.endswith(".inductor")  # compiled_quantization="inductor" for this variant
-    precision = precision.removesuffix(".inductor")
-    sized = precision.endswith(".sized")  # fp8tensor's size-aware choice on (small Linears stay bf16)
-    precision = precision.removesuffix(".sized")
-    # FSDP2's weight all-gather: ".hpag" plain weights gathered in bf16, ".fp8ag" in fp8 (neither: the default rule)
-    gather = {".hpag": False, ".fp8ag": True}.get(next((x for x in (".hpag", ".fp8ag") if precision.endswith(x)), ""))
-    precision = precision.removesuffix(".hpag").removesuffix(".fp8ag")
+    precision, flags = split_suffixes(precision)
+    inductor_quant = ".inductor" in flags  # compiled_quantization="inductor" for this variant
+    sized = ".sized" in flags  # fp8tensor's size-aware choice on (small Linears stay bf16)
+    gather = ".hpag" not in flags  # FSDP2's weight all-gather: ".hpag" plain weights gathered in bf16, else fp8
     if precision in ("rowwise", "rowwise_gw_hp"):
         import fp8tensor
 
@@ -174,6 +171,8 @@ def build(precision: str, setup: str, args, mesh, device, mode=None):
 
             cfg = dataclasses.replace(cfg, enable_fsdp_float8_all_gather=True)
         convert_to_float8_training(model, config=cfg, module_filter_fn=fp8_module_filter)
+    elif precision != "bf16":  # (check_variant refuses these first; never run an unknown variant as bf16)
+        raise SystemExit(f"e2e.py: unknown precision {precision!r}")
     if setup in ("tp", "tp_plain"):
         from torch.distributed.tensor.parallel import parallelize_module
         from llama import block_tp_plan
@@ -441,17 +440,30 @@ def run_variant(variant: str, args, mesh, device):
 PRECISIONS = ("bf16", "rowwise", "rowwise_gw_hp", "ao_tensorwise", "ao_rowwise", "ao_rowwise_gw_hp", "ao_tensorwise_ag")
 
 
+SUFFIXES = (".inductor", ".sized", ".hpag", ".fp8ag")
+
+
+def split_suffixes(precision: str) -> tuple[str, set]:
+    """``(base, {suffix, ...})`` of ``<base>[.sized][.inductor][.hpag|.fp8ag]``, the suffixes in any order."""
+    flags: set = set()
+    while True:
+        sfx = next((x for x in SUFFIXES if precision.endswith(x)), None)
+        if sfx is None:
+            return precision, flags
+        flags.add(sfx)
+        precision = precision[: -len(sfx)]
+
+
 def check_variant(variant: str) -> tuple[str, str, str]:
-    """``(precision, setup, suffix)`` of ``<precision>[.sized][.inductor]@<setup>[+cg|+graph]`` (``.inductor``:
-    ``with fp8tensor.config(compiled_quantization="inductor"):`` for this variant; ``.sized``: fp8tensor's
-    size-aware choice on, ``convert_to_fp8(size_rule=True)``); SystemExit naming the variant on a typo (before
-    anything runs: a misspelled precision must not silently run as bf16)."""
+    """``(precision, setup, suffix)`` of ``<precision>[.sized][.inductor][.hpag|.fp8ag]@<setup>[+cg|+graph]``
+    (suffixes in any order, fp8tensor precisions only; see the module docstring); SystemExit naming the variant on
+    a typo (before anything runs: a misspelled precision must not silently run as bf16)."""
     precision, _, setup = variant.partition("@")
     setup, _, extra = (setup or "fsdp").partition("+")
-    base = precision.removesuffix(".inductor").removesuffix(".hpag").removesuffix(".fp8ag")
-    if base.removesuffix(".sized") not in PRECISIONS or (base != precision and not base.startswith("rowwise")) or (
-            base.endswith(".sized") and not base.startswith("rowwise")):
-        raise SystemExit(f"e2e.py: unknown precision {precision!r} in {variant!r}; expected one of {PRECISIONS}")
+    base, flags = split_suffixes(precision)
+    if base not in PRECISIONS or (flags and not base.startswith("rowwise")) or {".hpag", ".fp8ag"} <= flags:
+        raise SystemExit(f"e2e.py: unknown precision {precision!r} in {variant!r}; expected one of {PRECISIONS} "
+                         f"(fp8tensor's with suffixes {SUFFIXES}, one of .hpag / .fp8ag)")
     if setup not in SETUPS:
         raise SystemExit(f"e2e.py: unknown setup {setup!r} in {variant!r}; expected one of {SETUPS}")
     if extra not in ("", "cg", "graph"):

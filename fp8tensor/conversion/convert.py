@@ -21,7 +21,7 @@ from ..core import compat
 from . import checkpoint as _checkpoint
 from ..numerics.quantize import E4M3, check_float8_dtype
 from ..distributed.fsdp_state import check_fsdp_sharded as _check_fsdp_sharded
-from ..distributed.fsdp_state import fp8_all_gather_default, refresh_fsdp_param
+from ..distributed.fsdp_state import refresh_fsdp_param
 from .export import add_model_export_hook, add_tp_export_hook, refuse_tp_export
 from ..training.master import Fp8MasterWeight
 from .modules import (Fp8GroupedExpertsMixin, Fp8Linear, Fp8LinearMixin, _new_converted, add_fp8_checkpoint_hooks,
@@ -212,7 +212,7 @@ def _convert_experts(root: nn.Module, chosen, r, skipped: list) -> None:
 
 def convert_to_fp8(
     module: nn.Module, *, recipe="rowwise", module_filter_fn: Optional[FilterFn] = None,
-    size_rule: Optional[bool] = None, fp8_all_gather: Optional[bool] = None,
+    size_rule: Optional[bool] = None, fp8_all_gather: bool = True,
 ) -> nn.Module:
     """Convert every ``nn.Linear`` of ``module`` (in place) to fp8 training with high-precision master weights.
 
@@ -264,20 +264,20 @@ def convert_to_fp8(
             the filter selects with ``recipe`` (False); None (default): ``fp8tensor.get_config().size_rule``
             (default False).
             Applied after ``module_filter_fn``.
-        fp8_all_gather: True: each weight becomes an :class:`Fp8MasterWeight`, which FSDP2 all-gathers in fp8 with
-            its row scales (``K + 4`` bytes per row instead of ``2 K``). False: the weight stays a plain Parameter
-            that FSDP2 all-gathers in its ``param_dtype`` (its foreach copy-in, no extension hooks), and each Linear
-            quantizes it on use, inside its compiled block. None (default): False when the job runs on one host
-            over NCCL (NVLink: the hooks' host time costs more than the bytes saved), True otherwise
-            (:func:`fp8tensor.distributed.fsdp_state.fp8_all_gather_default`, docs/fsdp.md). Stored on each Linear
-            (``module.fp8_all_gather``).
+        fp8_all_gather: True (default): each weight becomes an :class:`Fp8MasterWeight`, which FSDP2 all-gathers in
+            fp8 with its row scales (``K + 4`` bytes per row instead of ``2 K``; the shard is quantized once, before
+            the all-gather). False: the weight stays a plain Parameter that FSDP2 all-gathers in its ``param_dtype``
+            (its foreach copy-in, no extension hooks), and each Linear quantizes the gathered weight on use, inside
+            its compiled block: less host time per step, more GPU time (docs/fsdp.md has the measured trade-off;
+            choose False for small models trained without a whole-step graph, whose steps wait on the host). Stored
+            on each Linear (``module.fp8_all_gather``).
 
     Returns:
         ``module`` itself.
 
     Raises:
-        TypeError: ``module`` is not an ``nn.Module``, the filter is not callable, or ``size_rule`` or
-            ``fp8_all_gather`` is not None or a bool.
+        TypeError: ``module`` is not an ``nn.Module``, the filter is not callable, ``size_rule`` is not None or
+            a bool, or ``fp8_all_gather`` is not a bool.
         ValueError: unknown recipe.
         RuntimeError: ``module_filter_fn`` raised, a Linear is currently unsharded by FSDP2, a Linear that is not
             converted shares its weight with one that is, or a forward set on a Linear instance holds the Linear's
@@ -288,11 +288,9 @@ def convert_to_fp8(
     r = get_recipe(recipe)
     if size_rule is not None and not isinstance(size_rule, bool):
         raise TypeError(f"convert_to_fp8: size_rule must be None, True or False, got {size_rule!r}")
-    if fp8_all_gather is not None and not isinstance(fp8_all_gather, bool):
-        raise TypeError(f"convert_to_fp8: fp8_all_gather must be None, True or False, got {fp8_all_gather!r}")
+    if not isinstance(fp8_all_gather, bool):
+        raise TypeError(f"convert_to_fp8: fp8_all_gather must be True or False, got {fp8_all_gather!r}")
     use_size_rule = get_config().size_rule if size_rule is None else size_rule
-    if fp8_all_gather is None:
-        fp8_all_gather = fp8_all_gather_default()
     chosen = _select_linears(module, module_filter_fn, op)
     _check_fsdp_sharded([lin.weight for _, lin in chosen], op)
     chosen, skipped, redirects = _drop_custom_forwards(chosen, op)

@@ -49,7 +49,7 @@ def _build(cfg: dict, mesh):
         model.to(torch.bfloat16)  # no FSDP2: bf16 parameters are the masters
     if cfg["recipe"] is not None:
         fp8tensor.convert_to_fp8(model, recipe=cfg["recipe"], module_filter_fn=fp8_module_filter,
-                                 fp8_all_gather=cfg.get("fp8ag"))
+                                 fp8_all_gather=cfg.get("fp8ag", True))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     parallelize_llama(model, mesh["tp"] if cfg["tp"] else None, mesh["dp"] if cfg["fsdp"] else None,
                       sequence_parallel=cfg["tp"], mp_policy=mp, reshard_after_forward=False,
@@ -110,13 +110,13 @@ def _train(cfg: dict, mesh, graphed: bool):
 
 
 CONFIGS = {
-    # FSDP2 (1 rank: weights gathered in bf16 by default, fp8ag: in fp8), compiled blocks, clipping after the graph
+    # FSDP2 (1 rank; weights all-gathered in fp8, fp8ag=False: in bf16), compiled blocks, clipping after the graph
     "fsdp-compile-rowwise": dict(recipe="rowwise", fsdp=True, tp=False, compile=True, clip="after"),
-    "fsdp-compile-rowwise-fp8ag": dict(recipe="rowwise", fsdp=True, tp=False, compile=True, clip="after", fp8ag=True),
+    "fsdp-compile-rowwise-bf16-gather": dict(recipe="rowwise", fsdp=True, tp=False, compile=True, clip="after",
+                                             fp8ag=False),
     "fsdp-compile-gw_hp": dict(recipe="rowwise_gw_hp", fsdp=True, tp=False, compile=True, clip="after"),
-    # eager blocks, fp8 all-gather, clipping inside the graph
-    "fsdp-eager-rowwise-clip-inside": dict(recipe="rowwise", fsdp=True, tp=False, compile=False, clip="inside",
-                                           fp8ag=True),
+    # eager blocks, clipping inside the graph
+    "fsdp-eager-rowwise-clip-inside": dict(recipe="rowwise", fsdp=True, tp=False, compile=False, clip="inside"),
     # gradient accumulation: 2 replays per optimizer step
     "fsdp-compile-rowwise-accum": dict(recipe="rowwise", fsdp=True, tp=False, compile=True, accum=2),
     # TP + SP on a DTensor mesh (1 rank), FSDP2, compiled blocks

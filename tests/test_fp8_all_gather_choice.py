@@ -1,0 +1,55 @@
+"""``convert_to_fp8(..., fp8_all_gather=...)``: True (default) makes each weight a master that FSDP2 all-gathers in
+fp8; False keeps plain Parameters (FSDP2 gathers them in its ``param_dtype``); the choice is stored on each Linear,
+a non-bool is refused before anything changes, and both train alike against float64."""
+import pytest
+import torch
+import torch.nn as nn
+
+import fp8tensor
+from fp8tensor.master import Fp8MasterWeight
+
+def _model():
+    torch.manual_seed(torch.initial_seed())  # (the test's seed, set and printed by conftest: same weights twice)
+    return nn.Sequential(nn.Linear(32, 64, bias=False), nn.Linear(64, 32, bias=False))
+
+
+def test_default_is_the_fp8_all_gather():
+    m = fp8tensor.convert_to_fp8(_model())
+    assert all(isinstance(lin.weight, Fp8MasterWeight) and lin.fp8_all_gather is True for lin in m)
+
+
+@pytest.mark.parametrize("choice", [True, False])
+def test_explicit_choice_is_kept_and_trains(choice):
+    ref = _model().double()
+    m = fp8tensor.convert_to_fp8(_model(), fp8_all_gather=choice)
+    for lin in m:
+        assert lin.fp8_all_gather is choice
+        assert isinstance(lin.weight, Fp8MasterWeight) is choice
+        assert isinstance(lin.weight, nn.Parameter)
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(torch.initial_seed()))
+    y = m(x)
+    y.square().mean().backward()
+    yr = ref(x.double())
+    yr.square().mean().backward()
+    # two chained Linears, 4 e4m3 operands of relative RMS rounding error <= 2^-4/sqrt(3) each, in quadrature
+    bound = 2 * 2**-4 / 3**0.5 * 4**0.5
+    assert ((y.double() - yr).norm() / yr.norm()).item() < bound, torch.initial_seed()
+    for lin, lr in zip(m, ref):
+        g, gr = lin.weight.grad.double(), lr.weight.grad
+        assert ((g - gr).norm() / gr.norm()).item() < 2 * bound, torch.initial_seed()
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None])
+def test_non_bool_raises_before_any_change(bad):
+    m = _model()
+    w = m[0].weight
+    with pytest.raises(TypeError, match="convert_to_fp8: fp8_all_gather must be True or False"):
+        fp8tensor.convert_to_fp8(m, fp8_all_gather=bad)
+    assert m[0].weight is w and type(w) is nn.Parameter and not hasattr(m[0], "fp8_recipe")
+
+
+def test_reconverting_a_master_keeps_it():
+    m = fp8tensor.convert_to_fp8(_model(), fp8_all_gather=True)
+    fp8tensor.convert_to_fp8(m, recipe="rowwise_gw_hp", fp8_all_gather=False)
+    assert all(isinstance(lin.weight, Fp8MasterWeight) and lin.fp8_all_gather for lin in m)
+    assert all(lin.weight.recipe.name == "rowwise_gw_hp" for lin in m)

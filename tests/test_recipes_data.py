@@ -66,3 +66,24 @@ def test_a_recipe_is_a_frozen_value_stored_at_conversion():
         Recipe("grad_input_hp", grad_input=Gemm(HP, HP)))
     lin = fp8tensor.convert_to_fp8(nn.Linear(32, 16), recipe=r)
     assert lin.fp8_recipe is r and lin.weight.recipe is r
+
+
+def test_construction_errors_name_the_field():
+    """Wrong types raise a TypeError naming the field (not an AttributeError from inside the dataclass); a scaling
+    given as a string is read as its Operand; weight_format takes a recipe name too."""
+    from fp8tensor.recipes import Gemm, Operand, Recipe, weight_format
+
+    assert Gemm("hp", "hp") == Gemm(Operand("hp"), Operand("hp")) and not Gemm("hp", "hp").fp8
+    with pytest.raises(TypeError, match="Gemm: a must be an Operand"):
+        Gemm(a=3)
+    with pytest.raises(ValueError, match="tensor-wise scaling is not offered"):
+        Gemm("tensorwise", "tensorwise")
+    with pytest.raises(TypeError, match="Recipe 'x': grad_weight must be a Gemm"):
+        Recipe("x", grad_weight="hp")
+    with pytest.raises(TypeError, match="Recipe: name must be a string"):
+        Recipe(None)
+    r = weight_format("rowwise", torch.float8_e5m2)
+    assert r.output.b.float8_dtype == r.grad_input.b.float8_dtype == torch.float8_e5m2
+    assert r.output.a.float8_dtype == torch.float8_e4m3fn
+    with pytest.raises(ValueError, match="unknown recipe"):
+        weight_format("no_such_recipe", torch.float8_e5m2)

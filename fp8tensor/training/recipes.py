@@ -69,13 +69,15 @@ class Gemm:
     ``x`` for grad_weight).
 
     Attributes:
-        a, b: :class:`Operand` s. Both ``"rowwise"`` (an fp8 GEMM) or both ``"hp"``. The activation side is e4m3:
+        a, b: :class:`Operand` s (a string is read as ``Operand(that scaling)``: ``Gemm("hp", "hp")``). Both
+            ``"rowwise"`` (an fp8 GEMM) or both ``"hp"``. The activation side is e4m3:
             ``torch._scaled_mm`` takes e5m2 on one side only, and fp8tensor puts it on the weight side (which is
             also the format FSDP2's fp8 all-gather sends).
         fast_accum: fp8 fast accumulation (``torch._scaled_mm(use_fast_accum=True)``).
 
     Raises:
-        ValueError: mixed scalings, or an e5m2 activation side.
+        TypeError: ``a`` or ``b`` neither an :class:`Operand` nor a string.
+        ValueError: mixed scalings, an unknown scaling, or an e5m2 activation side.
     """
 
     a: Operand = Operand()
@@ -83,6 +85,13 @@ class Gemm:
     fast_accum: bool = False
 
     def __post_init__(self):
+        for side in ("a", "b"):
+            v = getattr(self, side)
+            if isinstance(v, str):
+                object.__setattr__(self, side, Operand(v))
+            elif not isinstance(v, Operand):
+                raise TypeError(f"fp8tensor Gemm: {side} must be an Operand (or its scaling as a string, one of "
+                                f"{SCALINGS}), got {v!r}")
         if self.a.scaling != self.b.scaling:
             raise ValueError(f"fp8tensor Gemm: both operands are fp8 or both high precision, got a={self.a.scaling!r}"
                              f" and b={self.b.scaling!r}")
@@ -113,6 +122,7 @@ class Recipe:
         grad_weight: :class:`Gemm` of ``grad_W = grad_out^T @ x`` (default fp8, slow accumulation).
 
     Raises:
+        TypeError: ``name`` is not a string, or a GEMM is not a :class:`Gemm`.
         ValueError: the weight side of the output and grad_input GEMMs differ in fp8 format (both quantize the one
             weight, which FSDP2 may gather in fp8 in that format).
     """
@@ -123,6 +133,12 @@ class Recipe:
     grad_weight: Gemm = Gemm()
 
     def __post_init__(self):
+        if not isinstance(self.name, str):
+            raise TypeError(f"fp8tensor Recipe: name must be a string, got {self.name!r}")
+        for field in ("output", "grad_input", "grad_weight"):
+            if not isinstance(getattr(self, field), Gemm):
+                raise TypeError(f"fp8tensor Recipe {self.name!r}: {field} must be a Gemm (e.g. Gemm(fast_accum=True) "
+                                f"or Gemm('hp', 'hp')), got {getattr(self, field)!r}")
         if self.output.fp8 and self.grad_input.fp8 and self.output.b.float8_dtype != self.grad_input.b.float8_dtype:
             raise ValueError(f"fp8tensor Recipe {self.name!r}: the output and grad_input GEMMs quantize the one "
                              "weight, so their weight sides (b) have one fp8 format")
@@ -150,8 +166,15 @@ class Recipe:
         return dataclasses.replace(self, **changes)
 
 
-def weight_format(recipe: "Recipe", float8_dtype: torch.dtype) -> "Recipe":
-    """``recipe`` with every fp8 weight side (and the saved input of an fp8 grad_weight) in ``float8_dtype``."""
+def weight_format(recipe, float8_dtype: torch.dtype) -> "Recipe":
+    """``recipe`` (a :class:`Recipe` or a name in :data:`RECIPES`) with every fp8 weight side (and the saved input of
+    an fp8 grad_weight) in ``float8_dtype`` (``torch.float8_e4m3fn`` or ``torch.float8_e5m2``).
+
+    Raises:
+        ValueError: unknown recipe name, or ``float8_dtype`` not an fp8 format.
+    """
+    recipe = get_recipe(recipe)
+
     def b(g: Gemm) -> Gemm:
         return dataclasses.replace(g, b=Operand(g.b.scaling, float8_dtype)) if g.fp8 else g
     return dataclasses.replace(recipe, output=b(recipe.output), grad_input=b(recipe.grad_input),

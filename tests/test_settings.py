@@ -410,3 +410,49 @@ def test_docs_enter_every_config_block():
                 if not re.search(r"\bwith\s+(?:\S+\s*,\s*)*$", line[:m.start()]):
                     bare.append(f"{f.relative_to(root)}:{n}: {line.strip()}")
     assert not bare, "fp8tensor.config(...) written without `with`:\n" + "\n".join(bare)
+
+
+def test_blocks_of_interleaved_generators_end_in_any_order():
+    """Two generators each suspended inside their own block: whichever ends first, the settings in force are those of
+    the blocks still open, and none outlives its block (before: ending them out of order left one block's settings
+    in force after both ended)."""
+    base = fp8tensor.get_config()
+
+    def gen(**changes):
+        with fp8tensor.config(**changes):
+            yield fp8tensor.get_config()
+            yield fp8tensor.get_config()
+
+    a, b = gen(unknown_ops="raise"), gen(gemm_backend="emulated")
+    assert next(a).unknown_ops == "raise"
+    inside_b = next(b)
+    assert inside_b.unknown_ops == "raise" and inside_b.gemm_backend == "emulated"
+    for _ in a:  # a's block ends first, b's is still open
+        pass
+    now = fp8tensor.get_config()
+    assert now.gemm_backend == "emulated" and now.unknown_ops == base.unknown_ops
+    assert next(b).unknown_ops == base.unknown_ops
+    for _ in b:
+        pass
+    assert fp8tensor.get_config() == base
+
+
+def test_the_backward_token_restores_the_open_blocks():
+    """The token the fp8 Linear carries from forward to backward swaps in both the settings and the open blocks, and
+    swapping back restores them: a block entered and left in between leaves nothing behind."""
+    from fp8tensor.core.settings import scope_token, swap_scope
+
+    base = fp8tensor.get_config()
+    with fp8tensor.config(unknown_ops="raise"):
+        token = scope_token()
+    assert fp8tensor.get_config() == base and scope_token() is None
+    with fp8tensor.config(gemm_backend="emulated"):
+        prev = swap_scope(token)
+        assert fp8tensor.get_config().unknown_ops == "raise"
+        assert fp8tensor.get_config().gemm_backend == base.gemm_backend
+        with fp8tensor.config(weight_only_decode=not base.weight_only_decode):
+            pass
+        swap_scope(prev)
+        assert fp8tensor.get_config().gemm_backend == "emulated"
+        assert fp8tensor.get_config().unknown_ops == base.unknown_ops
+    assert fp8tensor.get_config() == base

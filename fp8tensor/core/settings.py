@@ -138,14 +138,28 @@ def scope_token():
     """The :func:`config` blocks in force in this thread, as an opaque token for :func:`swap_scope` (None outside any
     block). The fp8 Linear takes it in forward and runs its backward under it: autograd runs CUDA backwards in its
     own device threads, which a thread-local block would not reach."""
-    return getattr(_local, "block", None)
+    block = getattr(_local, "block", None)
+    return None if block is None else (block, tuple(getattr(_local, "stack", ())))
 
 
 def swap_scope(token):
     """Make ``token`` (from :func:`scope_token`) this thread's :func:`config` blocks; returns the previous token."""
-    prev = getattr(_local, "block", None)
-    _local.block = token
+    prev = scope_token()
+    _local.block, stack = (None, ()) if token is None else token
+    _local.stack = list(stack)
     return prev
+
+
+def _apply_stack() -> None:
+    """This thread's settings block from its entered scopes (in the order entered; a later one wins a field)."""
+    stack = getattr(_local, "stack", None)
+    if not stack:
+        _local.block = None
+        return
+    overrides: dict = {}
+    for scope in stack:
+        overrides.update(scope.changes)
+    _local.block = (overrides, _global, _replace(_global, overrides))
 
 
 def set_config(**changes) -> Config:
@@ -170,37 +184,38 @@ class _Scope:
     entered, and the thread's next fp8tensor operation (:func:`get_config`, which every op reads, or
     :func:`set_config`) raises ``RuntimeError`` while one is recorded; so does the next :func:`config` call once an
     earlier scope was dropped without being entered. ``with fp8tensor.config(...):`` enters the scope before anything
-    else runs, so correct code never sees the error. A scope may be entered again after its block ended."""
+    else runs, so correct code never sees the error. A scope may be entered again after its block ended.
 
-    __slots__ = ("changes", "_prev", "__weakref__")
+    The thread keeps its entered scopes in order; leaving one removes it wherever it is (blocks of two generators
+    suspended inside them may end in any order) and the settings in force are recomputed from the scopes still
+    entered, so no block's settings outlive it."""
+
+    __slots__ = ("changes", "__weakref__")
 
     def __init__(self, changes: dict):
         self.changes = changes
-        self._prev = _UNSET
 
     def __enter__(self) -> Config:
-        if self._prev is not _UNSET:
+        stack = getattr(_local, "stack", None)
+        if stack is None:
+            stack = _local.stack = []
+        if any(s is self for s in stack):
             raise RuntimeError("fp8tensor.config(...): this block is already entered; make a new one to nest")
         pending = getattr(_local, "pending", None)
         if pending:
             pending[:] = [r for r in pending if r() is not self]
-        prev = getattr(_local, "block", None)
-        overrides = dict(prev[0]) if prev is not None else {}
-        overrides.update(self.changes)
-        merged = _replace(_global, overrides)
-        self._prev = prev
-        _local.block = (overrides, _global, merged)
-        return merged
+        stack.append(self)
+        _apply_stack()
+        return _local.block[2]
 
     def __exit__(self, *exc) -> None:
-        _local.block, self._prev = self._prev, _UNSET
+        stack = getattr(_local, "stack", None) or []
+        stack[:] = [s for s in stack if s is not self]
+        _apply_stack()
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.changes.items())
         return f"fp8tensor.config({args})"
-
-
-_UNSET = object()
 
 
 def config(**changes) -> _Scope:

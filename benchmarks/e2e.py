@@ -37,7 +37,7 @@ Two timings per variant: the median of ``--steps`` steps, each synchronized befo
 and the mean of the same number of steps run back to back with one synchronization at each end, where the host may
 run ahead into the next step as in a training loop that does not read the loss every step.
 
-Sizes (one command each; all variants fit in one device call of < 9 minutes)::
+Sizes (one command each; all variants fit in one run of < 9 minutes)::
 
     PYTHONPATH=. python3 benchmarks/e2e.py --size 2048      # dim 2048, FFN 8192, 16/8 heads, 6 layers, seq 4096 x 2
     PYTHONPATH=. python3 benchmarks/e2e.py --size 4096      # dim 4096, FFN 14336, 32/8 heads, 4 layers, seq 8192
@@ -304,7 +304,7 @@ def host_ops(ka, n: int = 8) -> dict:
         ms, calls = groups.get(k, (0.0, 0))
         groups[k] = (ms + e.self_cpu_time_total, calls + e.count)
     top = sorted(groups.items(), key=lambda kv: -kv[1][0])[:n]
-    return dict(total_ms=total / 3e3, ops=[[k, v[0] / 3e3, v[1] // 3] for k, v in top])
+    return dict(total_ms=total / 3e3, ops=[[k, v[0] / 3e3, round(v[1] / 3, 1)] for k, v in top])
 
 
 def run_variant(variant: str, args, mesh, device):
@@ -450,6 +450,8 @@ def split_suffixes(precision: str) -> tuple[str, set]:
         sfx = next((x for x in SUFFIXES if precision.endswith(x)), None)
         if sfx is None:
             return precision, flags
+        if sfx in flags:
+            raise SystemExit(f"e2e.py: suffix {sfx} given twice in {precision + sfx!r}")
         flags.add(sfx)
         precision = precision[: -len(sfx)]
 
@@ -459,6 +461,8 @@ def check_variant(variant: str) -> tuple[str, str, str]:
     (suffixes in any order, fp8tensor precisions only; see the module docstring); SystemExit naming the variant on
     a typo (before anything runs: a misspelled precision must not silently run as bf16)."""
     precision, _, setup = variant.partition("@")
+    if "@" in variant and not setup:
+        raise SystemExit(f"e2e.py: empty setup in {variant!r}; expected one of {SETUPS}")
     setup, _, extra = (setup or "fsdp").partition("+")
     base, flags = split_suffixes(precision)
     if base not in PRECISIONS or (flags and not base.startswith("rowwise")) or {".hpag", ".fp8ag"} <= flags:
@@ -466,6 +470,8 @@ def check_variant(variant: str) -> tuple[str, str, str]:
                          f"(fp8tensor's with suffixes {SUFFIXES}, one of .hpag / .fp8ag)")
     if setup not in SETUPS:
         raise SystemExit(f"e2e.py: unknown setup {setup!r} in {variant!r}; expected one of {SETUPS}")
+    if flags & {".hpag", ".fp8ag"} and setup not in ("fsdp", "tp"):
+        raise SystemExit(f"e2e.py: {variant!r}: .hpag / .fp8ag choose FSDP2's all-gather; setup {setup!r} has none")
     if extra not in ("", "cg", "graph"):
         raise SystemExit(f"e2e.py: unknown suffix +{extra} in {variant!r}; expected +graph or +cg")
     return precision, setup, extra
@@ -543,7 +549,7 @@ def main(argv=None):
             continue
         try:
             r = run_variant(v, args, mesh, device)
-        except Exception as e:  # keep the other rows of a long device call
+        except Exception as e:  # keep the other rows of a long run
             import traceback
 
             traceback.print_exc()

@@ -48,8 +48,9 @@ def test_non_bool_raises_before_any_change(bad):
     assert m[0].weight is w and type(w) is nn.Parameter and not hasattr(m[0], "fp8_recipe")
 
 
-def test_reconverting_a_master_keeps_it():
+def test_reconverting_a_master_keeps_it_and_says_so():
     m = fp8tensor.convert_to_fp8(_model(), fp8_all_gather=True)
-    fp8tensor.convert_to_fp8(m, recipe="rowwise_gw_hp", fp8_all_gather=False)
+    with pytest.warns(UserWarning, match="fp8_all_gather=False does not apply .* 0, 1"):
+        fp8tensor.convert_to_fp8(m, recipe="rowwise_gw_hp", fp8_all_gather=False)
     assert all(isinstance(lin.weight, Fp8MasterWeight) and lin.fp8_all_gather for lin in m)
     assert all(lin.weight.recipe.name == "rowwise_gw_hp" for lin in m)

@@ -87,3 +87,8 @@ def test_construction_errors_name_the_field():
     assert r.output.a.float8_dtype == torch.float8_e4m3fn
     with pytest.raises(ValueError, match="unknown recipe"):
         weight_format("no_such_recipe", torch.float8_e5m2)
+    all_hp = Recipe("all_hp", output=Gemm("hp", "hp"), grad_input=Gemm("hp", "hp"), grad_weight=Gemm("hp", "hp"))
+    with pytest.raises(ValueError, match="float8_dtype must be"):
+        weight_format(all_hp, torch.float32)
+    with pytest.raises(TypeError, match="a recipe is a name"):
+        fp8tensor.convert_to_fp8(nn.Linear(16, 16), recipe=["rowwise"])

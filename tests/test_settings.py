@@ -456,3 +456,29 @@ def test_the_backward_token_restores_the_open_blocks():
         assert fp8tensor.get_config().gemm_backend == "emulated"
         assert fp8tensor.get_config().unknown_ops == base.unknown_ops
     assert fp8tensor.get_config() == base
+
+
+def test_a_kept_scope_reenters_under_checkpointing_and_backward_leaves_no_settings():
+    """Non-reentrant activation checkpointing re-runs the forward inside the fp8 Linear's backward, while the
+    forward's blocks are swapped in: the same scope object enters again there. A backward run inside a block leaves
+    the block's settings to the block, and none behind it."""
+    from torch.utils.checkpoint import checkpoint
+
+    from fp8tensor.training.linear import fp8_linear
+
+    base = fp8tensor.get_config()
+    cfg = fp8tensor.config(unknown_ops="raise")
+    w = torch.randn(32, 32, requires_grad=True)
+
+    def f(x):
+        with cfg:
+            return fp8_linear(x, w)
+
+    x = torch.randn(16, 32, requires_grad=True)
+    checkpoint(f, x, use_reentrant=False).sum().backward()
+    assert x.grad is not None and w.grad is not None
+    assert fp8tensor.get_config() == base
+    with cfg:
+        fp8_linear(x, w).sum().backward()
+        assert fp8tensor.get_config().unknown_ops == "raise"
+    assert fp8tensor.get_config() == base

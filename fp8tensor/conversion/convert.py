@@ -269,15 +269,16 @@ def convert_to_fp8(
             the all-gather). False: the weight stays a plain Parameter that FSDP2 all-gathers in its ``param_dtype``
             (its foreach copy-in, no extension hooks), and each Linear quantizes the gathered weight on use, inside
             its compiled block: less host time per step, more GPU time (docs/fsdp.md has the measured trade-off;
-            choose False for small models trained without a whole-step graph, whose steps wait on the host). Stored
-            on each Linear (``module.fp8_all_gather``).
+            consider False for small models trained without a whole-step graph, whose steps wait on the host).
+            Stored on each Linear (``module.fp8_all_gather``). Grouped-experts weights always become master weights
+            (gathered in fp8). A Linear whose weight is already a master keeps it (a warning names them).
 
     Returns:
         ``module`` itself.
 
     Raises:
-        TypeError: ``module`` is not an ``nn.Module``, the filter is not callable, ``size_rule`` is not None or
-            a bool, or ``fp8_all_gather`` is not a bool.
+        TypeError: ``module`` is not an ``nn.Module``, the filter is not callable, the recipe is neither a name
+            nor a :class:`Recipe`, ``size_rule`` is not None or a bool, or ``fp8_all_gather`` is not a bool.
         ValueError: unknown recipe.
         RuntimeError: ``module_filter_fn`` raised, a Linear is currently unsharded by FSDP2, a Linear that is not
             converted shares its weight with one that is, or a forward set on a Linear instance holds the Linear's
@@ -300,6 +301,7 @@ def convert_to_fp8(
     classes = {fqn: fp8_class(type(lin)) for fqn, lin in chosen}  # before any change: a failure leaves no trace
     gw_hp = []  # Linears the size rule gives rowwise_gw_hp instead of rowwise
     stay_fp8 = []  # Linears converted before that the size rule would have kept in high precision
+    keep_masters = []  # Linears converted before with the fp8 all-gather, now asked for fp8_all_gather=False
     for fqn, lin in chosen:
         w = lin.weight
         local = compat.local_tensor(w) if _is_dtensor(w) else w
@@ -310,6 +312,8 @@ def convert_to_fp8(
             if lr is None:  # (the size rule does not undo a conversion: said in the warning below)
                 stay_fp8.append(f"{fqn or '<root>'} ({lin.in_features}->{lin.out_features})")
                 lr = r
+            if not fp8_all_gather:
+                keep_masters.append(fqn or "<root>")
             local.recipe = lr
         elif isinstance(local, ScaledFp8Tensor):
             continue  # stored in fp8 by quantize_weights: nothing to train
@@ -348,6 +352,12 @@ def convert_to_fp8(
             f"{op}: already converted, so they stay fp8 with recipe {r.name!r} although the size rule would keep them "
             f"in high precision (it does not undo a conversion; apply it to an unconverted model): "
             f"{', '.join(stay_fp8)}", stacklevel=2
+        )
+    if keep_masters:
+        warnings.warn(
+            f"{op}: fp8_all_gather=False does not apply to Linears whose weight is already a master weight (converted "
+            f"before with the fp8 all-gather); they keep it: {', '.join(keep_masters)}. Convert an unconverted model "
+            "to gather its weights in high precision", stacklevel=2
         )
     return module
 

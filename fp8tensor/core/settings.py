@@ -137,14 +137,17 @@ def get_config() -> Config:
 def scope_token():
     """The :func:`config` blocks in force in this thread, as an opaque token for :func:`swap_scope` (None outside any
     block). The fp8 Linear takes it in forward and runs its backward under it: autograd runs CUDA backwards in its
-    own device threads, which a thread-local block would not reach."""
+    own device threads, which a thread-local block would not reach. The token holds the blocks' settings, not their
+    scopes: a scope may be entered again while the token is in force (activation checkpointing re-runs a forward
+    inside the backward)."""
     block = getattr(_local, "block", None)
-    return None if block is None else (block, tuple(getattr(_local, "stack", ())))
+    return None if block is None else (block, tuple((None, changes) for _, changes in getattr(_local, "stack", ())))
 
 
 def swap_scope(token):
-    """Make ``token`` (from :func:`scope_token`) this thread's :func:`config` blocks; returns the previous token."""
-    prev = scope_token()
+    """Make ``token`` (from :func:`scope_token`, or what an earlier call returned) this thread's :func:`config`
+    blocks; returns the thread's previous state, which restores it exactly."""
+    prev = (getattr(_local, "block", None), tuple(getattr(_local, "stack", None) or ()))
     _local.block, stack = (None, ()) if token is None else token
     _local.stack = list(stack)
     return prev
@@ -157,8 +160,8 @@ def _apply_stack() -> None:
         _local.block = None
         return
     overrides: dict = {}
-    for scope in stack:
-        overrides.update(scope.changes)
+    for _, changes in stack:
+        overrides.update(changes)
     _local.block = (overrides, _global, _replace(_global, overrides))
 
 
@@ -188,7 +191,8 @@ class _Scope:
 
     The thread keeps its entered scopes in order; leaving one removes it wherever it is (blocks of two generators
     suspended inside them may end in any order) and the settings in force are recomputed from the scopes still
-    entered, so no block's settings outlive it."""
+    entered. A block left from another thread than the one that entered it (a suspended generator closed elsewhere)
+    changes nothing in either thread: leave blocks in the thread that entered them."""
 
     __slots__ = ("changes", "__weakref__")
 
@@ -199,18 +203,18 @@ class _Scope:
         stack = getattr(_local, "stack", None)
         if stack is None:
             stack = _local.stack = []
-        if any(s is self for s in stack):
+        if any(sc is self for sc, _ in stack):
             raise RuntimeError("fp8tensor.config(...): this block is already entered; make a new one to nest")
         pending = getattr(_local, "pending", None)
         if pending:
             pending[:] = [r for r in pending if r() is not self]
-        stack.append(self)
+        stack.append((self, self.changes))
         _apply_stack()
         return _local.block[2]
 
     def __exit__(self, *exc) -> None:
         stack = getattr(_local, "stack", None) or []
-        stack[:] = [s for s in stack if s is not self]
+        stack[:] = [(sc, ch) for sc, ch in stack if sc is not self]
         _apply_stack()
 
     def __repr__(self) -> str:

@@ -174,6 +174,7 @@ def weight_format(recipe, float8_dtype: torch.dtype) -> "Recipe":
         ValueError: unknown recipe name, or ``float8_dtype`` not an fp8 format.
     """
     recipe = get_recipe(recipe)
+    Operand("rowwise", float8_dtype)  # (validates the format even where no GEMM of the recipe is fp8)
 
     def b(g: Gemm) -> Gemm:
         return dataclasses.replace(g, b=Operand(g.b.scaling, float8_dtype)) if g.fp8 else g
@@ -193,10 +194,13 @@ def get_recipe(recipe) -> Recipe:
     """Look up a recipe by name (or pass a :class:`Recipe` through).
 
     Raises:
+        TypeError: neither a name nor a :class:`Recipe`.
         ValueError: unknown recipe name.
     """
     if isinstance(recipe, Recipe):
         return recipe
+    if not isinstance(recipe, str):
+        raise TypeError(f"fp8tensor: a recipe is a name ({sorted(RECIPES)}) or a Recipe, got {recipe!r}")
     if recipe not in RECIPES:
         raise ValueError(f"fp8tensor: unknown recipe {recipe!r}; expected one of {sorted(RECIPES)}")
     return RECIPES[recipe]

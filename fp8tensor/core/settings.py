@@ -230,7 +230,9 @@ def config(**changes) -> _Scope:
             model(x)
 
     For process-wide settings use :func:`set_config`. The result must be entered (``with``) before the thread's next
-    fp8tensor operation.
+    fp8tensor operation. Enter blocks around the call of a compiled model, not inside the compiled function: the
+    settings are read when a graph is traced, and a block inside ``torch.compile(fullgraph=True)`` does not trace
+    (without ``fullgraph`` it is a graph break, and the block applies to the code after it).
 
     Raises:
         TypeError: an unknown field. ValueError: an unknown value (both when called, before any ``with``).

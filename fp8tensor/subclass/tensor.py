@@ -56,16 +56,15 @@ def implements(ops: Sequence) -> Callable:
 _COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "fsdp")
 
 
-def _writes_into_fp8(func, args, kwargs) -> bool:
-    schema = compat.op_schema(func)
-    for i, arg in enumerate(schema.arguments):
+def written_args(func, args, kwargs) -> list:
+    """The arguments op ``func`` writes (in place or ``out=``), lists and tuples of them flattened one level."""
+    out = []
+    for i, arg in enumerate(compat.op_schema(func).arguments):
         if arg.alias_info is None or not arg.alias_info.is_write:
             continue
         val = kwargs.get(arg.name) if arg.kwarg_only or i >= len(args) else args[i]
-        vals = val if isinstance(val, (list, tuple)) else [val]
-        if any(isinstance(v, ScaledFp8Tensor) for v in vals):
-            return True
-    return False
+        out.extend(val if isinstance(val, (list, tuple)) else [val])
+    return out
 
 
 _IMPLICIT = compat.COMPOSITE_IMPLICIT
@@ -88,7 +87,7 @@ def _dispatch(cls, func, types, args=(), kwargs=None):
     name = str(func)
     if func.namespace in _COLLECTIVE_NAMESPACES:
         raise NotImplementedError(f"ScaledFp8Tensor: collective op {name} is not implemented for fp8 data and scales")
-    if _writes_into_fp8(func, args, kwargs):
+    if any(isinstance(v, ScaledFp8Tensor) for v in written_args(func, args, kwargs)):
         if any(getattr(a, "is_out", False) for a in compat.op_schema(func).arguments):
             raise NotImplementedError(f"ScaledFp8Tensor: out= op {name} into a ScaledFp8Tensor is not supported")
         raise NotImplementedError(

@@ -196,8 +196,8 @@ if _IMPORT_ERROR is None:
         ``Linear`` with dims multiple of 16 becomes :class:`Fp8TensorLinear` with ``recipe``."""
         return _override_factory(cfg, recipe=recipe)
 
-    @override(target=Linear.Config, exact=True,
-              fqns=["*layers.*"],  # "layers.0.…" from the model config, "model_spec.model.layers.0.…" from the trainer's
+    # fqns: "layers.0.…" from the model config, "model_spec.model.layers.0.…" from the trainer's
+    @override(target=Linear.Config, exact=True, fqns=["*layers.*"],
               description="fp8tensor: row-wise fp8 training of the transformer blocks' Linears (lm_head stays)")
     def fp8tensor_linear_layers(cfg, *, recipe: str = "rowwise"):
         """As :func:`fp8tensor_linear`, for the Linears under ``layers.*`` only (``lm_head`` stays high precision)."""
@@ -210,7 +210,8 @@ if _IMPORT_ERROR is None:
         from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
         config = llama3_debugmodel()
-        config.model_spec = model_registry("debugmodel", converters=[Fp8TensorConverter.Config(filter_fqns=["lm_head"])])
+        converter = Fp8TensorConverter.Config(filter_fqns=["lm_head"])
+        config.model_spec = model_registry("debugmodel", converters=[converter])
         return config
 
 else:

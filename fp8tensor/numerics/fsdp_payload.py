@@ -11,16 +11,14 @@ rows); ``fsdp_post_all_gather`` builds the unsharded ``ScaledFp8Tensor`` from :f
 
 How the bytes travel (every rank makes the same choice: it depends on the global shape and the mesh size only):
 
-``fused``  dim 0 divisible by the world size: the fp8 data viewed as ``uint8`` and the float32 scales, which FSDP2
-           packs into one ``uint8`` all-gather.
-``padded`` dim 0 not divisible (uneven or empty shards): FSDP2 wants every input of a padded shard in the padded
-           *parameter* shape, which a ``(rows, 1)`` scale cannot have, so the zero-padded data goes through FSDP2 and
-           the scales through one small extra all-gather on the same group, carried in the metadata.
-``local``  world size 1: one ``uint8`` buffer, the fp8 bytes then (16-byte aligned) the scales; the unsharded
-           tensor's data and scales view the buffer FSDP2 fills, so later rounds copy nothing.
+``fused``  dim 0 divisible by the world size: the fp8 data as ``uint8`` (gloo has no fp8) and the float32 scales,
+           which FSDP2 packs into one ``uint8`` all-gather.
+``padded`` dim 0 not divisible: FSDP2 wants every input of a padded shard in the padded *parameter* shape, which a
+           ``(rows, 1)`` scale cannot have, so the scales go through one small extra all-gather in the metadata.
+``local``  world size 1: one ``uint8`` buffer, the fp8 bytes then (16-byte aligned) the scales, which the unsharded
+           tensor views, so later rounds copy nothing.
 
-Data travels as ``uint8`` (gloo has no fp8 dtypes; a bit-level view). Padding rows are zeros with unit scales, dropped
-after the gather (``torch.chunk`` sharding puts the real rows first).
+Padding rows are zeros with unit scales, dropped after the gather (``torch.chunk`` puts the real rows first).
 
 A parameter group's master weights are quantized in one launch: the group's first pre-all-gather hook quantizes
 all of them (``quantize_group``; on a 1-rank mesh ``quantize_rows_into`` one buffer) and keeps the others' results,

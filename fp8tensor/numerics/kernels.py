@@ -77,7 +77,6 @@ if _HAS_TRITON:
         if pid_m == 0:
             tl.store(scale_ptr + offs_k, scale, mask=kmask)
 
-
     @triton.jit
     def _quantize_rows(x_ptr, q_ptr, scale_ptr, offs_m, M, K, FMAX: tl.constexpr, EPS: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -134,7 +133,6 @@ if _HAS_TRITON:
         offs_m = (pid - first) * BLOCK_M + tl.arange(0, BLOCK_M)
         _quantize_rows(x_ptr, q_ptr, scale_ptr, offs_m, M, K, FMAX, EPS, BLOCK_M, BLOCK_K)
 
-
     @triton.jit
     def _transpose_kernel(src_ptr, dst_ptr, M, N, stride_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         # dst (N, M) row-major = src (M, N) transposed (row stride stride_m, unit column stride)
@@ -144,7 +142,6 @@ if _HAS_TRITON:
         x = tl.load(src_ptr + offs_m.to(tl.int64)[:, None] * stride_m + offs_n[None, :], mask=mask)
         tl.store(dst_ptr + offs_n.to(tl.int64)[:, None] * M + offs_m[None, :], tl.trans(x),
                  mask=(offs_n[:, None] < N) & (offs_m[None, :] < M))
-
 
     @triton.jit
     def _group_col_quant_t_kernel(x_ptr, ends_ptr, dst_ptr, q_ptr, scale_ptr, M, C, stride_xm, stride_qg, stride_qc,

@@ -374,8 +374,8 @@ def quantize_group_cols(x: torch.Tensor, offs: torch.Tensor, M_pad: int, pad_sta
     Returns:
         ``(q, scale)``: ``q`` ``(C, M_pad)`` row-major ``float8_dtype``, where group ``e``'s ``r``-th row is column
         ``pad_starts[e] + r`` (zeros in each group's padding — ``align`` zero columns for an empty group — and in
-        the spare block at the end), and ``scale`` float32 ``(E, C)``: ``q[:, pad_starts[e] + r].float() * scale[e] ≈ x[offs[e-1] + r]``. A group of
-        no rows gets the floor scale.
+        the spare block at the end), and ``scale`` float32 ``(E, C)``:
+        ``q[:, pad_starts[e] + r].float() * scale[e] ≈ x[offs[e-1] + r]``. A group of no rows gets the floor scale.
     """
     M, C = x.shape
     E = offs.numel()

@@ -1,17 +1,12 @@
 """fp8 GEMM engine: operand preparation (on-the-fly quantization, scale folding) and the backends.
 
-A GEMM ``out[M, N] = A[M, K] @ B[K, N]`` in fp8 needs each operand scaled along its *outer* dim
-(A per row ``(M, 1)``, B per column ``(1, N)``), because then the scales factor out of the sum over K:
-``out = diag(sa) (A8 @ B8) diag(sb)``.
+A GEMM ``out[M, N] = A[M, K] @ B[K, N]`` in fp8 needs each operand scaled along its *outer* dim (A per row, B per
+column): then the scales factor out of the sum over K, ``out = diag(sa) (A8 @ B8) diag(sb)``. Operands:
 
-Operands arrive as plain high-precision tensors or ScaledFp8Tensors:
-
-* plain: quantized on the fly, row-wise along the contraction dim (:func:`fp8tensor.quantize.quantize` with
-  ``gemm_layout=True``: a fused kernel writes the layout ``torch._scaled_mm`` wants where it applies);
+* plain: quantized on the fly along K (:func:`fp8tensor.quantize.quantize` with ``gemm_layout=True``);
 * fp8 scaled on its outer dim: used as is;
-* fp8 scaled on the contraction dim (``grad_out @ W`` with ``W`` scaled per row): **scale folding**.
-  ``A @ (diag(s) W8) = (A diag(s)) @ W8``: A's columns are multiplied by W's row scales, that product is
-  quantized row-wise, and the GEMM runs on ``W8`` unchanged (no re-quantization of W);
+* fp8 scaled on K (``grad_out @ W``, ``W`` scaled per row): **scale folding**, ``A @ (diag(s) W8) = (A diag(s)) @
+  W8``: the product ``A diag(s)`` is quantized and the GEMM runs on ``W8`` unchanged;
 * anything else (a per-element scale, both operands scaled on K): dequantized and re-quantized.
 
 Backends (``set_gemm_backend`` / ``gemm_backend``):

@@ -227,27 +227,21 @@ class ScaledFp8Tensor(torch.Tensor):
         fast_accum: whether GEMMs with this operand may use fp8 fast accumulation (``use_fast_accum`` of
             ``torch._scaled_mm``). Default True (forward); fp8tensor's backward passes build operands with False.
         shares_scale: whether this is a view whose scales also scale elements outside it (a column slice of a
-            row-scaled tensor); ``copy_`` into it refuses writes that would change those elements. Set by the
-            slicing ops; kept through flatten/unflatten, deepcopy and pickling.
+            row-scaled tensor); ``copy_`` into it refuses writes that would change those elements.
         scaled_dims: tuple of bools, one per dim: True where there is one scale per index of that dim (the scale
-            has the data's size there), False where one scale is shared along it (size 1). This is the *declared*
-            layout: on a dim of size 1 both read the same from the shapes, and the collectives of a rank holding
-            one row (or none) must send what the other ranks send, so every op decides from ``scaled_dims``, never
-            from sizes. :meth:`from_hp` declares ``(True, ..., True, False)``; ops derive it from their inputs'.
-            When not given it is read from the shapes: a dim whose scale is not 1 is scaled; a dim of size 1 is
-            scaled if another dim is unambiguously shared (scale 1, data not 1), else shared.
+            has the data's size there), False where one scale is shared along it (size 1). The *declared* layout:
+            every op decides from it, never from sizes (a rank holding one row must send what the others send).
+            :meth:`from_hp` declares ``(True, ..., True, False)``. When not given it is read from the shapes: a dim
+            whose scale is not 1 is scaled; a dim of size 1 is scaled if another dim is unambiguously shared.
 
-    ``shape``, ``stride``, ``device`` and ``dtype`` are the logical ones. Ops not in the op table that are
-    out-of-place run on the dequantized tensor and return a plain tensor; in-place, ``out=`` and collective
-    ops not in the table raise ``NotImplementedError``.
-    ``.to(float dtype)`` changes the logical dtype (data stays fp8); ``.to(torch.float8_e4m3fn / float8_e5m2)``
-    raises ``TypeError``: a plain fp8 tensor cannot hold the scale, and dropping it would silently change values
-    (use ``.qdata`` and ``.scale``, or ``.to_hp()``). Views work under ``torch.inference_mode()`` on tensors
-    created outside it.
+    ``shape``, ``stride``, ``device`` and ``dtype`` are the logical ones. Out-of-place ops not in the op table run
+    on the dequantized tensor and return a plain tensor; in-place, ``out=`` and collective ones raise
+    ``NotImplementedError``. ``.to(float dtype)`` changes the logical dtype (data stays fp8);
+    ``.to(torch.float8_e4m3fn / float8_e5m2)`` raises ``TypeError`` (a plain fp8 tensor cannot hold the scale).
+    Views work under ``torch.inference_mode()`` on tensors created outside it.
 
-    The public constructor checks its arguments with :func:`validate_parts`, including the scale *values* (one
-    reduction over the scale: a device sync on CUDA; skipped while tracing). Results of ops are built without these
-    checks (:func:`make_scaled`): a row holding NaN or inf legitimately gets a non-finite scale from :meth:`from_hp`.
+    The public constructor checks its arguments with :func:`validate_parts`, including the scale *values* (a
+    device sync on CUDA; skipped while tracing); op results are built unchecked (:func:`make_scaled`).
 
     Raises:
         TypeError: ``qdata`` is not an fp8 tensor, ``scale`` is not float32, or ``orig_dtype`` is not floating point.
@@ -296,15 +290,13 @@ class ScaledFp8Tensor(torch.Tensor):
         """Quantize ``t`` row-wise: one float32 scale per row, taken over the last dim.
 
         ``scale = amax(|row|) / finfo(float8_dtype).max`` (dequantization multiplier, computed in float32),
-        ``qdata = saturate(t / scale)``. All-zero rows get a finite scale and dequantize to exact zeros;
-        a row holding NaN/inf raises ``ValueError`` (below). The result does not require grad.
+        ``qdata = saturate(t / scale)``. All-zero (and empty) rows get a finite scale and dequantize to exact
+        zeros. The result does not require grad.
 
         Args:
-            t: floating-point tensor with at least 2 dims (fp32, bf16, fp16, fp64), or a DTensor of one: then
-                each local shard is quantized on its own and a DTensor with the same mesh, placements, shape
-                and stride is returned whose local tensor is a ScaledFp8Tensor. A ``LocalTensor`` (PyTorch's
-                single-process simulation of ranks) gives a LocalTensor of per-rank ScaledFp8Tensors. Any dim may
-                be empty (a ``[7, 0]`` tensor gets seven finite scales: an empty row is an all-zero row).
+            t: floating-point tensor with at least 2 dims (fp32, bf16, fp16, fp64), or a DTensor of one (each local
+                shard quantized; a DTensor of the same mesh, placements, shape and stride is returned), or a
+                ``LocalTensor`` (a LocalTensor of per-rank ScaledFp8Tensors).
             float8_dtype: ``torch.float8_e4m3fn`` (default) or ``torch.float8_e5m2``.
             fast_accum: stored on the result; see the class docstring.
 
@@ -316,11 +308,9 @@ class ScaledFp8Tensor(torch.Tensor):
         Raises:
             TypeError: ``t`` is not a tensor, is not floating point, is already fp8, or ``float8_dtype`` is
                 unsupported.
-            ValueError: ``t`` has fewer than 2 dims, or holds an inf or NaN: the message names the rows (indices
-                over the leading dims) and their count. One non-finite value would make its row's scale non-finite
-                and the whole row NaN. The check reads the tensor once (a host synchronization on CUDA): ``from_hp``
-                is a conversion-time call, not part of a training step. It is skipped while tracing
-                (``torch.compile`` / ``torch.export``), on meta and fake tensors and inside a CUDA-graph capture.
+            ValueError: ``t`` has fewer than 2 dims, or holds an inf or NaN (which would make its whole row NaN):
+                the message names the rows and their count. The check reads ``t`` once (a host sync on CUDA); it
+                is skipped while tracing, on meta and fake tensors and inside a CUDA-graph capture.
         """
         op = "ScaledFp8Tensor.from_hp"
         check_float8_dtype(float8_dtype, op)
@@ -569,8 +559,8 @@ def _rebuild_scaled_fp8(qdata, scale, orig_dtype, fast_accum, requires_grad, is_
 
 @torch.no_grad()
 def fsdp_post_all_gather(all_gather_outputs, metadata, param_dtype, *, out=None):
-    """``fsdp_post_all_gather`` of both subclasses (ScaledFp8Tensor and ``Fp8MasterWeight``): build (or refill) the
-    unsharded :class:`ScaledFp8Tensor` from the payload of :mod:`fp8tensor.fsdp`.
+    """``fsdp_post_all_gather`` of ScaledFp8Tensor and ``Fp8MasterWeight``: build (or refill) the unsharded
+    :class:`ScaledFp8Tensor` from the payload of :mod:`fp8tensor.fsdp`.
 
     Args:
         all_gather_outputs: ``(data,)`` or ``(data, scale)``; ``data`` is ``(world * padded_rows, *rest)`` uint8.

@@ -290,14 +290,13 @@ def fp8_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, *, reci
     grad_weight GEMMs (see the module docstring for the scaling of each operand).
 
     Args:
-        a: ``(M, K)`` high-precision tokens, sorted by expert (plain tensor; the local tokens of an expert-parallel
-            rank).
-        b: ``(E, K, N)`` expert weights: the ``transpose(-2, -1)`` of ``(E, N, K)`` weights, given as a plain
-            high-precision tensor, an :class:`~fp8tensor.Fp8MasterWeight` (quantized on use) or a
-            :class:`ScaledFp8Tensor` (``from_hp`` of ``(E, N, K)``: one scale per expert row, used as stored).
-        offs: int32 ``(E,)`` cumulative ends of the token groups (as ``torch.cumsum(tokens_per_expert, 0,
-            dtype=torch.int32)``); groups of 0 tokens and any sizes are allowed; rows past ``offs[-1]`` belong to no
-            expert (their outputs and gradients are not computed).
+        a: ``(M, K)`` high-precision tokens sorted by expert (plain tensor).
+        b: ``(E, K, N)`` expert weights, the ``transpose(-2, -1)`` of ``(E, N, K)`` ones: a plain high-precision
+            tensor, an :class:`~fp8tensor.Fp8MasterWeight` or a :class:`ScaledFp8Tensor` (``from_hp`` of
+            ``(E, N, K)``, used as stored).
+        offs: int32 ``(E,)`` cumulative ends of the token groups (``torch.cumsum(tokens_per_expert, 0,
+            dtype=torch.int32)``), any sizes including 0; rows past ``offs[-1]`` belong to no expert (their outputs
+            and gradients are not computed).
         recipe: ``"rowwise"``, ``"rowwise_gw_hp"`` or a :class:`Recipe`.
         out_dtype: the output dtype (default: the promoted dtype of ``a`` and ``b``). On CUDA the fp8 GEMMs write
             bf16, which is then cast.

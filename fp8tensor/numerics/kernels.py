@@ -210,6 +210,19 @@ def _launcher(fn) -> "_Launcher":
     return launcher
 
 
+def _launch(fn, grid: tuple, args: tuple, consts: dict, num_warps: int, device: torch.device,
+            num_stages: Optional[int] = None, *, traced: bool = False) -> None:
+    """Launch JIT kernel ``fn``: through ``wrap_triton`` when ``traced`` (the body of a ``triton_op``), Triton's own
+    launch off CUDA (its interpreter), else the eager :class:`_Launcher`."""
+    if not traced and device.type == "cuda":
+        _launcher(fn)(grid, args, consts, num_warps, device, num_stages)
+        return
+    from torch.library import wrap_triton
+
+    opts = dict(num_warps=num_warps) if num_stages is None else dict(num_warps=num_warps, num_stages=num_stages)
+    (wrap_triton(fn) if traced else fn)[grid](*args, **consts, **opts)
+
+
 _INT32 = (-(2**31), 2**31)
 
 
@@ -477,27 +490,13 @@ def launch_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype, scale_floor: float
     q = torch.empty(K, M, dtype=float8_dtype, device=x.device)
     scale = torch.empty(K, 1, dtype=torch.float32, device=x.device)
     c = CONFIG
-    fmax = torch.finfo(float8_dtype).max
-    if traced:  # keep in step with the eager launches below
-        from torch.library import wrap_triton
-
-        grid = (triton.cdiv(K, c["amax_block_k"]), triton.cdiv(M, c["amax_chunk_m"]))
-        wrap_triton(_col_amax_kernel)[grid](x, amax, M, K, stride_m, CHUNK_M=c["amax_chunk_m"],
-                                            BLOCK_M=c["amax_block_m"], BLOCK_K=c["amax_block_k"],
-                                            num_warps=c["amax_warps"])
-        grid = (triton.cdiv(M, c["cast_block_m"]), triton.cdiv(K, c["cast_block_k"]))
-        wrap_triton(_cast_t_kernel)[grid](x, amax, q, scale, M, K, stride_m, FMAX=fmax, EPS=scale_floor,
-                                          BLOCK_M=c["cast_block_m"], BLOCK_K=c["cast_block_k"],
-                                          num_warps=c["cast_warps"])
-    else:
-        _launcher(_col_amax_kernel)(
-            (triton.cdiv(K, c["amax_block_k"]), triton.cdiv(M, c["amax_chunk_m"])), (x, amax, M, K, stride_m),
-            dict(CHUNK_M=c["amax_chunk_m"], BLOCK_M=c["amax_block_m"], BLOCK_K=c["amax_block_k"]),
-            c["amax_warps"], x.device)
-        _launcher(_cast_t_kernel)(
-            (triton.cdiv(M, c["cast_block_m"]), triton.cdiv(K, c["cast_block_k"])), (x, amax, q, scale, M, K, stride_m),
-            dict(FMAX=fmax, EPS=scale_floor, BLOCK_M=c["cast_block_m"], BLOCK_K=c["cast_block_k"]),
-            c["cast_warps"], x.device)
+    _launch(_col_amax_kernel, (triton.cdiv(K, c["amax_block_k"]), triton.cdiv(M, c["amax_chunk_m"])),
+            (x, amax, M, K, stride_m), dict(CHUNK_M=c["amax_chunk_m"], BLOCK_M=c["amax_block_m"],
+                                            BLOCK_K=c["amax_block_k"]), c["amax_warps"], x.device, traced=traced)
+    _launch(_cast_t_kernel, (triton.cdiv(M, c["cast_block_m"]), triton.cdiv(K, c["cast_block_k"])),
+            (x, amax, q, scale, M, K, stride_m), dict(FMAX=torch.finfo(float8_dtype).max, EPS=scale_floor,
+                                                      BLOCK_M=c["cast_block_m"], BLOCK_K=c["cast_block_k"]),
+            c["cast_warps"], x.device, traced=traced)
     return q, scale
 
 
@@ -680,15 +679,7 @@ def launch_w8_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: O
     rblock = W8_MM_CONFIG["reduce_block"]
     rconsts = dict(SPLIT=split, HAS_BIAS=bias is not None, O_TY=ty, BLOCK=rblock)
     rgrid = (triton.cdiv(M * N, rblock),)
-    if traced or not x.is_cuda:  # (not CUDA: Triton's interpreter)
-        from torch.library import wrap_triton
-
-        wrap = wrap_triton if traced else (lambda k: k)
-        wrap(_w8_mm_kernel)[grid](*args, **consts, num_warps=c["warps"], num_stages=c["stages"])
-        if split > 1:
-            wrap(_w8_mm_reduce_kernel)[rgrid](ws, s, b, out, M * N, N, **rconsts, num_warps=4)
-    else:
-        _launcher(_w8_mm_kernel)(grid, args, consts, c["warps"], x.device, c["stages"])
-        if split > 1:
-            _launcher(_w8_mm_reduce_kernel)(rgrid, (ws, s, b, out, M * N, N), rconsts, 4, x.device)
+    _launch(_w8_mm_kernel, grid, args, consts, c["warps"], x.device, c["stages"], traced=traced)
+    if split > 1:
+        _launch(_w8_mm_reduce_kernel, rgrid, (ws, s, b, out, M * N, N), rconsts, 4, x.device, traced=traced)
     return out

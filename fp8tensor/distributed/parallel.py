@@ -11,8 +11,8 @@ Public API: :class:`Fp8PrepareModuleInput` (drop-in for ``PrepareModuleInput``),
 (a TP plan with those entries swapped) and :func:`fp8_sequence_all_gather` (the functional form).
 
 Method: row-wise fp8 scaling as in :mod:`fp8tensor.quantize`; the fp8 SP all-gather follows TorchAO's float8
-``PrepareFloat8ModuleInput`` (a per-tensor scale), moved to per-token scales agreed on by no one. See
-``docs/sp_fp8.md``.
+``PrepareFloat8ModuleInput`` (a per-tensor scale), with per-token scales that need no agreement across ranks.
+See ``docs/sp_fp8.md``.
 """
 from __future__ import annotations
 

@@ -240,10 +240,8 @@ def _new_with_unit_scale(func, args, kwargs):
     if dtype is not None and dtype != t.orig_dtype:
         return func(t.to_hp(), size, dtype=dtype, **kwargs)
     device = kwargs.get("device") or t.device
-    if func is aten.new_ones.default:
-        q = torch.ones(size, dtype=t.qdata.dtype, device=device)
-    else:
-        q = torch.zeros(size, dtype=t.qdata.dtype, device=device)
+    fill = torch.ones if func is aten.new_ones.default else torch.zeros
+    q = fill(size, dtype=t.qdata.dtype, device=device)
     s, dims = _factory_scale(t, size, device)
     return make_scaled(q, s, t.orig_dtype, t.fast_accum, dims)
 

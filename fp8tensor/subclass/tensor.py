@@ -178,20 +178,17 @@ def map_local(t: Any, fn):
     cls = _dtensor_cls()
     if cls is False or not isinstance(t, cls):
         return map_shard(t, fn) if _is_local_tensor(t) else fn(t)
-    if (
-        not compat.is_compiling()
-        and not (torch.is_grad_enabled() and t.requires_grad)
-        # inference mode: from_local's view_as dequantizes there (a separate bug); keep from_local's result
-        and not torch.is_inference_mode_enabled()
-    ):
+    # (not in inference mode: from_local's view_as dequantizes there, a separate bug; keep from_local's result)
+    direct = (not compat.is_compiling() and not (torch.is_grad_enabled() and t.requires_grad)
+              and not torch.is_inference_mode_enabled())
+    if direct:
         local = compat.local_tensor(t)
         out = map_shard(local, fn)
         if out.shape == local.shape and out.dtype == t.dtype and not out.requires_grad:
             return cls(out, compat.dtensor_spec(t), requires_grad=False)
-        return cls.from_local(out, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
-    return cls.from_local(
-        map_shard(t.to_local(), fn), t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
-    )
+    else:
+        out = map_shard(t.to_local(), fn)
+    return cls.from_local(out, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
 
 
 def map_shard(local: torch.Tensor, fn):

@@ -87,12 +87,8 @@ def _tensor_leaves(tree) -> list:
 
 
 class GraphedStep:
-    """``fn(*args, **kwargs)`` (forward + loss + ``backward()``) captured as one CUDA graph; see :func:`graph_step`.
-
-    Calls ``1 .. warmup_steps`` run ``fn`` eagerly on a side stream (compiling, allocating communicators and
-    workspaces); the next call captures ``fn`` into a graph and replays it once; every later call copies its tensor
-    inputs into the graph's static inputs and replays. Every call performs exactly one forward + backward on its
-    inputs, so a training loop behaves as if ``fn`` were called directly.
+    """``fn(*args, **kwargs)`` (forward + loss + ``backward()``) captured as one CUDA graph; see :func:`graph_step`
+    (warm-up calls, then one capture, then replays; each call is one forward + backward on its inputs).
 
     Attributes:
         calls: number of calls so far (warm-up, capture and replays).
@@ -222,8 +218,6 @@ class GraphedStep:
                     p.grad = torch.zeros_like(p)
 
     def _can_capture(self, leaves) -> bool:
-        if self.enabled is False:
-            return False
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)] + self.parameters
         why = None
         if not torch.cuda.is_available():

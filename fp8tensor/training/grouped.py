@@ -28,7 +28,7 @@ import torch
 
 from ..core import compat
 from .linear import QuantizeOnUse
-from ..numerics.quantize import (E4M3, FLOAT8_DTYPES, amax_to_scale, group_ids, quantize, quantize_expert_cols,
+from ..numerics.quantize import (E4M3, FLOAT8_DTYPES, group_ids, quantize, quantize_expert_cols,
                        quantize_group_cols)
 from .recipes import Recipe, get_recipe
 from ..core.settings import get_config
@@ -70,11 +70,8 @@ def padded_offsets(offs: torch.Tensor, M: int, align: int = ALIGN):
 # ---------------------------------------------------------------------------------------------- quantization
 def _quantize_rows(x: torch.Tensor, float8_dtype: torch.dtype = E4M3):
     """``x`` ``(..., C)`` quantized per row over the last dim: ``(q, scale)``, ``q`` contiguous, ``scale``
-    ``(..., 1)``."""
-    x = x.contiguous()
-    if x.shape[-1] == 0 or x.numel() == 0:
-        return x.to(float8_dtype), amax_to_scale(x.new_zeros((*x.shape[:-1], 1), dtype=torch.float32), float8_dtype)
-    return quantize(x, -1, float8_dtype)
+    ``(..., 1)`` (empty rows: the floor scale)."""
+    return quantize(x.contiguous(), -1, float8_dtype)
 
 
 # ---------------------------------------------------------------------------------------------- GEMMs

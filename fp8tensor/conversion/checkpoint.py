@@ -43,9 +43,9 @@ def _split(key: str, t: ScaledFp8Tensor, out: dict, op: str) -> None:
 
 
 def plain_state_dict(state_dict: Mapping[str, object]) -> dict:
-    """A copy of ``state_dict`` in the plain fp8 checkpoint layout (see the module docstring): every
-    :class:`ScaledFp8Tensor` entry ``name`` becomes ``name`` (its fp8 data) and ``name + "_scale"`` (float32 row
-    scales); other entries are kept as they are. No data is copied for contiguous tensors.
+    """A copy of ``state_dict`` in the plain fp8 checkpoint layout: every :class:`ScaledFp8Tensor` entry ``name``
+    becomes ``name`` (its fp8 data) and ``name + "_scale"`` (float32 row scales); other entries are kept (no data is
+    copied for contiguous tensors).
 
     Args:
         state_dict: a ``Module.state_dict()`` (or any mapping of names to tensors).
@@ -78,10 +78,9 @@ def load_safetensors(module: torch.nn.Module, path, *, strict: bool = True):
     """Load a safetensors checkpoint (one file, or every ``*.safetensors`` file of a directory such as a Hugging Face
     ``save_pretrained`` output, sharded or not) into ``module`` with ``module.load_state_dict(..., strict=strict)``.
 
-    All files are read before loading, so an fp8 entry and its ``_scale`` entry may lie in different shards. A
-    :func:`fp8tensor.quantize_weights` model takes fp8 entries in the plain layout bit for bit (its load hook merges
-    ``weight`` and ``weight_scale``); high-precision entries load as they would into any module. Tensors are read
-    onto the CPU (``safetensors.torch.load_file``) and copied into the module's parameters, wherever they live.
+    All files are read (onto the CPU) before loading, so an fp8 entry and its ``_scale`` entry may lie in different
+    shards. A :func:`fp8tensor.quantize_weights` model takes plain-layout fp8 entries bit for bit (its load hook
+    merges ``weight`` and ``weight_scale``); high-precision entries load as into any module.
 
     Args:
         module: the model (e.g. built from its config, then ``fp8tensor.quantize_weights(model)``).

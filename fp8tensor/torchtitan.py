@@ -1,26 +1,20 @@
 """torchtitan integration: fp8tensor's row-wise fp8 training as a torchtitan model converter (torchtitan 0.3.0).
 
-torchtitan 0.3.0 converts models on their *config tree*, before the model is built, parallelized (TP / FSDP2)
-and initialized; torchao's float8 converter (``torchtitan.components.quantization.Float8LinearConverter``) swaps
-each selected ``Linear.Config`` for a ``Float8Linear.Config``. This module does the same with fp8tensor:
+torchtitan 0.3.0 converts models on their *config tree*, before they are built, parallelized and initialized (as
+torchao's ``Float8LinearConverter`` does). Here:
 
-* :class:`Fp8TensorLinear` — torchtitan's ``Linear`` converted by :func:`fp8tensor.convert_to_fp8` when built: its
-  weight is an :class:`~fp8tensor.Fp8MasterWeight` (high-precision master, quantized on use) and its forward is
-  :func:`fp8tensor.fp8_linear`, so forward, grad_input and grad_weight run in fp8 per the recipe. torchtitan's TP
-  then shards the master (DTensor), FSDP2 all-gathers it in fp8, and its ``init_weights`` initializes the master.
-* :class:`Fp8TensorConverter` — a ``ModelConfigConverter`` (the protocol of torchtitan's quantization
-  converters) with the options ``recipe`` and ``filter_fqns``; list its ``Config`` in
-  ``model_registry(..., converters=[...])`` of a config function.
-* :func:`llama3_debugmodel_fp8tensor` — torchtitan's Llama3 debug config with the converter, runnable as
-  ``--module fp8tensor.torchtitan --config llama3_debugmodel_fp8tensor``.
-* :class:`Fp8TensorGroupedExperts` — torchtitan's MoE ``GroupedExperts`` converted by :func:`fp8tensor.convert_to_fp8`:
-  its 3-D expert weights ``w1_EFD`` / ``w2_EDF`` / ``w3_EFD`` are master weights and its ``torch._grouped_mm`` calls
-  run :func:`fp8tensor.grouped.fp8_grouped_mm` (forward, grad_input and grad_weight in fp8; token groups of any size,
-  padded inside the op). :class:`Fp8TensorConverter` swaps ``GroupedExperts.Config`` nodes too (``docs/moe.md``).
-* ``--override.imports fp8tensor.torchtitan.fp8tensor_linear`` (every Linear) or
-  ``fp8tensor.torchtitan.fp8tensor_linear_layers`` (the transformer blocks' Linears, not ``lm_head``): the same
-  conversion from the command line of any config, through torchtitan's override registry; a JSON object after
-  ``=`` passes options (``'fp8tensor.torchtitan.fp8tensor_linear_layers={"recipe": "rowwise_gw_hp"}'``).
+* :class:`Fp8TensorLinear` — torchtitan's ``Linear`` converted by :func:`fp8tensor.convert_to_fp8` when built: an
+  :class:`~fp8tensor.Fp8MasterWeight` weight and :func:`fp8tensor.fp8_linear` forward (all three GEMMs in fp8 per
+  the recipe); TP shards the master, FSDP2 all-gathers it in fp8, ``init_weights`` initializes it.
+* :class:`Fp8TensorGroupedExperts` — torchtitan's MoE ``GroupedExperts`` converted likewise: master expert weights,
+  its ``torch._grouped_mm`` calls run :func:`fp8tensor.grouped.fp8_grouped_mm` (``docs/moe.md``).
+* :class:`Fp8TensorConverter` — a ``ModelConfigConverter`` (options ``recipe``, ``filter_fqns``, ``size_rule``)
+  swapping both config kinds; list its ``Config`` in ``model_registry(..., converters=[...])``.
+* :func:`llama3_debugmodel_fp8tensor` — the Llama3 debug config with the converter
+  (``--module fp8tensor.torchtitan --config llama3_debugmodel_fp8tensor``).
+* ``--override.imports fp8tensor.torchtitan.fp8tensor_linear`` (every Linear) or ``...fp8tensor_linear_layers``
+  (not ``lm_head``): the same from the command line of any config; a JSON object after ``=`` passes options
+  (``'fp8tensor.torchtitan.fp8tensor_linear_layers={"recipe": "rowwise_gw_hp"}'``).
 
 See ``docs/torchtitan.md``. This module imports without torchtitan; its torchtitan classes raise ``ImportError``
 when used without it.
@@ -33,15 +27,8 @@ from typing import Any
 from .conversion.convert import Fp8GroupedExpertsMixin, Fp8LinearMixin, convert_to_fp8, fp8_size_choice
 from .training.recipes import get_recipe
 
-__all__ = [
-    "Fp8TensorLinear",
-    "Fp8TensorGroupedExperts",
-    "Fp8TensorConverter",
-    "convert_model_config",
-    "llama3_debugmodel_fp8tensor",
-    "fp8tensor_linear",
-    "fp8tensor_linear_layers",
-]
+__all__ = ["Fp8TensorLinear", "Fp8TensorGroupedExperts", "Fp8TensorConverter", "convert_model_config",
+           "llama3_debugmodel_fp8tensor", "fp8tensor_linear", "fp8tensor_linear_layers"]
 
 TORCHTITAN_VERSION = "0.3.0"  # the version this module is written and tested against
 
@@ -63,31 +50,20 @@ def _missing(name: str):
         f"fp8tensor.torchtitan.{name} needs torchtitan {TORCHTITAN_VERSION} importable "
         f"({type(_IMPORT_ERROR).__name__}: {_IMPORT_ERROR}). Install it with "
         f"`pip install torchtitan=={TORCHTITAN_VERSION}` (docs/torchtitan.md lists the minimal set of "
-        "dependencies); fp8tensor.convert_to_fp8 works without it."
-    ) from _IMPORT_ERROR
+        "dependencies); fp8tensor.convert_to_fp8 works without it.") from _IMPORT_ERROR
 
 
 def _selected(config: Any, fqn: str, filter_fqns: list[str]) -> bool:
-    """A plain ``Linear.Config`` whose dims are multiples of 16 (fp8 GEMM constraint) and whose FQN contains
-    none of ``filter_fqns``. Subclasses of ``Linear.Config`` (their own forward, e.g. torchtitan's
-    ``ScaledBiasRowwiseLinear``, or another quantization) are left alone."""
-    return (
-        type(config) is Linear.Config
-        and config.in_features % 16 == 0
-        and config.out_features % 16 == 0
-        and not any(f in fqn for f in filter_fqns)
-    )
+    """A plain ``Linear.Config`` (subclasses have their own forward) with dims multiples of 16 (fp8 GEMMs) and an
+    FQN containing none of ``filter_fqns``."""
+    return (type(config) is Linear.Config and config.in_features % 16 == 0 and config.out_features % 16 == 0
+            and not any(f in fqn for f in filter_fqns))
 
 
 def _experts_selected(config: Any, fqn: str, filter_fqns: list[str]) -> bool:
-    """A plain ``GroupedExperts.Config`` with ``dim`` and ``hidden_dim`` multiples of 16 whose FQN contains none of
-    ``filter_fqns``."""
-    return (
-        type(config) is GroupedExperts.Config
-        and config.dim % 16 == 0
-        and config.hidden_dim % 16 == 0
-        and not any(f in fqn for f in filter_fqns)
-    )
+    """As :func:`_selected`, for a plain ``GroupedExperts.Config`` (``dim`` and ``hidden_dim``)."""
+    return (type(config) is GroupedExperts.Config and config.dim % 16 == 0 and config.hidden_dim % 16 == 0
+            and not any(f in fqn for f in filter_fqns))
 
 
 if _IMPORT_ERROR is None:
@@ -115,8 +91,7 @@ if _IMPORT_ERROR is None:
             if config.in_features % 16 or config.out_features % 16:
                 raise ValueError(
                     f"Fp8TensorLinear: in_features and out_features must be multiples of 16 (fp8 GEMMs), got "
-                    f"{config.in_features} -> {config.out_features}; keep this Linear a Linear.Config"
-                )
+                    f"{config.in_features} -> {config.out_features}; keep this Linear a Linear.Config")
             Linear.__init__(self, config)
             convert_to_fp8(self, recipe=config.recipe, size_rule=False)
 
@@ -144,8 +119,7 @@ if _IMPORT_ERROR is None:
             if config.dim % 16 or config.hidden_dim % 16:
                 raise ValueError(
                     f"Fp8TensorGroupedExperts: dim and hidden_dim must be multiples of 16 (fp8 GEMMs), got "
-                    f"{config.dim} and {config.hidden_dim}; keep these experts a GroupedExperts.Config"
-                )
+                    f"{config.dim} and {config.hidden_dim}; keep these experts a GroupedExperts.Config")
             GroupedExperts.__init__(self, config)
             convert_to_fp8(self, recipe=config.recipe, size_rule=False)
 
@@ -179,10 +153,8 @@ if _IMPORT_ERROR is None:
             self.config = config
 
         def convert(self, model_config):
-            return convert_model_config(
-                model_config, recipe=self.config.recipe, filter_fqns=self.config.filter_fqns,
-                size_rule=self.config.size_rule,
-            )
+            return convert_model_config(model_config, recipe=self.config.recipe, filter_fqns=self.config.filter_fqns,
+                                        size_rule=self.config.size_rule)
 
     def convert_model_config(model_config, *, recipe: str = "rowwise", filter_fqns: list[str] | None = None,
                              size_rule: bool = False):
@@ -224,12 +196,9 @@ if _IMPORT_ERROR is None:
         ``Linear`` with dims multiple of 16 becomes :class:`Fp8TensorLinear` with ``recipe``."""
         return _override_factory(cfg, recipe=recipe)
 
-    @override(
-        target=Linear.Config,
-        exact=True,
-        fqns=["*layers.*"],  # "layers.0.…" from the model config, "model_spec.model.layers.0.…" from the trainer's
-        description="fp8tensor: row-wise fp8 training of the transformer blocks' Linears (lm_head stays)",
-    )
+    # fqns: "layers.0.…" from the model config, "model_spec.model.layers.0.…" from the trainer's
+    @override(target=Linear.Config, exact=True, fqns=["*layers.*"],
+              description="fp8tensor: row-wise fp8 training of the transformer blocks' Linears (lm_head stays)")
     def fp8tensor_linear_layers(cfg, *, recipe: str = "rowwise"):
         """As :func:`fp8tensor_linear`, for the Linears under ``layers.*`` only (``lm_head`` stays high precision)."""
         return _override_factory(cfg, recipe=recipe)
@@ -241,9 +210,8 @@ if _IMPORT_ERROR is None:
         from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
         config = llama3_debugmodel()
-        config.model_spec = model_registry(
-            "debugmodel", converters=[Fp8TensorConverter.Config(filter_fqns=["lm_head"])]
-        )
+        converter = Fp8TensorConverter.Config(filter_fqns=["lm_head"])
+        config.model_spec = model_registry("debugmodel", converters=[converter])
         return config
 
 else:

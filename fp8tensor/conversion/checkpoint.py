@@ -7,14 +7,10 @@ For an entry ``name`` (e.g. ``"model.layers.0.mlp.up_proj.weight"``, shape ``(N,
 * ``name + "_scale"``: float32, shape ``(N, 1)`` (``(E, N, 1)`` for 3-D expert weights): the per-row (per output
   channel) **dequantization multiplier**, ``w ≈ weight.float() * weight_scale``.
 
-This is the per-channel layout of Hugging Face transformers' ``fbgemm_fp8`` checkpoints (``weight`` e4m3 +
-``weight_scale`` float32 ``(out_features, 1)``) and of compressed-tensors' float8 "channel" strategy (``weight`` +
-``weight_scale`` ``(out_features, 1)``). transformers' fine-grained ``fp8`` layout (``weight_scale_inv``) is
-block-wise (128 x 128 blocks), not per row, so it is not used.
-
-Which form ``Module.state_dict()`` of a :func:`fp8tensor.quantize_weights` model returns is
-``fp8tensor.Config.state_dict_fp8``: ``"subclass"`` (default: ScaledFp8Tensor entries, for ``torch.save``,
-Distributed Checkpoint and FSDP2) or ``"plain"`` (this layout). Loading accepts both forms always.
+This is the per-channel layout of transformers' ``fbgemm_fp8`` checkpoints and of compressed-tensors' float8
+"channel" strategy (transformers' block-wise ``fp8`` layout, ``weight_scale_inv``, is not per row). Which form
+``state_dict()`` of a :func:`fp8tensor.quantize_weights` model returns is ``Config.state_dict_fp8``: ``"subclass"``
+(default: ScaledFp8Tensor entries, for ``torch.save``, DCP and FSDP2) or ``"plain"``. Loading accepts both.
 """
 from __future__ import annotations
 
@@ -41,16 +37,15 @@ def _split(key: str, t: ScaledFp8Tensor, out: dict, op: str) -> None:
     if t.scale.shape[-1] != 1 or t.dim() < 2:
         raise ValueError(
             f"{op}: {key!r} is a ScaledFp8Tensor with scale of shape {tuple(t.scale.shape)} for data of shape "
-            f"{tuple(t.shape)}; the plain checkpoint layout holds one scale per row (scale shape (..., N, 1))"
-        )
+            f"{tuple(t.shape)}; the plain checkpoint layout holds one scale per row (scale shape (..., N, 1))")
     out[key] = t.qdata.contiguous()
     out[key + SCALE_SUFFIX] = t.scale.contiguous()
 
 
 def plain_state_dict(state_dict: Mapping[str, object]) -> dict:
-    """A copy of ``state_dict`` in the plain fp8 checkpoint layout (see the module docstring): every
-    :class:`ScaledFp8Tensor` entry ``name`` becomes ``name`` (its fp8 data) and ``name + "_scale"`` (float32 row
-    scales); other entries are kept as they are. No data is copied for contiguous tensors.
+    """A copy of ``state_dict`` in the plain fp8 checkpoint layout: every :class:`ScaledFp8Tensor` entry ``name``
+    becomes ``name`` (its fp8 data) and ``name + "_scale"`` (float32 row scales); other entries are kept (no data is
+    copied for contiguous tensors).
 
     Args:
         state_dict: a ``Module.state_dict()`` (or any mapping of names to tensors).
@@ -73,8 +68,7 @@ def plain_state_dict(state_dict: Mapping[str, object]) -> dict:
         elif _is_dtensor(v) and isinstance(compat.local_tensor(v), ScaledFp8Tensor):
             raise NotImplementedError(
                 f"{op}: {key!r} is a DTensor of fp8 shards (a tensor-parallel weight); the plain layout holds whole "
-                "tensors. Save sharded fp8 models with torch.distributed.checkpoint (Distributed Checkpoint)"
-            )
+                "tensors. Save sharded fp8 models with torch.distributed.checkpoint (Distributed Checkpoint)")
         else:
             out[key] = v
     return out
@@ -84,10 +78,9 @@ def load_safetensors(module: torch.nn.Module, path, *, strict: bool = True):
     """Load a safetensors checkpoint (one file, or every ``*.safetensors`` file of a directory such as a Hugging Face
     ``save_pretrained`` output, sharded or not) into ``module`` with ``module.load_state_dict(..., strict=strict)``.
 
-    All files are read before loading, so an fp8 entry and its ``_scale`` entry may lie in different shards. A
-    :func:`fp8tensor.quantize_weights` model takes fp8 entries in the plain layout bit for bit (its load hook merges
-    ``weight`` and ``weight_scale``); high-precision entries load as they would into any module. Tensors are read
-    onto the CPU (``safetensors.torch.load_file``) and copied into the module's parameters, wherever they live.
+    All files are read (onto the CPU) before loading, so an fp8 entry and its ``_scale`` entry may lie in different
+    shards. A :func:`fp8tensor.quantize_weights` model takes plain-layout fp8 entries bit for bit (its load hook
+    merges ``weight`` and ``weight_scale``); high-precision entries load as into any module.
 
     Args:
         module: the model (e.g. built from its config, then ``fp8tensor.quantize_weights(model)``).
@@ -118,7 +111,7 @@ def load_safetensors(module: torch.nn.Module, path, *, strict: bool = True):
 
 def _warn_dtype_mismatch(module: torch.nn.Module, state: dict) -> None:
     """Warn when the checkpoint's high-precision tensors have another dtype than the model's (``load_state_dict``
-    casts them silently, and the model then computes in its own dtype, not the saved one)."""
+    casts them silently)."""
     own = module.state_dict()
     diff = [(k, v.dtype, own[k].dtype) for k, v in state.items()
             if k in own and v.dtype.is_floating_point and v.dtype not in FLOAT8_DTYPES
@@ -156,11 +149,9 @@ def state_dict_hook(module, state_dict, prefix, local_metadata):
 def load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                              error_msgs):
     """``Module.register_load_state_dict_pre_hook`` of fp8 modules (:func:`fp8tensor.quantize_weights` and
-    :func:`fp8tensor.convert_to_fp8`): an entry in the plain layout (``name`` a plain fp8 tensor and
-    ``name + "_scale"`` its float32 row scales) is merged before the module loads it: into one ScaledFp8Tensor of the
-    module's high-precision dtype for a weight stored in fp8 (then copied, or assigned with ``assign=True``, bit for
-    bit), into the dequantized values ``q * scale`` in the weight's dtype for a high-precision (master) weight
-    (fine-tuning from an fp8 checkpoint). The subclass form loads unchanged.
+    :func:`fp8tensor.convert_to_fp8`): a plain-layout entry (``name`` fp8, ``name + "_scale"`` float32 row scales)
+    is merged before loading: into a ScaledFp8Tensor for a weight stored in fp8 (bit for bit), into the dequantized
+    ``q * scale`` in the weight's dtype for a high-precision (master) weight. The subclass form loads unchanged.
 
     Raises:
         TypeError / ValueError: the scale entry is not float32 or does not match the data's shape (naming the key);
@@ -172,14 +163,13 @@ def load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict,
         q = state_dict.get(key)
         if not isinstance(q, torch.Tensor) or type(q) is ScaledFp8Tensor or q.dtype not in FLOAT8_DTYPES:
             continue
-        local = compat.local_tensor(p) if _is_dtensor(p) else p
+        local = _local(p)
         if scale is None:
             if p is not None and local.dtype not in FLOAT8_DTYPES or isinstance(local, ScaledFp8Tensor):
                 raise ValueError(
                     f"fp8tensor load_state_dict: {key!r} is a plain {q.dtype} tensor without its scales "
                     f"{key + SCALE_SUFFIX!r}, so its values are unknown. Load the checkpoint's fp8 data together "
-                    "with its scales (all files of a sharded checkpoint at once: fp8tensor.load_safetensors)"
-                )
+                    "with its scales (all files of a sharded checkpoint at once: fp8tensor.load_safetensors)")
             continue
         orig = local.orig_dtype if isinstance(local, ScaledFp8Tensor) else (
             p.dtype if p is not None and p.dtype not in FLOAT8_DTYPES else torch.float32)
@@ -201,19 +191,16 @@ def set_hf_quantization_config(module: torch.nn.Module) -> Optional[object]:
     ``save_pretrained`` in the plain layout writes a ``config.json`` that ``from_pretrained`` reads correctly or
     refuses clearly, never as a high-precision model without the scales. Called by
     :func:`fp8tensor.quantize_weights`; a no-op (returns None) unless ``module`` is a ``transformers.PreTrainedModel``
-    (transformers is never imported here: a module of an unimported package cannot be one).
+    (transformers is never imported here).
 
     When every fp8 weight is a 2-D ``float8_e4m3fn`` Linear weight (the ``fbgemm_fp8`` layout): ``module.config``
-    becomes a copy of itself (other models built from the same config object are not affected; submodules holding
-    the same config object get the copy) with ``quantization_config = transformers.FbgemmFp8Config(
-    modules_to_not_convert=[names of the nn.Linear modules whose weight is not fp8])``. ``from_pretrained`` of the
-    checkpoint then builds fbgemm's ``FbgemmFp8Linear`` for exactly the fp8 Linears (needs CUDA sm_90+ and
-    fbgemm-gpu; elsewhere transformers raises ``ImportError`` saying so). Names are relative to ``module``: call
-    ``quantize_weights`` on the model you save.
+    becomes a copy (shared by its submodules, not by other models) with ``quantization_config =
+    transformers.FbgemmFp8Config(modules_to_not_convert=[names, relative to module, of the nn.Linear modules whose
+    weight is not fp8])``; ``from_pretrained`` then builds ``FbgemmFp8Linear`` for exactly the fp8 Linears (CUDA
+    sm_90+ and fbgemm-gpu; elsewhere transformers raises ``ImportError``).
 
-    Otherwise (``float8_e5m2`` weights, fp8 expert weights, an fp8 Linear among the model's
-    ``_keep_in_fp32_modules``, which transformers never converts): no ``fbgemm_fp8`` checkpoint can hold them, so every fp8
-    module of ``module`` refuses ``state_dict()`` in the plain layout (``ValueError`` naming the remedy:
+    Otherwise (``float8_e5m2`` weights, fp8 expert weights, an fp8 Linear among ``_keep_in_fp32_modules``): every
+    fp8 module refuses ``state_dict()`` in the plain layout (``ValueError`` naming the remedy:
     ``fp8tensor.plain_state_dict`` + ``safetensors``, read back with ``fp8tensor.load_safetensors``).
 
     Returns:
@@ -250,8 +237,7 @@ def set_hf_quantization_config(module: torch.nn.Module) -> Optional[object]:
                 "fbgemm_fp8 layout holds e4m3 Linear weights only), "
                 "so save_pretrained would write weights that from_pretrained reads without their scales. Save with "
                 "safetensors.torch.save_file(fp8tensor.plain_state_dict(model.state_dict()), path) and load with "
-                "fp8tensor.load_safetensors into a quantize_weights model"
-            )
+                "fp8tensor.load_safetensors into a quantize_weights model")
         return None
     from transformers import FbgemmFp8Config
 

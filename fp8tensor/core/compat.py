@@ -14,12 +14,12 @@ __all__ = ["TORCH_VERSION", "register_foreach_type", "local_tensor", "set_local_
            "fsdp_state_name", "fsdp_unsharded_param", "fsdp_flat_shard", "fsdp_set_flat_shard",
            "fsdp_reset_extension", "process_group_size", "wait_work", "tree_flatten", "tree_unflatten", "tree_leaves",
            "tree_map_only", "is_fake", "local_tensor_cls", "run_per_simulated_rank", "COMPOSITE_IMPLICIT",
-           "DISABLED_TORCH_FUNCTION", "DATA_SETTER", "DATA_GETTER", "disable_torch_function_subclass", "parse_to", "is_exporting", "is_compiling",
-           "prepend_forward_pre_hook", "disable_current_modes",
-           "is_functorch_wrapped", "raw_cuda_stream", "rebuild_parameter", "functional_collectives",
-           "register_state_dict_hook", "functional_data", "forward_ad_active", "op_schema", "is_parameter_marked",
-           "mark_parameter", "local_tensor_shards", "buffers_dict", "children_dict",
-           "parameters_dict", "preserve_version_counter", "c10d_functional_ops"]
+           "DISABLED_TORCH_FUNCTION", "DATA_SETTER", "DATA_GETTER", "disable_torch_function_subclass", "parse_to",
+           "is_exporting", "is_compiling", "prepend_forward_pre_hook", "disable_current_modes", "is_functorch_wrapped",
+           "raw_cuda_stream", "rebuild_parameter", "functional_collectives", "register_state_dict_hook",
+           "functional_data", "forward_ad_active", "op_schema", "is_parameter_marked", "mark_parameter",
+           "local_tensor_shards", "buffers_dict", "children_dict", "parameters_dict", "preserve_version_counter",
+           "c10d_functional_ops"]
 
 #: The dispatch key of composite ops (decomposed above autograd).
 COMPOSITE_IMPLICIT = torch._C.DispatchKey.CompositeImplicitAutograd
@@ -38,11 +38,8 @@ def parse_to(*args, **kwargs):
 def is_exporting() -> bool:
     """Whether ``torch.export`` is tracing (strict or not), and only then: False under ``torch.compile``.
 
-    Reads ``torch.compiler._is_exporting_flag``, which ``torch.export`` alone sets. The public
-    ``torch.compiler.is_exporting()`` cannot be used: on torch 2.11 dynamo folds it to the constant True in *every*
-    dynamo trace (its table of tracing-state functions), so a compiled region would take the export path; torch 2.13
-    reads the flag instead. Dynamo reads the flag as a global and guards on it, so the answer is right in eager code,
-    under ``torch.compile`` (False) and under strict and non-strict ``torch.export`` (True), on torch 2.11 to 2.14.
+    Reads ``torch.compiler._is_exporting_flag``, which ``torch.export`` alone sets (dynamo guards on it): the public
+    ``torch.compiler.is_exporting()`` is folded to True in *every* dynamo trace on torch 2.11.
     """
     return bool(torch.compiler._is_exporting_flag)
 
@@ -57,11 +54,8 @@ def prepend_forward_pre_hook(module: torch.nn.Module, hook):
     """Register ``hook`` as the first forward pre-hook of ``module`` (before the hooks registered earlier, such as a
     parallel style's input hook) and return its ``RemovableHandle``.
 
-    ``register_forward_pre_hook(..., prepend=True)`` moves the new key to the front of the ``OrderedDict`` with
-    ``move_to_end``, which leaves the dict's own insertion order behind; torch 2.11's dynamo builds its guards with
-    ``dict.keys(hooks)`` (insertion order) but traces the ``OrderedDict`` order, and compiling the module then fails
-    creating a guard. Here the dict (the same object: handles keep working) is re-filled in the wanted order, so both
-    orders agree on every torch."""
+    ``prepend=True`` reorders with ``move_to_end``, leaving the insertion order behind, and torch 2.11's dynamo then
+    fails creating a guard (it guards on one order, traces the other); here the same dict is re-filled in order."""
     handle = module.register_forward_pre_hook(hook)
     hooks = module._forward_pre_hooks
     items = list(hooks.items())
@@ -108,10 +102,9 @@ def register_state_dict_hook(module: torch.nn.Module, hook) -> None:
 
 
 def functional_data(x: torch.Tensor):
-    """``(tracer, inner, storage_key)`` of a ``FunctionalTensor`` being traced under a proxy mode (``torch.compile``'s
-    AOTAutograd, ``torch.export``): the proxy tracer, the tensor it holds right now (pending mutations synced) and
-    an identity of that tensor's storage; None for any other tensor, and wherever torch's private tracing APIs
-    differ from what is expected here."""
+    """``(tracer, inner, storage_key)`` of a ``FunctionalTensor`` traced under a proxy mode: the proxy tracer, the
+    tensor it holds now (pending mutations synced) and its storage's identity; None for any other tensor, and
+    wherever torch's private tracing APIs differ from what is expected here."""
     from torch._subclasses.functional_tensor import FunctionalTensor
 
     if not isinstance(x, FunctionalTensor):
@@ -155,8 +148,7 @@ TORCH_VERSION = _version(torch.__version__)
 
 def register_foreach_type(cls: type) -> None:
     """Let optimizers pick their foreach / fused implementations for parameters of type ``cls`` by default (as
-    ``torch.distributed.tensor`` does for ``DTensor``): ``torch.optim`` and ``torch.utils._foreach_utils`` test
-    ``type(p)`` against a private list, and fall back to a Python loop over the parameters otherwise."""
+    DTensor does): they test ``type(p)`` against private lists, else fall back to a Python loop."""
     from torch.optim import optimizer as _optimizer
     from torch.utils import _foreach_utils
 
@@ -197,7 +189,6 @@ def functorch_active() -> bool:
 
 # ------------------------------------------------------------------------------------------------ FSDP2 internals
 # ``torch/distributed/fsdp/_fully_shard/``: FSDPState (one per fully_shard-ed module), FSDPParamGroup, FSDPParam.
-
 
 def fsdp_states() -> list:
     """The live FSDP2 states (one per module ``fully_shard`` was applied to); [] without torch.distributed."""
@@ -353,8 +344,7 @@ def run_per_simulated_rank(fn):
 
 
 def parameters_dict(module: torch.nn.Module) -> dict:
-    """``module``'s own parameter dict (``Module._parameters``: name -> Parameter or None, the live dict, so
-    assigning into it swaps a parameter without ``Module.__setattr__``'s checks; no public API returns it)."""
+    """``module``'s own live parameter dict (``Module._parameters``: name -> Parameter or None)."""
     return module._parameters
 
 
@@ -364,8 +354,7 @@ def buffers_dict(module: torch.nn.Module) -> dict:
 
 
 def children_dict(module: torch.nn.Module) -> dict:
-    """``module``'s own child-module dict (``Module._modules``: name -> Module or None, the live dict; the public
-    ``named_children`` skips None entries and builds a generator)."""
+    """``module``'s own child-module dict (``Module._modules``: name -> Module or None, the live dict)."""
     return module._modules
 
 
@@ -388,8 +377,7 @@ def op_schema(func):
 
 def is_parameter_marked(t: torch.Tensor) -> bool:
     """Whether ``t`` (a tensor subclass) was made a parameter by ``nn.Parameter(t)``, which for subclasses returns
-    the tensor itself with the private marker ``_is_param`` set (no public test tells it from a plain tensor of
-    the same class)."""
+    the tensor itself with the private marker ``_is_param`` set."""
     return bool(getattr(t, "_is_param", False))
 
 
@@ -400,7 +388,6 @@ def mark_parameter(t: torch.Tensor) -> None:
 
 
 def local_tensor_shards(t) -> dict:
-    """The per-rank tensors of a ``LocalTensor`` (``LocalTensorMode``'s one tensor per simulated rank: its private
-    ``_local_tensors`` dict, rank -> tensor); an empty dict for any other tensor."""
+    """The per-rank tensors of a ``LocalTensor`` (its ``_local_tensors`` dict, rank -> tensor); else ``{}``."""
     shards = getattr(t, "_local_tensors", None)
     return shards if isinstance(shards, dict) else {}

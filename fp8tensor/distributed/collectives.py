@@ -1,14 +1,10 @@
 """Collectives of :class:`~fp8tensor.tensor.ScaledFp8Tensor`: what DTensor's sharding, redistribution and
 ``distribute_tensor`` send over the wire when the local tensor is fp8.
 
-Every handler here moves the fp8 data and the float32 scales as **two separate collectives of the same kind**
-(the fp8 bytes travel as ``uint8``, which every backend supports — gloo has no fp8 type). Nothing is ever
-dequantized, requantized or reduced: a gathered tensor keeps each rank's own scales, so it dequantizes
-bit-exactly to the values the ranks held. Amax is never reduced across ranks.
-
-A scale is only ever *expanded* (materialized) when the collective would otherwise merge values quantized with
-different per-rank scales into one compact scale slot — e.g. all-gathering along dim 0 a tensor whose scale has
-size 1 on dim 0. This is the same rule the op table's ``cat`` uses.
+Every handler moves the fp8 data (as ``uint8``: gloo has no fp8 type) and the float32 scales as **two collectives
+of the same kind**. Nothing is dequantized, requantized or reduced: a gathered tensor keeps each rank's own scales
+and dequantizes bit-exactly to the ranks' values. A scale is *expanded* only where the collective would otherwise
+merge different per-rank scales into one compact slot (the rule of the op table's ``cat``).
 
 ===========================================  ===============================================================
 op                                           scale handling
@@ -28,17 +24,10 @@ Shard, ``src_data_rank`` set)                scale (scales must fit the output's
                                              is full-size on (a zero dequantizes to zero with any scale)
 ===========================================  ===============================================================
 
-Reductions (``all_reduce``, ``reduce_scatter_tensor``) of fp8 data are not defined (the sum of two fp8 tensors
-with different scales is not an fp8 tensor with a scale of this layout); they keep raising
-``NotImplementedError`` from the op table's fallback. DTensor never needs them for fp8 tensors: GEMM outputs,
-including the Partial outputs of row-wise parallel layers, are high-precision tensors.
-
-:class:`~fp8tensor.master.Fp8MasterWeight` needs no handlers (it runs every op on its high-precision data);
-this module only adds the collective and padding ops to the set of ops whose results stay master weights, so a
-redistributed or unevenly sharded master is still a master.
-
-The handlers are registered into :data:`fp8tensor.tensor.OP_TABLE` when this module is imported (by
-``fp8tensor/__init__.py``).
+Reductions (``all_reduce``, ``reduce_scatter_tensor``) of fp8 data are not defined and raise
+``NotImplementedError`` from the op table's fallback; DTensor never needs them (GEMM outputs, Partial ones included,
+are high-precision). :class:`~fp8tensor.master.Fp8MasterWeight` needs no handlers: this module only adds the
+collective and padding ops to those whose results stay master weights. Registered on import.
 """
 from __future__ import annotations
 
@@ -56,7 +45,6 @@ __all__: list[str] = []
 
 aten = torch.ops.aten
 _funcol = compat.c10d_functional_ops()
-_c10d = torch.ops.c10d
 
 
 def _dist_op(name: str) -> list:
@@ -101,10 +89,8 @@ _unbox_wait = compat.wait_work
 
 # --------------------------------------------------------------------------------------------- functional
 def _serial(t: ScaledFp8Tensor) -> bool:
-    """Whether ``t``'s collectives run one at a time, each waited on before the next is issued: tensors on the CPU
-    (gloo). Two collectives in flight at once on one gloo process group can corrupt the heap (torch 2.13 / 2.14,
-    ``docs/pytorch_issues.md`` item 3, with its repro). On CUDA (NCCL, which runs collectives in
-    flight safely) the data and scale collectives are both left in flight, to overlap with what follows."""
+    """Whether ``t``'s collectives run one at a time, each waited on before the next: on the CPU (gloo), where two
+    in flight on one group can corrupt the heap (``docs/pytorch_issues.md`` item 3). NCCL leaves both in flight."""
     return t.qdata.device.type == "cpu"
 
 
@@ -112,15 +98,10 @@ def _serial(t: ScaledFp8Tensor) -> bool:
 def _all_gather_data_and_scales(func, args, kwargs):
     """Concatenate every rank's data along dim 0, and their scales along dim 0.
 
-    A scale shared along dim 0 (one value for all local rows, but different per rank) is gathered compactly and
-    then repeated over each rank's rows. That one, and the scale of a local tensor with a single row (which a
-    later ``view`` of the gathered tensor may have to materialize, see ``torch._utils._maybe_view_chunk_cat``),
-    is waited on right away, so no op ever reads a scale still in flight. Whether the scale is per row is the
-    declared layout (``scaled_dims``, the same on every rank), never the local size: a rank holding one row (scale
-    ``[1, 1]``) or none sends what the other ranks send.
-
-    On the CPU (gloo, :func:`_serial`) the scale collective is issued and waited on first, then the data's, which is
-    waited on too: nothing of this call is left in flight.
+    A scale shared along dim 0 is gathered compactly, then repeated over each rank's rows; it (and a one-row
+    tensor's scale, which a later ``view`` may materialize) is waited on at once, so no op reads a scale in flight.
+    Per-row or not is the declared ``scaled_dims`` (the same on every rank), never the local size. On the CPU
+    (:func:`_serial`) both collectives are waited on.
     """
     b = _bind(func, args, kwargs)
     t, group_size, group = b["input"], b["group_size"], b["group_name"]
@@ -140,8 +121,7 @@ def _all_gather_data_and_scales(func, args, kwargs):
 
 @implements(_dist_op("_c10d_functional._wrap_tensor_autograd.default"))
 def _wrap_async(func, args, kwargs):
-    """What the op itself does (``funcol._maybe_wrap_tensor`` in eager): wrap the in-flight result in an
-    ``AsyncCollectiveTensor``, which calls ``wait_tensor`` (below) before the first op that reads it."""
+    """Wrap the in-flight result in an ``AsyncCollectiveTensor`` (waited on before its first read), as the op does."""
     return compat.functional_collectives().AsyncCollectiveTensor(args[0])
 
 
@@ -172,12 +152,8 @@ def _all_to_all_data_and_scales(func, args, kwargs):
 
 @implements(_dist_op("_dtensor.shard_dim_alltoall.default"))
 def _shard_dim_alltoall_data_and_scales(func, args, kwargs):
-    """DTensor's Shard(a) -> Shard(b) all-to-all (CUDA path): gather along ``gather_dim``, keep this rank's chunk
-    of ``shard_dim``.
-
-    The scale is made full-size on ``gather_dim`` (per-rank values differ there); a scale compact on
-    ``shard_dim`` is expanded to ``group_size`` slots there, so each rank receives exactly one (equal) slot.
-    """
+    """DTensor's Shard(a) -> Shard(b) all-to-all (CUDA path). The scale is made full-size on ``gather_dim``; a
+    scale compact on ``shard_dim`` is expanded to ``group_size`` slots there, one (equal) slot per rank."""
     b = _bind(func, args, kwargs)
     t, gd, sd, group = b["input"], b["gather_dim"], b["shard_dim"], b["group_name"]
     gd, sd = gd % t.dim(), sd % t.dim()
@@ -211,10 +187,8 @@ def _contiguous_scale(t: ScaledFp8Tensor) -> torch.Tensor:
 def _scatter_data_and_scales(func, args, kwargs):
     """``distribute_tensor`` with a Shard placement: scatter each shard's fp8 bytes and scale from the source rank.
 
-    The output (``empty_like`` of a shard, on every rank) receives data and scale in place. Each source shard's
-    scale must fit the output's scale layout (size 1 only where the output's is); it is expanded where the output's
-    scale is full-size. The data scatter is waited on before the scale scatter is issued; the scale scatter's Work
-    is returned (so ``async_op`` keeps its meaning for the caller).
+    The output receives data and scale in place; each source shard's scale must fit the output's layout (expanded
+    where the output's is full-size). The data scatter is waited on; the scale scatter's Work is returned.
 
     Raises:
         NotImplementedError: several output tensors, or ScaledFp8Tensors mixed with other tensors.
@@ -237,8 +211,7 @@ def _scatter_data_and_scales(func, args, kwargs):
         if not _scale_fits(src.scale, out.scale):
             raise ValueError(
                 f"ScaledFp8Tensor {op}: shard {i}'s scale {tuple(src.scale.shape)} does not fit the output's scale "
-                f"layout {tuple(out.scale.shape)} (a scale can be expanded, never compacted)"
-            )
+                f"layout {tuple(out.scale.shape)} (a scale can be expanded, never compacted)")
     q_out = out.qdata.view(torch.uint8) if out.qdata.is_contiguous() else torch.empty_like(out.qdata, dtype=torch.uint8)
     s_out = _contiguous_scale(out)
     q_in = [[_bytes(src.qdata) for src in srcs]] if ins else []
@@ -256,8 +229,8 @@ def _scatter_data_and_scales(func, args, kwargs):
 def _broadcast_data_and_scale(func, args, kwargs):
     """``distribute_tensor`` with Replicate: broadcast the fp8 bytes and the scale from the source, in place.
 
-    Like a plain tensor's broadcast, this overwrites the data (and here the scale) of the tensor passed on the
-    other ranks. Returns the scale broadcast's Work; the data broadcast is waited on first.
+    Overwrites data and scale of the tensor on the other ranks. Returns the scale broadcast's Work; the data
+    broadcast is waited on first.
 
     Raises:
         NotImplementedError: more than one tensor in the list, or ScaledFp8Tensors mixed with other tensors.
@@ -283,14 +256,9 @@ def _broadcast_data_and_scale(func, args, kwargs):
 # --------------------------------------------------------------------------------------------- padding
 @implements([aten.constant_pad_nd.default, aten.pad.default])
 def _pad_data_with_zeros_scale_with_ones(func, args, kwargs):
-    """Zero-padding (DTensor pads uneven shards before a collective and unpads after): fp8 zeros in the data;
-    the scale is padded with ones on the dims where it is full-size (cropped likewise for negative pads), and left
-    alone on the dims where it has size 1. A non-zero pad value, or ``aten.pad`` in a mode other than
-    ``"constant"``, dequantizes and returns a plain tensor.
-
-    ``aten.pad`` (what ``F.pad`` calls) reaches the op table itself inside DTensor's dispatch on torch 2.14; without
-    this handler a rank whose shard is empty received a dequantized plain tensor there, and its all-gather then did
-    not match the other ranks' fp8 ones."""
+    """Zero-padding (DTensor pads uneven shards): fp8 zeros in the data; the scale padded with ones (or cropped) on
+    the dims where it is full-size. A non-zero value or a non-constant mode dequantizes. (``aten.pad`` reaches the
+    table inside DTensor's dispatch on torch 2.14: dequantizing there broke empty shards' all-gathers.)"""
     b = _bind(func, args, kwargs)
     t, pad = b["self"], list(b["pad"])
     value = b.get("value", 0)
@@ -307,17 +275,9 @@ def _pad_data_with_zeros_scale_with_ones(func, args, kwargs):
 
 
 # --------------------------------------------------------------------------------------------- master weights
-keep_master_through(
-    [aten.constant_pad_nd.default, aten.pad.default]
-    + [
-        op
-        for name in (
-            "_c10d_functional.all_gather_into_tensor.default",
-            "_c10d_functional.wait_tensor.default",
-            "_c10d_functional._wrap_tensor_autograd.default",
-            "_c10d_functional.all_to_all_single.default",
-            "_dtensor.shard_dim_alltoall.default",
-        )
-        for op in _dist_op(name)
-    ]
-)
+keep_master_through([aten.constant_pad_nd.default, aten.pad.default] + [
+    op for name in ("_c10d_functional.all_gather_into_tensor.default", "_c10d_functional.wait_tensor.default",
+                    "_c10d_functional._wrap_tensor_autograd.default", "_c10d_functional.all_to_all_single.default",
+                    "_dtensor.shard_dim_alltoall.default")
+    for op in _dist_op(name)
+])

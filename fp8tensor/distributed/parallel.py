@@ -1,33 +1,18 @@
 """fp8 communication for sequence parallelism: all-gather the activation in fp8, with per-token scales.
 
-With sequence parallelism (SP) the residual stream between tensor-parallel (TP) regions is sharded along the
-sequence dim, and the input of each column-parallel block (attention's ``wq/wk/wv``, the MLP's ``w1/w3``) is
-all-gathered across the TP group first. PyTorch's ``PrepareModuleInput`` does that gather in the activation's
-precision (bf16). The fp8 GEMMs that follow quantize the gathered activation per token (one scale per row,
-over the hidden dim) anyway, so:
+With sequence parallelism the input of each column-parallel block is all-gathered across the TP group, by
+``PrepareModuleInput`` in bf16. The fp8 GEMMs that follow quantize it per token anyway, and a rank's sequence shard
+holds whole tokens: quantizing the shard before the gather gives exactly the GEMM's per-token scales (no amax
+exchange) and moves ``hidden + 4`` bytes per token instead of ``2 * hidden``. Consumers get a ``Replicate`` DTensor
+of a per-token :class:`~fp8tensor.ScaledFp8Tensor`, which :func:`fp8tensor.fp8_linear` uses as is (``wq/wk/wv``
+share one gather); the backward is the high-precision one.
 
-* a rank's sequence shard holds *whole* rows (tokens): quantizing the shard row-wise before the gather gives
-  exactly the per-token scales that the GEMM would compute after it — no amax exchange is needed (a
-  per-tensor scale, the usual alternative, needs an amax all-reduce first);
-* the gather moves ``hidden + 4`` bytes per token (fp8 data plus one float32 scale) instead of ``2 * hidden``
-  (bf16): about half the bytes.
+Public API: :class:`Fp8PrepareModuleInput` (drop-in for ``PrepareModuleInput``), :func:`fp8_sequence_parallel_plan`
+(a TP plan with those entries swapped) and :func:`fp8_sequence_all_gather` (the functional form).
 
-The gathered activation is handed to the consumers as a ``DTensor`` (``Replicate()``) whose local tensor is a
-:class:`~fp8tensor.ScaledFp8Tensor` scaled per token; :func:`fp8tensor.fp8_linear` uses it as is in the forward
-GEMM (so ``wq``, ``wk`` and ``wv`` share one fp8 gather and one quantization) and folds its scales into the
-grad_weight GEMM. The backward is unchanged from the high-precision path: the input gradient (a ``Partial``
-or ``Replicate`` DTensor) is reduce-scattered / sliced back to the sequence shard in high precision.
-
-Public API:
-
-* :class:`Fp8PrepareModuleInput` — drop-in for ``PrepareModuleInput`` in a ``parallelize_module`` plan.
-* :func:`fp8_sequence_parallel_plan` — copy of a TP plan with its ``PrepareModuleInput`` entries swapped.
-* :func:`fp8_sequence_all_gather` — the functional form (``Shard(d)`` DTensor in, fp8 ``Replicate`` DTensor out).
-
-Method: row-wise ("axiswise") fp8 scaling as in :mod:`fp8tensor.quantize`; the fp8 all-gather before
-column-parallel GEMMs follows the idea of fp8 SP communication in fp8 training stacks (e.g. TorchAO's float8
-``PrepareFloat8ModuleInput``, which uses a per-tensor scale), moved to per-token scales so that no scale has to
-be agreed on across ranks. See ``docs/sp_fp8.md``.
+Method: row-wise fp8 scaling as in :mod:`fp8tensor.quantize`; the fp8 SP all-gather follows TorchAO's float8
+``PrepareFloat8ModuleInput`` (a per-tensor scale), with per-token scales that need no agreement across ranks.
+See ``docs/sp_fp8.md``.
 """
 from __future__ import annotations
 
@@ -57,11 +42,8 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
 
 
 def _gather_payload(qdata: torch.Tensor, scale: torch.Tensor, dim: int, mesh: DeviceMesh):
-    """All-gather fp8 ``qdata`` (sent as uint8 bytes) and float32 ``scale`` along ``dim`` over the 1-D ``mesh``.
-
-    The two gathers are issued before either is waited on. Kept as a separate function so that tests can
-    check what goes over the wire.
-    """
+    """All-gather fp8 ``qdata`` (as uint8) and float32 ``scale`` along ``dim`` over the 1-D ``mesh``, both issued
+    before either is waited on (a function of its own: tests check what goes over the wire)."""
     group = (mesh, 0)
     q = _all_gather(qdata.contiguous().view(torch.uint8), dim, group)
     s = _all_gather(scale.contiguous(), dim, group)
@@ -71,10 +53,8 @@ def _gather_payload(qdata: torch.Tensor, scale: torch.Tensor, dim: int, mesh: De
 class _Fp8SequenceAllGather(torch.autograd.Function):
     """``Shard(d)`` high-precision DTensor -> ``Replicate`` DTensor of a per-token ScaledFp8Tensor.
 
-    Forward: quantize the local rows over the last (hidden) dim, all-gather fp8 data and scales along ``d``.
-    Backward: redistribute the high-precision gradient back to the input's placement — a reduce-scatter (sum)
-    from ``Partial``, a local slice from ``Replicate`` — exactly what ``DTensor.redistribute`` does in the
-    backward of the high-precision gather; the gradient is returned in the input's dtype.
+    Backward: the high-precision gradient redistributed to the input's placement (as the high-precision gather's
+    backward does), in the input's dtype.
     """
 
     @staticmethod
@@ -120,15 +100,11 @@ def _why_not_fp8(x: torch.Tensor) -> Optional[tuple[type, str]]:
         return ValueError, f"expected at least 2 dims (tokens x hidden), got shape {tuple(x.shape)}"
     d = _shard_dim(x)
     if d is None:
-        return ValueError, (
-            f"expected a DTensor on a 1-D mesh with placements (Shard(d),), got placements {x.placements} "
-            f"on a {x.device_mesh.ndim}-D mesh"
-        )
+        return ValueError, (f"expected a DTensor on a 1-D mesh with placements (Shard(d),), got placements "
+                            f"{x.placements} on a {x.device_mesh.ndim}-D mesh")
     if d == x.ndim - 1:
-        return ValueError, (
-            f"the input is sharded on its last (hidden) dim (Shard({d})): per-token scales need whole rows; "
-            "shard the sequence dim instead"
-        )
+        return ValueError, (f"the input is sharded on its last (hidden) dim (Shard({d})): per-token scales need "
+                            "whole rows; shard the sequence dim instead")
     if x.shape[d] % x.device_mesh.size():
         return ValueError, f"uneven sequence shards (dim {d} of size {x.shape[d]} over {x.device_mesh.size()} ranks)"
     return None
@@ -137,15 +113,10 @@ def _why_not_fp8(x: torch.Tensor) -> Optional[tuple[type, str]]:
 def fp8_sequence_all_gather(x: DTensor, *, float8_dtype: torch.dtype = E4M3) -> DTensor:
     """All-gather a sequence-sharded activation in fp8 with one scale per token.
 
-    Each rank quantizes its local rows over the last (hidden) dim with
-    :func:`fp8tensor.quantize.quantize_rowwise`, then fp8 data (sent as uint8) and float32 scales are
-    all-gathered along the sharded dim with functional collectives. The per-token scales are identical to those
-    :func:`fp8tensor.fp8_linear` computes on a high-precision gathered activation, so the forward GEMMs give
-    bit-identical results; the bytes moved are ``hidden + 4`` per token instead of ``2 * hidden`` for bf16.
-
-    Differentiable: the gradient with respect to ``x`` is the high-precision gradient of the output
-    redistributed to ``x``'s placement (reduce-scatter-sum from ``Partial``, slice from ``Replicate``), as for
-    ``x.redistribute(placements=[Replicate()])``.
+    Each rank quantizes its local rows over the last dim (:func:`fp8tensor.quantize.quantize_rowwise`), then fp8
+    data (as uint8) and float32 scales are all-gathered along the sharded dim: the scales :func:`fp8tensor.fp8_linear`
+    would compute after a high-precision gather, so forward GEMMs are bit-identical. Differentiable: the gradient
+    is the output's, redistributed to ``x``'s placement, as for ``x.redistribute(placements=[Replicate()])``.
 
     Args:
         x: DTensor of shape ``(..., hidden)`` on a 1-D mesh (the TP mesh) with placements ``(Shard(d),)``,
@@ -155,9 +126,8 @@ def fp8_sequence_all_gather(x: DTensor, *, float8_dtype: torch.dtype = E4M3) -> 
 
     Returns:
         DTensor of ``x``'s global shape and dtype, placements ``(Replicate(),)``, whose local tensor is a
-        :class:`~fp8tensor.ScaledFp8Tensor` with ``qdata`` of the global shape and ``scale`` of shape
-        ``(..., 1)`` (one per token). Its consumers should be fp8 Linears (:func:`fp8tensor.convert_to_fp8`):
-        a plain op on it runs on the dequantized value (and an ``aten.mm`` on it runs in fp8).
+        :class:`~fp8tensor.ScaledFp8Tensor` with ``qdata`` of the global shape and ``scale`` ``(..., 1)`` (one per
+        token). Its consumers should be fp8 Linears; a plain op on it runs on the dequantized value.
 
     Raises:
         TypeError: ``x`` is not a DTensor, not high-precision floating point, or already fp8; unsupported
@@ -189,17 +159,12 @@ class Fp8PrepareModuleInput(PrepareModuleInput):
             "attention.wq": ColwiseParallel(), ...
         }
 
-    For each input (positional or keyword) whose layout goes from ``Shard(d)`` (``d`` not the last dim) to
-    ``Replicate()``, the input is quantized per token on each rank and gathered with
-    :func:`fp8_sequence_all_gather`; the module receives a ``Replicate`` DTensor whose local tensor is a
-    :class:`~fp8tensor.ScaledFp8Tensor` (or that local tensor, with ``use_local_output=True``). Every other
-    input is prepared exactly as ``PrepareModuleInput`` does. An input that cannot be gathered per token —
-    not floating point, fewer than 2 dims, sharded on its last dim, uneven shards, or already fp8 — falls back
-    to the high-precision gather, with a warning.
-
-    The consumers of a gathered input must be fp8 Linears (:func:`fp8tensor.convert_to_fp8` or
-    :func:`fp8tensor.quantize_weights`, any recipe): they use it as is. Any other op on it sees the dequantized
-    value (e.g. a high-precision ``nn.Linear`` would multiply the fp8-rounded activation, in fp8).
+    Each input (positional or keyword) going from ``Shard(d)`` (``d`` not the last dim) to ``Replicate()`` is
+    gathered with :func:`fp8_sequence_all_gather`: the module receives a ``Replicate`` DTensor of a
+    :class:`~fp8tensor.ScaledFp8Tensor` (its local tensor with ``use_local_output=True``). Other inputs are prepared
+    as ``PrepareModuleInput`` does; one that cannot be gathered per token (not floating point, fewer than 2 dims,
+    sharded on its last dim, uneven shards, already fp8) falls back to the high-precision gather, with a warning.
+    Consumers must be fp8 Linears (``convert_to_fp8`` or ``quantize_weights``); other ops see dequantized values.
 
     Args (keyword-only): as ``torch.distributed.tensor.parallel.PrepareModuleInput`` — ``input_layouts``,
         ``desired_input_layouts``, ``input_kwarg_layouts``, ``desired_input_kwarg_layouts``,
@@ -211,35 +176,20 @@ class Fp8PrepareModuleInput(PrepareModuleInput):
         AssertionError: inconsistent layouts (raised by ``PrepareModuleInput``).
     """
 
-    def __init__(
-        self,
-        *,
-        input_layouts=None,
-        desired_input_layouts=None,
-        input_kwarg_layouts: Optional[dict] = None,
-        desired_input_kwarg_layouts: Optional[dict] = None,
-        use_local_output: bool = False,
-        float8_dtype: torch.dtype = E4M3,
-    ):
+    def __init__(self, *, input_layouts=None, desired_input_layouts=None, input_kwarg_layouts: Optional[dict] = None,
+                 desired_input_kwarg_layouts: Optional[dict] = None, use_local_output: bool = False,
+                 float8_dtype: torch.dtype = E4M3):
         check_float8_dtype(float8_dtype, "Fp8PrepareModuleInput")
-        super().__init__(
-            input_layouts=input_layouts,
-            desired_input_layouts=desired_input_layouts,
-            input_kwarg_layouts=input_kwarg_layouts,
-            desired_input_kwarg_layouts=desired_input_kwarg_layouts,
-            use_local_output=use_local_output,
-        )
+        super().__init__(input_layouts=input_layouts, desired_input_layouts=desired_input_layouts,
+                         input_kwarg_layouts=input_kwarg_layouts,
+                         desired_input_kwarg_layouts=desired_input_kwarg_layouts, use_local_output=use_local_output)
         self.float8_dtype = float8_dtype
 
-    def _prepare_input_arg(
-        self, input: Any, mesh: DeviceMesh, input_layout: Optional[Placement], desired_layout: Optional[Placement]
-    ):
+    def _prepare_input_arg(self, input: Any, mesh: DeviceMesh, input_layout: Optional[Placement],
+                           desired_layout: Optional[Placement]):
         if not _is_sp_gather(input_layout, desired_layout) or not isinstance(input, torch.Tensor):
             return super()._prepare_input_arg(input, mesh, input_layout, desired_layout)
-        if isinstance(input, DTensor):
-            dt = input
-        else:
-            dt = DTensor.from_local(input, mesh, (input_layout,), run_check=False)
+        dt = input if isinstance(input, DTensor) else DTensor.from_local(input, mesh, (input_layout,), run_check=False)
         why = _why_not_fp8(dt)
         if why is not None:
             warnings.warn(f"Fp8PrepareModuleInput: all-gathering in high precision: {why[1]}", stacklevel=2)
@@ -264,22 +214,17 @@ def _has_sp_gather(style: PrepareModuleInput) -> bool:
     return any(_is_sp_gather(a, b) for a, b in pairs)
 
 
-def fp8_sequence_parallel_plan(
-    plan: dict[str, ParallelStyle], *, float8_dtype: torch.dtype = E4M3
-) -> dict[str, ParallelStyle]:
+def fp8_sequence_parallel_plan(plan: dict[str, ParallelStyle], *, float8_dtype: torch.dtype = E4M3
+                               ) -> dict[str, ParallelStyle]:
     """Copy of a ``parallelize_module`` plan with fp8 sequence-parallel gathers.
 
     Every ``PrepareModuleInput`` entry (exact type, or the input half of a ``PrepareModuleInputOutput``) with
     at least one ``Shard(d) -> Replicate()`` input becomes an :class:`Fp8PrepareModuleInput` with the same
     layouts and ``use_local_output``; all other entries are kept (the same objects). ``plan`` is not modified.
 
-    Typical use, on a Llama block plan with sequence parallelism (``attention`` / ``feed_forward`` entries
-    ``PrepareModuleInput(input_layouts=(Shard(1), ...), desired_input_layouts=(Replicate(), ...))``)::
+    Typical use on a Llama block plan with sequence parallelism (the prepared modules must feed fp8 Linears)::
 
-        block_plan = fp8_sequence_parallel_plan(block_plan)
-        parallelize_module(block, tp_mesh, block_plan)
-
-    The modules these entries prepare must feed fp8 Linears (see :class:`Fp8PrepareModuleInput`).
+        parallelize_module(block, tp_mesh, fp8_sequence_parallel_plan(block_plan))
 
     Args:
         plan: dict from module FQN (or pattern) to ``ParallelStyle``.

@@ -4,34 +4,31 @@ FSDP2 (``torch.distributed.fsdp.fully_shard``) shards every parameter on dim 0, 
 on a rank's shard is *the* global scale of its rows: gathering fp8 rows and their scales gives, bit for bit, the
 quantization of the unsharded weight, moving ``K + 4`` bytes per row of ``K`` elements instead of ``2 K`` (bf16).
 
-The hooks follow FSDP2's all-gather extension protocol (``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``,
-"[Note: FSDP tensors]"). ``Fp8MasterWeight.fsdp_pre_all_gather`` calls :func:`master_pre_all_gather` (quantize the
-local master rows), ``ScaledFp8Tensor.fsdp_pre_all_gather`` calls :func:`scaled_pre_all_gather` (gather the stored
-fp8 rows); both classes' ``fsdp_post_all_gather`` builds the unsharded ``ScaledFp8Tensor`` from :func:`gathered` /
-:func:`unsharded_buffers`. FSDP2's private state is read and written through :mod:`fp8tensor.core.compat` only.
+The hooks follow FSDP2's all-gather extension protocol (``_fsdp_param.py``, "[Note: FSDP tensors]"):
+:func:`master_pre_all_gather` (quantize the local master rows) and :func:`scaled_pre_all_gather` (the stored fp8
+rows); ``fsdp_post_all_gather`` builds the unsharded ``ScaledFp8Tensor`` from :func:`gathered` /
+:func:`unsharded_buffers`. FSDP2's private state is reached through :mod:`fp8tensor.core.compat` only.
 
 How the bytes travel (every rank makes the same choice: it depends on the global shape and the mesh size only):
 
-``fused``  dim 0 divisible by the world size: the fp8 data viewed as ``uint8`` and the float32 scales, which FSDP2
-           packs into one ``uint8`` all-gather.
-``padded`` dim 0 not divisible (uneven or empty shards): FSDP2 wants every input of a padded shard in the padded
-           *parameter* shape, which a ``(rows, 1)`` scale cannot have, so the zero-padded data goes through FSDP2 and
-           the scales through one small extra all-gather on the same group, carried in the metadata.
-``local``  world size 1: one ``uint8`` buffer, the fp8 bytes then (16-byte aligned) the scales; the unsharded
-           tensor's data and scales view the buffer FSDP2 fills, so later rounds copy nothing.
+``fused``  dim 0 divisible by the world size: the fp8 data as ``uint8`` (gloo has no fp8) and the float32 scales,
+           which FSDP2 packs into one ``uint8`` all-gather.
+``padded`` dim 0 not divisible: FSDP2 wants every input of a padded shard in the padded *parameter* shape, which a
+           ``(rows, 1)`` scale cannot have, so the scales go through one small extra all-gather in the metadata.
+``local``  world size 1: one ``uint8`` buffer, the fp8 bytes then (16-byte aligned) the scales, which the unsharded
+           tensor views, so later rounds copy nothing.
 
-Data travels as ``uint8`` (gloo has no fp8 dtypes; a bit-level view). Padding rows are zeros with unit scales, dropped
-after the gather (``torch.chunk`` sharding puts the real rows first).
+Padding rows are zeros with unit scales, dropped after the gather (``torch.chunk`` puts the real rows first).
 
-A parameter group's master weights are quantized in one launch: FSDP2 runs the pre-all-gather hooks of a group back to
-back, the first quantizes the whole group (:func:`fp8tensor.numerics.quantize.quantize_group`, or on a 1-rank mesh
-straight into one buffer with :func:`~fp8tensor.numerics.quantize.quantize_rows_into`) and keeps the others' results
-for their own calls; a kept result is served only to the same data at the same version, in the same CUDA-graph capture.
+A parameter group's master weights are quantized in one launch: the group's first pre-all-gather hook quantizes
+all of them (``quantize_group``; on a 1-rank mesh ``quantize_rows_into`` one buffer) and keeps the others' results,
+served only to the same data at the same version, in the same CUDA-graph capture.
 """
 from __future__ import annotations
 
 import functools
 import inspect
+import math
 import types
 import weakref
 from typing import NamedTuple, Optional
@@ -51,11 +48,8 @@ FUSED, PADDED, LOCAL = "fused", "padded", "local"
 
 
 class pre_all_gather_hook:
-    """Descriptor for a subclass's ``fsdp_pre_all_gather`` whose ``inspect.signature`` is built once.
-
-    FSDP2 calls ``inspect.signature(local.fsdp_pre_all_gather)`` before every pre-all-gather of every parameter; on
-    a bound method that builds a new ``Signature`` (several µs per parameter and all-gather). Attribute access here
-    returns a callable whose class carries the bound signature; while ``torch.compile`` traces, a bound method."""
+    """Descriptor for a subclass's ``fsdp_pre_all_gather`` whose ``inspect.signature`` is built once: FSDP2 asks for
+    it before every pre-all-gather, several µs per call on a bound method. While tracing, a plain bound method."""
 
     def __init__(self, fn):
         self.fn, self.__doc__ = fn, fn.__doc__
@@ -93,34 +87,26 @@ def _align16(nbytes: int) -> int:
 @functools.lru_cache(maxsize=256)
 def _packed_layout(shapes: tuple) -> tuple:
     """``(total bytes, [(region start, region bytes, scale offset in the region)])`` of the packed payloads of
-    ``shapes`` (``(qdata shape, scale shape)`` pairs; each region: fp8 bytes, zeros to a 16-byte boundary, float32
-    scales, zeros to a 16-byte boundary)."""
+    ``(qdata shape, scale shape)`` pairs; each region: fp8 bytes, float32 scales, each padded to 16 bytes."""
     out, o = [], 0
     for qshape, sshape in shapes:
-        off = _align16(_numel(qshape))
-        n = _align16(off + 4 * _numel(sshape))
+        off = _align16(math.prod(qshape))
+        n = _align16(off + 4 * math.prod(sshape))
         out.append((o, n, off))
         o += n
     return o, out
 
 
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def packed_views(buf: torch.Tensor, qshape, sshape, float8_dtype: torch.dtype):
     """``(qdata, scale)`` viewing a packed ``local`` payload ``buf`` (1-D ``uint8``)."""
-    nq, ns, off = _numel(qshape), _numel(sshape), _align16(_numel(qshape))
+    nq, ns, off = math.prod(qshape), math.prod(sshape), _align16(math.prod(qshape))
     buf = buf.view(-1)
     return buf[:nq].view(float8_dtype).view(qshape), buf[off:off + 4 * ns].view(torch.float32).view(sshape)
 
 
 def _packed_quantize(datas: list, float8_dtype: torch.dtype) -> list:
-    """``[(qdata, scale, payload)]``: each 2-D+ weight of ``datas`` quantized row-wise into its region of one new
-    packed buffer (one launch of the row kernel on CUDA; weight by weight, the same bytes, elsewhere)."""
+    """``[(qdata, scale, payload)]``: each weight of ``datas`` quantized row-wise into its region of one new packed
+    buffer (one row-kernel launch on CUDA, else weight by weight: the same bytes)."""
     shapes = tuple((tuple(d.shape), (*d.shape[:-1], 1)) for d in datas)
     total, regions = _packed_layout(shapes)
     flat = torch.empty(total, dtype=torch.uint8, device=datas[0].device)
@@ -192,10 +178,8 @@ def all_gather_inputs(qdata: torch.Tensor, scale: torch.Tensor, mesh, outer_size
 
 
 def gather_scales(out: torch.Tensor, scale: torch.Tensor, group) -> None:
-    """The extra all-gather of the ``padded`` mode: ``out = cat(scale of every rank)`` over FSDP2's group.
-
-    Issued on FSDP2's process group, in the same order on every rank (each rank runs a group's pre-all-gather hooks
-    in the same order, before the group's all-gather); with NCCL it only enqueues."""
+    """The extra all-gather of the ``padded`` mode: ``out = cat(scale of every rank)`` over FSDP2's group (issued
+    in the same order on every rank; with NCCL it only enqueues)."""
     import torch.distributed as dist
 
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -205,10 +189,8 @@ def gather_scales(out: torch.Tensor, scale: torch.Tensor, group) -> None:
 def check_rowwise_input(t: torch.Tensor, op: str) -> None:
     """Raise ``NotImplementedError`` naming ``op`` unless ``t`` has at least 2 dims (FSDP2 fp8 all-gather)."""
     if t.ndim < 2:
-        raise NotImplementedError(
-            f"{op}: FSDP2 fp8 all-gather needs a weight with at least 2 dims (rows x columns), got shape "
-            f"{tuple(t.shape)}"
-        )
+        raise NotImplementedError(f"{op}: FSDP2 fp8 all-gather needs a weight with at least 2 dims (rows x columns), "
+                                  f"got shape {tuple(t.shape)}")
 
 
 # ------------------------------------------------------------------------------- FSDP2 state: groups, flat copies
@@ -238,9 +220,8 @@ def fsdp_group(local):
 
 
 def _drop_flat_copy(local) -> None:
-    """Free the flat copy FSDP2 keeps of a ScaledFp8Tensor shard (``_sharded_param_data = local.view(-1)``, set at
-    ``fully_shard``, lazy init and ``load_state_dict``): the all-gather input of FSDP2's default path only, and for a
-    ScaledFp8Tensor 5x the fp8 shard (one scale per element). The shard itself takes its place."""
+    """Free the flat copy FSDP2 keeps of a ScaledFp8Tensor shard (``_sharded_param_data``): used only by FSDP2's
+    default all-gather, and 5x the fp8 shard (one scale per element). The shard itself takes its place."""
     ref = _FSDP_PARAM_OF.get(local)
     fp = ref() if ref is not None else None
     if fp is None:
@@ -257,8 +238,8 @@ _PENDING = "_fp8tensor_pending"  # master attribute: (data, version, key, result
 
 
 def _group_members(master, float8_dtype) -> tuple[list, list]:
-    """The master weights (``master`` first) and their data to quantize together: ``master``'s FSDP2 group members of
-    its class, fp8 format, dtype and device; ``master`` alone outside a group."""
+    """The master weights (``master`` first) and their data to quantize together: its FSDP2 group members of its
+    class, fp8 format, dtype and device."""
     data = master._data
     try:
         _, locals_ = fsdp_group(master)
@@ -278,9 +259,8 @@ def _group_members(master, float8_dtype) -> tuple[list, list]:
 
 
 def _quantized_rows(master, float8_dtype, local: bool):
-    """``(qdata, scale, payload)`` of ``master``'s rows (``payload``: the packed buffer on a 1-rank mesh, else None),
-    from its group's launch (kept since an earlier hook call, or made now for the whole group; while
-    ``torch.compile`` traces, for this weight alone)."""
+    """``(qdata, scale, payload)`` of ``master``'s rows (``payload``: the packed 1-rank buffer, else None), from its
+    group's launch (kept from an earlier call, or made now; while tracing, this weight alone)."""
     if compat.is_compiling():
         masters, datas = [master], [master._data]
     else:
@@ -303,9 +283,8 @@ def _quantized_rows(master, float8_dtype, local: bool):
 def master_pre_all_gather(master, mesh, outer_size, outer_stride, module, mp_policy):
     """``Fp8MasterWeight.fsdp_pre_all_gather``: quantize the local master rows row-wise, return fp8 data + scales.
 
-    Each rank quantizes its own rows of the high-precision master (``amax`` over the last dim, the recipe's fp8
-    format, as :meth:`ScaledFp8Tensor.from_hp`), from the master dtype (no cast to ``mp_policy.param_dtype``), with
-    the rest of its FSDP2 parameter group in one launch (see the module docstring). Empty shards quantize nothing.
+    Each rank quantizes its own master rows as :meth:`ScaledFp8Tensor.from_hp` (recipe's fp8 format), from the
+    master dtype (no cast to ``mp_policy.param_dtype``), with its FSDP2 parameter group in one launch.
 
     Args:
         master: the local ``Fp8MasterWeight`` shard, shape ``(r, *rest)``; its ``_data`` and ``recipe`` are read.
@@ -369,8 +348,7 @@ def gathered(all_gather_outputs, metadata) -> tuple[torch.Tensor, torch.Tensor]:
 @torch.no_grad()
 def refill(dst_qdata: torch.Tensor, dst_scale: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> None:
     """Copy gathered ``qdata`` / ``scale`` into the unsharded tensor's own (rounds after the first), without bumping
-    version counters: the forward may have saved this weight for backward (torch.compile saves qdata and scale), and
-    the re-gather before backward writes the same values. FSDP2 does the same for the outputs it copies into."""
+    version counters (as FSDP2 does): the forward may have saved them, and the re-gather writes the same values."""
     for dst, src in ((dst_qdata, qdata), (dst_scale, scale)):
         if dst.data_ptr() != src.data_ptr():
             with compat.preserve_version_counter(dst):
@@ -387,9 +365,6 @@ def unsharded_buffers(all_gather_outputs, metadata):
     meta: _Meta = metadata
     data_u8 = all_gather_outputs[0]
     if meta.mode == LOCAL:
-        q, s = packed_views(data_u8, *meta.packed, meta.float8_dtype)
-        return q, s, (data_u8,)
-    scale_full = all_gather_outputs[1] if meta.mode == FUSED else meta.scale
-    if meta.mode != FUSED:
-        scale_full = scale_full.clone()
+        return (*gathered(all_gather_outputs, meta), (data_u8,))
+    scale_full = all_gather_outputs[1] if meta.mode == FUSED else meta.scale.clone()
     return data_u8.view(meta.float8_dtype)[: meta.rows], scale_full[: meta.rows], (data_u8, scale_full)

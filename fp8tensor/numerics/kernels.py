@@ -1,24 +1,15 @@
 """Fused quantization kernels: quantize along dim 0 and write the transposed fp8 layout in one go.
 
-The gradient GEMMs contract over tokens (grad_weight) or output features (grad_input), which are the *outer*
-dims of the row-major activations, gradients and weights. ``torch._scaled_mm`` wants its operands row-major
-(A) and column-major (B) with scales on their outer dims, so these operands must be quantized along dim 0 and
-stored transposed. Written as eager ops (or left to the compiler) that is a strided reduction plus a
-transposing copy; measured on H200 at 16384×4096 bf16 the compiler's fused kernel took ~196 µs, several times
-the memory-bound time. Here:
+The gradient GEMMs contract over the *outer* dims of the row-major activations, gradients and weights, and
+``torch._scaled_mm`` wants A row-major and B column-major with scales on their outer dims: these operands are
+quantized along dim 0 and stored transposed. As eager or compiled ops that is a strided reduction plus a transposing
+copy (~196 µs for 16384×4096 bf16 on H200, several times the memory-bound time). Here: (1) column amax, a 2-D grid
+of ``[CHUNK_M, BLOCK_K]`` slabs combined with ``atomic_max``; (2) cast, ``[BLOCK_M, BLOCK_K]`` tiles divided by the
+column scale, saturated and stored transposed. Other kernels quantize along the last dim (one or many tensors per
+launch), transpose fp8, quantize per token group, and multiply small-M activations by fp8 weights (decode).
 
-1. column amax: a 2-D grid of programs, each reducing a ``[CHUNK_M, BLOCK_K]`` slab with coalesced loads and
-   combining with ``atomic_max``;
-2. cast: each program loads a ``[BLOCK_M, BLOCK_K]`` tile, divides by the column scale, saturates, casts to fp8
-   and stores the transposed tile, coalesced along the output's rows.
-
-A third kernel quantizes along the last dim (row-wise, contiguous rows) in one launch for eager CUDA callers
-(``quantize_rowwise``, ``ScaledFp8Tensor.from_hp``, FSDP2's pre-all-gather of master weights).
-
-This module is a leaf: it imports nothing from fp8tensor. The numerics' constants (the scale floor; the fp8 max
-follows from the fp8 dtype) are passed in by :mod:`fp8tensor.quantize`, which decides when a kernel runs and
-registers the dim-0 kernels as the ``torch.library.triton_op`` ``fp8tensor::quantize_dim0_t`` (``torch.compile`` calls
-the kernels inline from its generated code; eager callers launch them directly with :func:`launch_dim0_t`).
+Only :mod:`fp8tensor.core` is imported: the scale floor is passed in by :mod:`fp8tensor.quantize`, which decides
+when a kernel runs and registers the dim-0 kernels as the ``triton_op`` ``fp8tensor::quantize_dim0_t``.
 """
 from __future__ import annotations
 
@@ -69,16 +60,13 @@ if _HAS_TRITON:
 
     @triton.jit
     def _cast_t_kernel(x_ptr, amax_ptr, q_ptr, scale_ptr, M, K, stride_m, FMAX: tl.constexpr, EPS: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, N_AMAX: tl.constexpr):
-        # amax_ptr: (N_AMAX, K) float32 partial column maxima (their max is the column amax: exact in any order).
+                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
         pid_m = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
         kmask = offs_k < K
         amax = tl.load(amax_ptr + offs_k, mask=kmask, other=1.0)
-        for i in tl.static_range(1, N_AMAX):
-            amax = tl.maximum(amax, tl.load(amax_ptr + i * K + offs_k, mask=kmask, other=1.0))
         scale = tl.maximum(amax / FMAX, EPS)  # fp8tensor.quantize.amax_to_scale: max(amax / fmax, floor)
         mask = (offs_m[:, None] < M) & kmask[None, :]
         x = tl.load(x_ptr + offs_m[:, None] * stride_m + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -89,12 +77,11 @@ if _HAS_TRITON:
         if pid_m == 0:
             tl.store(scale_ptr + offs_k, scale, mask=kmask)
 
-
     @triton.jit
     def _quantize_rows(x_ptr, q_ptr, scale_ptr, offs_m, M, K, FMAX: tl.constexpr, EPS: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-        # Rows offs_m of a row-major (M, K) tensor: one pass for the row amax, one pass (mostly from L2) to divide,
-        # saturate, cast and store. The body of both row-wise kernels below.
+        # Rows offs_m of a row-major (M, K) tensor: one pass for the row amax, one (mostly from L2) to divide,
+        # saturate, cast and store.
         mmask = offs_m < M
         rows = offs_m.to(tl.int64)[:, None] * K
         acc = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -118,10 +105,8 @@ if _HAS_TRITON:
     @triton.jit
     def _row_quant_kernel(x_ptr, q_ptr, scale_ptr, M, K, FMAX: tl.constexpr, EPS: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-        # Each program quantizes BLOCK_M contiguous rows (_quantize_rows). Meant to give the bits of the eager CUDA
-        # ops of fp8tensor.quantize: the scale as the dim-0 kernel computes it (measured equal to eager CUDA, which
-        # divides by a Python scalar as a multiply by its reciprocal), then x / scale as an IEEE division (div_rn;
-        # Triton's plain '/' on float32 is approximate, and eager CUDA divides tensor by tensor exactly).
+        # BLOCK_M rows per program; the bits of the eager CUDA ops: x / scale as an IEEE division (div_rn; Triton's
+        # plain '/' on float32 is approximate, eager CUDA divides tensor by tensor exactly).
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         _quantize_rows(x_ptr, q_ptr, scale_ptr, offs_m, M, K, FMAX, EPS, BLOCK_M, BLOCK_K)
 
@@ -130,7 +115,7 @@ if _HAS_TRITON:
                                 X_TY: tl.constexpr, Q_TY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                                 ALIGNED: tl.constexpr):
         # _row_quant_kernel over N_T tensors in one launch. table (int64, 6 x N_T): x / q / scale addresses, M, K and
-        # the first program of each tensor. A program finds its tensor, then runs _row_quant_kernel's body on it.
+        # the first program of each tensor.
         pid = tl.program_id(0)
         t = 0
         for i in tl.static_range(1, N_T):
@@ -148,11 +133,9 @@ if _HAS_TRITON:
         offs_m = (pid - first) * BLOCK_M + tl.arange(0, BLOCK_M)
         _quantize_rows(x_ptr, q_ptr, scale_ptr, offs_m, M, K, FMAX, EPS, BLOCK_M, BLOCK_K)
 
-
     @triton.jit
     def _transpose_kernel(src_ptr, dst_ptr, M, N, stride_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        # dst (N, M) row-major = src (M, N) transposed (row stride stride_m, unit column stride). Element-type
-        # agnostic (fp8 here).
+        # dst (N, M) row-major = src (M, N) transposed (row stride stride_m, unit column stride)
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
@@ -160,16 +143,11 @@ if _HAS_TRITON:
         tl.store(dst_ptr + offs_n.to(tl.int64)[:, None] * M + offs_m[None, :], tl.trans(x),
                  mask=(offs_n[:, None] < N) & (offs_m[None, :] < M))
 
-
     @triton.jit
     def _group_col_quant_t_kernel(x_ptr, ends_ptr, dst_ptr, q_ptr, scale_ptr, M, C, stride_xm, stride_qg, stride_qc,
                                   Q_COLS, FMAX: tl.constexpr, EPS: tl.constexpr, ALIGN: tl.constexpr,
                                   MIN_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
-        # Program (pid_c, g): columns pid_c * BLOCK_C ... of the rows [ends[g-1], ends[g]) of x (M, C) (row stride
-        # stride_xm, unit column stride). Pass 1: the column amax over the group's rows; pass 2 (mostly from L2):
-        # divide, saturate, cast and store transposed: q[g * stride_qg + c * stride_qc + dst[g] + r] for the group's
-        # r-th row, r < max(round_up(size, ALIGN), MIN_PAD) (rows past the group's end are stored as zeros: the
-        # padding; MIN_PAD gives an empty group zero columns, so a GEMM over it computes zeros).
+        # Program (pid_c, g): columns pid_c * BLOCK_C ... of rows [ends[g-1], ends[g]) of x; see launch_group_cols_t.
         pid_c = tl.program_id(0)
         g = tl.program_id(1)
         end = tl.load(ends_ptr + g).to(tl.int64)
@@ -208,8 +186,8 @@ if _HAS_TRITON:
 
 # ---------------------------------------------------------------------------------------------- eager launches
 def _triton_fast_launch_ok() -> bool:
-    # Triton >= 3.3: CompiledKernel.run(grid_x, grid_y, grid_z, stream, function, packed_metadata, launch_metadata,
-    # enter_hook, exit_hook, *every argument in signature order), the call JITFunction.run itself makes.
+    # Triton >= 3.3: CompiledKernel.run(gx, gy, gz, stream, function, packed_metadata, launch_metadata, enter_hook,
+    # exit_hook, *arguments), the call JITFunction.run itself makes.
     if not _HAS_TRITON:
         return False
     try:
@@ -230,19 +208,31 @@ def _launcher(fn) -> "_Launcher":
     if launcher is None:
         launcher = _LAUNCHERS[fn] = _Launcher(fn)
     return launcher
+
+
+def _launch(fn, grid: tuple, args: tuple, consts: dict, num_warps: int, device: torch.device,
+            num_stages: Optional[int] = None, *, traced: bool = False) -> None:
+    """Launch JIT kernel ``fn``: through ``wrap_triton`` when ``traced`` (the body of a ``triton_op``), Triton's own
+    launch off CUDA (its interpreter), else the eager :class:`_Launcher`."""
+    if not traced and device.type == "cuda":
+        _launcher(fn)(grid, args, consts, num_warps, device, num_stages)
+        return
+    from torch.library import wrap_triton
+
+    opts = dict(num_warps=num_warps) if num_stages is None else dict(num_warps=num_warps, num_stages=num_stages)
+    (wrap_triton(fn) if traced else fn)[grid](*args, **consts, **opts)
+
+
 _INT32 = (-(2**31), 2**31)
 
 
 class _Launcher:
     """Eager launches of one ``@triton.jit`` kernel with less host work than ``kernel[grid](...)``.
 
-    ``kernel[grid](...)`` binds the arguments, computes Triton's specialization key and looks the compiled kernel
-    up on every call (tens of µs of Python per launch, paid per Linear per step). Here the first launch of each
-    *argument class* goes through Triton's JIT (which compiles and returns the compiled kernel); later launches of
-    the same class call the compiled kernel's entry point with the same arguments Triton's ``run`` passes. The
-    class is a superset of what Triton specializes on, so a cached kernel is always the one Triton would pick:
-    per tensor its dtype and 16-byte alignment; per integer whether it is 1, a multiple of 16 and within int32;
-    constexprs by value; the device and ``num_warps``."""
+    ``kernel[grid](...)`` costs tens of µs of Python per launch. Here the first launch of each *argument class* goes
+    through Triton's JIT; later ones call the compiled kernel's entry point as Triton's ``run`` does. The class is a
+    superset of what Triton specializes on (per tensor its dtype and 16-byte alignment; per integer whether it is 1,
+    a multiple of 16, within int32; constexprs by value; device, warps, stages), so the cached kernel is Triton's."""
 
     __slots__ = ("fn", "names", "is_constexpr", "defaults", "cache")
 
@@ -300,14 +290,12 @@ class _Launcher:
 
 
 def _frozen(d: dict) -> types.MappingProxyType:
-    """A read-only view of ``d`` (nested dicts too): the tile tables are constants of the package. Some change the
-    bits (the decode GEMM's split over K sets its fp32 summation order) and cached launch plans are derived from them,
-    so no process-wide change may reach them at run time; tune them by editing this file."""
+    """A read-only view of ``d`` (nested too): tile tables are constants (some set bits, e.g. the decode GEMM's
+    summation order, and launch plans are cached from them); tune them by editing this file."""
     return types.MappingProxyType({k: _frozen(v) if isinstance(v, dict) else v for k, v in d.items()})
 
 
-#: Tile sizes of the two kernels (tuned on H200 over the e2e models' shapes: a sweep script at commit b44f11a, results in
-#: docs/benchmarks.md; any config gives the same bits).
+#: Tiles of the dim-0 kernels (tuned on H200 over the e2e models' shapes, sweep at commit b44f11a; same bits for any).
 CONFIG = _frozen(dict(amax_block_k=64, amax_block_m=256, amax_chunk_m=256, amax_warps=4, cast_block_m=64,
                      cast_block_k=128, cast_warps=4))
 
@@ -317,21 +305,10 @@ ROW_CONFIG = _frozen(dict(block_m=4, block_k=1024, warps=8))
 
 
 def row_kernel_available(x: torch.Tensor) -> bool:
-    """Whether :func:`quantize_last_dim` runs the Triton kernel on ``x``: a plain (not fake, not traced) contiguous
-    CUDA tensor of fp32/bf16/fp16 with at least one element, and no torch dispatch mode active.
-
-    Under ``torch.compile`` the eager ops are traced instead, so inductor can fuse the quantization with its
-    producer (e.g. a norm); compiled code then rounds as inductor's generated kernels do."""
-    return (
-        _HAS_TRITON
-        and x.dtype in _KERNEL_DTYPES
-        and x.is_cuda
-        and x.dim() >= 1
-        and x.numel() > 0
-        and x.is_contiguous()
-        and not (x.requires_grad and torch.is_grad_enabled())  # the eager ops keep the autograd graph
-        and eager_launch_ok(x)
-    )
+    """Whether :func:`quantize_last_dim` takes ``x``: a contiguous CUDA fp32/bf16/fp16 tensor with an element, not
+    requiring grad, that :func:`eager_launch_ok` (under ``torch.compile`` inductor fuses the plain ops instead)."""
+    return (_HAS_TRITON and x.dtype in _KERNEL_DTYPES and x.is_cuda and x.dim() >= 1 and x.numel() > 0
+            and x.is_contiguous() and not (x.requires_grad and torch.is_grad_enabled()) and eager_launch_ok(x))
 
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -339,9 +316,8 @@ _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 def eager_launch_ok(x: torch.Tensor) -> bool:
-    """Whether a kernel may be launched on ``x`` right now from Python: ``x`` is a plain tensor (not a subclass, not
-    fake, not a vmap/grad wrapper), nothing is being traced (``torch.compile``) and no torch dispatch mode is active.
-    Otherwise callers go through ops that the tracer or mode sees."""
+    """Whether a kernel may be launched on ``x`` now from Python: a plain tensor (not a subclass, fake, or vmap/grad
+    wrapper), nothing traced, no dispatch mode. Otherwise callers go through ops the tracer or mode sees."""
     return (
         not compat.is_compiling()  # first: dynamo cannot trace the C calls below (it would break the graph)
         and type(x) in _PLAIN_TYPES
@@ -354,13 +330,10 @@ def quantize_last_dim(x: torch.Tensor, float8_dtype: torch.dtype, scale_floor: f
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Row-wise quantization along the last dim in one Triton kernel (eager CUDA; see :func:`row_kernel_available`).
 
-    ``scale_floor``: the smallest scale (``fp8tensor.quantize.SCALE_FLOOR``): ``scale = max(amax / fmax, floor)``.
-    Same contract as the eager ops of ``fp8tensor.quantize.quantize_rowwise(x, dim=-1, float8_dtype)``, meant to
-    give the same bits on CUDA (a row holding NaN gets an infinite instead of a NaN scale; it stays non-finite
-    either way): returns
-    ``(qdata, scale)``, ``qdata`` of ``x``'s shape in ``float8_dtype`` and ``scale`` float32 of shape
-    ``(*x.shape[:-1], 1)``. The eager version makes ~7 passes over ``x`` (abs, amax, divide, clamp, cast, with
-    float32 intermediates); the kernel reads ``x`` twice and writes the fp8 bytes once.
+    ``scale = max(amax / fmax, scale_floor)``. The bits of the eager ``quantize_rowwise(x, -1, float8_dtype)`` (a
+    NaN row gets an infinite instead of a NaN scale: non-finite either way), reading ``x`` twice instead of ~7
+    passes. Returns ``(qdata, scale)``: ``qdata`` of ``x``'s shape in ``float8_dtype``, ``scale`` float32
+    ``(*x.shape[:-1], 1)``.
 
     Raises:
         ValueError: ``x`` is not a tensor the kernel takes (check :func:`row_kernel_available` first).
@@ -388,9 +361,8 @@ def quantize_last_dim_group(xs: list, float8_dtype: torch.dtype, scale_floor: fl
     """:func:`quantize_last_dim` of several tensors in one launch (same bits as one launch each).
 
     ``xs``: tensors for which :func:`row_kernel_available` holds, all of one dtype on one device. Returns one
-    ``(qdata, scale)`` per tensor, views of two flat buffers (one fp8, one float32). Meant for the
-    FSDP2 pre-all-gather, which quantizes every master weight of a parameter group at once: one launch and four
-    small allocations instead of a launch and two allocations per weight.
+    ``(qdata, scale)`` per tensor, views of two flat buffers (one fp8, one float32): FSDP2's pre-all-gather of a
+    parameter group.
 
     Raises:
         ValueError: the tensors differ in dtype or device.
@@ -414,8 +386,7 @@ def quantize_last_dim_group_into(xs: list, q_ptrs: list, s_ptrs: list, float8_dt
                                  scale_floor: float) -> None:
     """:func:`quantize_last_dim_group` writing to raw device addresses: ``xs[i]`` quantized row-wise into the fp8
     bytes at ``q_ptrs[i]`` (``xs[i].numel()`` bytes, row-major) and the float32 scales at ``s_ptrs[i]`` (one per row,
-    4-byte aligned). The caller owns and sizes those buffers (FSDP2's packed 1-rank payload, whose layout is
-    computed once per parameter group); no tensor views are built.
+    4-byte aligned), buffers the caller owns (FSDP2's packed 1-rank payload).
 
     Raises:
         ValueError: the tensors differ in dtype or device, or a scale address is not 4-byte aligned.
@@ -454,10 +425,8 @@ def _launch_group(xs: list, q_ptrs: list, s_ptrs: list, float8_dtype: torch.dtyp
 _TABLES: dict = {}
 
 
-#: Pinned host copies of the tables used during CUDA-graph captures made outside ``graph_step`` (``torch.cuda.graph``
-#: directly, torchtitan's graphs): the graph's copy node reads the host buffer at every replay and fp8tensor cannot
-#: tell when that graph dies, so these live as long as the process (one per distinct table). Captures by
-#: ``graph_step`` keep theirs with the graph (:func:`fp8tensor.core.capture.keep_for_replays`).
+#: Pinned host tables read at every replay by CUDA graphs captured outside ``graph_step``, whose end fp8tensor cannot
+#: see: they live as long as the process (one per content). ``graph_step`` keeps its own with the graph.
 _CAPTURED_TABLES: dict = {}
 
 
@@ -467,9 +436,8 @@ def _pinned_table(values: list) -> torch.Tensor:
 
 
 def _captured_host_table(values: list) -> torch.Tensor:
-    """The pinned host buffer a CUDA-graph capture copies a table from: the graph's copy node reads it on every
-    replay, so it must live as long as the graph. A capture by ``graph_step`` keeps a new buffer with its graph
-    (freed with it); any other capture shares the process-wide buffer of the same content (:data:`_CAPTURED_TABLES`)."""
+    """The pinned host buffer a CUDA-graph capture copies a table from (read on every replay): kept with a
+    ``graph_step`` graph, else the process-wide one of the same content (:data:`_CAPTURED_TABLES`)."""
     buf = _pinned_table(values)
     if capture.keep_for_replays(buf):
         return buf
@@ -477,9 +445,7 @@ def _captured_host_table(values: list) -> torch.Tensor:
 
 
 def _device_table(values: list, device: torch.device) -> torch.Tensor:
-    # Cached per stream: a table is only read on the stream that filled it (ordered after its copy) and freed by the
-    # allocator for that stream. While a CUDA graph is being captured, the host->device copy becomes a node of the
-    # graph that reads the pinned host buffer on every replay: that buffer must never be freed or reused.
+    # Cached per stream: a table is only read on the stream that filled it (ordered after its copy).
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if torch.cuda.is_current_stream_capturing():
         return _captured_host_table(values).to(device, non_blocking=True)  # a copy node reading it at each replay
@@ -495,14 +461,8 @@ def _device_table(values: list, device: torch.device) -> torch.Tensor:
 def kernel_available(x: torch.Tensor) -> bool:
     """Whether the dim-0 kernels take ``x``: CUDA, fp32/bf16/fp16, at least one element, and either 2-D with unit
     inner stride (any row stride) or N-D contiguous (read as ``(numel / K, K)``)."""
-    return (
-        _HAS_TRITON
-        and x.is_cuda
-        and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
-        and x.numel() > 0
-        and ((x.dim() == 2 and x.stride(1) == 1) or (x.dim() > 2 and x.is_contiguous()))
-        and _dim0_in_range(x)
-    )
+    return (_HAS_TRITON and x.is_cuda and x.dtype in _KERNEL_DTYPES and x.numel() > 0
+            and ((x.dim() == 2 and x.stride(1) == 1) or (x.dim() > 2 and x.is_contiguous())) and _dim0_in_range(x))
 
 
 def _dim0_in_range(x: torch.Tensor) -> bool:
@@ -520,13 +480,9 @@ def launch_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype, scale_floor: float
     ``float8_dtype`` holding ``x.T`` quantized row-wise, ``scale`` ``(K, 1)`` float32.
     ``scale_floor``: the smallest scale, ``max(amax / fmax, floor)``. Tiles from :data:`CONFIG` (read at each call).
 
-    ``traced=False``: an eager launch on ``x``'s device. ``traced=True``: the body of the ``triton_op``
-    ``fp8tensor::quantize_dim0_t`` — the kernels go through ``torch.library.wrap_triton`` so that ``torch.compile``
-    sees them and inductor calls them inline from its generated code (no Python custom op at run time).
-
-    Traced, the kernels get ``x`` itself, never a view of it: inductor materializes a view of a not yet computed
-    (fusible) value into a buffer of its own for *each* kernel argument, so a reshaped gradient would be written out
-    several times."""
+    ``traced=True``: the body of the ``triton_op`` ``fp8tensor::quantize_dim0_t`` (``wrap_triton``: inductor calls
+    the kernels inline), else an eager launch. Traced, the kernels get ``x`` itself, never a view: inductor writes a
+    view of a fusible value out into a buffer of its own for *each* kernel argument."""
     K = x.shape[-1]
     M = x.numel() // K
     stride_m = x.stride(0) if x.dim() == 2 else K
@@ -534,33 +490,14 @@ def launch_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype, scale_floor: float
     q = torch.empty(K, M, dtype=float8_dtype, device=x.device)
     scale = torch.empty(K, 1, dtype=torch.float32, device=x.device)
     c = CONFIG
-    if traced:
-        from torch.library import wrap_triton
-
-        amax_k, cast_k = wrap_triton(_col_amax_kernel), wrap_triton(_cast_t_kernel)
-        _dim0_t_kernels(amax_k, cast_k, x, amax, q, scale, M, K, stride_m, torch.finfo(float8_dtype).max,
-                        scale_floor, c)
-    else:
-        fmax = torch.finfo(float8_dtype).max
-        _launcher(_col_amax_kernel)(
-            (triton.cdiv(K, c["amax_block_k"]), triton.cdiv(M, c["amax_chunk_m"])), (x, amax, M, K, stride_m),
-            dict(CHUNK_M=c["amax_chunk_m"], BLOCK_M=c["amax_block_m"], BLOCK_K=c["amax_block_k"]),
-            c["amax_warps"], x.device)
-        _launcher(_cast_t_kernel)(
-            (triton.cdiv(M, c["cast_block_m"]), triton.cdiv(K, c["cast_block_k"])), (x, amax, q, scale, M, K, stride_m),
-            dict(FMAX=fmax, EPS=scale_floor, BLOCK_M=c["cast_block_m"], BLOCK_K=c["cast_block_k"], N_AMAX=1),
-            c["cast_warps"], x.device)
+    _launch(_col_amax_kernel, (triton.cdiv(K, c["amax_block_k"]), triton.cdiv(M, c["amax_chunk_m"])),
+            (x, amax, M, K, stride_m), dict(CHUNK_M=c["amax_chunk_m"], BLOCK_M=c["amax_block_m"],
+                                            BLOCK_K=c["amax_block_k"]), c["amax_warps"], x.device, traced=traced)
+    _launch(_cast_t_kernel, (triton.cdiv(M, c["cast_block_m"]), triton.cdiv(K, c["cast_block_k"])),
+            (x, amax, q, scale, M, K, stride_m), dict(FMAX=torch.finfo(float8_dtype).max, EPS=scale_floor,
+                                                      BLOCK_M=c["cast_block_m"], BLOCK_K=c["cast_block_k"]),
+            c["cast_warps"], x.device, traced=traced)
     return q, scale
-
-
-def _dim0_t_kernels(amax_k, cast_k, x, amax, q, scale, M, K, stride_m, fmax, scale_floor, c) -> None:
-    # the traced (wrap_triton) launches; keep in step with the eager launches in launch_dim0_t
-    grid = (triton.cdiv(K, c["amax_block_k"]), triton.cdiv(M, c["amax_chunk_m"]))
-    amax_k[grid](x, amax, M, K, stride_m, CHUNK_M=c["amax_chunk_m"], BLOCK_M=c["amax_block_m"],
-                 BLOCK_K=c["amax_block_k"], num_warps=c["amax_warps"])
-    grid = (triton.cdiv(M, c["cast_block_m"]), triton.cdiv(K, c["cast_block_k"]))
-    cast_k[grid](x, amax, q, scale, M, K, stride_m, FMAX=fmax, EPS=scale_floor, BLOCK_M=c["cast_block_m"],
-                 BLOCK_K=c["cast_block_k"], N_AMAX=1, num_warps=c["cast_warps"])
 
 
 #: Tiles of the transpose kernel (1-byte elements).
@@ -570,22 +507,14 @@ TRANSPOSE_CONFIG = _frozen(dict(block_m=128, block_n=128, warps=8))
 def transpose_available(src: torch.Tensor) -> bool:
     """Whether :func:`launch_transpose` takes ``src``: a 2-D CUDA tensor of 1-byte elements (fp8) with unit inner
     stride and at least one element."""
-    return (
-        _HAS_TRITON
-        and src.is_cuda
-        and src.dim() == 2
-        and src.element_size() == 1
-        and src.stride(1) == 1
-        and src.numel() > 0
-        and src.shape[1] <= 65535 * TRANSPOSE_CONFIG["block_n"]  # the grid's second dim
-    )
+    return (_HAS_TRITON and src.is_cuda and src.dim() == 2 and src.element_size() == 1 and src.stride(1) == 1
+            and src.numel() > 0 and src.shape[1] <= 65535 * TRANSPOSE_CONFIG["block_n"])  # (the grid's second dim)
 
 
 def launch_transpose(src: torch.Tensor) -> torch.Tensor:
     """``src.t().contiguous()`` for an fp8 ``src`` ``(M, N)`` (check :func:`transpose_available`) in one tiled Triton
-    kernel: ``(N, M)`` row-major, same dtype. ATen's generic copy moves 1-byte elements through a strided
-    elementwise kernel at a fraction of the copy bandwidth (≈0.2 ms for a 14336×4096 fp8 weight on an H200, against
-    ≈0.04 ms here). An eager launch."""
+    kernel: ``(N, M)`` row-major, same dtype (≈0.04 ms for a 14336×4096 fp8 weight on H200, against ≈0.2 ms for
+    ATen's strided copy). An eager launch."""
     M, N = src.shape
     dst = torch.empty((N, M), dtype=src.dtype, device=src.device)
     c = TRANSPOSE_CONFIG
@@ -602,16 +531,9 @@ GROUP_COL_CONFIG = _frozen(dict(block_m=64, block_c=64, warps=4))
 def group_col_kernel_available(x: torch.Tensor) -> bool:
     """Whether :func:`launch_group_cols_t` takes ``x``: a 2-D fp32/bf16/fp16 CUDA tensor with unit column stride,
     in eager mode (no tracing, no dispatch mode, a plain tensor), below 2^31 elements."""
-    return (
-        _HAS_TRITON
-        and x.is_cuda
-        and x.dim() == 2
-        and x.dtype in _KERNEL_DTYPES
-        and (x.stride(1) == 1 or x.shape[1] <= 1)
-        and x.numel() < 2**31
-        and eager_launch_ok(x)
-        and not (x.requires_grad and torch.is_grad_enabled())
-    )
+    return (_HAS_TRITON and x.is_cuda and x.dim() == 2 and x.dtype in _KERNEL_DTYPES
+            and (x.stride(1) == 1 or x.shape[1] <= 1) and x.numel() < 2**31 and eager_launch_ok(x)
+            and not (x.requires_grad and torch.is_grad_enabled()))
 
 
 def launch_group_cols_t(x: torch.Tensor, ends: torch.Tensor, dst: torch.Tensor, q: torch.Tensor,
@@ -646,10 +568,9 @@ if _HAS_TRITON:
                       stride_os, HAS_BIAS: tl.constexpr, FINAL: tl.constexpr, X_TY: tl.constexpr,
                       O_TY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       N_MAJOR: tl.constexpr = False):
-        # Program (n, s): output columns [n * BLOCK_N, ...) over the K slice [s * K_PER, (s + 1) * K_PER), all M rows.
-        # The fp8 weight tile is widened to x's dtype (exact: every e4m3 / e5m2 value is a bf16 / fp16 value) and
-        # multiplied on the tensor cores with fp32 accumulation; FINAL: row scales (and bias) applied, cast, stored;
-        # else the fp32 partial sum goes to slice s of the workspace.
+        # Program (n, s): output columns [n * BLOCK_N, ...) over the K slice s, all M rows; the fp8 weight widened
+        # to x's dtype (exact) with fp32 accumulation. FINAL: scales (and bias) applied and stored, else the fp32
+        # partial sum goes to slice s of the workspace.
         pid_n = tl.program_id(0)
         pid_s = tl.program_id(1)
         rm = tl.arange(0, BLOCK_M)
@@ -694,12 +615,10 @@ if _HAS_TRITON:
         tl.store(o_ptr + offs, acc.to(O_TY), mask=mask)
 
 
-#: Tiles of the small-M fp8-weight GEMM: inputs of up to ``max_m`` rows take it (decode). Per row block
-#: (``BLOCK_M`` = 16 or 32 rows): ``block_n`` x ``block_k`` weight tiles (``n_major``: loaded K-contiguous and
-#: transposed in registers), ``warps``, ``stages``; the K dim is split until about ``programs_per_sm`` programs per SM
-#: stream the weight (each slice at least ``min_k_tiles`` tiles long); a split sums its fp32 partials in a second
-#: kernel (fixed order). Tuned on H200 over a Llama3-8B layer's shapes, graphed (a sweep script at commit b44f11a); from 33
-#: rows on, cuBLAS's fp8 x fp8 row-scaled GEMM measured faster than these tiles, so larger inputs take it.
+#: Tiles of the small-M fp8-weight GEMM (inputs of up to ``max_m`` rows), per row block (16 or 32 rows): weight tiles
+#: (``n_major``: loaded K-contiguous, transposed in registers); K is split until about ``programs_per_sm`` programs
+#: per SM stream the weight (slices of at least ``min_k_tiles`` tiles), partials summed in fixed order. Tuned on H200
+#: over Llama3-8B shapes (sweep at commit b44f11a); from 33 rows on cuBLAS's fp8 x fp8 GEMM measured faster.
 W8_MM_CONFIG = _frozen(dict(max_m=32, reduce_block=1024, tiles={
     16: dict(block_n=32, block_k=128, warps=4, stages=3, programs_per_sm=4, min_k_tiles=4, n_major=False),
     32: dict(block_n=64, block_k=128, warps=4, stages=3, programs_per_sm=8, min_k_tiles=4, n_major=True),
@@ -711,21 +630,11 @@ _W8_PLANS: dict = {}
 def w8_mm_available(x: torch.Tensor, w8: torch.Tensor) -> bool:
     """Whether :func:`launch_w8_mm` takes ``x`` ``(M, K)`` (bf16 / fp16, unit last stride, ``1 <= M <= max_m``) and
     the fp8 weight ``w8`` ``(N, K)`` (row-major) on one CUDA device, with Triton; fake tensors (compile) included."""
-    return (
-        _HAS_TRITON
-        and x.is_cuda
-        and x.dim() == 2
-        and w8.dim() == 2
-        and x.dtype in (torch.bfloat16, torch.float16)
-        and w8.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-        and x.device == w8.device
-        and 1 <= x.shape[0] <= W8_MM_CONFIG["max_m"]
-        and x.shape[1] == w8.shape[1]
-        and w8.shape[0] > 0
-        and (x.stride(1) == 1 or x.shape[1] <= 1)
-        and (w8.stride(1) == 1 or w8.shape[1] <= 1)
-        and x.numel() < 2**31 and w8.numel() < 2**31
-    )
+    return (_HAS_TRITON and x.is_cuda and x.dim() == 2 and w8.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16)
+            and w8.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and x.device == w8.device
+            and 1 <= x.shape[0] <= W8_MM_CONFIG["max_m"] and x.shape[1] == w8.shape[1] and w8.shape[0] > 0
+            and (x.stride(1) == 1 or x.shape[1] <= 1) and (w8.stride(1) == 1 or w8.shape[1] <= 1)
+            and x.numel() < 2**31 and w8.numel() < 2**31)
 
 
 def _w8_mm_plan(M: int, N: int, K: int, device: torch.device) -> tuple:
@@ -754,10 +663,9 @@ def _w8_mm_plan(M: int, N: int, K: int, device: torch.device) -> tuple:
 def launch_w8_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor],
                  *, traced: bool = False) -> torch.Tensor:
     """``(x @ w8.T) * scale.T (+ bias)`` ``(M, N)`` in ``x``'s dtype, reading the fp8 weight ``w8`` ``(N, K)`` once
-    (check :func:`w8_mm_available` first): the weight is widened to ``x``'s dtype in registers (exact), the products
-    accumulate in float32, ``scale`` ``(N, 1)`` float32 row scales of ``w8`` and the optional ``bias`` ``(N,)`` are
-    applied in float32 before the one rounding to the output dtype. Split over K (fixed order, deterministic) so that
-    small N still streams the weight on every SM. ``traced``: the body of a ``triton_op`` (``wrap_triton``)."""
+    (check :func:`w8_mm_available` first): float32 accumulation, ``scale`` ``(N, 1)`` float32 and ``bias`` ``(N,)``
+    applied in float32 before the one rounding. Split over K in fixed order (deterministic) so small N still uses
+    every SM. ``traced``: the body of a ``triton_op`` (``wrap_triton``)."""
     M, K, N = int(x.shape[0]), int(x.shape[1]), int(w8.shape[0])  # (specialized under torch.compile)
     bm, c, grid, split, k_per = _w8_mm_plan(M, N, K, x.device)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
@@ -771,15 +679,7 @@ def launch_w8_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: O
     rblock = W8_MM_CONFIG["reduce_block"]
     rconsts = dict(SPLIT=split, HAS_BIAS=bias is not None, O_TY=ty, BLOCK=rblock)
     rgrid = (triton.cdiv(M * N, rblock),)
-    if traced or not x.is_cuda:  # (not CUDA: Triton's interpreter)
-        from torch.library import wrap_triton
-
-        wrap = wrap_triton if traced else (lambda k: k)
-        wrap(_w8_mm_kernel)[grid](*args, **consts, num_warps=c["warps"], num_stages=c["stages"])
-        if split > 1:
-            wrap(_w8_mm_reduce_kernel)[rgrid](ws, s, b, out, M * N, N, **rconsts, num_warps=4)
-    else:
-        _launcher(_w8_mm_kernel)(grid, args, consts, c["warps"], x.device, c["stages"])
-        if split > 1:
-            _launcher(_w8_mm_reduce_kernel)(rgrid, (ws, s, b, out, M * N, N), rconsts, 4, x.device)
+    _launch(_w8_mm_kernel, grid, args, consts, c["warps"], x.device, c["stages"], traced=traced)
+    if split > 1:
+        _launch(_w8_mm_reduce_kernel, rgrid, (ws, s, b, out, M * N, N), rconsts, 4, x.device, traced=traced)
     return out

@@ -1,11 +1,9 @@
 """Row-wise fp8 quantization: amax, scale and the saturating cast.
 
-This module is the only place where fp8 rounding happens, and :func:`quantize` is the one entry point that decides
-*how* a tensor is quantized: a Triton kernel of :mod:`fp8tensor.kernels` (eager CUDA), the plain ops below (CPU,
-``torch.compile``, tensors the kernels do not take), or the ``fp8tensor::quantize_dim0_t`` triton op (GEMM operands
-reduced over their outer dim, in the transposed layout ``torch._scaled_mm`` wants). ``from_hp``, the GEMM engine's
-operand preparation, training, the FSDP2 pre-all-gather and ``copy_`` all go through it (or, for a scale layout
-given by an existing tensor, through :func:`amax_to_scale` / :func:`cast_to_fp8`).
+The only place where fp8 rounding happens. :func:`quantize` decides *how*: a Triton kernel of
+:mod:`fp8tensor.kernels` (eager CUDA), the plain ops below (CPU, ``torch.compile``, other layouts), or the
+``fp8tensor::quantize_dim0_t`` triton op (operands reduced over their outer dim, transposed as ``torch._scaled_mm``
+wants). A scale layout given by an existing tensor goes through :func:`amax_to_scale` / :func:`cast_to_fp8`.
 
 Scale convention (used everywhere in fp8tensor): ``scale`` is the *dequantization multiplier*, a float32
 tensor with the same number of dims as the data, of size 1 on every dim it does not vary over::
@@ -29,25 +27,9 @@ from ..core.settings import get_config
 from . import kernels
 
 __all__ = [
-    "quantize",
-    "quantize_group_cols",
-    "quantize_expert_cols",
-    "group_ids",
-    "quantize_rows_into",
-    "transpose_after",
-    "quantize_group",
-    "quantize_dim0_t",
-    "quantize_dim0_t_after",
-    "after_dep",
-    "quantize_tokens",
-    "weight_only_mm",
-    "FLOAT8_DTYPES",
-    "E4M3",
-    "E5M2",
-    "check_float8_dtype",
-    "amax_to_scale",
-    "rowwise_scale",
-    "cast_to_fp8",
+    "quantize", "quantize_group_cols", "quantize_expert_cols", "group_ids", "quantize_rows_into", "transpose_after",
+    "quantize_group", "quantize_dim0_t", "quantize_dim0_t_after", "after_dep", "quantize_tokens", "weight_only_mm",
+    "FLOAT8_DTYPES", "E4M3", "E5M2", "check_float8_dtype", "amax_to_scale", "rowwise_scale", "cast_to_fp8",
     "quantize_rowwise",
 ]
 
@@ -57,35 +39,28 @@ E5M2 = torch.float8_e5m2
 FLOAT8_DTYPES = (E4M3, E5M2)
 
 #: Smallest scale: float32's smallest normal number, 2^-126. ``scale = max(amax / fp8_max, SCALE_FLOOR)``.
-#: An all-zero (or empty) row gets this scale, so its scale is finite and positive and the row dequantizes to exact
-#: zeros. Any row with ``amax >= fp8_max * 2^-126`` (about 5.3e-36 for e4m3, 6.7e-34 for e5m2) gets exactly
-#: ``amax / fp8_max`` and keeps fp8's relative precision. **Limit:** rows below that keep the floor scale, so their
-#: values sit on a fixed absolute grid (2^-126 times the fp8 grid): they lose relative precision gradually and the
-#: smallest flush to zero. A smaller (subnormal) float32 scale would itself carry fewer significant bits, and
-#: ``x / scale`` could overflow; float32 inputs that small are themselves subnormal. (The floor used to be an
-#: *amax* of 1e-12, which clamped every row below ~1e-12 and turned rows below ~1e-18 into zeros.) Traced code reads
-#: it as ``torch.finfo(torch.float32).tiny``, a constant to ``torch.compile``: a module-level Python float would
-#: become a symbolic input under ``dynamic=True``, which trips a dynamo bug (docs/pytorch_issues.md).
+#: An all-zero (or empty) row gets it and dequantizes to exact zeros. Rows with ``amax >= fp8_max * 2^-126`` (about
+#: 5.3e-36 for e4m3, 6.7e-34 for e5m2) get exactly ``amax / fp8_max``. **Limit:** smaller rows keep the floor, a fixed
+#: absolute grid: they lose relative precision gradually and the smallest flush to zero (a subnormal scale would carry
+#: fewer bits and ``x / scale`` could overflow). Traced code spells it ``torch.finfo(torch.float32).tiny``: a
+#: module-level float would become a symbolic input under ``dynamic=True`` (a dynamo bug, docs/pytorch_issues.md).
 SCALE_FLOOR = torch.finfo(torch.float32).tiny
 
 
 def check_float8_dtype(float8_dtype: torch.dtype, op: str) -> None:
     """Raise ``TypeError`` naming ``op`` unless ``float8_dtype`` is ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``."""
     if float8_dtype not in FLOAT8_DTYPES:
-        raise TypeError(
-            f"{op}: unsupported float8 dtype {float8_dtype}; expected torch.float8_e4m3fn or torch.float8_e5m2"
-        )
+        raise TypeError(f"{op}: unsupported float8 dtype {float8_dtype}; expected torch.float8_e4m3fn or "
+                        "torch.float8_e5m2")
 
 
 def amax_to_scale(amax: torch.Tensor, float8_dtype: torch.dtype) -> torch.Tensor:
     """Turn an amax tensor (any shape, any float dtype) into a float32 dequantization scale.
 
-    ``scale = max(amax / finfo(float8_dtype).max, 2^-126)``, computed in float32 (:data:`SCALE_FLOOR`: the floor,
-    and the limit for tiny rows). For every amax above the floor this is the division it always was, so ordinary
-    rows quantize bit-identically. NaN/inf amax propagate into the scale (the row stays non-finite).
+    ``scale = max(amax / finfo(float8_dtype).max, 2^-126)``, computed in float32 (:data:`SCALE_FLOOR`). NaN/inf
+    amax propagate into the scale (torch.clamp keeps NaN: the row stays non-finite).
     """
     amax = amax.to(torch.float32)
-    # clamp keeps NaN as NaN (torch.clamp propagates NaN), so a NaN row stays visibly NaN.
     return torch.clamp(amax / torch.finfo(float8_dtype).max, min=torch.finfo(torch.float32).tiny)
 
 
@@ -93,12 +68,16 @@ def rowwise_scale(x: torch.Tensor, dim: int, float8_dtype: torch.dtype) -> torch
     """Float32 scale of ``x`` reduced over ``dim`` (kept with size 1): ``amax(|x|, dim) / fp8_max``.
 
     An empty ``dim`` (a ``[7, 0]`` tensor) has amax 0, as an all-zero row: the floor scale."""
+    return amax_to_scale(_amax(x, dim), float8_dtype)
+
+
+def _amax(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Float32 ``amax(|x|)`` over ``dim`` (kept with size 1); 0 over an empty ``dim``."""
     if x.shape[dim] == 0:
         shape = list(x.shape)
         shape[dim] = 1
-        return amax_to_scale(x.new_zeros(shape, dtype=torch.float32), float8_dtype)
-    amax = torch.amax(torch.abs(x), dim=dim, keepdim=True)
-    return amax_to_scale(amax, float8_dtype)
+        return x.new_zeros(shape, dtype=torch.float32)
+    return torch.amax(torch.abs(x), dim=dim, keepdim=True).to(torch.float32)
 
 
 def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, float8_dtype: torch.dtype) -> torch.Tensor:
@@ -112,18 +91,16 @@ def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, float8_dtype: torch.dtype)
     return torch.clamp(y, min=-fmax, max=fmax).to(float8_dtype)
 
 
-def quantize(
-    x: torch.Tensor, dim: int = -1, float8_dtype: torch.dtype = E4M3, *, gemm_layout: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(x: torch.Tensor, dim: int = -1, float8_dtype: torch.dtype = E4M3, *, gemm_layout: bool = False
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     """The quantization entry point: ``(qdata, scale)`` of ``x`` with one scale per slice reduced over ``dim``.
 
     Which code runs (the values follow the scale convention of this module in every case):
 
-    1. ``gemm_layout=True``, ``x`` a 2-D CUDA tensor whose ``dim`` is its outer (strided) dim — ``dim=0`` of a
-       row-major ``x`` or ``dim=1`` of a transposed view — and :func:`fp8tensor.kernels.kernel_available`: the
-       ``fp8tensor::quantize_dim0_t`` triton op (eager: its kernels launched directly); ``qdata`` is then a
-       transposed view of a contiguous tensor (the column-major layout ``torch._scaled_mm`` wants for its second
-       operand).
+    1. ``gemm_layout=True``, ``x`` a 2-D CUDA tensor whose ``dim`` is its outer (strided) dim and
+       :func:`fp8tensor.kernels.kernel_available`: the ``fp8tensor::quantize_dim0_t`` triton op (eager: its kernels
+       launched directly); ``qdata`` is a transposed view of a contiguous tensor (column-major, as
+       ``torch._scaled_mm`` wants its second operand).
     2. ``dim`` is the last dim and :func:`fp8tensor.kernels.row_kernel_available` (eager, contiguous CUDA): the fused
        row-wise Triton kernel (same bits as the ops).
     3. Otherwise (CPU, ``torch.compile``, other layouts): :func:`rowwise_scale` and :func:`cast_to_fp8`.
@@ -155,19 +132,14 @@ def quantize_group(xs, float8_dtype: torch.dtype = E4M3) -> list:
     """
     check_float8_dtype(float8_dtype, "quantize_group")
     xs = list(xs)
-    if (
-        len(xs) > 1
-        and kernels.HAS_TRITON
-        and all(x.dtype == xs[0].dtype and x.device == xs[0].device for x in xs)
-        and all(kernels.row_kernel_available(x) for x in xs)
-    ):
+    if (len(xs) > 1 and kernels.HAS_TRITON and all(x.dtype == xs[0].dtype and x.device == xs[0].device for x in xs)
+            and all(kernels.row_kernel_available(x) for x in xs)):
         return kernels.quantize_last_dim_group(xs, float8_dtype, SCALE_FLOOR)
     return [quantize(x, -1, float8_dtype) for x in xs]
 
 
-def quantize_rowwise(
-    x: torch.Tensor, dim: int = -1, float8_dtype: torch.dtype = E4M3
-) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rowwise(x: torch.Tensor, dim: int = -1, float8_dtype: torch.dtype = E4M3
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x`` with one scale per slice reduced over ``dim`` (:func:`quantize` with ``qdata`` in ``x``'s layout).
 
     Args:
@@ -187,8 +159,8 @@ def quantize_rowwise(
 
 # ---------------------------------------------------------------------------------------------- dim-0 triton op
 def _inductor_quantizes() -> bool:
-    """Whether a graph being traced quantizes the token-dim operands as plain ops for inductor to generate (and fuse)
-    rather than through fp8tensor's kernels (``with fp8tensor.config(compiled_quantization="inductor"):``)."""
+    """Whether a traced graph quantizes token-dim operands as plain ops for inductor to fuse
+    (``compiled_quantization="inductor"``) instead of fp8tensor's kernels."""
     return compat.is_compiling() and get_config().compiled_quantization == "inductor"
 
 
@@ -204,18 +176,17 @@ def _dim0_t_body(x: torch.Tensor, float8_dtype: torch.dtype):
     return kernels.launch_dim0_t(x, float8_dtype, SCALE_FLOOR, traced=True)
 
 
-# With Triton, triton ops (compiled graphs launch the kernels inline); CPU-only builds have no kernels to expose.
+# triton ops (compiled graphs launch the kernels inline); CPU-only builds have no kernels to expose
 _register_op = torch.library.triton_op if kernels.HAS_TRITON else torch.library.custom_op
 
 
 @_register_op("fp8tensor::quantize_dim0_t", mutates_args=())
 def quantize_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize ``x`` ``(M, K)`` along dim 0 and return it transposed. ``x`` may also be ``(..., K)``: quantized over
-    all its leading dims (``M`` = their product) as ``x.reshape(M, K)`` would be.
+    """Quantize ``x`` ``(M, K)`` (or ``(..., K)``, as ``x.reshape(M, K)``) along dim 0 and return it transposed.
 
-    The fused Triton kernels of :mod:`fp8tensor.kernels` where they take ``x`` (CUDA, row-major), else the plain
-    ops (:func:`quantize_rowwise` of ``x.T``). Registered with ``torch.library.triton_op``: under ``torch.compile``
-    the op is decomposed into its kernels, which inductor launches from its generated code (no Python per call).
+    The Triton kernels of :mod:`fp8tensor.kernels` where they take ``x`` (CUDA, row-major), else the plain ops
+    (:func:`quantize_rowwise` of ``x.T``). A ``triton_op``: under ``torch.compile`` inductor launches its kernels
+    from the generated code (no Python per call).
 
     Returns:
         ``(q, scale)``: ``q`` is ``(K, M)`` row-major ``float8_dtype`` holding ``x.T`` quantized row-wise,
@@ -226,8 +197,7 @@ def quantize_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype) -> tuple[torch.T
 
 @_register_op("fp8tensor::quantize_dim0_t_shared", mutates_args=())
 def _quantize_dim0_t_shared(x: torch.Tensor, float8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    # quantize_dim0_t whose results a compiled graph may share between calls on the same data (_trace_memo): for
-    # fp8tensor's own operands, which are never modified in place.
+    # quantize_dim0_t whose results a compiled graph may share between calls on the same data (_trace_memo)
     memo, key, inner = _trace_memo(x, float8_dtype)
     if memo is not None:
         hit = memo.get(key)
@@ -240,18 +210,13 @@ def _quantize_dim0_t_shared(x: torch.Tensor, float8_dtype: torch.dtype) -> tuple
 
 
 def _trace_memo(x: torch.Tensor, float8_dtype: torch.dtype):
-    """``(memo, key, inner)`` while ``torch.compile`` traces ``fp8tensor::quantize_dim0_t_shared`` into a graph
-    (functionalization under a proxy tracer, when the op is decomposed into its kernels), else
+    """``(memo, key, inner)`` while ``torch.compile`` traces ``quantize_dim0_t_shared`` into a graph, else
     ``(None, None, None)``.
 
-    Linears that read one input (q/k/v, w1/w3) each quantize it for their grad_weight GEMM. Inductor deduplicates
-    identical ops, but not the Triton kernels of a decomposed triton op (each call gets its own launch arguments), so
-    the graph would run — and save for backward — one fp8 copy per Linear. The memo makes a repeated call on the same
-    data return the first call's outputs: ``key`` is the data the functional tensor holds right now (its storage,
-    offset, shape and strides after syncing pending mutations — an in-place update gives new storage, hence a new key;
-    views such as each Linear's ``reshape`` of the input share it). The memo lives on the proxy tracer, i.e. it
-    serves one graph (a nested subgraph has a tracer of its own). Symbolic shapes (dynamic compiles) and anything
-    unexpected in torch's private tracing APIs: no memo (same values, one quantization per call)."""
+    Linears reading one input (q/k/v, w1/w3) each quantize it; inductor does not deduplicate the kernels of a
+    decomposed triton op, so the graph would save one fp8 copy per Linear. ``key`` is the data the functional tensor
+    holds now (storage, offset, shape, strides: an in-place update gives a new key, views share it). The memo lives
+    on the proxy tracer (one graph). Symbolic shapes or unexpected tracing internals: no memo (same values)."""
     found = compat.functional_data(x)
     if found is None:
         return None, None, None
@@ -264,13 +229,10 @@ def _trace_memo(x: torch.Tensor, float8_dtype: torch.dtype):
 
 
 def quantize_tokens(x: torch.Tensor, float8_dtype: torch.dtype = E4M3):
-    """``x`` ``(..., K)`` quantized per feature over all its tokens (the leading dims) in the GEMM layout, from ``x``
-    itself rather than a ``(M, K)`` reshape of it (under ``torch.compile`` a view of a fused value would be written
-    out once per kernel argument), or None where the dim-0 kernels do not take ``x`` (not CUDA, not contiguous, no
-    Triton): the caller then quantizes ``x.reshape(-1, K)`` along dim 0 with :func:`quantize` (same values).
-
-    A compiled graph may return the *same* result tensors for two calls on the same data (q/k/v share one
-    quantization, see ``_trace_memo``): treat the results as read-only.
+    """``x`` ``(..., K)`` quantized per feature over all its tokens in the GEMM layout, from ``x`` itself (under
+    ``torch.compile`` a reshaped view would be written out per kernel argument), or None where the dim-0 kernels do
+    not take ``x``: the caller then uses :func:`quantize` on ``x.reshape(-1, K)`` (same values). A compiled graph may
+    return the *same* tensors for two calls on the same data (``_trace_memo``): treat them as read-only.
 
     Returns:
         ``(q, scale)``: ``q`` ``(M, K)`` float8, a transposed view of a row-major ``(K, M)`` tensor (column-major, as
@@ -285,9 +247,8 @@ def quantize_tokens(x: torch.Tensor, float8_dtype: torch.dtype = E4M3):
 
 def _dim0_t(x: torch.Tensor, float8_dtype: torch.dtype, *, shared: bool = False
             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`quantize_dim0_t` of a CUDA ``x`` the kernels take: launched directly when nothing traces ``x``
-    (eager: no dispatcher round trip), else through the op (``torch.compile``, fake tensors, dispatch modes);
-    ``shared``: through ``fp8tensor::quantize_dim0_t_shared`` (results may be shared in a compiled graph)."""
+    """:func:`quantize_dim0_t` of a CUDA ``x`` the kernels take: launched directly in eager mode, else through the
+    op (``shared``: ``quantize_dim0_t_shared``, whose results a compiled graph may share)."""
     if kernels.eager_launch_ok(x) and not (x.requires_grad and torch.is_grad_enabled()):
         return kernels.launch_dim0_t(x, float8_dtype, SCALE_FLOOR)
     if shared:
@@ -296,15 +257,13 @@ def _dim0_t(x: torch.Tensor, float8_dtype: torch.dtype, *, shared: bool = False
 
 
 # ---------------------------------------------------------------------------------------------- both layouts
-#: The library of fp8tensor's opaque ops (``torch.library.Library``: a schema and one Python kernel for every backend;
-#: ``torch.library.custom_op``'s Python wrappers cost more than the kernel launches of these ops, which run once per
-#: Linear in every compiled backward).
+#: The library of fp8tensor's opaque ops (a schema and one Python kernel for every backend: ``custom_op``'s wrappers
+#: cost more than these ops' launches, run once per Linear in every compiled backward).
 _LIB = torch.library.Library("fp8tensor", "FRAGMENT")
 
 
-def _quantize_columns_after_impl(
-    w: torch.Tensor, after: torch.Tensor, float8_dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_columns_after_impl(w: torch.Tensor, after: torch.Tensor, float8_dtype: torch.dtype
+                                 ) -> tuple[torch.Tensor, torch.Tensor]:
     # quantize_dim0_t(w), eagerly; `after` is not read (see quantize_dim0_t_after).
     if kernels.kernel_available(w):
         return kernels.launch_dim0_t(w, float8_dtype, SCALE_FLOOR)
@@ -325,11 +284,9 @@ def after_dep(after: torch.Tensor) -> torch.Tensor:
     """A float32 ``(1,)`` tensor holding +0.0, *computed from* ``after`` (its first element times zero; the sum of
     an empty ``after``): a data dependency on ``after`` with no effect on values.
 
-    A traced op that reads it cannot run before ``after`` exists. :func:`quantize_dim0_t_after` uses it to keep a
-    master weight's GEMM operand (its per-column quantization, as plain ops where the dim-0 kernels do not run) in
-    the backward graph, right after ``grad_out``: computed from the weight alone, the compiled partitioner would move
-    it into the forward graph and keep an fp8 copy of every weight until backward. Reading one element (a view, no
-    copy of ``after``) keeps inductor from writing ``after`` out for it."""
+    A traced op reading it cannot run before ``after`` exists: this keeps a weight's backward quantization in the
+    backward graph (see :func:`quantize_dim0_t_after`). Reading one element (a view) keeps inductor from writing
+    ``after`` out for it."""
     first = after[(slice(0, 1),) * after.dim()]  # (1, ..., 1), a view
     if after.numel() == 0:
         return after.float().sum().reshape(1)  # 0.0 (NaN and inf are impossible: nothing is summed)
@@ -339,30 +296,19 @@ def after_dep(after: torch.Tensor) -> torch.Tensor:
 def _dim0_t_dep_plain(w: torch.Tensor, dep: torch.Tensor, float8_dtype: torch.dtype):
     # _reference_dim0_t(w) with the column amax also max-ed with dep (+0.0: amax >= +0.0 or NaN, unchanged).
     x = w.t()
-    if x.shape[-1] == 0:
-        amax = x.new_zeros((x.shape[0], 1), dtype=torch.float32)
-    else:
-        amax = torch.amax(torch.abs(x), dim=-1, keepdim=True).to(torch.float32)
-    scale = amax_to_scale(torch.maximum(amax, dep.reshape(1, 1)), float8_dtype)
+    scale = amax_to_scale(torch.maximum(_amax(x, -1), dep.reshape(1, 1)), float8_dtype)
     return cast_to_fp8(x, scale, float8_dtype).contiguous(), scale
 
 
-def quantize_dim0_t_after(
-    w: torch.Tensor, after: torch.Tensor, float8_dtype: torch.dtype = E4M3
-) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_dim0_t_after(w: torch.Tensor, after: torch.Tensor, float8_dtype: torch.dtype = E4M3
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`quantize_dim0_t` of ``w`` ``(N, K)`` — ``(K, N)`` row-major fp8 and ``(K, 1)`` float32 scales — ordered
     after ``after`` in a traced graph (same values; ``after`` is never read but for one element).
 
-    Used for the grad_input operand of a master weight: computed from the weight alone, the compiled partitioner
-    would move the quantization into the forward graph and keep an fp8 copy of every master weight until backward;
-    taking ``grad_out`` as ``after`` pins it to the backward, right before its GEMM.
-
-    * eager, plain tensors: the quantization runs directly (the dim-0 kernels on CUDA; no dispatcher round trip);
-    * traced (``torch.compile``) or under a mode, a tensor the dim-0 kernels take (CUDA, Triton): the opaque op
-      ``fp8tensor::quantize_columns_after`` (``after`` an unread input; one Python call per Linear per compiled
-      backward);
-    * traced, other tensors (CPU): the plain ops with the column amax max-ed with :func:`after_dep` ``(after)``,
-      inline (inductor fuses them into its own kernels; no Python op at run time)."""
+    For a master weight's grad_input operand: computed from the weight alone, the compiled partitioner would move it
+    into the forward graph and keep an fp8 copy of every weight until backward. Eager: runs directly; traced with
+    the dim-0 kernels: the opaque op ``fp8tensor::quantize_columns_after``; traced otherwise (CPU): plain ops with the
+    amax max-ed with :func:`after_dep` ``(after)``, which inductor fuses."""
     if (kernels.eager_launch_ok(w) and kernels.eager_launch_ok(after)
             and not (w.requires_grad and torch.is_grad_enabled())):
         return _quantize_columns_after_impl(w, after, float8_dtype)  # eager: the op's body, no dispatcher trip
@@ -385,11 +331,10 @@ if not kernels.HAS_TRITON:  # a triton_op is its own fake kernel; the plain cust
 def weight_only_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
                    bias: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """``x @ (w8 * scale).T + bias`` ``(M, N)`` in ``x``'s dtype for a decode-sized ``x`` ``(M, K)`` (``M <= 32``,
-    bf16 / fp16, CUDA with Triton), reading the fp8 weight once and ``x`` in its own precision (no activation
-    quantization: where the GEMM is bound by the weight's bytes, the fp8-by-fp8 GEMM saves nothing and cuBLAS has no
-    small-M row-scaled kernel); None where it does not run. ``w8`` ``(N, K)`` fp8, ``scale`` ``(N, 1)`` float32 row
-    scales, ``bias`` ``(N,)``. Eager: the kernels launched directly; traced: the ``triton_op`` ``fp8tensor::w8_mm``,
-    launched inline by inductor's generated code (CUDA graphs included)."""
+    bf16 / fp16, CUDA with Triton), reading the fp8 weight once and ``x`` unquantized (weight-bound: an fp8 x fp8
+    GEMM saves nothing, and cuBLAS has no small-M row-scaled kernel); None where it does not run. ``w8`` ``(N, K)``
+    fp8, ``scale`` ``(N, 1)`` float32, ``bias`` ``(N,)``. Eager: direct launches; traced: the ``triton_op``
+    ``fp8tensor::w8_mm``."""
     if not (kernels.w8_mm_available(x, w8) and tuple(scale.shape) == (w8.shape[0], 1)
             and scale.dtype == torch.float32 and scale.device == x.device
             and (bias is None or (bias.dim() == 1 and bias.shape[0] == w8.shape[0] and bias.device == x.device))):
@@ -429,9 +374,8 @@ def quantize_group_cols(x: torch.Tensor, offs: torch.Tensor, M_pad: int, pad_sta
     Returns:
         ``(q, scale)``: ``q`` ``(C, M_pad)`` row-major ``float8_dtype``, where group ``e``'s ``r``-th row is column
         ``pad_starts[e] + r`` (zeros in each group's padding — ``align`` zero columns for an empty group — and in
-        the spare block at the end), and
-        ``scale`` float32 ``(E, C)``: ``q[:, pad_starts[e] + r].float() * scale[e] ≈ x[offs[e-1] + r]``. A group of
-        no rows gets the floor scale.
+        the spare block at the end), and ``scale`` float32 ``(E, C)``:
+        ``q[:, pad_starts[e] + r].float() * scale[e] ≈ x[offs[e-1] + r]``. A group of no rows gets the floor scale.
     """
     M, C = x.shape
     E = offs.numel()
@@ -485,8 +429,6 @@ def quantize_expert_cols(w: torch.Tensor, float8_dtype: torch.dtype = E4M3):
     return q.transpose(-2, -1).contiguous(), s.reshape(E, K)
 
 
-
-
 # ---------------------------------------------------------------------------------------------- FSDP2 payloads
 def quantize_rows_into(datas: list, q_ptrs: list, s_ptrs: list, float8_dtype: torch.dtype) -> bool:
     """Quantize each 2-D weight of ``datas`` per row, writing its fp8 bytes and float32 scales to the device addresses
@@ -503,16 +445,13 @@ def quantize_rows_into(datas: list, q_ptrs: list, s_ptrs: list, float8_dtype: to
 
 # ---------------------------------------------------------------------------------------------- fp8 layout copies
 def _transpose_after_impl(q: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
-    """``fp8tensor::transpose_after``: ``q.t().contiguous()`` (always a copy); ``after`` is not read. CUDA fp8: one
-    tiled Triton kernel (:func:`fp8tensor.kernels.launch_transpose`); otherwise ATen's copy."""
+    """``fp8tensor::transpose_after``: ``q.t().contiguous()`` (always a copy; ``after`` unread), by the transpose
+    kernel on CUDA fp8."""
     if kernels.transpose_available(q):
         return kernels.launch_transpose(q)
     return q.t().clone(memory_format=torch.contiguous_format)  # a copy: the op's output never aliases its input
 
 
-# The traced form without the kernel (CPU tensors, builds without Triton): an opaque op taking ``after`` as an input.
-# Registered with ``torch.library.Library`` (a schema and one Python kernel for every backend) rather than
-# ``torch.library.custom_op``, whose Python wrappers cost more than the copy.
 _LIB.define("transpose_after(Tensor q, Tensor after) -> Tensor")
 _LIB.impl("transpose_after", _transpose_after_impl, "CompositeExplicitAutograd")
 
@@ -526,13 +465,9 @@ def transpose_after(q: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
     """``q.t().contiguous()`` (a copy) for the grad_input GEMM, which needs the fp8 weight column-major, ordered after
     ``after`` (``grad_out``) in a traced graph.
 
-    Computed from the weight alone, the compiled partitioner would hoist the copy into the forward graph and keep it
-    until backward — a second fp8 copy of every weight next to the one FSDP2 holds. Pinned after ``grad_out``, it is
-    made in the backward right before its GEMM and dies with it.
-
-    * eager, plain tensors: the copy runs directly (the transpose kernel on CUDA; no dispatcher round trip);
-    * otherwise (traced, under a mode): the opaque op ``fp8tensor::transpose_after``, which takes ``after`` as an
-      input."""
+    Computed from the weight alone, the compiled partitioner would hoist the copy into the forward graph and keep
+    it until backward. Eager: runs directly; compiled: plain ops with an :func:`after_dep`; under a mode: the opaque
+    op ``fp8tensor::transpose_after``."""
     if kernels.eager_launch_ok(q) and kernels.eager_launch_ok(after):
         return _transpose_after_impl(q, after)  # eager: the op's body (the kernel on CUDA), no dispatcher trip
     if compat.is_compiling():  # plain ops inductor fuses (an opaque op costs a Python call per Linear per step)

@@ -1,17 +1,12 @@
 """fp8 GEMM engine: operand preparation (on-the-fly quantization, scale folding) and the backends.
 
-A GEMM ``out[M, N] = A[M, K] @ B[K, N]`` in fp8 needs each operand scaled along its *outer* dim
-(A per row ``(M, 1)``, B per column ``(1, N)``), because then the scales factor out of the sum over K:
-``out = diag(sa) (A8 @ B8) diag(sb)``.
+A GEMM ``out[M, N] = A[M, K] @ B[K, N]`` in fp8 needs each operand scaled along its *outer* dim (A per row, B per
+column): then the scales factor out of the sum over K, ``out = diag(sa) (A8 @ B8) diag(sb)``. Operands:
 
-Operands arrive as plain high-precision tensors or ScaledFp8Tensors:
-
-* plain: quantized on the fly, row-wise along the contraction dim (:func:`fp8tensor.quantize.quantize` with
-  ``gemm_layout=True``: a fused kernel writes the layout ``torch._scaled_mm`` wants where it applies);
+* plain: quantized on the fly along K (:func:`fp8tensor.quantize.quantize` with ``gemm_layout=True``);
 * fp8 scaled on its outer dim: used as is;
-* fp8 scaled on the contraction dim (``grad_out @ W`` with ``W`` scaled per row): **scale folding**.
-  ``A @ (diag(s) W8) = (A diag(s)) @ W8``: A's columns are multiplied by W's row scales, that product is
-  quantized row-wise, and the GEMM runs on ``W8`` unchanged (no re-quantization of W);
+* fp8 scaled on K (``grad_out @ W``, ``W`` scaled per row): **scale folding**, ``A @ (diag(s) W8) = (A diag(s)) @
+  W8``: the product ``A diag(s)`` is quantized and the GEMM runs on ``W8`` unchanged;
 * anything else (a per-element scale, both operands scaled on K): dequantized and re-quantized.
 
 Backends (``set_gemm_backend`` / ``gemm_backend``):
@@ -27,8 +22,7 @@ Backends (``set_gemm_backend`` / ``gemm_backend``):
 K and N multiples of 16 on CUDA (zero-padded otherwise), float32 scales of shape (M, 1) / (1, N),
 row-wise outputs bf16 only on CUDA, no e5m2 × e5m2 on CUDA.
 
-This module registers the ``aten.mm`` / ``aten.addmm`` entries of the op table of
-:class:`~fp8tensor.tensor.ScaledFp8Tensor`.
+Registers the ``aten.mm`` / ``aten.addmm`` op table entries of :class:`~fp8tensor.tensor.ScaledFp8Tensor`.
 """
 from __future__ import annotations
 
@@ -102,26 +96,18 @@ def _cpu_scaled_mm_works(a_dtype: torch.dtype, b_dtype: torch.dtype, rowwise: bo
         return False
 
 
-def _cuda_fp8_capable(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device) >= (8, 9)
-
-
-def choose_backend(
-    device: torch.device, a_dtype: torch.dtype, b_dtype: torch.dtype, out_dtype: torch.dtype, backend: str = "auto"
-) -> str:
-    """Resolve ``backend`` (``"auto"`` or a name) into the backend that can run this GEMM.
-
-    An explicitly requested backend that cannot run on this device/dtype combination falls back to
-    ``"emulated"`` rather than failing inside cuBLAS. Cached per (device, dtypes, requested backend): the answer
-    depends only on those and on the hardware.
-    """
+def choose_backend(device: torch.device, a_dtype: torch.dtype, b_dtype: torch.dtype, out_dtype: torch.dtype,
+                   backend: str = "auto") -> str:
+    """Resolve ``backend`` (``"auto"`` or a name) into the backend that can run this GEMM: a requested backend
+    that cannot run on this device and dtypes falls back (to ``"emulated"`` at worst) rather than failing inside
+    cuBLAS. Cached per (device, dtypes, requested backend)."""
     return _choose_backend(device, a_dtype, b_dtype, out_dtype, backend)
 
 
 @functools.lru_cache(maxsize=None)
 def _choose_backend(device, a_dtype, b_dtype, out_dtype, backend) -> str:
     if device.type == "cuda":
-        if not _cuda_fp8_capable(device) or (a_dtype == E5M2 and b_dtype == E5M2):
+        if torch.cuda.get_device_capability(device) < (8, 9) or (a_dtype == E5M2 and b_dtype == E5M2):
             return "emulated"
         if backend == "auto":
             return "rowwise" if out_dtype == torch.bfloat16 else "tensorwise"
@@ -139,16 +125,9 @@ def _choose_backend(device, a_dtype, b_dtype, out_dtype, backend) -> str:
     return "emulated"
 
 
-def scaled_mm(
-    a8: torch.Tensor,
-    sa: torch.Tensor,
-    b8: torch.Tensor,
-    sb: torch.Tensor,
-    out_dtype: torch.dtype,
-    bias: Optional[torch.Tensor] = None,
-    use_fast_accum: bool = False,
-    backend: Optional[str] = None,
-) -> torch.Tensor:
+def scaled_mm(a8: torch.Tensor, sa: torch.Tensor, b8: torch.Tensor, sb: torch.Tensor, out_dtype: torch.dtype,
+              bias: Optional[torch.Tensor] = None, use_fast_accum: bool = False, backend: Optional[str] = None
+              ) -> torch.Tensor:
     """``(a8 * sa) @ (b8 * sb) + bias`` with fp8 operands, on the chosen backend.
 
     Args:
@@ -168,8 +147,7 @@ def scaled_mm(
     M, K = a8.shape
     N = b8.shape[1]
     if M == 0 or N == 0 or K == 0:
-        # No tokens, no outputs, or an empty contraction (all zeros): what the dense matmul gives
-        # (torch._scaled_mm rejects the strides of empty scales).
+        # what the dense matmul gives (torch._scaled_mm rejects the strides of empty scales)
         out = torch.zeros((M, N), dtype=torch.float32, device=a8.device)
         if bias is not None:
             out = out + bias.to(torch.float32)
@@ -186,16 +164,14 @@ def scaled_mm(
         a8 = a8.contiguous()
     if not (b8.stride(0) == 1 and b8.stride(1) >= max(K, 1)):
         b8 = b8.t().contiguous().t()
-    # A contraction of size 1 makes A (M, 1) and B (1, N) both row- and column-major by their bytes; only the strides
-    # say which, and inductor's lowering of torch._scaled_mm checks them (A: stride(1) == 1, B: stride(0) == 1), where
-    # ``contiguous()`` above keeps a size-1 dim's stride as it was. Same bytes, the strides the checks want.
+    # K == 1: the bytes are both row- and column-major, but inductor's lowering checks the strides (A: stride(1) ==
+    # 1, B: stride(0) == 1), which contiguous() leaves as they were on a size-1 dim.
     if K == 1:
         if a8.stride(1) != 1:
             a8 = a8.as_strided((M, 1), (a8.stride(0), 1), a8.storage_offset())
         if b8.stride(0) != 1:
             b8 = b8.as_strided((1, N), (1, b8.stride(1)), b8.storage_offset())
-    # (M, 1) / (1, N) float32 contiguous, as torch._scaled_mm wants them; most callers pass exactly that already,
-    # so test before the three calls each would cost.
+    # (M, 1) / (1, N) float32 contiguous, as torch._scaled_mm wants (usually already so: test first)
     if not (sa.dtype == torch.float32 and sa.shape == (M, 1) and sa.is_contiguous()):
         sa = sa.to(torch.float32).expand(M, 1).contiguous()
     if not (sb.dtype == torch.float32 and sb.shape == (1, N) and sb.is_contiguous()):
@@ -221,9 +197,8 @@ def scaled_mm(
         b_arg = None
         if fused_bias:
             b_arg = bias if Np == N else torch.cat([bias, bias.new_zeros(Np - N)])
-        out = torch._scaled_mm(
-            a8, b8, scale_a=sa, scale_b=sb, bias=b_arg, out_dtype=out_dtype, use_fast_accum=use_fast_accum
-        )
+        out = torch._scaled_mm(a8, b8, scale_a=sa, scale_b=sb, bias=b_arg, out_dtype=out_dtype,
+                               use_fast_accum=use_fast_accum)
         if Np != N:
             out = out[:, :N]
         if bias is not None and not fused_bias:
@@ -253,10 +228,8 @@ def _check_mm_args(op: str, a: torch.Tensor, b: torch.Tensor) -> None:
     if a.dim() != 2 or b.dim() != 2:
         raise RuntimeError(f"{op}: expected 2-D operands, got shapes {tuple(a.shape)} and {tuple(b.shape)}")
     if a.shape[1] != b.shape[0]:
-        raise RuntimeError(
-            f"{op}: mat1 and mat2 shapes cannot be multiplied "
-            f"({a.shape[0]}x{a.shape[1]} and {b.shape[0]}x{b.shape[1]})"
-        )
+        raise RuntimeError(f"{op}: mat1 and mat2 shapes cannot be multiplied "
+                           f"({a.shape[0]}x{a.shape[1]} and {b.shape[0]}x{b.shape[1]})")
     if a.device != b.device:
         raise RuntimeError(f"{op}: operands are on different devices ({a.device} and {b.device})")
     for t in (a, b):
@@ -264,23 +237,15 @@ def _check_mm_args(op: str, a: torch.Tensor, b: torch.Tensor) -> None:
             raise RuntimeError(f"{op}: expected floating-point operands, got {t.dtype}")
 
 
-def fp8_mm(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    bias: Optional[torch.Tensor] = None,
-    *,
-    op: str = "fp8tensor.mm",
-    float8_dtype: torch.dtype = E4M3,
-    checked: bool = False,
-) -> torch.Tensor:
+def fp8_mm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None, *, op: str = "fp8tensor.mm",
+           float8_dtype: torch.dtype = E4M3, checked: bool = False) -> torch.Tensor:
     """``a @ b (+ bias)`` where ``a`` ``(M, K)`` and/or ``b`` ``(K, N)`` is a ScaledFp8Tensor.
 
     A high-precision operand is quantized row-wise along K (``float8_dtype``); an fp8 operand scaled on K is
     handled by scale folding (see module docstring). Output dtype: the promoted high-precision dtype of the
     operands. Fast accumulation is used iff every ScaledFp8Tensor operand has ``fast_accum=True``.
 
-    ``checked=True`` skips the argument checks below, for callers that built the operands themselves (the fp8
-    Linear, whose shapes :func:`fp8tensor.fp8_linear` checked on entry).
+    ``checked=True`` skips the argument checks below (callers that built the operands, e.g. the fp8 Linear).
 
     Raises:
         RuntimeError: operands not 2-D, inner dims differ, devices differ (message names ``op``).
@@ -327,8 +292,7 @@ def fp8_mm(
 # ---------------------------------------------------------------------------------------------- op table entries
 @implements([aten.mm.default])
 def _mm(func, args, kwargs):
-    a, b = args[0], args[1]
-    return fp8_mm(a, b, op="aten.mm")
+    return fp8_mm(args[0], args[1], op="aten.mm")
 
 
 @implements([aten.addmm.default])

@@ -1,13 +1,10 @@
 """The non-GEMM entries of the op table of :class:`~fp8tensor.tensor.ScaledFp8Tensor`: what each aten op does to
-data and scale.
-
-Registered with :func:`fp8tensor.tensor.implements` into :data:`fp8tensor.tensor.OP_TABLE`, grouped by family; each
-handler is short and named after what it does to the scale. Scale convention: float32, same ndim as ``qdata``, each
-dim 1 (not scaled over) or full size. GEMMs (``mm``, ``addmm``) are registered by :mod:`fp8tensor.gemm`, collectives
-by :mod:`fp8tensor.collectives`; ops in no table follow the fallback rules of :func:`fp8tensor.tensor._dispatch`.
+data and scale, each handler named after what it does to the scale. GEMMs are in :mod:`fp8tensor.gemm`, collectives
+in :mod:`fp8tensor.collectives`; other ops follow the fallback rules of :func:`fp8tensor.tensor._dispatch`.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Sequence
 
 import torch
@@ -21,19 +18,16 @@ aten = torch.ops.aten
 
 def _wrap(qdata: torch.Tensor, scale: torch.Tensor, like: ScaledFp8Tensor, shares_scale: bool = False, dims=None):
     """A view of ``like``: ``shares_scale`` marks a view whose scales also scale data outside it (a column slice of a
-    row-scaled tensor), which ``copy_`` guards; views keeping ``like``'s scale tensor share its write bookkeeping.
-    ``dims``: the view's ``scaled_dims`` (default ``like``'s, for views that keep the dims in place).
+    row-scaled tensor), which ``copy_`` guards; views keeping ``like``'s scale share its write bookkeeping.
+    ``dims``: the view's ``scaled_dims`` (default ``like``'s).
 
-    Under ``torch.inference_mode`` a view of a tensor created outside it is built outside it too: autograd makes
-    the result a view of a normal tensor, which an inference tensor cannot be."""
+    Under ``torch.inference_mode`` a view of a tensor created outside it is built outside it too (autograd makes it
+    a view of a normal tensor, which an inference tensor cannot be)."""
     shares = shares_scale or like.shares_scale
     writes = like.scale_writes() if shares and scale is like.scale else None
     dims = like.scaled_dims if dims is None else dims
-    if torch.is_inference_mode_enabled() and not like.is_inference():
-        with torch.inference_mode(False):
-            out = make_scaled(qdata, scale, like.orig_dtype, like.fast_accum, dims, shares_scale=shares,
-                              scale_writes=writes)
-    else:
+    outside = torch.is_inference_mode_enabled() and not like.is_inference()
+    with torch.inference_mode(False) if outside else contextlib.nullcontext():
         out = make_scaled(qdata, scale, like.orig_dtype, like.fast_accum, dims, shares_scale=shares,
                           scale_writes=writes)
     if like.__dict__.get(_SCALE_COPY):  # (a view of a view whose scales are a copy: writes refused too)
@@ -73,9 +67,8 @@ def _clone_both(func, args, kwargs):
 
 @implements([aten._to_copy.default])
 def _to_copy_move_scale(func, args, kwargs):
-    """Device moves move data and scale; a float dtype changes the logical (output) dtype, data stays fp8; other
-    dtypes dequantize. An fp8 dtype raises ``TypeError``: a plain fp8 tensor cannot hold the scale, so the values
-    would silently change (3394 saturating to 448, 1e-4 flushing to 0)."""
+    """Device moves move data and scale; a float dtype changes the logical dtype (data stays fp8); other dtypes
+    dequantize. An fp8 dtype raises ``TypeError`` (a plain fp8 tensor cannot hold the scale)."""
     t = args[0]
     kwargs = dict(kwargs)
     dtype = kwargs.pop("dtype", None)
@@ -83,8 +76,7 @@ def _to_copy_move_scale(func, args, kwargs):
         raise TypeError(
             f"ScaledFp8Tensor.to({dtype}): a plain float8 tensor cannot hold the scale, so converting would silently "
             "change the values (saturate large rows, flush small ones). Use .qdata (the fp8 data) with .scale, or "
-            ".to_hp() and quantize the values yourself."
-        )
+            ".to_hp() and quantize the values yourself.")
     if dtype is not None and not dtype.is_floating_point:
         return func(t.to_hp(), dtype=dtype, **kwargs)
     kwargs.pop("layout", None)
@@ -111,8 +103,7 @@ def _copy_into_data_and_scale(func, args, kwargs):
         return dst
     if tuple(dst.shape) != tuple(src.shape):
         raise RuntimeError(
-            f"ScaledFp8Tensor copy_: shape mismatch, destination {tuple(dst.shape)} and source {tuple(src.shape)}"
-        )
+            f"ScaledFp8Tensor copy_: shape mismatch, destination {tuple(dst.shape)} and source {tuple(src.shape)}")
     if dst.__dict__.get(_SCALE_COPY):
         raise NotImplementedError(
             "ScaledFp8Tensor copy_: writing through a view whose scales are a copy (a view that merges the scaled "
@@ -120,14 +111,10 @@ def _copy_into_data_and_scale(func, args, kwargs):
             "not change. Write through a view that keeps the rows (t[r, c] = v, t[:, a:b] = ...), or into the "
             "high-precision tensor")
     if isinstance(src, ScaledFp8Tensor):
-        if src.qdata.dtype != dst.qdata.dtype:
-            src_hp = src.to_hp(torch.float32)
-            q, s = _quantize_like(src_hp, dst)
+        if src.qdata.dtype == dst.qdata.dtype and _scale_fits(src.scale, dst.scale):
+            q, s = src.qdata, src.scale.expand(dst.scale.shape)
         else:
-            q = src.qdata
-            s = src.scale.expand(dst.scale.shape) if _scale_fits(src.scale, dst.scale) else None
-            if s is None:
-                q, s = _quantize_like(src.to_hp(torch.float32), dst)
+            q, s = _quantize_like(src.to_hp(torch.float32), dst)
     else:
         if dst.shares_scale:  # a partial write of high-precision values: re-quantize the scale groups it touches
             _write_scale_groups(dst, src)
@@ -138,8 +125,7 @@ def _copy_into_data_and_scale(func, args, kwargs):
             "ScaledFp8Tensor copy_: the destination is a view whose scales are shared with elements outside it "
             f"(e.g. a column slice of a row-scaled tensor: data {tuple(dst.shape)}, scale {tuple(dst.scale.shape)}), "
             "another part of it was already written with different scales, and writing these would change that "
-            "part. Copy whole rows, pieces quantized with the same row scales, or into a high-precision tensor."
-        )
+            "part. Copy whole rows, pieces quantized with the same row scales, or into a high-precision tensor.")
     dst.qdata.copy_(q)
     dst.scale.copy_(s)
     return dst
@@ -158,11 +144,9 @@ def _fill_as_copy(func, args, kwargs):
 
 
 def _write_scale_groups(dst: ScaledFp8Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)`` for a view ``dst`` whose scales also scale elements outside it (an element, a column slice
-    of a row-scaled tensor): the values of every scale group (row) the view touches are dequantized from the tensor
-    the view was cut from, the written elements replaced by ``src``, and those groups quantized again with their own
-    amax; groups the view does not touch keep their bytes and scales. So a write changes no value but the ones
-    written (up to the fp8 rounding of its groups).
+    """``dst.copy_(src)`` for a view ``dst`` whose scales also scale elements outside it (an element, a column
+    slice): every scale group (row) the view touches is dequantized from the tensor it was cut from, the written
+    elements replaced by ``src``, and the group re-quantized; untouched groups keep their bytes and scales.
 
     Raises:
         NotImplementedError: the view's origin is unknown (a view rebuilt by ``torch.compile``, a deep copy or a
@@ -198,12 +182,10 @@ def _write_scale_groups(dst: ScaledFp8Tensor, src: torch.Tensor) -> None:
 def _shared_scale_write_ok(dst: ScaledFp8Tensor, new_scale: torch.Tensor) -> bool:
     """Whether ``copy_`` may write ``new_scale`` into a view ``dst`` that shares its scales with sibling views.
 
-    Loading a checkpoint chunk by chunk (DCP writes column chunks of a row-scaled weight into slices) is fine as
-    long as all chunks of a row carry the same scale. The views sharing a scale tensor share one record
-(``ScaledFp8Tensor.scale_writes``) of which regions were written
-    since its values last changed; changing the values from a region not written before, while another region
-    was written with the old ones, would silently corrupt that region, so it is refused. Writing an already
-    written region with new scales starts over (the next load of a checkpoint)."""
+    DCP loads column chunks of a row-scaled weight into slices: fine while all chunks of a row carry the same scale.
+    ``scale_writes`` records the regions written since the values last changed; new values from a region not written
+    before, while another was written with the old ones, would corrupt that one: refused. Rewriting a written region
+    with new scales starts over (the next load)."""
     region = (dst.qdata.storage_offset(), tuple(dst.qdata.shape), tuple(dst.qdata.stride()))
     written = dst.scale_writes().regions
     same = new_scale.shape == dst.scale.shape and _all_equal([new_scale.contiguous(), dst.scale.contiguous()])
@@ -258,10 +240,8 @@ def _new_with_unit_scale(func, args, kwargs):
     if dtype is not None and dtype != t.orig_dtype:
         return func(t.to_hp(), size, dtype=dtype, **kwargs)
     device = kwargs.get("device") or t.device
-    if func is aten.new_ones.default:
-        q = torch.ones(size, dtype=t.qdata.dtype, device=device)
-    else:
-        q = torch.zeros(size, dtype=t.qdata.dtype, device=device)
+    fill = torch.ones if func is aten.new_ones.default else torch.zeros
+    q = fill(size, dtype=t.qdata.dtype, device=device)
     s, dims = _factory_scale(t, size, device)
     return make_scaled(q, s, t.orig_dtype, t.fast_accum, dims)
 
@@ -308,8 +288,7 @@ def _as_strided_identity(func, args, kwargs):
         return _wrap(t.qdata, t.scale, t)
     raise NotImplementedError(
         f"ScaledFp8Tensor: aten.as_strided is only supported as the identity (size {tuple(t.shape)}, "
-        f"stride {t.stride()}), got size {tuple(size)}, stride {tuple(stride)}"
-    )
+        f"stride {t.stride()}), got size {tuple(size)}, stride {tuple(stride)}")
 
 
 # --------------------------------------------------------------------------------------------- layout: views
@@ -344,10 +323,10 @@ def _view_groups(old: Sequence[int], new: Sequence[int]):
 def _view_scale(scale: torch.Tensor, old: Sequence[int], new: Sequence[int], dims: Sequence[bool]):
     """The scale and ``scaled_dims`` of a ``view(new)`` of data of shape ``old`` declared ``dims``.
 
-    The same shape keeps scale and layout (also for empty and one-row tensors: an empty ``[0, 7]`` tensor keeps its
-    ``[0, 1]`` scale). Otherwise, per run of dims that reshape into each other: a run scaled on some dim of size > 1
-    is reshaped with the data (materialized first where it mixes shared and scaled dims: exact, more memory) and is
-    scaled on every new dim; a run shared on all its dims stays shared; a run of size-1 dims keeps its flag.
+    The same shape keeps scale and layout (an empty ``[0, 7]`` tensor keeps its ``[0, 1]`` scale). Otherwise, per
+    run of dims that reshape into each other: a run scaled on a dim of size > 1 is reshaped with the data
+    (materialized where it mixes shared and scaled dims) and scaled on every new dim; a run shared on all its dims
+    stays shared; a run of size-1 dims keeps its flag.
     """
     old, new = list(old), list(new)
     if old == new:
@@ -400,8 +379,7 @@ _SCALE_COPY = "_fp8tensor_scale_copy"
 
 @implements([aten.view_as.default])
 def _view_as_scale_with_data(func, args, kwargs):
-    """``t.view_as(other)``: reaches the subclass undecomposed under ``torch.inference_mode`` (``DTensor.from_local``
-    calls it); the same as ``t.view(other.shape)``."""
+    """``t.view(other.shape)`` (``view_as`` arrives undecomposed under ``torch.inference_mode``)."""
     return _view_scale_with_data(aten.view.default, (args[0], list(args[1].shape)), {})
 
 
@@ -478,19 +456,15 @@ def _cat_scales(func, args, kwargs):
     # Off the cat dim, scales must share a layout: scaled where any input is (expanded where one was shared).
     nd = first.dim()
     off = [any(t.scaled_dims[d] for t in fp8) for d in range(nd)]
-    scales = [
-        t.scale.expand([t.scale.shape[d] if d == dim else (t.shape[d] if off[d] else 1) for d in range(nd)])
-        for t in fp8
-    ]
+    scales = [t.scale.expand([t.scale.shape[d] if d == dim else (t.shape[d] if off[d] else 1) for d in range(nd)])
+              for t in fp8]
     if all(_scaled_along(t, dim) for t in fp8):
         s, along = torch.cat(scales, dim), True
     elif not any(_scaled_along(t, dim) for t in fp8) and _all_equal([s.contiguous() for s in scales]):
         s, along = scales[0], False
     else:
-        s = torch.cat(
-            [sc.expand([t.shape[d] if d == dim else sc.shape[d] for d in range(nd)]) for sc, t in zip(scales, fp8)],
-            dim,
-        )
+        s = torch.cat([sc.expand([t.shape[d] if d == dim else sc.shape[d] for d in range(nd)])
+                       for sc, t in zip(scales, fp8)], dim)
         along = True
     dims = tuple(along if d == dim else off[d] for d in range(nd))
     return make_scaled(q, s.contiguous(), first.orig_dtype, all(t.fast_accum for t in fp8), dims)

@@ -56,46 +56,38 @@ def implements(ops: Sequence) -> Callable:
 _COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "fsdp")
 
 
-def _writes_into_fp8(func, args, kwargs) -> bool:
-    schema = compat.op_schema(func)
-    for i, arg in enumerate(schema.arguments):
+def written_args(func, args, kwargs) -> list:
+    """The arguments op ``func`` writes (in place or ``out=``), lists and tuples of them flattened one level."""
+    out = []
+    for i, arg in enumerate(compat.op_schema(func).arguments):
         if arg.alias_info is None or not arg.alias_info.is_write:
             continue
         val = kwargs.get(arg.name) if arg.kwarg_only or i >= len(args) else args[i]
-        vals = val if isinstance(val, (list, tuple)) else [val]
-        if any(isinstance(v, ScaledFp8Tensor) for v in vals):
-            return True
-    return False
+        out.extend(val if isinstance(val, (list, tuple)) else [val])
+    return out
 
 
 _IMPLICIT = compat.COMPOSITE_IMPLICIT
 
 
 def _dispatch(cls, func, types, args=(), kwargs=None):
-    """``__torch_dispatch__`` of ScaledFp8Tensor: the op table; ops not in it:
-
-    * composite ops (a ``CompositeImplicitAutograd`` kernel; they arrive here only below autograd): decomposed, as
-      the dispatcher does above autograd;
-    * out-of-place: run on the dequantized tensors, return plain tensors, after a warning once per op (or an error,
-      or nothing: ``with fp8tensor.config(unknown_ops=...):``);
-    * in-place or ``out=`` writing into a ScaledFp8Tensor, and collectives: ``NotImplementedError`` naming the op
-      (in-place arithmetic says to train with a high-precision master weight instead).
-    """
+    """``__torch_dispatch__``: the op table. Other ops: composite ones are decomposed (as the dispatcher does above
+    autograd); out-of-place ones run dequantized (``unknown_ops`` setting); in-place / ``out=`` writes into a
+    ScaledFp8Tensor and collectives raise ``NotImplementedError`` naming the op."""
     kwargs = kwargs or {}
     handler = OP_TABLE.get(func)
     if handler is not None:
         return handler(func, args, kwargs)
     if func.has_kernel_for_dispatch_key(_IMPLICIT):
-        # A composite op (chunk, narrow, contiguous, pad, ...) reaches a subclass only below autograd, where DTensor
-        # runs its local ops; above autograd the dispatcher decomposes it first. Decompose it here the same way, so
-        # the table sees the ops it is made of instead of dequantizing.
+        # composite ops (chunk, narrow, pad, ...) reach us only below autograd (DTensor's local ops): decompose them
+        # so the table sees their parts instead of dequantizing
         out = func.decompose(*args, **kwargs)
         if out is not NotImplemented:
             return out
     name = str(func)
     if func.namespace in _COLLECTIVE_NAMESPACES:
         raise NotImplementedError(f"ScaledFp8Tensor: collective op {name} is not implemented for fp8 data and scales")
-    if _writes_into_fp8(func, args, kwargs):
+    if any(isinstance(v, ScaledFp8Tensor) for v in written_args(func, args, kwargs)):
         if any(getattr(a, "is_out", False) for a in compat.op_schema(func).arguments):
             raise NotImplementedError(f"ScaledFp8Tensor: out= op {name} into a ScaledFp8Tensor is not supported")
         raise NotImplementedError(
@@ -112,8 +104,7 @@ _WARNED_OPS: set = set()
 
 
 def _unknown_op(name: str) -> None:
-    """An out-of-place op without an fp8 implementation is about to run on the dequantized tensors: per
-    ``fp8tensor.get_config().unknown_ops``, warn once per op (default), raise, or allow silently."""
+    """Per ``get_config().unknown_ops``: warn once per op (default), raise, or allow running ``name`` dequantized."""
     policy = get_config().unknown_ops
     if policy == "allow":
         return
@@ -130,10 +121,8 @@ def _unknown_op(name: str) -> None:
 
 
 class _ScaleWrites:
-    """Regions of a shared scale written by ``copy_`` since its values last changed (see
-    ``fp8tensor.ops._shared_scale_write_ok``). One object per scale tensor, shared by every view that shares that
-    scale; carried through ``__tensor_flatten__`` (bookkeeping, not metadata: any two compare equal, so it never
-    splits a compiled graph's guards)."""
+    """Regions of a shared scale written by ``copy_`` since its values last changed (``ops._shared_scale_write_ok``),
+    shared by every view of that scale. Any two compare equal, so it never splits a compiled graph's guards."""
 
     __slots__ = ("regions",)
 
@@ -182,36 +171,29 @@ def _is_local_tensor(t: Any) -> bool:
 def map_local(t: Any, fn):
     """Apply ``fn`` to a tensor, or to the local tensor of a DTensor, keeping mesh, placements, shape and stride.
 
-    This is how fp8tensor handles DTensors everywhere: it never looks at the placements, it only works on
-    the local shard and lets DTensor keep its metadata. Without autograd (the fp8 Linear's forward and backward
-    run under no-grad) and outside ``torch.compile``, a result of the local tensor's shape and dtype is wrapped with
-    ``t``'s own sharding spec directly (what ``DTensor.from_local(..., run_check=False, shape=t.shape,
-    stride=t.stride())`` builds, without its autograd function).
+    fp8tensor never looks at placements: it works on the local shard. Without autograd and outside
+    ``torch.compile``, a result of the local tensor's shape and dtype is wrapped with ``t``'s own spec directly
+    (what ``DTensor.from_local(..., run_check=False, shape=t.shape, stride=t.stride())`` builds, minus autograd).
     """
     cls = _dtensor_cls()
     if cls is False or not isinstance(t, cls):
         return map_shard(t, fn) if _is_local_tensor(t) else fn(t)
-    if (
-        not compat.is_compiling()
-        and not (torch.is_grad_enabled() and t.requires_grad)
-        # inference mode: from_local's ``view_as`` of a ScaledFp8Tensor returns the dequantized tensor there (a
-        # separate bug); keep what from_local gives until that is fixed, so results do not depend on this path
-        and not torch.is_inference_mode_enabled()
-    ):
+    # (not in inference mode: from_local's view_as dequantizes there, a separate bug; keep from_local's result)
+    direct = (not compat.is_compiling() and not (torch.is_grad_enabled() and t.requires_grad)
+              and not torch.is_inference_mode_enabled())
+    if direct:
         local = compat.local_tensor(t)
         out = map_shard(local, fn)
         if out.shape == local.shape and out.dtype == t.dtype and not out.requires_grad:
             return cls(out, compat.dtensor_spec(t), requires_grad=False)
-        return cls.from_local(out, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
-    return cls.from_local(
-        map_shard(t.to_local(), fn), t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
-    )
+    else:
+        out = map_shard(t.to_local(), fn)
+    return cls.from_local(out, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
 
 
 def map_shard(local: torch.Tensor, fn):
-    """``fn(local)`` for a DTensor's local tensor; under ``torch.distributed._local_tensor.LocalTensorMode`` (the
-    single-process simulation of SPMD ranks) ``fn`` runs on each simulated rank's shard, so that a subclass it
-    builds (a ScaledFp8Tensor, a master weight) ends up *inside* the ``LocalTensor``, as on real ranks."""
+    """``fn(local)``; for a ``LocalTensor`` (simulated ranks) ``fn`` runs per rank, so that a subclass it builds
+    ends up *inside* the ``LocalTensor``, as on real ranks."""
     cls = compat.local_tensor_cls()
     if cls is not None and isinstance(local, cls):
         return compat.run_per_simulated_rank(fn)(local)
@@ -242,27 +224,21 @@ class ScaledFp8Tensor(torch.Tensor):
         fast_accum: whether GEMMs with this operand may use fp8 fast accumulation (``use_fast_accum`` of
             ``torch._scaled_mm``). Default True (forward); fp8tensor's backward passes build operands with False.
         shares_scale: whether this is a view whose scales also scale elements outside it (a column slice of a
-            row-scaled tensor); ``copy_`` into it refuses writes that would change those elements. Set by the
-            slicing ops; kept through flatten/unflatten, deepcopy and pickling.
+            row-scaled tensor); ``copy_`` into it refuses writes that would change those elements.
         scaled_dims: tuple of bools, one per dim: True where there is one scale per index of that dim (the scale
-            has the data's size there), False where one scale is shared along it (size 1). This is the *declared*
-            layout: on a dim of size 1 both read the same from the shapes, and the collectives of a rank holding
-            one row (or none) must send what the other ranks send, so every op decides from ``scaled_dims``, never
-            from sizes. :meth:`from_hp` declares ``(True, ..., True, False)``; ops derive it from their inputs'.
-            When not given it is read from the shapes: a dim whose scale is not 1 is scaled; a dim of size 1 is
-            scaled if another dim is unambiguously shared (scale 1, data not 1), else shared.
+            has the data's size there), False where one scale is shared along it (size 1). The *declared* layout:
+            every op decides from it, never from sizes (a rank holding one row must send what the others send).
+            :meth:`from_hp` declares ``(True, ..., True, False)``. When not given it is read from the shapes: a dim
+            whose scale is not 1 is scaled; a dim of size 1 is scaled if another dim is unambiguously shared.
 
-    ``shape``, ``stride``, ``device`` and ``dtype`` are the logical ones. Ops not in the op table that are
-    out-of-place run on the dequantized tensor and return a plain tensor; in-place, ``out=`` and collective
-    ops not in the table raise ``NotImplementedError``.
-    ``.to(float dtype)`` changes the logical dtype (data stays fp8); ``.to(torch.float8_e4m3fn / float8_e5m2)``
-    raises ``TypeError``: a plain fp8 tensor cannot hold the scale, and dropping it would silently change values
-    (use ``.qdata`` and ``.scale``, or ``.to_hp()``). Views work under ``torch.inference_mode()`` on tensors
-    created outside it.
+    ``shape``, ``stride``, ``device`` and ``dtype`` are the logical ones. Out-of-place ops not in the op table run
+    on the dequantized tensor and return a plain tensor; in-place, ``out=`` and collective ones raise
+    ``NotImplementedError``. ``.to(float dtype)`` changes the logical dtype (data stays fp8);
+    ``.to(torch.float8_e4m3fn / float8_e5m2)`` raises ``TypeError`` (a plain fp8 tensor cannot hold the scale).
+    Views work under ``torch.inference_mode()`` on tensors created outside it.
 
-    The public constructor checks its arguments with :func:`validate_parts`, including the scale *values* (one
-    reduction over the scale: a device sync on CUDA; skipped while tracing). Results of ops are built without these
-    checks (:func:`make_scaled`): a row holding NaN or inf legitimately gets a non-finite scale from :meth:`from_hp`.
+    The public constructor checks its arguments with :func:`validate_parts`, including the scale *values* (a
+    device sync on CUDA; skipped while tracing); op results are built unchecked (:func:`make_scaled`).
 
     Raises:
         TypeError: ``qdata`` is not an fp8 tensor, ``scale`` is not float32, or ``orig_dtype`` is not floating point.
@@ -279,43 +255,19 @@ class ScaledFp8Tensor(torch.Tensor):
     scaled_dims: tuple
 
     @staticmethod
-    def __new__(
-        cls,
-        qdata: torch.Tensor,
-        scale: torch.Tensor,
-        orig_dtype: torch.dtype,
-        fast_accum: bool = True,
-        requires_grad: bool = False,
-        *,
-        shares_scale: bool = False,
-        scale_writes: Optional[_ScaleWrites] = None,
-        scaled_dims: Optional[Sequence[bool]] = None,
-        _trusted: bool = False,
-    ):
+    def __new__(cls, qdata: torch.Tensor, scale: torch.Tensor, orig_dtype: torch.dtype, fast_accum: bool = True,
+                requires_grad: bool = False, *, shares_scale: bool = False,
+                scale_writes: Optional[_ScaleWrites] = None, scaled_dims: Optional[Sequence[bool]] = None,
+                _trusted: bool = False):
         return torch.Tensor._make_wrapper_subclass(
-            cls,
-            qdata.shape,
-            strides=qdata.stride(),
-            storage_offset=qdata.storage_offset(),
-            dtype=orig_dtype,
-            device=qdata.device,
-            layout=qdata.layout,
-            requires_grad=requires_grad,
+            cls, qdata.shape, strides=qdata.stride(), storage_offset=qdata.storage_offset(), dtype=orig_dtype,
+            device=qdata.device, layout=qdata.layout, requires_grad=requires_grad,
         )
 
-    def __init__(
-        self,
-        qdata: torch.Tensor,
-        scale: torch.Tensor,
-        orig_dtype: torch.dtype,
-        fast_accum: bool = True,
-        requires_grad: bool = False,
-        *,
-        shares_scale: bool = False,
-        scale_writes: Optional[_ScaleWrites] = None,
-        scaled_dims: Optional[Sequence[bool]] = None,
-        _trusted: bool = False,
-    ):
+    def __init__(self, qdata: torch.Tensor, scale: torch.Tensor, orig_dtype: torch.dtype, fast_accum: bool = True,
+                 requires_grad: bool = False, *, shares_scale: bool = False,
+                 scale_writes: Optional[_ScaleWrites] = None, scaled_dims: Optional[Sequence[bool]] = None,
+                 _trusted: bool = False):
         if not _trusted:  # the public constructor; op results come through make_scaled (no checks)
             scaled_dims = validate_parts(qdata, scale, orig_dtype, scaled_dims, "ScaledFp8Tensor")
         elif scaled_dims is None:
@@ -330,21 +282,18 @@ class ScaledFp8Tensor(torch.Tensor):
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_hp(
-        cls, t: torch.Tensor, float8_dtype: torch.dtype = E4M3, *, fast_accum: bool = True
-    ) -> "ScaledFp8Tensor":
+    def from_hp(cls, t: torch.Tensor, float8_dtype: torch.dtype = E4M3, *, fast_accum: bool = True
+                ) -> "ScaledFp8Tensor":
         """Quantize ``t`` row-wise: one float32 scale per row, taken over the last dim.
 
         ``scale = amax(|row|) / finfo(float8_dtype).max`` (dequantization multiplier, computed in float32),
-        ``qdata = saturate(t / scale)``. All-zero rows get a finite scale and dequantize to exact zeros;
-        a row holding NaN/inf raises ``ValueError`` (below). The result does not require grad.
+        ``qdata = saturate(t / scale)``. All-zero (and empty) rows get a finite scale and dequantize to exact
+        zeros. The result does not require grad.
 
         Args:
-            t: floating-point tensor with at least 2 dims (fp32, bf16, fp16, fp64), or a DTensor of one: then
-                each local shard is quantized on its own and a DTensor with the same mesh, placements, shape
-                and stride is returned whose local tensor is a ScaledFp8Tensor. A ``LocalTensor`` (PyTorch's
-                single-process simulation of ranks) gives a LocalTensor of per-rank ScaledFp8Tensors. Any dim may
-                be empty (a ``[7, 0]`` tensor gets seven finite scales: an empty row is an all-zero row).
+            t: floating-point tensor with at least 2 dims (fp32, bf16, fp16, fp64), or a DTensor of one (each local
+                shard quantized; a DTensor of the same mesh, placements, shape and stride is returned), or a
+                ``LocalTensor`` (a LocalTensor of per-rank ScaledFp8Tensors).
             float8_dtype: ``torch.float8_e4m3fn`` (default) or ``torch.float8_e5m2``.
             fast_accum: stored on the result; see the class docstring.
 
@@ -356,11 +305,9 @@ class ScaledFp8Tensor(torch.Tensor):
         Raises:
             TypeError: ``t`` is not a tensor, is not floating point, is already fp8, or ``float8_dtype`` is
                 unsupported.
-            ValueError: ``t`` has fewer than 2 dims, or holds an inf or NaN: the message names the rows (indices
-                over the leading dims) and their count. One non-finite value would make its row's scale non-finite
-                and the whole row NaN. The check reads the tensor once (a host synchronization on CUDA): ``from_hp``
-                is a conversion-time call, not part of a training step. It is skipped while tracing
-                (``torch.compile`` / ``torch.export``), on meta and fake tensors and inside a CUDA-graph capture.
+            ValueError: ``t`` has fewer than 2 dims, or holds an inf or NaN (which would make its whole row NaN):
+                the message names the rows and their count. The check reads ``t`` once (a host sync on CUDA); it
+                is skipped while tracing, on meta and fake tensors and inside a CUDA-graph capture.
         """
         op = "ScaledFp8Tensor.from_hp"
         check_float8_dtype(float8_dtype, op)
@@ -369,8 +316,7 @@ class ScaledFp8Tensor(torch.Tensor):
         if isinstance(t, ScaledFp8Tensor):
             raise TypeError(f"{op}: input is already a ScaledFp8Tensor; call .to_hp() first to re-quantize")
         if _is_dtensor(t) or _is_local_tensor(t):
-            # DTensor: each local shard; LocalTensor (simulated ranks): each rank's tensor, so that the result is a
-            # LocalTensor *of* ScaledFp8Tensors, the nesting DTensor shards get.
+            # per local shard / per simulated rank (a LocalTensor *of* ScaledFp8Tensors, as DTensor shards nest)
             return map_local(t, lambda lt: cls.from_hp(lt, float8_dtype, fast_accum=fast_accum))
         if t.dtype in FLOAT8_DTYPES or not t.dtype.is_floating_point:
             raise TypeError(f"{op}: expected a high-precision floating-point tensor, got dtype {t.dtype}")
@@ -416,9 +362,8 @@ class ScaledFp8Tensor(torch.Tensor):
     __torch_dispatch__ = classmethod(_dispatch)
 
     def storage(self):
-        """Raises ``RuntimeError``: a ScaledFp8Tensor's values live in two tensors (``qdata``, ``scale``), not in
-        one storage. (``Tensor.storage()``, the deprecated typed-storage accessor, is what safetensors and Hugging
-        Face ``save_pretrained`` read; the message names the plain fp8 layout to save instead.)"""
+        """Raises ``RuntimeError``: the values live in two tensors (``qdata``, ``scale``), not one storage.
+        (safetensors and Hugging Face ``save_pretrained`` read ``storage()``; the message names the plain layout.)"""
         raise RuntimeError(_NO_STORAGE)
 
     __torch_function__ = compat.DISABLED_TORCH_FUNCTION
@@ -431,9 +376,7 @@ class ScaledFp8Tensor(torch.Tensor):
     @data.setter
     def data(self, new: torch.Tensor) -> None:
         """``t.data = new``: ``t`` takes ``new``'s values and shape. A ScaledFp8Tensor is taken as it is (its fp8
-        data and scales); a high-precision tensor is quantized into ``t``'s scale layout (its fp8 format and scaled
-        dims). (Without this, the wrapper would keep computing with its old fp8 data while reporting ``new``'s
-        metadata.)
+        data and scales); a high-precision tensor is quantized into ``t``'s scale layout (fp8 format, scaled dims).
 
         Raises:
             TypeError: ``new`` is not a floating-point tensor, or is a plain fp8 tensor (no scales to read it by)."""
@@ -453,12 +396,9 @@ class ScaledFp8Tensor(torch.Tensor):
         self.shares_scale, self._scale_writes = new.shares_scale, new._scale_writes
 
     def __repr__(self) -> str:
-        return (
-            f"ScaledFp8Tensor(shape={tuple(self.shape)}, qdata_dtype={self.qdata.dtype}, "
-            f"scale_shape={tuple(self.scale.shape)}, orig_dtype={self.orig_dtype}, device={self.device}"
-            + (", requires_grad=True" if self.requires_grad else "")
-            + ")"
-        )
+        grad = ", requires_grad=True" if self.requires_grad else ""
+        return (f"ScaledFp8Tensor(shape={tuple(self.shape)}, qdata_dtype={self.qdata.dtype}, "
+                f"scale_shape={tuple(self.scale.shape)}, orig_dtype={self.orig_dtype}, device={self.device}{grad})")
 
     # ------------------------------------------------------------------ FSDP2 all-gather extension
     @_payload.pre_all_gather_hook
@@ -477,35 +417,17 @@ class ScaledFp8Tensor(torch.Tensor):
 
     # ------------------------------------------------------------------ serialization
     def __reduce_ex__(self, protocol):
-        return (
-            _rebuild_scaled_fp8,
-            (
-                # fp8 storages do not survive plain pickle in every torch version: send the bytes as uint8.
-                self.qdata.view(torch.uint8),
-                self.scale,
-                self.orig_dtype,
-                self.fast_accum,
-                self.requires_grad,
-                compat.is_parameter_marked(self),
-                self.qdata.dtype,
-                self.shares_scale,
-                self.scaled_dims,
-            ),
-        )
+        # fp8 storages do not survive plain pickle in every torch version: send the bytes as uint8
+        return (_rebuild_scaled_fp8, (self.qdata.view(torch.uint8), self.scale, self.orig_dtype, self.fast_accum,
+                                      self.requires_grad, compat.is_parameter_marked(self), self.qdata.dtype,
+                                      self.shares_scale, self.scaled_dims))
 
     def __deepcopy__(self, memo):
         if id(self) in memo:
             return memo[id(self)]
-        out = _rebuild_scaled_fp8(
-            self.qdata.clone(),
-            self.scale.clone(),
-            self.orig_dtype,
-            self.fast_accum,
-            self.requires_grad,
-            compat.is_parameter_marked(self),
-            shares_scale=self.shares_scale,
-            scaled_dims=self.scaled_dims,
-        )
+        out = _rebuild_scaled_fp8(self.qdata.clone(), self.scale.clone(), self.orig_dtype, self.fast_accum,
+                                  self.requires_grad, compat.is_parameter_marked(self),
+                                  shares_scale=self.shares_scale, scaled_dims=self.scaled_dims)
         if self._scale_writes is not None:
             out._scale_writes = _ScaleWrites(self._scale_writes.regions)
         memo[id(self)] = out
@@ -528,11 +450,9 @@ def quantize_like(x: torch.Tensor, scaled_dims, float8_dtype: torch.dtype) -> tu
 
 
 def check_finite_rows(t: torch.Tensor, what: str) -> None:
-    """Raise ``ValueError`` naming the rows of ``t`` (a plain tensor; rows: all dims but the last) that hold an inf
-    or NaN. ``what`` starts the message. Reads ``t`` once (a host synchronization on CUDA); does nothing for an
-    empty tensor, while tracing (``torch.compile`` / ``torch.export``), on meta or fake tensors and inside a CUDA-graph
-    capture (where a host read is impossible). Conversion-time check of :meth:`ScaledFp8Tensor.from_hp` and
-    :func:`fp8tensor.quantize_weights`."""
+    """Raise ``ValueError`` (starting with ``what``) naming the rows of plain ``t`` (all dims but the last) that
+    hold an inf or NaN. Reads ``t`` once (a host sync on CUDA); skipped for empty, meta or fake tensors, while
+    tracing and inside a CUDA-graph capture."""
     if (t.numel() == 0 or t.ndim < 1 or t.device.type == "meta" or compat.is_fake(t) or compat.is_compiling()
             or compat.is_functorch_wrapped(t)):
         return
@@ -556,8 +476,7 @@ def rowwise_dims(ndim: int, dim: int) -> tuple:
 
 
 def _shape_dims(qshape, sshape) -> tuple:
-    """``scaled_dims`` read from the shapes (see the class docstring): scaled where the scale is not 1; a dim of
-    size 1 is scaled when another dim is unambiguously shared (the row-wise layout, reduced over one dim)."""
+    """``scaled_dims`` read from the shapes, as the class docstring says."""
     shared = any(s == 1 and d != 1 for s, d in zip(sshape, qshape))
     return tuple(s != 1 or (d == 1 and shared) for s, d in zip(sshape, qshape))
 
@@ -588,21 +507,15 @@ def _check_layout(qdata, scale, orig_dtype, scaled_dims, op: str) -> tuple:
 
 def _values_checkable(scale: torch.Tensor) -> bool:
     """Whether the scale's values can be read here: a plain tensor, not meta, not while tracing."""
-    return (
-        type(scale) is torch.Tensor
-        and not scale.is_meta
-        and not compat.is_compiling()
-        and not compat.dispatch_modes_active()
-    )
+    return (type(scale) is torch.Tensor and not scale.is_meta and not compat.is_compiling()
+            and not compat.dispatch_modes_active())
 
 
 def validate_parts(qdata, scale, orig_dtype, scaled_dims=None, op: str = "ScaledFp8Tensor") -> tuple:
     """All checks of the public :class:`ScaledFp8Tensor` constructor; returns the ``scaled_dims`` to use.
 
-    Types, dims and shapes (see the class docstring), and the scale values: every scale must be finite and
-    positive (a scale is a dequantization multiplier: zero erases the data, a negative one flips its sign, NaN/inf
-    make it non-finite). The value check reads the scale (one reduction; a device sync on CUDA) and is skipped while
-    tracing and on meta / fake tensors. Op results never come through here (:func:`make_scaled`).
+    Types, dims and shapes (see the class docstring), and every scale finite and positive (one reduction: a device
+    sync on CUDA; skipped while tracing and on meta / fake tensors). Op results use :func:`make_scaled` instead.
 
     Raises:
         TypeError / ValueError: naming ``op``, what was expected and what was given (the first bad scale, its index).
@@ -619,30 +532,19 @@ def validate_parts(qdata, scale, orig_dtype, scaled_dims=None, op: str = "Scaled
     return dims
 
 
-def make_scaled(
-    qdata: torch.Tensor,
-    scale: torch.Tensor,
-    orig_dtype: torch.dtype,
-    fast_accum: bool = True,
-    scaled_dims: Optional[Sequence[bool]] = None,
-    *,
-    requires_grad: bool = False,
-    shares_scale: bool = False,
-    scale_writes: Optional[_ScaleWrites] = None,
-) -> "ScaledFp8Tensor":
+def make_scaled(qdata: torch.Tensor, scale: torch.Tensor, orig_dtype: torch.dtype, fast_accum: bool = True,
+                scaled_dims: Optional[Sequence[bool]] = None, *, requires_grad: bool = False,
+                shares_scale: bool = False, scale_writes: Optional[_ScaleWrites] = None) -> "ScaledFp8Tensor":
     """A ScaledFp8Tensor from trusted parts (op results, collectives, flatten/unflatten): no checks, no value reads.
-
-    ``scaled_dims`` None reads it from the shapes (see the class docstring). Goes through the class itself, which is
-    how ``torch.compile`` traces the construction of a subclass."""
+    ``scaled_dims`` None reads it from the shapes. Goes through the class (how ``torch.compile`` traces it)."""
     return ScaledFp8Tensor(qdata, scale, orig_dtype, fast_accum, requires_grad, shares_scale=shares_scale,
                            scale_writes=scale_writes, scaled_dims=scaled_dims, _trusted=True)
 
 
 def _rebuild_scaled_fp8(qdata, scale, orig_dtype, fast_accum, requires_grad, is_param=False, float8_dtype=None,
                         shares_scale=False, scaled_dims=None):
-    """Unpickling hook of :class:`ScaledFp8Tensor` (registered as a safe global for ``weights_only`` loads).
-
-    Checks types and shapes, not scale values: a checkpoint may hold rows with non-finite scales (NaN/inf inputs)."""
+    """Unpickling hook (a safe global for ``weights_only`` loads). Checks types and shapes, not scale values: a
+    checkpoint may hold rows with non-finite scales."""
     if float8_dtype is not None and qdata.dtype != float8_dtype:
         qdata = qdata.view(float8_dtype)
     dims = _check_layout(qdata, scale, orig_dtype, scaled_dims, "ScaledFp8Tensor (unpickling)")
@@ -654,8 +556,8 @@ def _rebuild_scaled_fp8(qdata, scale, orig_dtype, fast_accum, requires_grad, is_
 
 @torch.no_grad()
 def fsdp_post_all_gather(all_gather_outputs, metadata, param_dtype, *, out=None):
-    """``fsdp_post_all_gather`` of both subclasses (ScaledFp8Tensor and ``Fp8MasterWeight``): build (or refill) the
-    unsharded :class:`ScaledFp8Tensor` from the payload of :mod:`fp8tensor.fsdp`.
+    """``fsdp_post_all_gather`` of ScaledFp8Tensor and ``Fp8MasterWeight``: build (or refill) the unsharded
+    :class:`ScaledFp8Tensor` from the payload of :mod:`fp8tensor.fsdp`.
 
     Args:
         all_gather_outputs: ``(data,)`` or ``(data, scale)``; ``data`` is ``(world * padded_rows, *rest)`` uint8.

@@ -1,16 +1,10 @@
 """A training step's forward + loss + backward captured once as a CUDA graph and replayed (:func:`graph_step`).
 
-Small and tensor-parallel models spend much of a step waiting on Python: per-block ``torch.compile`` and FSDP2 still
-launch each kernel, hook and collective from the host. Capturing the whole forward + backward once with
-``torch.cuda.graph`` and replaying it removes that wait (the GPU runs the recorded kernels back to back). The scheme
-is torchtitan's default for its training step (``torchtitan/distributed/cudagraph.py``): warm-up calls on a side
-stream, capture on that stream into a graph memory pool, static inputs copied in before each replay, the optimizer
-step outside the graph.
-
-fp8tensor keeps no Python-side per-step state that a replay would skip: its one cache (FSDP2 group quantization) is
-keyed by the capture it was made in (:mod:`fp8tensor.capture`), what a graph reads at each replay is kept with the
-graph, its kernels never synchronize with the host, and FSDP2's fp8 all-gather, DTensor's collectives and compiled
-blocks are recorded as they run.
+Small and tensor-parallel models spend much of a step waiting on the host launching kernels, hooks and collectives;
+a replayed graph removes that wait. The scheme is torchtitan's (``torchtitan/distributed/cudagraph.py``): warm-up calls
+on a side stream, capture on that stream into a graph memory pool, static inputs copied in before each replay, the
+optimizer step outside the graph. fp8tensor keeps no per-step Python state a replay would skip: its one cache is keyed
+by the capture (:mod:`fp8tensor.capture`) and what a graph reads at each replay is kept with the graph.
 """
 from __future__ import annotations
 
@@ -93,12 +87,8 @@ def _tensor_leaves(tree) -> list:
 
 
 class GraphedStep:
-    """``fn(*args, **kwargs)`` (forward + loss + ``backward()``) captured as one CUDA graph; see :func:`graph_step`.
-
-    Calls ``1 .. warmup_steps`` run ``fn`` eagerly on a side stream (compiling, allocating communicators and
-    workspaces); the next call captures ``fn`` into a graph and replays it once; every later call copies its tensor
-    inputs into the graph's static inputs and replays. Every call performs exactly one forward + backward on its
-    inputs, so a training loop behaves as if ``fn`` were called directly.
+    """``fn(*args, **kwargs)`` (forward + loss + ``backward()``) captured as one CUDA graph; see :func:`graph_step`
+    (warm-up calls, then one capture, then replays; each call is one forward + backward on its inputs).
 
     Attributes:
         calls: number of calls so far (warm-up, capture and replays).
@@ -188,8 +178,7 @@ class GraphedStep:
             raise ValueError(
                 "graph_step: the inputs changed structure, shape, dtype, device or a non-tensor value since the "
                 f"first call ({self._first_difference(spec, desc)}); a captured CUDA graph replays fixed shapes. "
-                "Pad batches to one shape, or call close() to warm up and capture again for the new inputs"
-            )
+                "Pad batches to one shape, or call close() to warm up and capture again for the new inputs")
         self.calls += 1
         if self._eager:  # no capture possible here: run eagerly, under the same contract as the graph
             return self._eager_call(args, kwargs)
@@ -206,8 +195,7 @@ class GraphedStep:
         return self._static_out
 
     def _eager_call(self, args, kwargs):
-        """The eager fallback keeps the graph's contract (static inputs, gradients zeroed in place after the call
-        that would capture), so a loop that runs on the CPU also runs captured on a GPU."""
+        """The eager fallback, under the graph's contract: a loop that runs on the CPU also runs captured."""
         if self.calls == self.warmup_steps + 1:
             self._prepare_grads()
         elif self.calls > self.warmup_steps + 1:
@@ -222,17 +210,14 @@ class GraphedStep:
         return out
 
     def _prepare_grads(self) -> None:
-        # Gradients the backward accumulates into must exist before the capture: the captured backward then adds to
-        # them in place on every replay (several replays before one optimizer step accumulate). A gradient that is
-        # None at capture would be *assigned* a tensor of the graph's pool, overwritten by each replay.
+        # Gradients must exist before the capture, so each replay adds to them in place; one None at capture would
+        # be *assigned* a tensor of the graph's pool, overwritten by each replay.
         with torch.no_grad():
             for p in self._had_grad:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
 
     def _can_capture(self, leaves) -> bool:
-        if self.enabled is False:
-            return False
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)] + self.parameters
         why = None
         if not torch.cuda.is_available():
@@ -290,8 +275,7 @@ class GraphedStep:
                 "nothing may synchronize with the host (.item(), .cpu(), printing a tensor, "
                 "clip_grad_norm_(error_if_nonfinite=True), data-dependent shapes such as nonzero) or use CPU "
                 "tensors; the optimizer step belongs outside. Pass enabled=False to run the step eagerly. A failed "
-                "capture can leave PyTorch's CUDA random number generator unusable in this process: restart it"
-            ) from e
+                "capture can leave PyTorch's CUDA random number generator unusable in this process: restart it") from e
         end_capture(cap)
         self.graph, self._capture = graph, cap  # (cap: what the graph reads at each replay, freed with it)
         self._static_out = out
@@ -346,19 +330,17 @@ class GraphedStep:
                     f"graph_step: the gradients of {n} of {len(self._watched)} parameters were {what} after the "
                     "capture; the captured backward writes into the gradient tensors that existed then, so training "
                     "would silently read stale memory. Zero them in place: optimizer.zero_grad(set_to_none=False) "
-                    "(and model.zero_grad(set_to_none=False)); never assign p.grad. To start over, call close()"
-                )
+                    "(and model.zero_grad(set_to_none=False)); never assign p.grad. To start over, call close()")
 
 
 def graph_step(fn: Callable[..., Any], parameters: Iterable[torch.Tensor], *, warmup_steps: int = 3, pool=None,
                enabled: Optional[bool] = None) -> GraphedStep:
     """Turn ``fn(*inputs) -> loss`` (forward, loss and ``loss.backward()``) into a step captured as one CUDA graph.
 
-    The method is torchtitan's whole-step CUDA graph (``torchtitan/distributed/cudagraph.py``) on PyTorch's
-    ``torch.cuda.graph`` / ``torch.cuda.CUDAGraph``: the first ``warmup_steps`` calls run ``fn`` eagerly on a side
-    stream (``torch.compile`` compiles, FSDP2 and NCCL allocate), the next call captures ``fn`` on that stream into a
-    graph memory pool and replays it, later calls copy their tensor inputs into the captured (static) inputs and
-    replay. Each call is one real forward + backward, so the loop around it is unchanged::
+    The method is torchtitan's whole-step CUDA graph (``torchtitan/distributed/cudagraph.py``) on
+    ``torch.cuda.graph``: the first ``warmup_steps`` calls run ``fn`` eagerly on a side stream (compiling,
+    allocating), the next captures ``fn`` into a graph memory pool and replays it, later calls copy their tensor
+    inputs into the static inputs and replay. Each call is one real forward + backward::
 
         step = fp8tensor.graph_step(fwd_bwd, model)
         for x, y in batches:
@@ -371,32 +353,26 @@ def graph_step(fn: Callable[..., Any], parameters: Iterable[torch.Tensor], *, wa
         * static shapes: every call passes the same structure of arguments, tensors of the same shapes, dtypes and
           devices, and the same non-tensor values (``ValueError`` otherwise; :meth:`GraphedStep.close` starts over);
         * gradients are zeroed in place (``optimizer.zero_grad(set_to_none=False)``): the captured backward
-          accumulates into the gradient tensors that existed at capture (a gradient that was ``None`` then is created
-          as zeros first), so several calls before one optimizer step accumulate as in eager mode. A gradient set to
-          ``None`` or replaced after the capture raises ``RuntimeError`` at the next call instead of training on
-          stale memory;
+          accumulates into the gradient tensors of the capture (``None`` ones are created as zeros first), so several
+          calls before one optimizer step accumulate as in eager mode. A gradient set to ``None`` or replaced after
+          the capture raises ``RuntimeError`` at the next call;
         * the returned value is owned by the graph (overwritten by the next replay): ``.item()`` / ``.clone()`` it;
         * parameters are updated in place (optimizers, ``load_state_dict`` and ``copy_`` do). Parameters moved to
           new memory after the capture (``model.to(...)``, ``p.data = ...``) raise ``RuntimeError`` at the next
-          call, before any replay on the old memory. Given the model (not only its parameters), its buffers are
-          held to the same rule, and parameters, buffers or submodules replaced in it
-          (``load_state_dict(..., assign=True)``, ``module.weight = nn.Parameter(...)``, ``module.buf = t``,
-          ``model.act = nn.ReLU()``) raise too, naming them; :meth:`GraphedStep.close` starts over on its current
-          parameters. The check compares a snapshot taken at capture (each parameter's and buffer's storage
-          addresses; each module's own parameters, buffers and children, by identity) at each call;
+          call, before any replay. Given the model, its buffers too, and parameters, buffers or submodules replaced
+          in it (``load_state_dict(..., assign=True)``, ``module.weight = ...``, ``model.act = nn.ReLU()``) raise,
+          naming them (checked against a snapshot of storage addresses and member identities taken at capture);
         * inside ``fn`` nothing synchronizes with the host (``.item()``, data-dependent shapes,
           ``clip_grad_norm_(error_if_nonfinite=True)``); the optimizer step stays outside.
 
-    Costs: ``warmup_steps`` eager steps, one capture (about the time of an eager step), and the graph's memory pool,
-    which keeps the step's activations and temporaries allocated between replays (peak memory about that of an
-    eager step).
+    Costs: ``warmup_steps`` eager steps, one capture (about one eager step), and the graph's memory pool, which keeps
+    the step's activations and temporaries allocated between replays (about an eager step's peak).
 
     Args:
         fn: the step: forward, loss, ``backward()``; returns anything (tensors in it are graph-owned after capture).
-        parameters: the model (an ``nn.Module``: its parameters, re-read at :meth:`GraphedStep.close`, and
-            replacements in it and moved buffers detected) or the parameters whose gradients ``fn`` computes (``model.parameters()``):
-            gradients are prepared for the capture and checked before each replay. Also used to decide whether
-            capture is possible.
+        parameters: the model (an ``nn.Module``: parameters re-read at :meth:`GraphedStep.close`, replacements and
+            moved buffers detected) or the parameters whose gradients ``fn`` computes: gradients are prepared for the
+            capture and checked before each replay; also decides whether capture is possible.
         warmup_steps: eager calls before the capture (>= 1; compiled blocks need one per compile).
         pool: a graph memory pool handle (``torch.cuda.graph_pool_handle()`` or another step's ``.pool``) to share.
         enabled: ``None`` (default): capture on CUDA; where capture cannot work (no CUDA, CPU inputs or parameters)
@@ -410,9 +386,8 @@ def graph_step(fn: Callable[..., Any], parameters: Iterable[torch.Tensor], *, wa
         TypeError / ValueError: bad arguments (``fn`` not callable, ``parameters`` not a model or tensors,
             ``warmup_steps`` < 1, ``enabled`` not None / bool, ``pool`` not a pool handle) at construction, or
             changed inputs at a call.
-        RuntimeError: the capture failed (the message names the usual causes), gradients were set to ``None`` or
-            replaced after the capture, parameters (or, given the model, buffers) moved to other memory or
-            parameters, buffers or submodules were replaced in their modules after the capture, or
+        RuntimeError: the capture failed (the message names the usual causes); after the capture, gradients were
+            set to ``None`` or replaced, parameters (or buffers) moved, or members replaced in their modules; or
             ``enabled=True`` where capture is impossible.
     """
     return GraphedStep(fn, parameters, warmup_steps=warmup_steps, pool=pool, enabled=enabled)

@@ -1,10 +1,8 @@
 """Row-wise fp8 grouped GEMMs for mixture-of-experts weights: :func:`fp8_grouped_mm`.
 
-The op is PyTorch's ``torch._grouped_mm(a, b, offs)`` in its 2-D x 3-D form, what a grouped-experts module (e.g.
-torchtitan's ``GroupedExperts``) calls: ``a`` ``(M, K)`` holds the routed tokens sorted by expert, ``b`` ``(E, K, N)``
-is the expert weights ``W`` ``(E, N, K)`` transposed, ``offs`` int32 ``(E,)`` are the cumulative ends of the token
-groups (group ``e`` is rows ``offs[e-1]:offs[e]``). The output ``(M, N)`` has
-``out[rows of e] = a[rows of e] @ W[e]^T``.
+The op is ``torch._grouped_mm(a, b, offs)`` in its 2-D x 3-D form (e.g. torchtitan's ``GroupedExperts``): ``a``
+``(M, K)`` the routed tokens sorted by expert, ``b`` ``(E, K, N)`` the expert weights ``W`` ``(E, N, K)`` transposed,
+``offs`` int32 ``(E,)`` the cumulative group ends; ``out[rows of e] = a[rows of e] @ W[e]^T``, ``(M, N)``.
 
 Recipes (:mod:`fp8tensor.recipes`); every operand is scaled along its GEMM's contraction dim:
 
@@ -15,18 +13,12 @@ Recipes (:mod:`fp8tensor.recipes`); every operand is scaled along its GEMM's con
   expert and column): ``torch._scaled_grouped_mm`` 2-D x 2-D over the token dim; ``rowwise_gw_hp``: high precision
   (``torch._grouped_mm`` / per-group ``mm``).
 
-The fp8 kernel (CUDA) needs every token group of the 2-D x 2-D GEMM to start at a multiple of 16 tokens: the
-quantization writes both operands into a padded token layout (each group rounded up to 16 tokens, an empty group
-given 16, zeros in the padding, which add nothing: an expert without tokens gets an exact zero gradient from the
-GEMM itself), so any offsets work — groups of 0 tokens, uneven groups, totals of any size. Without
-``torch._scaled_grouped_mm`` (CPU, or ``with fp8tensor.config(grouped_gemm_kernel=False):``) the same quantized
-operands go through a per-group loop over ``torch._scaled_mm`` (CPU supports it for e4m3 with row-wise scales), so CPU
-runs the same numerics.
-
-Quantization: on CUDA with Triton, the row-wise kernel of :mod:`fp8tensor.kernels` for the per-token operands and the
-per-group column kernel (``launch_group_cols_t``: column amax of each group and the cast, written in the GEMM's
-layout, in one launch) for the per-group and the per-expert-column operands; elsewhere the plain ops of
-:mod:`fp8tensor.quantize` (same formula: ``scale = max(amax / fp8_max, 2^-126)``).
+The CUDA kernel needs every token group of the 2-D x 2-D GEMM to start at a multiple of 16 tokens: both operands are
+quantized into a padded token layout (groups rounded up to 16, an empty group given 16, zero padding, so an expert
+without tokens gets an exact zero gradient), so any offsets work. Without ``torch._scaled_grouped_mm`` (CPU, or
+``grouped_gemm_kernel=False``) the same operands go through a per-group loop over ``torch._scaled_mm``: the same
+numerics. Quantization uses the row-wise and per-group column kernels of :mod:`fp8tensor.kernels` on CUDA, else the
+plain ops of :mod:`fp8tensor.quantize` (same formula).
 """
 from __future__ import annotations
 
@@ -36,7 +28,7 @@ import torch
 
 from ..core import compat
 from .linear import QuantizeOnUse
-from ..numerics.quantize import (E4M3, FLOAT8_DTYPES, amax_to_scale, group_ids, quantize, quantize_expert_cols,
+from ..numerics.quantize import (E4M3, FLOAT8_DTYPES, group_ids, quantize, quantize_expert_cols,
                        quantize_group_cols)
 from .recipes import Recipe, get_recipe
 from ..core.settings import get_config
@@ -48,8 +40,6 @@ __all__ = ["fp8_grouped_mm", "Fp8GroupedMMMode", "quantize_group_cols", "quantiz
 #: Token alignment of the groups of the fp8 2-D x 2-D grouped GEMM (``torch._scaled_grouped_mm`` on CUDA reads each
 #: group of the token dim from a 16-byte aligned address).
 ALIGN = 16
-
-_HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 # ---------------------------------------------------------------------------------------------- offsets
@@ -80,20 +70,14 @@ def padded_offsets(offs: torch.Tensor, M: int, align: int = ALIGN):
 # ---------------------------------------------------------------------------------------------- quantization
 def _quantize_rows(x: torch.Tensor, float8_dtype: torch.dtype = E4M3):
     """``x`` ``(..., C)`` quantized per row over the last dim: ``(q, scale)``, ``q`` contiguous, ``scale``
-    ``(..., 1)``."""
-    x = x.contiguous()
-    if x.shape[-1] == 0 or x.numel() == 0:
-        return x.to(float8_dtype), amax_to_scale(x.new_zeros((*x.shape[:-1], 1), dtype=torch.float32), float8_dtype)
-    return quantize(x, -1, float8_dtype)
+    ``(..., 1)`` (empty rows: the floor scale)."""
+    return quantize(x.contiguous(), -1, float8_dtype)
 
 
 # ---------------------------------------------------------------------------------------------- GEMMs
 def _fused_ok(*mats) -> bool:
-    return (
-        get_config().grouped_gemm_kernel
-        and all(m.is_cuda and m.dtype == E4M3 for m in mats)
-        and hasattr(torch, "_scaled_grouped_mm")
-    )
+    return (get_config().grouped_gemm_kernel and all(m.is_cuda and m.dtype == E4M3 for m in mats)
+            and hasattr(torch, "_scaled_grouped_mm"))
 
 
 def _mm_dtype(t: torch.Tensor, out_dtype: torch.dtype) -> torch.dtype:
@@ -192,8 +176,8 @@ def _grouped_hp_weight_grad(gy: torch.Tensor, x: torch.Tensor, offs: torch.Tenso
 # ---------------------------------------------------------------------------------------------- weights
 def _weight_parts(b: torch.Tensor):
     """``(W, fp8)`` for the ``(E, K, N)`` operand ``b``: ``fp8`` is ``(qdata (E, N, K) contiguous, scale (E, N))``
-    for a ScaledFp8Tensor with one scale per expert row (the row-wise layout of ``from_hp`` of ``(E, N, K)``,
-    transposed), else None and ``W`` the high-precision ``(E, N, K)`` weight."""
+    for a ScaledFp8Tensor with one scale per expert row (``from_hp`` of ``(E, N, K)``, transposed), else None and
+    ``W`` the high-precision ``(E, N, K)`` weight."""
     if isinstance(b, ScaledFp8Tensor):
         E, K, N = b.shape
         if tuple(b.scale.shape) == (E, 1, N):
@@ -234,9 +218,8 @@ def _check(a, b, offs, op: str) -> None:
 
 
 class _Fp8GroupedMM(torch.autograd.Function):
-    """``torch._grouped_mm(a, b, offs)`` (2-D x 3-D) with the output, grad_input and grad_weight GEMMs in fp8 per
-    the recipe; see the module docstring. Saves ``a`` (high precision) when the weights need a gradient, ``b`` as
-    received when ``a`` does, and ``offs``."""
+    """``torch._grouped_mm(a, b, offs)`` (2-D x 3-D) with fp8 GEMMs per the recipe. Saves ``a`` when the weights
+    need a gradient, ``b`` when ``a`` does, and ``offs``."""
 
     @staticmethod
     def forward(ctx, a, b, offs, recipe: Recipe, out_dtype):
@@ -304,14 +287,13 @@ def fp8_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, *, reci
     grad_weight GEMMs (see the module docstring for the scaling of each operand).
 
     Args:
-        a: ``(M, K)`` high-precision tokens, sorted by expert (plain tensor; the local tokens of an expert-parallel
-            rank).
-        b: ``(E, K, N)`` expert weights: the ``transpose(-2, -1)`` of ``(E, N, K)`` weights, given as a plain
-            high-precision tensor, an :class:`~fp8tensor.Fp8MasterWeight` (quantized on use) or a
-            :class:`ScaledFp8Tensor` (``from_hp`` of ``(E, N, K)``: one scale per expert row, used as stored).
-        offs: int32 ``(E,)`` cumulative ends of the token groups (as ``torch.cumsum(tokens_per_expert, 0,
-            dtype=torch.int32)``); groups of 0 tokens and any sizes are allowed; rows past ``offs[-1]`` belong to no
-            expert (their outputs and gradients are not computed).
+        a: ``(M, K)`` high-precision tokens sorted by expert (plain tensor).
+        b: ``(E, K, N)`` expert weights, the ``transpose(-2, -1)`` of ``(E, N, K)`` ones: a plain high-precision
+            tensor, an :class:`~fp8tensor.Fp8MasterWeight` or a :class:`ScaledFp8Tensor` (``from_hp`` of
+            ``(E, N, K)``, used as stored).
+        offs: int32 ``(E,)`` cumulative ends of the token groups (``torch.cumsum(tokens_per_expert, 0,
+            dtype=torch.int32)``), any sizes including 0; rows past ``offs[-1]`` belong to no expert (their outputs
+            and gradients are not computed).
         recipe: ``"rowwise"``, ``"rowwise_gw_hp"`` or a :class:`Recipe`.
         out_dtype: the output dtype (default: the promoted dtype of ``a`` and ``b``). On CUDA the fp8 GEMMs write
             bf16, which is then cast.
@@ -352,10 +334,8 @@ def grouped_mm_args(args, kwargs):
 # ---------------------------------------------------------------------------------------------- op table
 @implements([torch.ops.aten._grouped_mm.default])
 def _grouped_mm_fp8(func, args, kwargs):
-    """``aten._grouped_mm`` with a :class:`ScaledFp8Tensor` operand, reached below autograd (a module that was not
-    converted): a 2-D x 3-D call whose ``b`` is row-scaled expert weights runs the fp8 forward GEMM (the token
-    operand quantized per row); other forms run on the dequantized operands. The full fp8 recipe (fp8 gradients)
-    runs through :func:`fp8_grouped_mm` (``convert_to_fp8``)."""
+    """``aten._grouped_mm`` with a :class:`ScaledFp8Tensor` operand below autograd (an unconverted module): 2-D x 3-D
+    with row-scaled expert weights runs the fp8 forward GEMM; other forms run dequantized."""
     a, b, offs, bias, out_dtype = grouped_mm_args(args, kwargs)
     if (not isinstance(a, ScaledFp8Tensor) and isinstance(b, ScaledFp8Tensor) and a.dim() == 2 and b.dim() == 3
             and bias is None and offs is not None):
@@ -446,9 +426,8 @@ def _cast_target(func, args, kwargs) -> Optional[torch.dtype]:
 
 class Fp8GroupedMMMode(torch.overrides.TorchFunctionMode):
     """While active, ``torch._grouped_mm`` / ``F.grouped_mm`` of 2-D tokens with 3-D expert weights that are a master
-    weight or a ScaledFp8Tensor (e.g. the fp8 weight FSDP2 all-gathered) runs :func:`fp8_grouped_mm`, and a dtype
-    cast of a master (``w.bfloat16()``) keeps it a master. Converted grouped-experts modules run their ``forward``
-    under it (:func:`fp8tensor.convert_to_fp8`). Everything else runs unchanged.
+    weight or a ScaledFp8Tensor runs :func:`fp8_grouped_mm`, and a dtype cast of a master (``w.bfloat16()``) keeps
+    it a master. Converted grouped-experts modules run their ``forward`` under it; everything else is unchanged.
 
     Args:
         recipe: the recipe for ScaledFp8Tensor weights (a master uses its own).

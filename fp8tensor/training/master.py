@@ -20,30 +20,18 @@ from .grouped import fp8_grouped_mm, fp8_weight_call, is_grouped_mm
 from .linear import QuantizeOnUse, _quantize_local, fp8_linear
 from ..numerics.quantize import FLOAT8_DTYPES
 from .recipes import Recipe, get_recipe
-from ..subclass.tensor import ScaledFp8Tensor, fsdp_post_all_gather
+from ..subclass.tensor import ScaledFp8Tensor, fsdp_post_all_gather, written_args
 
 __all__ = ["Fp8MasterWeight", "keep_master_through"]
 
 
+aten = torch.ops.aten
+
 _PRESERVE = {
-    torch.ops.aten.detach.default,
-    torch.ops.aten.alias.default,
-    torch.ops.aten.clone.default,
-    torch.ops.aten.view.default,
-    torch.ops.aten._unsafe_view.default,
-    torch.ops.aten.reshape.default,
-    torch.ops.aten.as_strided.default,
-    torch.ops.aten.t.default,
-    torch.ops.aten.transpose.int,
-    torch.ops.aten.slice.Tensor,
-    torch.ops.aten.select.int,
-    torch.ops.aten.split.Tensor,
-    torch.ops.aten.split_with_sizes.default,
-    torch.ops.aten.cat.default,
-    torch.ops.aten.new_zeros.default,
-    torch.ops.aten.new_empty.default,
-    torch.ops.aten.empty_like.default,
-    torch.ops.aten._to_copy.default,
+    aten.detach.default, aten.alias.default, aten.clone.default, aten.view.default, aten._unsafe_view.default,
+    aten.reshape.default, aten.as_strided.default, aten.t.default, aten.transpose.int, aten.slice.Tensor,
+    aten.select.int, aten.split.Tensor, aten.split_with_sizes.default, aten.cat.default, aten.new_zeros.default,
+    aten.new_empty.default, aten.empty_like.default, aten._to_copy.default,
 }
 
 
@@ -64,12 +52,10 @@ class Fp8MasterWeight(torch.Tensor, QuantizeOnUse):
 
     ``F.linear(x, w)`` on a master weight runs :func:`fp8_linear` with the weight's recipe (three fp8 GEMMs);
     ``torch._grouped_mm(x, w, offs=offs)`` / ``F.grouped_mm`` with 3-D expert weights ``w`` ``(E, K, N)`` (a master of
-    ``(E, N, K)``, transposed) runs :func:`fp8tensor.grouped.fp8_grouped_mm` (three fp8 grouped GEMMs). On a
-    *DTensor* whose local tensor is a master, ``F.linear`` decomposes above autograd (DTensor disables
-    ``__torch_function__``): forward and grad_input run in fp8, grad_weight in high precision, with a warning. A
-    module converted with :func:`fp8tensor.convert_to_fp8` always routes through :func:`fp8_linear`, also when the
-    weight is a DTensor. With FSDP2, the master quantizes its local rows before the all-gather (``fsdp_pre_all_gather``), so
-    the forward sees a :class:`ScaledFp8Tensor` (see :mod:`fp8tensor.fsdp`).
+    ``(E, N, K)``, transposed) runs :func:`fp8tensor.grouped.fp8_grouped_mm`. On a *DTensor* whose local tensor is a
+    master, ``F.linear`` decomposes above autograd: forward and grad_input run in fp8, grad_weight in high precision,
+    with a warning (a module converted with :func:`fp8tensor.convert_to_fp8` always runs :func:`fp8_linear`). With
+    FSDP2, the master quantizes its local rows before the all-gather, so the forward sees a :class:`ScaledFp8Tensor`.
 
     Args:
         data: the high-precision tensor (fp32/bf16/fp16). Not copied.
@@ -85,19 +71,14 @@ class Fp8MasterWeight(torch.Tensor, QuantizeOnUse):
     @staticmethod
     def __new__(cls, data: torch.Tensor, recipe="rowwise", requires_grad: bool = False):
         return torch.Tensor._make_wrapper_subclass(
-            cls,
-            data.shape,
-            strides=data.stride(),
-            storage_offset=data.storage_offset(),
-            dtype=data.dtype,
-            device=data.device,
-            layout=data.layout,
-            requires_grad=requires_grad,
+            cls, data.shape, strides=data.stride(), storage_offset=data.storage_offset(), dtype=data.dtype,
+            device=data.device, layout=data.layout, requires_grad=requires_grad,
         )
 
     def __init__(self, data: torch.Tensor, recipe="rowwise", requires_grad: bool = False):
         if not isinstance(data, torch.Tensor) or not data.dtype.is_floating_point or data.dtype in FLOAT8_DTYPES:
-            raise TypeError(f"Fp8MasterWeight: expected a high-precision floating-point tensor, got {getattr(data, 'dtype', type(data))}")
+            raise TypeError("Fp8MasterWeight: expected a high-precision floating-point tensor, got "
+                            f"{getattr(data, 'dtype', type(data))}")
         if isinstance(data, Fp8MasterWeight):
             data = data._data
         self._data = data
@@ -128,8 +109,7 @@ class Fp8MasterWeight(torch.Tensor, QuantizeOnUse):
                 a, b, offs, out_dtype, recipe = call
                 return fp8_grouped_mm(a, b, offs, recipe=recipe, out_dtype=out_dtype)
         if func == compat.DATA_SETTER and isinstance(args[0], Fp8MasterWeight):
-            # ``w.data = t`` (also how ``Module.to(dtype)`` converts parameters): replace the wrapped data too,
-            # else the wrapper would report t's dtype while still computing with the old ``_data``.
+            # ``w.data = t`` (also Module.to(dtype)): replace the wrapped data too
             new = args[1] if isinstance(args[1], Fp8MasterWeight) else Fp8MasterWeight(args[1], args[0].recipe)
             with compat.disable_torch_function_subclass():
                 func(args[0], new)
@@ -143,9 +123,7 @@ class Fp8MasterWeight(torch.Tensor, QuantizeOnUse):
         kwargs = kwargs or {}
         if func in _GEMMS:
             return _master_mm(func, args, kwargs)
-        # aten arguments are tensors, or lists / tuples of them (a fused optimizer step takes lists of every
-        # parameter): unwrap those directly instead of a general pytree walk (this runs once per optimizer step
-        # for all parameters at once, and for every layout op on a master).
+        # aten arguments are tensors or lists / tuples of them (fused optimizer steps): no general pytree walk
         masters = []
         u_args = tuple(_unwrap(a, masters) for a in args)
         u_kwargs = {k: _unwrap(v, masters) for k, v in kwargs.items()} if kwargs else kwargs
@@ -161,9 +139,7 @@ class Fp8MasterWeight(torch.Tensor, QuantizeOnUse):
             return _map_tensors(out, lambda t: inner_to_outer.get(id(t), t))
         if func in _PRESERVE:
             recipe, dtype = masters[0].recipe, masters[0].dtype
-            return _map_tensors(
-                out, lambda t: Fp8MasterWeight(t, recipe) if t.dtype.is_floating_point and t.dtype == dtype else t
-            )
+            return _map_tensors(out, lambda t: Fp8MasterWeight(t, recipe) if t.dtype == dtype else t)
         return out
 
     # FSDP2 all-gather extension: quantize local rows, gather fp8 data + row scales.
@@ -174,12 +150,9 @@ class Fp8MasterWeight(torch.Tensor, QuantizeOnUse):
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         return fsdp_post_all_gather(all_gather_outputs, metadata, param_dtype, out=out)
 
-
     def __reduce_ex__(self, protocol):
-        # Pickles as the plain high-precision tensor: a checkpoint never needs fp8tensor to load. A master that is a
-        # module's Parameter (``nn.Parameter(master)``, what convert_to_fp8 sets) pickles as a plain Parameter with
-        # its requires_grad, as nn.Linear's weight does (``torch.save(model)``: the model loads trainable; its
-        # converted Linears quantize the plain weight on use, convert_to_fp8 makes it a master again).
+        # Pickles as the plain high-precision tensor (a checkpoint never needs fp8tensor to load); a master that is
+        # a module's Parameter pickles as a plain Parameter with its requires_grad, as nn.Linear's weight does.
         if compat.is_parameter_marked(self):
             return (compat.rebuild_parameter(), (self._data, self.requires_grad, collections.OrderedDict()))
         return self._data.__reduce_ex__(protocol)
@@ -200,25 +173,12 @@ def _unwrap(a, masters: list):
 
 
 def _bump_written_versions(func, args, kwargs) -> None:
-    """Bump the version counter of the data of every master that the in-place / ``out=`` op ``func`` wrote.
-
-    Under ``__torch_dispatch__`` the op runs on ``_data`` below autograd, where the dispatcher no longer bumps
-    versions: an optimizer step, ``copy_`` or ``load_state_dict`` would leave ``_data._version`` unchanged (the
-    wrapper's own counter is bumped only when the op reached the wrapper above autograd, not when a DTensor — FSDP2's
-    sharded parameter — ran it on its local master). Code that keys on the version (the FSDP2 pre-all-gather's kept
-    results, ``fp8tensor.fsdp``) needs it to move whenever the values do."""
-    written = []
-    for i, a in enumerate(compat.op_schema(func).arguments):
-        info = a.alias_info
-        if info is None or not info.is_write:
-            continue
-        v = kwargs.get(a.name) if a.kwarg_only or i >= len(args) else args[i]
+    """Bump the version counter of the data of every master that the in-place / ``out=`` op ``func`` wrote: below
+    autograd the dispatcher does not (e.g. a DTensor running an optimizer step on its local master), and the FSDP2
+    pre-all-gather's kept results key on ``_data._version``."""
+    for v in written_args(func, args, kwargs):
         if isinstance(v, Fp8MasterWeight):
-            written.append(v._data)
-        elif type(v) in (list, tuple):
-            written.extend(t._data for t in v if isinstance(t, Fp8MasterWeight))
-    for t in written:
-        torch.autograd.graph.increment_version(t)  # one tensor per call: the form every supported torch takes
+            torch.autograd.graph.increment_version(v._data)  # one tensor per call: the form every torch takes
 
 
 def _map_tensors(out, fn):
@@ -239,14 +199,9 @@ _PARTIAL_RECIPE = (
 
 
 def _master_mm(func, args, kwargs):
-    """A bare ``mm``/``addmm`` on a master weight (outside :func:`fp8_linear`): fp8 forward, quantizing the
-    master along the contraction dim.
-
-    Reached when autograd sees a plain ``mm`` rather than :func:`fp8_linear`: ``F.linear`` on a DTensor of a master
-    (DTensor disables ``__torch_function__``, so the master never sees ``F.linear``), or ``torch.mm`` / ``@``. The
-    output and the input gradient (``gy @ W``, another bare ``mm`` on the master) run in fp8; the weight gradient
-    ``x^T gy`` involves no master and runs in high precision. With gradients enabled this warns
-    (:data:`_PARTIAL_RECIPE`), so a partial recipe never runs silently."""
+    """A bare ``mm``/``addmm`` on a master weight (``F.linear`` on a DTensor of a master, ``torch.mm``, ``@``):
+    the master quantized along the contraction dim. Output and grad_input run in fp8, grad_weight (no master
+    involved) in high precision; with gradients enabled this warns (:data:`_PARTIAL_RECIPE`)."""
     if torch.is_grad_enabled():  # a forward that records autograd (the backward's own mm runs without grad mode)
         warnings.warn(_PARTIAL_RECIPE, stacklevel=2)
     if func is torch.ops.aten.addmm.default:
@@ -268,6 +223,5 @@ def _master_mm(func, args, kwargs):
     return fp8_mm(a, b, bias, op=str(func))
 
 
-# Optimizers built without ``foreach=`` / ``fused=`` choose their implementation by the exact type of each parameter:
-# a master weight must not send the whole model to the Python for-loop step.
+# optimizers choose foreach / fused by each parameter's exact type: a master must not force the for-loop step
 register_foreach_type(Fp8MasterWeight)

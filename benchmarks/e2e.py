@@ -29,8 +29,9 @@ trees record a block's graphs again while FSDP2's unsharded parameters still mov
 any happened in the timed steps).
 
 Suffixes of an fp8tensor precision: ``.sized`` (``size_rule=True``), ``.inductor`` (``compiled_quantization=
-"inductor"``), ``.hpag`` (``fp8_all_gather=False``: plain weights, gathered by FSDP2 in bf16), ``.fp8ag`` (``fp8_all_gather=True``,
-the default, named).
+"inductor"``), ``.hpag`` (``fp8_all_gather=False``: plain weights, gathered by FSDP2 in bf16), ``.fp8ag``
+(``fp8_all_gather=True``: master weights gathered in fp8 with their row scales); neither: ``convert_to_fp8``'s default
+rule (on one GPU over NCCL, the bf16 all-gather; with gloo on the CPU, the fp8 one).
 
 Ratios are to the ``bf16`` row of the same setup and suffix (``+graph`` rows to graphed bf16).
 Two timings per variant: the median of ``--steps`` steps, each synchronized before and after (the table of record),
@@ -150,7 +151,9 @@ def build(precision: str, setup: str, args, mesh, device, mode=None):
     precision, flags = split_suffixes(precision)
     inductor_quant = ".inductor" in flags  # compiled_quantization="inductor" for this variant
     sized = ".sized" in flags  # fp8tensor's size-aware choice on (small Linears stay bf16)
-    gather = ".hpag" not in flags  # FSDP2's weight all-gather: ".hpag" plain weights gathered in bf16, else fp8
+    # FSDP2's weight all-gather: ".hpag" plain weights gathered in bf16, ".fp8ag" masters gathered in fp8, else the
+    # library's rule (bf16 on one host over NCCL, as here on a GPU; fp8 with gloo)
+    gather = False if ".hpag" in flags else True if ".fp8ag" in flags else None
     if precision in ("rowwise", "rowwise_gw_hp"):
         import fp8tensor
 
@@ -409,7 +412,7 @@ def run_variant(variant: str, args, mesh, device):
             print(ka.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=80))
             print(ka.table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=80))
             host_top = host_ops(ka)
-            if args.trace_dir and precision != "bf16":
+            if args.trace_dir:
                 os.makedirs(args.trace_dir, exist_ok=True)
                 prof.export_chrome_trace(os.path.join(args.trace_dir, f"trace_{args.size}_{precision}_{setup}{'_cg' if graphs else ''}.json"))
     if args.gc == "step":

@@ -36,9 +36,9 @@ TRAIN_ARGS="--tp 1 --device cuda --compile --cuda-graph --steps 1200 --dim 1024 
 e2e_variants() {  # $1: size. Default compile and whole-step graph rows, bf16 / fp8tensor / torchao
   local g="bf16@fsdp+graph,rowwise@fsdp+graph,ao_tensorwise@fsdp+graph"
   case "$1" in
-    2048) echo "bf16@fsdp,rowwise@fsdp,rowwise.hpag@fsdp,ao_tensorwise@fsdp,ao_rowwise@fsdp,bf16@tp,rowwise@tp,$g,bf16@tp+graph,rowwise@tp+graph" ;;
-    readme) echo "bf16@fsdp,rowwise@fsdp,rowwise.sized@fsdp,ao_tensorwise@fsdp,$g,rowwise.sized@fsdp+graph" ;;
-    *) echo "bf16@fsdp,rowwise@fsdp,ao_tensorwise@fsdp,$g" ;;
+    2048) echo "bf16@fsdp,rowwise@fsdp,rowwise.fp8ag@fsdp,ao_tensorwise@fsdp,ao_rowwise@fsdp,bf16@tp,rowwise@tp,$g,rowwise.fp8ag@fsdp+graph,bf16@tp+graph,rowwise@tp+graph" ;;
+    readme) echo "bf16@fsdp,rowwise.sized@fsdp,rowwise.sized.fp8ag@fsdp,ao_tensorwise@fsdp,$g,rowwise.sized@fsdp+graph" ;;
+    *) echo "bf16@fsdp,rowwise@fsdp,rowwise.fp8ag@fsdp,ao_tensorwise@fsdp,$g" ;;
   esac
 }
 for stage in "$@"; do

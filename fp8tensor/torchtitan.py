@@ -3,9 +3,10 @@
 torchtitan 0.3.0 converts models on their *config tree*, before they are built, parallelized and initialized (as
 torchao's ``Float8LinearConverter`` does). Here:
 
-* :class:`Fp8TensorLinear` — torchtitan's ``Linear`` converted by :func:`fp8tensor.convert_to_fp8` when built: an
-  :class:`~fp8tensor.Fp8MasterWeight` weight and :func:`fp8tensor.fp8_linear` forward (all three GEMMs in fp8 per
-  the recipe); TP shards the master, FSDP2 all-gathers it in fp8, ``init_weights`` initializes it.
+* :class:`Fp8TensorLinear` — torchtitan's ``Linear`` converted by :func:`fp8tensor.convert_to_fp8` when built: the
+  :func:`fp8tensor.fp8_linear` forward (all three GEMMs in fp8 per the recipe) and, by ``convert_to_fp8``'s rule, an
+  :class:`~fp8tensor.Fp8MasterWeight` weight that FSDP2 all-gathers in fp8 (across hosts) or a plain weight that it
+  all-gathers in bf16 (one host over NCCL); TP shards it, ``init_weights`` initializes it.
 * :class:`Fp8TensorGroupedExperts` — torchtitan's MoE ``GroupedExperts`` converted likewise: master expert weights,
   its ``torch._grouped_mm`` calls run :func:`fp8tensor.grouped.fp8_grouped_mm` (``docs/moe.md``).
 * :class:`Fp8TensorConverter` — a ``ModelConfigConverter`` (options ``recipe``, ``filter_fqns``, ``size_rule``)

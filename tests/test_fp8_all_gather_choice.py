@@ -1,21 +1,64 @@
-"""``convert_to_fp8(..., fp8_all_gather=...)``: True (default) makes each weight a master that FSDP2 all-gathers in
-fp8; False keeps plain Parameters (FSDP2 gathers them in its ``param_dtype``); the choice is stored on each Linear,
-a non-bool is refused before anything changes, and both train alike against float64."""
+"""``convert_to_fp8(..., fp8_all_gather=...)``: True makes each weight a master that FSDP2 all-gathers in fp8; False
+keeps plain Parameters (FSDP2 gathers them in its ``param_dtype``); None (default) applies the documented rule (bf16
+within one host over NCCL, fp8 across hosts, with other backends or without a process group). The choice is stored
+on each Linear, a value that is not None or a bool is refused before anything changes, and both train alike against
+float64."""
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 import fp8tensor
+from fp8tensor.distributed import fsdp_state
 from fp8tensor.master import Fp8MasterWeight
+
 
 def _model():
     torch.manual_seed(torch.initial_seed())  # (the test's seed, set and printed by conftest: same weights twice)
     return nn.Sequential(nn.Linear(32, 64, bias=False), nn.Linear(64, 32, bias=False))
 
 
-def test_default_is_the_fp8_all_gather():
+def test_default_without_a_process_group_is_the_fp8_all_gather():
+    assert not dist.is_initialized()
+    assert fsdp_state.fp8_all_gather_default() is True
     m = fp8tensor.convert_to_fp8(_model())
     assert all(isinstance(lin.weight, Fp8MasterWeight) and lin.fp8_all_gather is True for lin in m)
+
+
+@pytest.mark.parametrize("backend,world,local_env,gpus,expected", [
+    ("gloo", 1, "1", 1, True),          # not NCCL: fp8 (CPU / gloo jobs)
+    ("nccl", 1, "1", 1, False),         # one GPU
+    ("nccl", 8, "8", 8, False),         # one host of 8 GPUs (torchrun's LOCAL_WORLD_SIZE)
+    ("nccl", 16, "8", 8, True),         # two hosts
+    ("nccl", 8, None, 8, False),        # no LOCAL_WORLD_SIZE: the world fits this host's GPUs
+    ("nccl", 16, None, 8, True),        # ... or it does not
+    ("cpu:gloo,cuda:nccl", 4, "4", 4, False),
+])
+def test_rule(monkeypatch, backend, world, local_env, gpus, expected):
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda *a: backend)
+    monkeypatch.setattr(dist, "get_world_size", lambda *a: world)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    if local_env is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local_env)
+    assert fsdp_state.fp8_all_gather_default() is expected
+    m = fp8tensor.convert_to_fp8(_model())
+    assert all(isinstance(lin.weight, Fp8MasterWeight) is expected and lin.fp8_all_gather is expected for lin in m)
+
+
+def test_the_rule_never_drops_a_master(monkeypatch):
+    # a master converted before keeps its fp8 all-gather when a later default conversion's rule says bf16 (silently:
+    # only an explicit False is warned about)
+    m = fp8tensor.convert_to_fp8(_model(), fp8_all_gather=True)
+    monkeypatch.setattr(fsdp_state, "fp8_all_gather_default", lambda: False)
+    monkeypatch.setattr("fp8tensor.conversion.convert.fp8_all_gather_default", lambda: False)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fp8tensor.convert_to_fp8(m, recipe="rowwise_gw_hp")
+    assert all(isinstance(lin.weight, Fp8MasterWeight) and lin.fp8_all_gather for lin in m)
 
 
 @pytest.mark.parametrize("choice", [True, False])
@@ -39,11 +82,11 @@ def test_explicit_choice_is_kept_and_trains(choice):
         assert ((g - gr).norm() / gr.norm()).item() < 2 * bound, torch.initial_seed()
 
 
-@pytest.mark.parametrize("bad", ["yes", 1, None])
+@pytest.mark.parametrize("bad", ["yes", 1, 0.0])
 def test_non_bool_raises_before_any_change(bad):
     m = _model()
     w = m[0].weight
-    with pytest.raises(TypeError, match="convert_to_fp8: fp8_all_gather must be True or False"):
+    with pytest.raises(TypeError, match="convert_to_fp8: fp8_all_gather must be None, True or False"):
         fp8tensor.convert_to_fp8(m, fp8_all_gather=bad)
     assert m[0].weight is w and type(w) is nn.Parameter and not hasattr(m[0], "fp8_recipe")
 

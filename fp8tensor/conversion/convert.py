@@ -21,7 +21,7 @@ from ..core import compat
 from . import checkpoint as _checkpoint
 from ..numerics.quantize import E4M3, check_float8_dtype
 from ..distributed.fsdp_state import check_fsdp_sharded as _check_fsdp_sharded
-from ..distributed.fsdp_state import refresh_fsdp_param
+from ..distributed.fsdp_state import fp8_all_gather_default, refresh_fsdp_param
 from .export import add_model_export_hook, add_tp_export_hook, refuse_tp_export
 from ..training.master import Fp8MasterWeight
 from .modules import (Fp8GroupedExpertsMixin, Fp8Linear, Fp8LinearMixin, _new_converted, add_fp8_checkpoint_hooks,
@@ -212,7 +212,7 @@ def _convert_experts(root: nn.Module, chosen, r, skipped: list) -> None:
 
 def convert_to_fp8(
     module: nn.Module, *, recipe="rowwise", module_filter_fn: Optional[FilterFn] = None,
-    size_rule: Optional[bool] = None, fp8_all_gather: bool = True,
+    size_rule: Optional[bool] = None, fp8_all_gather: Optional[bool] = None,
 ) -> nn.Module:
     """Convert every ``nn.Linear`` of ``module`` (in place) to fp8 training with high-precision master weights.
 
@@ -264,21 +264,22 @@ def convert_to_fp8(
             the filter selects with ``recipe`` (False); None (default): ``fp8tensor.get_config().size_rule``
             (default False).
             Applied after ``module_filter_fn``.
-        fp8_all_gather: True (default): each weight becomes an :class:`Fp8MasterWeight`, which FSDP2 all-gathers in
-            fp8 with its row scales (``K + 4`` bytes per row instead of ``2 K``; the shard is quantized once, before
-            the all-gather). False: the weight stays a plain Parameter that FSDP2 all-gathers in its ``param_dtype``
+        fp8_all_gather: True: each weight becomes an :class:`Fp8MasterWeight`, which FSDP2 all-gathers in fp8 with
+            its row scales (``K + 4`` bytes per row instead of ``2 K``; the shard is quantized once, before the
+            all-gather). False: the weight stays a plain Parameter that FSDP2 all-gathers in its ``param_dtype``
             (its foreach copy-in, no extension hooks), and each Linear quantizes the gathered weight on use, inside
-            its compiled block: less host time per step, more GPU time (docs/fsdp.md has the measured trade-off;
-            consider False for small models trained without a whole-step graph, whose steps wait on the host).
-            Stored on each Linear (``module.fp8_all_gather``). Grouped-experts weights always become master weights
-            (gathered in fp8). A Linear whose weight is already a master keeps it (a warning names them).
+            its compiled block: less host time per step, a little more GPU time. None (default): False when the job
+            runs on one host over NCCL, True otherwise (:func:`fp8tensor.distributed.fsdp_state.
+            fp8_all_gather_default`; docs/fsdp.md has the rule and the measured trade-off). Stored on each Linear
+            (``module.fp8_all_gather``). Grouped-experts weights always become master weights (gathered in fp8). A
+            Linear whose weight is already a master keeps it (a warning names them when False was asked for).
 
     Returns:
         ``module`` itself.
 
     Raises:
         TypeError: ``module`` is not an ``nn.Module``, the filter is not callable, the recipe is neither a name
-            nor a :class:`Recipe`, ``size_rule`` is not None or a bool, or ``fp8_all_gather`` is not a bool.
+            nor a :class:`Recipe`, or ``size_rule`` or ``fp8_all_gather`` is not None or a bool.
         ValueError: unknown recipe.
         RuntimeError: ``module_filter_fn`` raised, a Linear is currently unsharded by FSDP2, a Linear that is not
             converted shares its weight with one that is, or a forward set on a Linear instance holds the Linear's
@@ -289,8 +290,11 @@ def convert_to_fp8(
     r = get_recipe(recipe)
     if size_rule is not None and not isinstance(size_rule, bool):
         raise TypeError(f"convert_to_fp8: size_rule must be None, True or False, got {size_rule!r}")
-    if not isinstance(fp8_all_gather, bool):
-        raise TypeError(f"convert_to_fp8: fp8_all_gather must be True or False, got {fp8_all_gather!r}")
+    if fp8_all_gather is not None and not isinstance(fp8_all_gather, bool):
+        raise TypeError(f"convert_to_fp8: fp8_all_gather must be None, True or False, got {fp8_all_gather!r}")
+    asked_plain = fp8_all_gather is False  # (re-converting a master with the rule's False keeps it silently)
+    if fp8_all_gather is None:
+        fp8_all_gather = fp8_all_gather_default()
     use_size_rule = get_config().size_rule if size_rule is None else size_rule
     chosen = _select_linears(module, module_filter_fn, op)
     _check_fsdp_sharded([lin.weight for _, lin in chosen], op)
@@ -312,7 +316,7 @@ def convert_to_fp8(
             if lr is None:  # (the size rule does not undo a conversion: said in the warning below)
                 stay_fp8.append(f"{fqn or '<root>'} ({lin.in_features}->{lin.out_features})")
                 lr = r
-            if not fp8_all_gather:
+            if asked_plain:
                 keep_masters.append(fqn or "<root>")
             local.recipe = lr
         elif isinstance(local, ScaledFp8Tensor):

@@ -141,7 +141,7 @@ def grouped_2d3d(aq, a_scale, bq, b_scale, offs, out_dtype, *, fast_accum: bool)
     if _traced(offs):  # no per-group host loop: every expert's GEMM on all rows, masked (E times the flops)
         a = aq.float() * a_scale[:, None]
         out = (torch.matmul(a, bq.float() * b_scale[:, None, :]) * _group_masks(offs, M)[:, :, None]).sum(0)
-        # (no no-op ``.to``: returned by an autograd Function that torch 2.11's dynamo traces, its grad is zeroed)
+        # (no no-op ``.to``: torch 2.11's dynamo zeroes the grad of a Function returning one, docs/pytorch_issues.md)
         return out if out.dtype == out_dtype else out.to(out_dtype)
     out = torch.zeros(M, N, dtype=out_dtype, device=aq.device)
     start = 0

@@ -465,12 +465,12 @@ def block_tp_plan(*, sequence_parallel: bool = True) -> dict:
 def exclude_experts_from_compile(moe: "MoE") -> None:
     """Run ``moe.experts`` eagerly inside a ``torch.compile``-d block (in place; parameter names unchanged).
 
-    fp8tensor's fp8 grouped-experts modules do not compile yet (docs/moe.md): with this, :class:`MoE` calls its
-    experts through :func:`run_experts_eagerly` (``torch.compiler.disable``), so the block's compiled graph breaks
-    around them and they run as in eager mode, fp8 grouped GEMMs included; the router, the token permutation, the
-    shared expert and the rest of the block compile. The switch is a plain attribute (``moe.eager_experts``), so
-    ``copy.deepcopy`` and ``torch.save`` of the module keep working. bf16 models get the same split, so the two
-    compare like for like."""
+    fp8tensor's fp8 grouped-experts modules compile too (docs/moe.md), but on the CPU as masked GEMMs over every
+    expert. With this, :class:`MoE` calls its experts through :func:`run_experts_eagerly` (``torch.compiler.disable``),
+    so the block's compiled graph breaks around them and they run as in eager mode, fp8 grouped GEMMs included; the
+    router, the token permutation, the shared expert and the rest of the block compile. The switch is a plain
+    attribute (``moe.eager_experts``), so ``copy.deepcopy`` and ``torch.save`` of the module keep working. bf16 models
+    get the same split, so the two compare like for like."""
     moe.eager_experts = True
 
 

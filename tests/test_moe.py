@@ -446,7 +446,7 @@ def test_whole_model_pickle_then_convert_again_is_bit_identical():
 
 
 def test_torchtitan_filter_keeps_routed_experts_in_high_precision():
-    """docs/torchtitan.md's advice for compiled MoE jobs: ``filter_fqns=["routed_experts"]`` leaves torchtitan's
+    """docs/torchtitan.md's advice for fast MoE jobs: ``filter_fqns=["routed_experts"]`` leaves torchtitan's
     grouped experts in high precision and still converts the shared experts' Linears."""
     pytest.importorskip("torchtitan")
     import torchtitan.models.deepseek_v3 as ds

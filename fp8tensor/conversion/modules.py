@@ -344,7 +344,8 @@ def uses_grouped_mm(cls: type) -> bool:
 def _grouped_experts_forward(self, *args, **kwargs):
     """``forward`` of converted grouped-experts modules: the module's own forward under
     :class:`~fp8tensor.grouped.Fp8GroupedMMMode`, so its ``torch._grouped_mm`` calls with the converted expert weights
-    run :func:`~fp8tensor.grouped.fp8_grouped_mm` (also when the weight is the fp8 weight FSDP2 all-gathered)."""
+    run :func:`~fp8tensor.grouped.fp8_grouped_mm` (also when the weight is the fp8 weight FSDP2 all-gathered).
+    Compiles with ``fullgraph=True`` (docs/moe.md, "Compiled")."""
     with Fp8GroupedMMMode(self.fp8_recipe):
         return type(self)._fp8_base.forward(self, *args, **kwargs)
 

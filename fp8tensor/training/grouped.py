@@ -19,6 +19,14 @@ without tokens gets an exact zero gradient), so any offsets work. Without ``torc
 ``grouped_gemm_kernel=False``) the same operands go through a per-group loop over ``torch._scaled_mm``: the same
 numerics. Quantization uses the row-wise and per-group column kernels of :mod:`fp8tensor.kernels` on CUDA, else the
 plain ops of :mod:`fp8tensor.quantize` (same formula).
+
+Under ``torch.compile`` dynamo does not hand ``torch._grouped_mm`` to torch-function handlers (it is not in
+``torch.overrides.get_overridable_functions()``): it records the call, with the master weight as an argument, as one
+graph node, and AOTAutograd's trace of that node runs :class:`~fp8tensor.master.Fp8MasterWeight`'s
+``__torch_function__``, i.e. :func:`fp8_grouped_mm` on fake tensors. Where the offsets cannot be read on the host
+(traced, fake or functional tensors) nothing loops over the groups: a GEMM without the fused kernel (CPU) runs every
+expert on all rows, masked to its group (the same quantized operands, ``E`` times the flops), and ``offs`` is not
+validated.
 """
 from __future__ import annotations
 
@@ -95,6 +103,21 @@ def _rows_to_16(a: torch.Tensor, scale: torch.Tensor):
     return a, torch.cat([scale, scale.new_ones(pad, scale.shape[1])])
 
 
+def _traced(offs: torch.Tensor) -> bool:
+    """Whether ``offs`` has no values the host can read now: dynamo is tracing, or ``offs`` is the fake / functional
+    tensor of dynamo's fake propagation or AOTAutograd's trace (where torch 2.11's ``is_compiling()`` is False).
+    The GEMMs then use their masked formulation and the offsets are not validated (no ``.tolist()`` / ``bool()``)."""
+    return compat.is_compiling() or type(offs) is not torch.Tensor
+
+
+def _group_masks(ends: torch.Tensor, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``(E, n)`` of ``dtype``: 1 where index ``i`` lies in group ``e`` (``ends[e-1] <= i < ends[e]``), else 0."""
+    ends = ends.to(torch.int64)
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    i = torch.arange(n, device=ends.device)
+    return ((i >= starts[:, None]) & (i < ends[:, None])).to(dtype)
+
+
 def grouped_2d3d(aq, a_scale, bq, b_scale, offs, out_dtype, *, fast_accum: bool) -> torch.Tensor:
     """``out[rows of e] = (aq * a_scale)[rows of e] @ (bq[e] * b_scale[e])``.
 
@@ -106,13 +129,19 @@ def grouped_2d3d(aq, a_scale, bq, b_scale, offs, out_dtype, *, fast_accum: bool)
     Returns:
         ``(M, N)`` of ``out_dtype`` (rows past ``offs[-1]``: zeros on the per-group path, unwritten by the fused
         kernel as by ``torch._grouped_mm``). ``torch._scaled_grouped_mm`` where it runs (``grouped_gemm_kernel`` of
-        :class:`fp8tensor.Config`; ``K`` and ``N`` multiples of 16), else a per-group loop over ``torch._scaled_mm``.
+        :class:`fp8tensor.Config`; ``K`` and ``N`` multiples of 16), else a per-group loop over ``torch._scaled_mm``
+        (traced: one masked batched GEMM in float32).
     """
     M, K = aq.shape
     E, _, N = bq.shape
     if _fused_ok(aq, bq) and K % 16 == 0 and N % 16 == 0 and M > 0:
         out = torch._scaled_grouped_mm(aq, bq, a_scale, b_scale, offs=offs, out_dtype=torch.bfloat16,
                                        use_fast_accum=fast_accum)
+        return out if out.dtype == out_dtype else out.to(out_dtype)
+    if _traced(offs):  # no per-group host loop: every expert's GEMM on all rows, masked (E times the flops)
+        a = aq.float() * a_scale[:, None]
+        out = (torch.matmul(a, bq.float() * b_scale[:, None, :]) * _group_masks(offs, M)[:, :, None]).sum(0)
+        # (no no-op ``.to``: torch 2.11's dynamo zeroes the grad of a Function returning one, docs/pytorch_issues.md)
         return out if out.dtype == out_dtype else out.to(out_dtype)
     out = torch.zeros(M, N, dtype=out_dtype, device=aq.device)
     start = 0
@@ -146,6 +175,10 @@ def grouped_2d2d(aq_t, a_scale, bq_t, b_scale, pad_ends, out_dtype, *, fast_accu
         out = torch._scaled_grouped_mm(aq_t, bq_t.t(), a_scale.reshape(-1), b_scale.reshape(-1), offs=pad_ends,
                                        out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
         return out if out.dtype == out_dtype else out.to(out_dtype)
+    if _traced(pad_ends):  # each expert's GEMM over all (padded) tokens, the others masked out
+        a = aq_t.float() * _group_masks(pad_ends, M_pad)[:, None, :]
+        out = torch.matmul(a, bq_t.float().t()) * a_scale[:, :, None] * b_scale[:, None, :]
+        return out if out.dtype == out_dtype else out.to(out_dtype)
     out = torch.zeros(E, N, K, dtype=out_dtype, device=aq_t.device)
     start = 0
     for e, end in enumerate(pad_ends.tolist()):
@@ -163,6 +196,8 @@ def _grouped_hp_weight_grad(gy: torch.Tensor, x: torch.Tensor, offs: torch.Tenso
     a per-group ``mm`` in the operands' dtype)."""
     if gy.dtype == torch.bfloat16 and x.dtype == torch.bfloat16 and E > 0 and gy.shape[0] > 0:
         return torch._grouped_mm(gy.t(), x, offs=offs)
+    if _traced(offs):  # masked, as grouped_2d2d
+        return torch.matmul(gy.t() * _group_masks(offs, gy.shape[0], gy.dtype)[:, None, :], x)
     out = gy.new_zeros(E, gy.shape[1], x.shape[1])
     start = 0
     for e, end in enumerate(offs.tolist()):
@@ -210,7 +245,7 @@ def _check(a, b, offs, op: str) -> None:
     if offs.device != a.device or bd.device != a.device:
         raise RuntimeError(f"{op}: input, weights and offs must be on one device, got {a.device}, {bd.device} "
                            f"and {offs.device}")
-    if not offs.is_cuda and offs.numel():  # (a check on CUDA would be a host sync per GEMM)
+    if not offs.is_cuda and offs.numel() and not _traced(offs):  # (a check on CUDA would be a host sync per GEMM)
         o = offs.to(torch.int64)
         if bool((o[1:] < o[:-1]).any()) or int(o[0]) < 0 or int(o[-1]) > a.shape[0]:
             raise ValueError(f"{op}: offs must be non-decreasing cumulative group ends within [0, {a.shape[0]}], "
@@ -428,6 +463,9 @@ class Fp8GroupedMMMode(torch.overrides.TorchFunctionMode):
     """While active, ``torch._grouped_mm`` / ``F.grouped_mm`` of 2-D tokens with 3-D expert weights that are a master
     weight or a ScaledFp8Tensor runs :func:`fp8_grouped_mm`, and a dtype cast of a master (``w.bfloat16()``) keeps
     it a master. Converted grouped-experts modules run their ``forward`` under it; everything else is unchanged.
+    Inside ``torch.compile`` dynamo applies the casts but records ``torch._grouped_mm`` without calling the mode: a
+    master weight's own ``__torch_function__`` runs :func:`fp8_grouped_mm` there (see the module docstring), a
+    ScaledFp8Tensor's GEMM runs the op table's fp8 forward (below autograd).
 
     Args:
         recipe: the recipe for ScaledFp8Tensor weights (a master uses its own).

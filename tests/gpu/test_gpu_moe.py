@@ -141,3 +141,64 @@ def test_converted_grouped_experts_train_on_cuda():
     assert rel(y, y_ref) <= math.sqrt(2) * BOUND + 2.0**-7
     assert rel(m.w1.grad, ref.w1.grad) <= 2 * BOUND
     assert rel(m.w2.grad, ref.w2.grad) <= 2 * BOUND
+
+
+class _Experts(nn.Module):
+    """Two-GEMM grouped experts with torchtitan's casts (bf16 operands, output cast back)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(8, 512, 256, device=DEV) * 0.05)
+        self.w2 = nn.Parameter(torch.randn(8, 256, 512, device=DEV) * 0.05)
+
+    def forward(self, x, counts):
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        h = F.silu(torch._grouped_mm(x.bfloat16(), self.w1.bfloat16().transpose(-2, -1), offs=offs))
+        return torch._grouped_mm(h, self.w2.bfloat16().transpose(-2, -1), offs=offs).type_as(x)
+
+
+class _Block(nn.Module):
+    """A MoE block's shape: a Linear, then the grouped experts on the tokens sorted by expert, and a residual."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(256, 256, bias=False, device=DEV)
+        self.experts = _Experts()
+
+    def forward(self, x, counts):
+        return x + self.experts(self.proj(x), counts)
+
+
+def test_compiled_moe_block_matches_eager_on_cuda():
+    """``torch.compile(block, fullgraph=True)`` (inductor) of a block with converted grouped experts, as torchtitan
+    compiles MoE blocks: output, input gradient and every weight's gradient as eager's within the fp8 GEMM bound
+    (the same fp8 GEMMs; inductor fuses the quantizations, so a rounding may flip), and the compiled GEMMs are fp8
+    (the experts' output differs from the high-precision block's). Offsets stay on the device; uneven groups, empty
+    ones, unaligned totals, then a second size (a recompile with a dynamic token count)."""
+    import copy
+
+    from fp8tensor import convert_to_fp8
+
+    hp = _Block()
+    block = copy.deepcopy(hp)
+    convert_to_fp8(block)
+    assert isinstance(block.experts.w1, Fp8MasterWeight) and isinstance(block.proj.weight, Fp8MasterWeight)
+    torch._dynamo.reset()
+    compiled = torch.compile(copy.deepcopy(block), fullgraph=True)
+    for sizes in ([100, 0, 37, 300, 5, 64, 0, 17], [1, 250, 0, 0, 90, 3, 33, 7]):
+        counts = torch.tensor(sizes, device=DEV)
+        x = torch.randn(sum(sizes), 256, device=DEV)
+        g = torch.randn(sum(sizes), 256, device=DEV)
+        runs = []
+        for m in (block, compiled, hp):
+            xr = x.clone().requires_grad_()
+            y = m(xr, counts)
+            y.backward(g)
+            base = getattr(m, "_orig_mod", m)
+            runs.append((y.detach(), xr.grad, {n: p.grad.clone() for n, p in base.named_parameters()}))
+            base.zero_grad(set_to_none=True)
+        (y_e, gx_e, gw_e), (y_c, gx_c, gw_c), (y_hp, _, _) = runs
+        assert rel(y_c, y_e) <= BOUND and rel(gx_c, gx_e) <= BOUND, sizes
+        for n, g_e in gw_e.items():
+            assert rel(gw_c[n], g_e) <= BOUND, (sizes, n)
+        assert rel(y_c - x, y_hp - x) > 1e-3, sizes  # the compiled GEMMs ran in fp8

@@ -350,16 +350,6 @@ def convert_to_fp8(
     return module
 
 
-def _check_finite_weight(w: torch.Tensor, what: str) -> None:
-    """``check_finite_rows`` of a weight's high-precision values (the local shard of a DTensor, a master's data);
-    fp8 weights are skipped."""
-    local = compat.local_tensor(w) if _is_dtensor(w) else w
-    local = local._data if isinstance(local, Fp8MasterWeight) else local
-    if isinstance(local, ScaledFp8Tensor) or not local.dtype.is_floating_point:
-        return
-    check_finite_rows(local.detach(), what)
-
-
 def quantize_weights(
     module: nn.Module, *, module_filter_fn: Optional[FilterFn] = None, float8_dtype: torch.dtype = E4M3
 ) -> nn.Module:
@@ -413,7 +403,10 @@ def quantize_weights(
         warnings.warn(f"{op}: left in high precision: {', '.join(skipped)}", stacklevel=2)
     for fqn, mod, names in [(fqn, lin, ("weight",)) for fqn, lin in chosen] + experts:
         for n in names:  # inf / NaN rows raise before any change (quantized, they would be all NaN)
-            _check_finite_weight(getattr(mod, n), f"{op}: {fqn + '.' if fqn else ''}{n}")
+            local = compat.local_tensor(getattr(mod, n)) if _is_dtensor(getattr(mod, n)) else getattr(mod, n)
+            local = local._data if isinstance(local, Fp8MasterWeight) else local  # (a DTensor's shard, a master's data)
+            if not isinstance(local, ScaledFp8Tensor) and local.dtype.is_floating_point:  # (fp8 weights skipped)
+                check_finite_rows(local.detach(), f"{op}: {fqn + '.' if fqn else ''}{n}")
     classes = {fqn: fp8_class(type(lin)) for fqn, lin in chosen}  # before any change: a failure leaves no trace
     shared: dict = {}  # id(old weight) -> (old weight, its fp8 Parameter): Linears sharing a weight share the fp8 one
     for fqn, lin in chosen:

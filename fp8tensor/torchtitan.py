@@ -46,14 +46,6 @@ else:
     _IMPORT_ERROR = None
 
 
-def _missing(name: str):
-    raise ImportError(
-        f"fp8tensor.torchtitan.{name} needs torchtitan {TORCHTITAN_VERSION} importable "
-        f"({type(_IMPORT_ERROR).__name__}: {_IMPORT_ERROR}). Install it with "
-        f"`pip install torchtitan=={TORCHTITAN_VERSION}` (docs/torchtitan.md lists the minimal set of "
-        "dependencies); fp8tensor.convert_to_fp8 works without it.") from _IMPORT_ERROR
-
-
 def _selected(config: Any, fqn: str, filter_fqns: list[str]) -> bool:
     """A plain ``Linear.Config`` (subclasses have their own forward) with dims multiples of 16 (fp8 GEMMs) and an
     FQN containing none of ``filter_fqns``."""
@@ -219,6 +211,10 @@ else:
 
     def __getattr__(name: str):
         if name in __all__:
-            _missing(name)
+            raise ImportError(
+                f"fp8tensor.torchtitan.{name} needs torchtitan {TORCHTITAN_VERSION} importable "
+                f"({type(_IMPORT_ERROR).__name__}: {_IMPORT_ERROR}). Install it with "
+                f"`pip install torchtitan=={TORCHTITAN_VERSION}` (docs/torchtitan.md lists the minimal set of "
+                "dependencies); fp8tensor.convert_to_fp8 works without it.") from _IMPORT_ERROR
         raise AttributeError(f"module 'fp8tensor.torchtitan' has no attribute {name!r}")
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import sys
+import warnings
 from typing import Mapping, Optional
 
 import torch
@@ -105,26 +106,18 @@ def load_safetensors(module: torch.nn.Module, path, *, strict: bool = True):
     state: dict = {}
     for f in files:
         state.update(load_file(str(f)))
-    _warn_dtype_mismatch(module, state)
-    return module.load_state_dict(state, strict=strict)
-
-
-def _warn_dtype_mismatch(module: torch.nn.Module, state: dict) -> None:
-    """Warn when the checkpoint's high-precision tensors have another dtype than the model's (``load_state_dict``
-    casts them silently)."""
-    own = module.state_dict()
+    own = module.state_dict()  # high-precision tensors of another dtype than the model's: load_state_dict casts them
     diff = [(k, v.dtype, own[k].dtype) for k, v in state.items()
             if k in own and v.dtype.is_floating_point and v.dtype not in FLOAT8_DTYPES
             and own[k].dtype.is_floating_point and own[k].dtype not in FLOAT8_DTYPES and v.dtype != own[k].dtype]
     if diff:
-        import warnings
-
         k, saved, model = diff[0]
         warnings.warn(
             f"fp8tensor.load_safetensors: {len(diff)} checkpoint tensors are {saved} where the model's are {model} "
             f"(e.g. {k!r}): load_state_dict casts them and the model computes in {model}, so its outputs differ "
             f"from the saved model's; build the model in {saved} to serve it as saved (Hugging Face: "
             f"AutoModelForCausalLM.from_config(config, dtype={saved}), then quantize_weights)", UserWarning, stacklevel=2)
+    return module.load_state_dict(state, strict=strict)
 
 
 def state_dict_hook(module, state_dict, prefix, local_metadata):

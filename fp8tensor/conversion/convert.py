@@ -51,24 +51,23 @@ def _new_converted_experts(base: type):
     """Unpickling helper of grouped-experts modules pickled by fp8tensor before the class skeleton was shared."""
     return _new_converted(base, Fp8GroupedExpertsMixin)
 
+
+def _wanted(module_filter_fn: Optional[FilterFn], mod: nn.Module, fqn: str, op: str) -> bool:
+    if module_filter_fn is None:
+        return True
+    try:
+        return module_filter_fn(mod, fqn)
+    except Exception as e:  # the model is still untouched here
+        raise RuntimeError(f"{op}: module_filter_fn raised for module {fqn!r}; the model was not changed") from e
+
+
 def _select_linears(module: nn.Module, module_filter_fn: Optional[FilterFn], op: str):
     if not isinstance(module, nn.Module):
         raise TypeError(f"{op}: expected an nn.Module, got {type(module).__name__}")
     if module_filter_fn is not None and not callable(module_filter_fn):
         raise TypeError(f"{op}: module_filter_fn must be callable (module, fqn) -> bool")
-    chosen = []
-    for fqn, mod in module.named_modules():
-        if not isinstance(mod, nn.Linear):
-            continue
-        if module_filter_fn is not None:
-            try:
-                keep = module_filter_fn(mod, fqn)
-            except Exception as e:  # the model is still untouched here
-                raise RuntimeError(f"{op}: module_filter_fn raised for module {fqn!r}; the model was not changed") from e
-            if not keep:
-                continue
-        chosen.append((fqn, mod))
-    return chosen
+    return [(fqn, mod) for fqn, mod in module.named_modules()
+            if isinstance(mod, nn.Linear) and _wanted(module_filter_fn, mod, fqn, op)]
 
 
 def _drop_custom_forwards(chosen, op: str):
@@ -168,16 +167,9 @@ def _select_experts(module: nn.Module, module_filter_fn: Optional[FilterFn], op:
         names = [n for n, p in compat.parameters_dict(mod).items()
                  if p is not None and p.dim() == 3 and (p.dtype.is_floating_point or isinstance(
                      compat.local_tensor(p) if _is_dtensor(p) else p, ScaledFp8Tensor))]
-        if not names or not (isinstance(mod, Fp8GroupedExpertsMixin) or uses_grouped_mm(type(mod))):
-            continue
-        if module_filter_fn is not None:
-            try:
-                keep = module_filter_fn(mod, fqn)
-            except Exception as e:
-                raise RuntimeError(f"{op}: module_filter_fn raised for module {fqn!r}; the model was not changed") from e
-            if not keep:
-                continue
-        chosen.append((fqn, mod, names))
+        if (names and (isinstance(mod, Fp8GroupedExpertsMixin) or uses_grouped_mm(type(mod)))
+                and _wanted(module_filter_fn, mod, fqn, op)):
+            chosen.append((fqn, mod, names))
     return chosen
 
 
@@ -348,32 +340,18 @@ def convert_to_fp8(
     module.fp8_skipped = skipped
     module.fp8_grad_weight_hp = gw_hp
     if skipped:
-        warnings.warn(
-            f"{op}: left in high precision: {', '.join(skipped)}", stacklevel=2
-        )
+        warnings.warn(f"{op}: left in high precision: {', '.join(skipped)}", stacklevel=2)
     if stay_fp8:
         warnings.warn(
             f"{op}: already converted, so they stay fp8 with recipe {r.name!r} although the size rule would keep them "
             f"in high precision (it does not undo a conversion; apply it to an unconverted model): "
-            f"{', '.join(stay_fp8)}", stacklevel=2
-        )
+            f"{', '.join(stay_fp8)}", stacklevel=2)
     if keep_masters:
         warnings.warn(
             f"{op}: fp8_all_gather=False does not apply to Linears whose weight is already a master weight (converted "
             f"before with the fp8 all-gather); they keep it: {', '.join(keep_masters)}. Convert an unconverted model "
-            "to gather its weights in high precision", stacklevel=2
-        )
+            "to gather its weights in high precision", stacklevel=2)
     return module
-
-
-def _check_finite_weight(w: torch.Tensor, what: str) -> None:
-    """``check_finite_rows`` of a weight's high-precision values (the local shard of a DTensor, a master's data);
-    fp8 weights are skipped."""
-    local = compat.local_tensor(w) if _is_dtensor(w) else w
-    local = local._data if isinstance(local, Fp8MasterWeight) else local
-    if isinstance(local, ScaledFp8Tensor) or not local.dtype.is_floating_point:
-        return
-    check_finite_rows(local.detach(), what)
 
 
 def quantize_weights(
@@ -429,7 +407,10 @@ def quantize_weights(
         warnings.warn(f"{op}: left in high precision: {', '.join(skipped)}", stacklevel=2)
     for fqn, mod, names in [(fqn, lin, ("weight",)) for fqn, lin in chosen] + experts:
         for n in names:  # inf / NaN rows raise before any change (quantized, they would be all NaN)
-            _check_finite_weight(getattr(mod, n), f"{op}: {fqn + '.' if fqn else ''}{n}")
+            local = compat.local_tensor(getattr(mod, n)) if _is_dtensor(getattr(mod, n)) else getattr(mod, n)
+            local = local._data if isinstance(local, Fp8MasterWeight) else local  # (a DTensor's shard, a master's data)
+            if not isinstance(local, ScaledFp8Tensor) and local.dtype.is_floating_point:  # (fp8 weights skipped)
+                check_finite_rows(local.detach(), f"{op}: {fqn + '.' if fqn else ''}{n}")
     classes = {fqn: fp8_class(type(lin)) for fqn, lin in chosen}  # before any change: a failure leaves no trace
     shared: dict = {}  # id(old weight) -> (old weight, its fp8 Parameter): Linears sharing a weight share the fp8 one
     for fqn, lin in chosen:

@@ -7,6 +7,9 @@ functions here, so a torch upgrade that moves one of them breaks (or is fixed) i
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils import _pytree
+from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes  # (no mode active inside)
 
 __all__ = ["TORCH_VERSION", "register_foreach_type", "local_tensor", "set_local_tensor", "dtensor_spec",
            "dispatch_modes_active", "function_modes_active", "functorch_active", "fsdp_states", "fsdp_param_groups",
@@ -63,13 +66,6 @@ def prepend_forward_pre_hook(module: torch.nn.Module, hook):
     hooks.clear()
     hooks.update(items)
     return handle
-
-
-def disable_current_modes():
-    """Context manager: no dispatch mode is active inside (``torch.utils._python_dispatch._disable_current_modes``)."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    return _disable_current_modes()
 
 
 def is_functorch_wrapped(t: torch.Tensor) -> bool:
@@ -291,38 +287,13 @@ def wait_work(work) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ pytrees, fakes
-def tree_flatten(tree):
-    """``(leaves, spec)`` of a nested structure of lists, tuples and dicts (``torch.utils._pytree``)."""
-    from torch.utils import _pytree
-
-    return _pytree.tree_flatten(tree)
-
-
-def tree_unflatten(leaves, spec):
-    """Inverse of :func:`tree_flatten`."""
-    from torch.utils import _pytree
-
-    return _pytree.tree_unflatten(leaves, spec)
-
-
-def tree_leaves(tree) -> list:
-    """The leaves of a nested structure (``torch.utils._pytree.tree_leaves``)."""
-    from torch.utils import _pytree
-
-    return _pytree.tree_leaves(tree)
-
-
-def tree_map_only(cls, fn, tree):
-    """``fn`` applied to the leaves of type ``cls`` (``torch.utils._pytree.tree_map_only``)."""
-    from torch.utils import _pytree
-
-    return _pytree.tree_map_only(cls, fn, tree)
+#: Nested structures of lists, tuples and dicts (``torch.utils._pytree``, loaded by ``import torch``).
+tree_flatten, tree_unflatten = _pytree.tree_flatten, _pytree.tree_unflatten
+tree_leaves, tree_map_only = _pytree.tree_leaves, _pytree.tree_map_only
 
 
 def is_fake(t) -> bool:
     """Whether ``t`` is a ``FakeTensor`` (shapes without data, as ``torch.compile`` traces)."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
     return isinstance(t, FakeTensor)
 
 

@@ -95,10 +95,10 @@ class Config:
     state_dict_fp8: str = "subclass"
 
     def __post_init__(self):
-        _check_choice("gemm_backend", self.gemm_backend, GEMM_BACKENDS)
-        _check_choice("unknown_ops", self.unknown_ops, UNKNOWN_OPS)
-        _check_choice("compiled_quantization", self.compiled_quantization, COMPILED_QUANTIZATION)
-        _check_choice("state_dict_fp8", self.state_dict_fp8, STATE_DICT_FP8)
+        for name, choices in (("gemm_backend", GEMM_BACKENDS), ("unknown_ops", UNKNOWN_OPS),
+                              ("compiled_quantization", COMPILED_QUANTIZATION), ("state_dict_fp8", STATE_DICT_FP8)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"fp8tensor.config: unknown {name} {getattr(self, name)!r}; expected one of {choices}")
         for name in ("weight_only_decode", "grouped_gemm_kernel", "size_rule"):
             value = getattr(self, name)
             if type(value) is not bool:
@@ -107,11 +107,6 @@ class Config:
             m = getattr(self, name)
             if type(m) not in (int, float) or not (0 < m < float("inf")):
                 raise ValueError(f"fp8tensor.config: {name} must be a positive finite number, got {m!r}")
-
-
-def _check_choice(name: str, value, choices) -> None:
-    if value not in choices:
-        raise ValueError(f"fp8tensor.config: unknown {name} {value!r}; expected one of {choices}")
 
 
 _global = Config()

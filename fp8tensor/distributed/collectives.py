@@ -83,15 +83,19 @@ def _like(t: ScaledFp8Tensor, qbytes: torch.Tensor, scale: torch.Tensor, dims=No
     return make_scaled(qbytes.view(t.qdata.dtype), scale, t.orig_dtype, t.fast_accum, dims)
 
 
-_group_size = compat.process_group_size
-_unbox_wait = compat.wait_work
-
-
 # --------------------------------------------------------------------------------------------- functional
 def _serial(t: ScaledFp8Tensor) -> bool:
     """Whether ``t``'s collectives run one at a time, each waited on before the next: on the CPU (gloo), where two
     in flight on one group can corrupt the heap (``docs/pytorch_issues.md`` item 3). NCCL leaves both in flight."""
     return t.qdata.device.type == "cpu"
+
+
+def _data_and_scale(t: ScaledFp8Tensor, func, scale: torch.Tensor, *rest) -> tuple:
+    """``(func(bytes of t's data, *rest), func(scale, *rest))``; :func:`_serial`: the scale's first, each waited on."""
+    if _serial(t):
+        s = _funcol.wait_tensor.default(func(scale, *rest))
+        return _funcol.wait_tensor.default(func(_bytes(t.qdata), *rest)), s
+    return func(_bytes(t.qdata), *rest), func(scale, *rest)
 
 
 @implements(_dist_op("_c10d_functional.all_gather_into_tensor.default"))
@@ -106,14 +110,9 @@ def _all_gather_data_and_scales(func, args, kwargs):
     b = _bind(func, args, kwargs)
     t, group_size, group = b["input"], b["group_size"], b["group_name"]
     rows = t.shape[0]
-    if _serial(t):
-        s = _funcol.wait_tensor.default(func(t.scale.contiguous(), group_size, group))
-        q = _funcol.wait_tensor.default(func(_bytes(t.qdata), group_size, group))
-    else:
-        q = func(_bytes(t.qdata), group_size, group)
-        s = func(t.scale.contiguous(), group_size, group)
-        if rows == 1 or not t.scaled_dims[0]:
-            s = _funcol.wait_tensor.default(s)
+    q, s = _data_and_scale(t, func, t.scale.contiguous(), group_size, group)
+    if not _serial(t) and (rows == 1 or not t.scaled_dims[0]):
+        s = _funcol.wait_tensor.default(s)
     if not t.scaled_dims[0] and rows != 1:
         s = s.repeat_interleave(rows, dim=0)
     return _like(t, q, s, (True, *t.scaled_dims[1:]))
@@ -141,12 +140,7 @@ def _all_to_all_data_and_scales(func, args, kwargs):
     s = t.scale
     if not t.scaled_dims[0]:
         s = s.expand(t.shape[0], *s.shape[1:])
-    if _serial(t):
-        s = _funcol.wait_tensor.default(func(s.contiguous(), out_splits, in_splits, group))
-        q = _funcol.wait_tensor.default(func(_bytes(t.qdata), out_splits, in_splits, group))
-    else:
-        q = func(_bytes(t.qdata), out_splits, in_splits, group)
-        s = func(s.contiguous(), out_splits, in_splits, group)
+    q, s = _data_and_scale(t, func, s.contiguous(), out_splits, in_splits, group)
     return _like(t, q, s, (True, *t.scaled_dims[1:]))
 
 
@@ -161,7 +155,7 @@ def _shard_dim_alltoall_data_and_scales(func, args, kwargs):
     if not dims[gd]:
         shape[gd], dims[gd] = t.shape[gd], True
     if not dims[sd]:
-        shape[sd] = _group_size(group)
+        shape[sd] = compat.process_group_size(group)
     q = func(_bytes(t.qdata), gd, sd, group)
     s = func(t.scale.expand(shape).contiguous(), gd, sd, group)
     return _like(t, q, s, tuple(dims))
@@ -218,7 +212,7 @@ def _scatter_data_and_scales(func, args, kwargs):
     s_in = [[src.scale.expand(s_out.shape).contiguous() for src in srcs]] if ins else []
     rest = (b["process_group"], b["root_rank"], b["async_op"], b["timeout"])
     _, work = func([q_out], q_in, *rest)
-    _unbox_wait(work)
+    compat.wait_work(work)
     if q_out.data_ptr() != out.qdata.data_ptr():
         out.qdata.copy_(q_out.view(out.qdata.dtype))
     _, work = func([s_out], s_in, *rest)
@@ -246,7 +240,7 @@ def _broadcast_data_and_scale(func, args, kwargs):
     rest = (b["process_group"], b["root_rank"], b["root_tensor"], b["async_op"], b["timeout"])
     q = t.qdata.view(torch.uint8) if t.qdata.is_contiguous() else _bytes(t.qdata)
     _, work = func([q], *rest)
-    _unbox_wait(work)
+    compat.wait_work(work)
     if q.data_ptr() != t.qdata.data_ptr():
         t.qdata.copy_(q.view(t.qdata.dtype))
     _, work = func([_contiguous_scale(t)], *rest)

@@ -78,16 +78,6 @@ class _Fp8SequenceAllGather(torch.autograd.Function):
         return g, None
 
 
-def _shard_dim(x: torch.Tensor) -> Optional[int]:
-    """The (non-negative) sequence dim if ``x`` is a DTensor sharded once on a 1-D mesh, else None."""
-    if not isinstance(x, DTensor) or x.device_mesh.ndim != 1 or len(x.placements) != 1:
-        return None
-    p = x.placements[0]
-    if type(p) is not Shard:  # _StridedShard and friends are not plain row shards
-        return None
-    return p.dim + x.ndim if p.dim < 0 else p.dim
-
-
 def _why_not_fp8(x: torch.Tensor) -> Optional[tuple[type, str]]:
     """None if :func:`fp8_sequence_all_gather` can take ``x``, else ``(exception type, reason)``."""
     if not isinstance(x, DTensor):
@@ -98,10 +88,11 @@ def _why_not_fp8(x: torch.Tensor) -> Optional[tuple[type, str]]:
         return TypeError, "input is already fp8 (its local tensor is a ScaledFp8Tensor)"
     if x.ndim < 2:
         return ValueError, f"expected at least 2 dims (tokens x hidden), got shape {tuple(x.shape)}"
-    d = _shard_dim(x)
-    if d is None:
+    p = x.placements[0] if x.device_mesh.ndim == 1 and len(x.placements) == 1 else None
+    if type(p) is not Shard:  # (_StridedShard and friends are not plain row shards)
         return ValueError, (f"expected a DTensor on a 1-D mesh with placements (Shard(d),), got placements "
                             f"{x.placements} on a {x.device_mesh.ndim}-D mesh")
+    d = p.dim % x.ndim
     if d == x.ndim - 1:
         return ValueError, (f"the input is sharded on its last (hidden) dim (Shard({d})): per-token scales need "
                             "whole rows; shard the sequence dim instead")

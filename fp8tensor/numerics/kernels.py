@@ -185,20 +185,13 @@ if _HAS_TRITON:
 
 
 # ---------------------------------------------------------------------------------------------- eager launches
-def _triton_fast_launch_ok() -> bool:
-    # Triton >= 3.3: CompiledKernel.run(gx, gy, gz, stream, function, packed_metadata, launch_metadata, enter_hook,
-    # exit_hook, *arguments), the call JITFunction.run itself makes.
-    if not _HAS_TRITON:
-        return False
-    try:
-        major, minor = (int(p) for p in triton.__version__.split(".")[:2])
-        importlib.import_module("triton.knobs")  # (exists from Triton 3.3)
-    except Exception:  # pragma: no cover - unknown Triton layout
-        return False
-    return (major, minor) >= (3, 3)
-
-
-_FAST_OK = _triton_fast_launch_ok()
+# Triton >= 3.3: CompiledKernel.run(gx, gy, gz, stream, function, packed_metadata, launch_metadata, enter_hook,
+# exit_hook, *arguments), the call JITFunction.run itself makes (triton.knobs exists from Triton 3.3).
+try:
+    _FAST_OK = (_HAS_TRITON and tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 3)
+                and importlib.import_module("triton.knobs") is not None)
+except Exception:  # pragma: no cover - unknown Triton layout
+    _FAST_OK = False
 _LAUNCHERS: dict = {}
 
 
@@ -280,9 +273,7 @@ class _Launcher:
         from triton import knobs
 
         stream = compat.raw_cuda_stream(idx)
-        gx = grid[0]
-        gy = grid[1] if len(grid) > 1 else 1
-        gz = grid[2] if len(grid) > 2 else 1
+        gx, gy, gz = (*grid, 1, 1)[:3]
         enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
         meta = kernel.launch_metadata(grid, stream, *full) if enter is not None else None
         kernel.run(gx, gy, gz, stream, kernel.function, kernel.packed_metadata, meta, enter, leave, *full)
@@ -461,11 +452,9 @@ def _device_table(values: list, device: torch.device) -> torch.Tensor:
 def kernel_available(x: torch.Tensor) -> bool:
     """Whether the dim-0 kernels take ``x``: CUDA, fp32/bf16/fp16, at least one element, and either 2-D with unit
     inner stride (any row stride) or N-D contiguous (read as ``(numel / K, K)``)."""
-    return (_HAS_TRITON and x.is_cuda and x.dtype in _KERNEL_DTYPES and x.numel() > 0
-            and ((x.dim() == 2 and x.stride(1) == 1) or (x.dim() > 2 and x.is_contiguous())) and _dim0_in_range(x))
-
-
-def _dim0_in_range(x: torch.Tensor) -> bool:
+    if not (_HAS_TRITON and x.is_cuda and x.dtype in _KERNEL_DTYPES and x.numel() > 0
+            and ((x.dim() == 2 and x.stride(1) == 1) or (x.dim() > 2 and x.is_contiguous()))):
+        return False
     # The dim-0 kernels index with 32-bit offsets and put M / amax_chunk_m on the grid's second dim (at most 65535).
     K = x.shape[-1]
     M = x.numel() // K

@@ -170,10 +170,10 @@ def _reference_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype):
     return q.contiguous(), s
 
 
-def _dim0_t_body(x: torch.Tensor, float8_dtype: torch.dtype):
+def _dim0_t_body(x: torch.Tensor, float8_dtype: torch.dtype, traced: bool = True):
     if not kernels.kernel_available(x):
         return _reference_dim0_t(x, float8_dtype)
-    return kernels.launch_dim0_t(x, float8_dtype, SCALE_FLOOR, traced=True)
+    return kernels.launch_dim0_t(x, float8_dtype, SCALE_FLOOR, traced=traced)
 
 
 # triton ops (compiled graphs launch the kernels inline); CPU-only builds have no kernels to expose
@@ -264,10 +264,7 @@ _LIB = torch.library.Library("fp8tensor", "FRAGMENT")
 
 def _quantize_columns_after_impl(w: torch.Tensor, after: torch.Tensor, float8_dtype: torch.dtype
                                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    # quantize_dim0_t(w), eagerly; `after` is not read (see quantize_dim0_t_after).
-    if kernels.kernel_available(w):
-        return kernels.launch_dim0_t(w, float8_dtype, SCALE_FLOOR)
-    return _reference_dim0_t(w, float8_dtype)
+    return _dim0_t_body(w, float8_dtype, traced=False)  # quantize_dim0_t(w), eagerly; `after` is not read
 
 
 _LIB.define("quantize_columns_after(Tensor w, Tensor after, ScalarType float8_dtype) -> (Tensor, Tensor)")

@@ -96,16 +96,12 @@ def _cpu_scaled_mm_works(a_dtype: torch.dtype, b_dtype: torch.dtype, rowwise: bo
         return False
 
 
+@functools.lru_cache(maxsize=None)
 def choose_backend(device: torch.device, a_dtype: torch.dtype, b_dtype: torch.dtype, out_dtype: torch.dtype,
                    backend: str = "auto") -> str:
     """Resolve ``backend`` (``"auto"`` or a name) into the backend that can run this GEMM: a requested backend
     that cannot run on this device and dtypes falls back (to ``"emulated"`` at worst) rather than failing inside
     cuBLAS. Cached per (device, dtypes, requested backend)."""
-    return _choose_backend(device, a_dtype, b_dtype, out_dtype, backend)
-
-
-@functools.lru_cache(maxsize=None)
-def _choose_backend(device, a_dtype, b_dtype, out_dtype, backend) -> str:
     if device.type == "cuda":
         if torch.cuda.get_device_capability(device) < (8, 9) or (a_dtype == E5M2 and b_dtype == E5M2):
             return "emulated"
@@ -146,15 +142,12 @@ def scaled_mm(a8: torch.Tensor, sa: torch.Tensor, b8: torch.Tensor, sb: torch.Te
     """
     M, K = a8.shape
     N = b8.shape[1]
-    if M == 0 or N == 0 or K == 0:
-        # what the dense matmul gives (torch._scaled_mm rejects the strides of empty scales)
-        out = torch.zeros((M, N), dtype=torch.float32, device=a8.device)
-        if bias is not None:
-            out = out + bias.to(torch.float32)
-        return out.to(out_dtype)
-    name = _choose_backend(a8.device, a8.dtype, b8.dtype, out_dtype, _check_backend(backend or get_gemm_backend()))
-    if name == "emulated":
-        out = (a8.to(torch.float32) * sa) @ (b8.to(torch.float32) * sb)
+    empty = M == 0 or N == 0 or K == 0
+    name = None if empty else choose_backend(a8.device, a8.dtype, b8.dtype, out_dtype,
+                                             _check_backend(backend or get_gemm_backend()))
+    if empty or name == "emulated":  # (empty: what the dense matmul gives; torch._scaled_mm rejects empty scales)
+        out = (torch.zeros((M, N), dtype=torch.float32, device=a8.device) if empty
+               else (a8.to(torch.float32) * sa) @ (b8.to(torch.float32) * sb))
         if bias is not None:
             out = out + bias.to(torch.float32)
         return out.to(out_dtype)
@@ -218,25 +211,6 @@ def scaled_mm(a8: torch.Tensor, sa: torch.Tensor, b8: torch.Tensor, sb: torch.Te
 
 
 # ---------------------------------------------------------------------------------------------- operands
-def _scale_axes(t: ScaledFp8Tensor) -> tuple[bool, bool]:
-    """For a 2-D ScaledFp8Tensor: (varies along dim 0, varies along dim 1)."""
-    s = t.scale
-    return s.shape[0] != 1, s.shape[1] != 1
-
-
-def _check_mm_args(op: str, a: torch.Tensor, b: torch.Tensor) -> None:
-    if a.dim() != 2 or b.dim() != 2:
-        raise RuntimeError(f"{op}: expected 2-D operands, got shapes {tuple(a.shape)} and {tuple(b.shape)}")
-    if a.shape[1] != b.shape[0]:
-        raise RuntimeError(f"{op}: mat1 and mat2 shapes cannot be multiplied "
-                           f"({a.shape[0]}x{a.shape[1]} and {b.shape[0]}x{b.shape[1]})")
-    if a.device != b.device:
-        raise RuntimeError(f"{op}: operands are on different devices ({a.device} and {b.device})")
-    for t in (a, b):
-        if not t.dtype.is_floating_point:
-            raise RuntimeError(f"{op}: expected floating-point operands, got {t.dtype}")
-
-
 def fp8_mm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None, *, op: str = "fp8tensor.mm",
            float8_dtype: torch.dtype = E4M3, checked: bool = False) -> torch.Tensor:
     """``a @ b (+ bias)`` where ``a`` ``(M, K)`` and/or ``b`` ``(K, N)`` is a ScaledFp8Tensor.
@@ -251,25 +225,32 @@ def fp8_mm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None
         RuntimeError: operands not 2-D, inner dims differ, devices differ (message names ``op``).
     """
     if not checked:
-        _check_mm_args(op, a, b)
+        if a.dim() != 2 or b.dim() != 2:
+            raise RuntimeError(f"{op}: expected 2-D operands, got shapes {tuple(a.shape)} and {tuple(b.shape)}")
+        if a.shape[1] != b.shape[0]:
+            raise RuntimeError(f"{op}: mat1 and mat2 shapes cannot be multiplied "
+                               f"({a.shape[0]}x{a.shape[1]} and {b.shape[0]}x{b.shape[1]})")
+        if a.device != b.device:
+            raise RuntimeError(f"{op}: operands are on different devices ({a.device} and {b.device})")
+        for t in (a, b):
+            if not t.dtype.is_floating_point:
+                raise RuntimeError(f"{op}: expected floating-point operands, got {t.dtype}")
     fp8_ops = [t for t in (a, b) if isinstance(t, ScaledFp8Tensor)]
     fast = all(t.fast_accum for t in fp8_ops)
     out_dtype = torch.promote_types(a.dtype, b.dtype)
 
     # Resolve fp8 operands that cannot be used as they are into high precision, or fold their K scale.
     if isinstance(a, ScaledFp8Tensor):
-        rows, cols = _scale_axes(a)
-        if cols:  # scaled along K
-            if not rows and not isinstance(b, ScaledFp8Tensor):
+        if a.scale.shape[1] != 1:  # scaled along K
+            if a.scale.shape[0] == 1 and not isinstance(b, ScaledFp8Tensor):
                 # A = A8 diag(s)  =>  A @ B = A8 @ (diag(s) B): fold into B, use A8 with unit row scales.
                 b = b.to(torch.float32) * a.scale.reshape(-1, 1)
                 a = make_scaled(a.qdata, a.scale.new_ones(a.shape[0], 1), a.orig_dtype, a.fast_accum, (True, False))
             else:
                 a = a.to_hp(torch.float32)
     if isinstance(b, ScaledFp8Tensor):
-        rows, cols = _scale_axes(b)
-        if rows:  # scaled along K
-            if not cols and not isinstance(a, ScaledFp8Tensor):
+        if b.scale.shape[0] != 1:  # scaled along K
+            if b.scale.shape[1] == 1 and not isinstance(a, ScaledFp8Tensor):
                 # B = diag(s) B8  =>  A @ B = (A diag(s)) @ B8: fold into A.
                 a = a.to(torch.float32) * b.scale.reshape(1, -1)
                 b = make_scaled(b.qdata, b.scale.new_ones(1, b.shape[1]), b.orig_dtype, b.fast_accum, (False, True))
@@ -284,7 +265,7 @@ def fp8_mm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None
         b8, sb = b.qdata, b.scale
     else:
         b8, sb = quantize(b, 0, float8_dtype, gemm_layout=True)
-    if bias is not None and isinstance(bias, ScaledFp8Tensor):
+    if isinstance(bias, ScaledFp8Tensor):
         bias = bias.to_hp()
     return scaled_mm(a8, sa, b8, sb, out_dtype, bias=bias, use_fast_accum=fast)
 

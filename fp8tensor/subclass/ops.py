@@ -41,15 +41,12 @@ def _wrap(qdata: torch.Tensor, scale: torch.Tensor, like: ScaledFp8Tensor, share
 #: Attribute of a view that shares scales with elements outside it (``shares_scale``): ``(qdata, scale,
 #: scaled_dims)`` of the tensor it was cut from, where :func:`_write_scale_groups` re-quantizes what a write touches.
 _ROOT = "_fp8tensor_scale_root"
+#: Attribute of a view whose scale is a copy of its base's (made by ``view`` / ``reshape``): ``copy_`` into it raises.
+_SCALE_COPY = "_fp8tensor_scale_copy"
 
 
 def _norm_dim(d: int, ndim: int) -> int:
     return d + ndim if d < 0 else d
-
-
-def _scaled_along(t: ScaledFp8Tensor, d: int) -> bool:
-    """Whether ``t`` declares one scale per index of dim ``d`` (``scaled_dims``; never read from sizes)."""
-    return t.scaled_dims[d]
 
 
 # --------------------------------------------------------------------------------------------- aliases / copies
@@ -114,12 +111,12 @@ def _copy_into_data_and_scale(func, args, kwargs):
         if src.qdata.dtype == dst.qdata.dtype and _scale_fits(src.scale, dst.scale):
             q, s = src.qdata, src.scale.expand(dst.scale.shape)
         else:
-            q, s = _quantize_like(src.to_hp(torch.float32), dst)
+            q, s = quantize_like(src.to_hp(torch.float32), dst.scaled_dims, dst.qdata.dtype)
+    elif dst.shares_scale:  # a partial write of high-precision values: re-quantize the scale groups it touches
+        _write_scale_groups(dst, src)
+        return dst
     else:
-        if dst.shares_scale:  # a partial write of high-precision values: re-quantize the scale groups it touches
-            _write_scale_groups(dst, src)
-            return dst
-        q, s = _quantize_like(src.to(dst.device), dst)
+        q, s = quantize_like(src.to(dst.device), dst.scaled_dims, dst.qdata.dtype)
     if dst.shares_scale and not _shared_scale_write_ok(dst, s):
         raise NotImplementedError(
             "ScaledFp8Tensor copy_: the destination is a view whose scales are shared with elements outside it "
@@ -173,8 +170,7 @@ def _write_scale_groups(dst: ScaledFp8Tensor, src: torch.Tensor) -> None:
     unscaled = [d for d in range(rq.dim()) if not rdims[d]]
     touched = touched.view(rq.shape)
     groups = touched.amax(dim=unscaled, keepdim=True) if unscaled else touched  # (scale's shape)
-    like = make_scaled(rq, rs, dst.orig_dtype, dst.fast_accum, rdims)
-    q, s = _quantize_like(hp, like)
+    q, s = quantize_like(hp, rdims, rq.dtype)
     rs.copy_(torch.where(groups, s, rs))
     rq.view(torch.uint8).copy_(torch.where(groups, q.view(torch.uint8), rq.view(torch.uint8)))
 
@@ -202,47 +198,29 @@ def _scale_fits(src_scale: torch.Tensor, dst_scale: torch.Tensor) -> bool:
     return all(s == d or s == 1 for s, d in zip(src_scale.shape, dst_scale.shape))
 
 
-def _quantize_like(x: torch.Tensor, like: ScaledFp8Tensor):
-    """Quantize ``x`` with ``like``'s fp8 dtype, reducing amax over the dims ``like`` shares its scale along."""
-    return quantize_like(x, like.scaled_dims, like.qdata.dtype)
-
-
 # --------------------------------------------------------------------------------------------- factories
-def _factory_scale(t: ScaledFp8Tensor, size, device):
-    """Unit scales and ``scaled_dims`` of a new tensor of ``size`` made from ``t`` (``t``'s layout if the ndim
-    matches, else one shared scale)."""
-    size = list(size)
-    dims = t.scaled_dims if len(size) == t.scale.ndim else (False,) * len(size)
-    shape = [n if b else 1 for b, n in zip(dims, size)]
-    return torch.ones(shape, dtype=torch.float32, device=device), dims
+_LIKE = (aten.empty_like.default, aten.zeros_like.default)
 
 
-@implements([aten.empty_like.default, aten.zeros_like.default])
-def _like_with_unit_scale(func, args, kwargs):
-    t = args[0]
-    kwargs = dict(kwargs)
-    dtype = kwargs.pop("dtype", None)
-    if dtype is not None and dtype != t.orig_dtype:
-        return func(t.to_hp(), dtype=dtype, **kwargs)
-    device = kwargs.get("device") or t.device
-    q = func(t.qdata, **kwargs)
-    if func is aten.empty_like.default:
-        q.zero_()  # fp8 garbage could be NaN; a fresh tensor reads as zeros
-    s, dims = _factory_scale(t, t.shape, device)
-    return make_scaled(q, s, t.orig_dtype, t.fast_accum, dims)
-
-
-@implements([aten.new_zeros.default, aten.new_empty.default, aten.new_ones.default])
+@implements([*_LIKE, aten.new_zeros.default, aten.new_empty.default, aten.new_ones.default])
 def _new_with_unit_scale(func, args, kwargs):
-    t, size = args[0], args[1]
+    """``*_like(t)`` / ``t.new_*(size)`` with unit scales: ``t``'s layout if the ndim matches, else one shared scale.
+    Another dtype makes a plain tensor."""
+    t = args[0]
+    size = list(t.shape if func in _LIKE else args[1])
     kwargs = dict(kwargs)
     dtype = kwargs.pop("dtype", None)
     if dtype is not None and dtype != t.orig_dtype:
-        return func(t.to_hp(), size, dtype=dtype, **kwargs)
+        return func(t.to_hp(), *args[1:], dtype=dtype, **kwargs)
     device = kwargs.get("device") or t.device
-    fill = torch.ones if func is aten.new_ones.default else torch.zeros
-    q = fill(size, dtype=t.qdata.dtype, device=device)
-    s, dims = _factory_scale(t, size, device)
+    if func in _LIKE:
+        q = func(t.qdata, **kwargs)
+        if func is aten.empty_like.default:
+            q.zero_()  # fp8 garbage could be NaN; a fresh tensor reads as zeros
+    else:
+        q = (torch.ones if func is aten.new_ones.default else torch.zeros)(size, dtype=t.qdata.dtype, device=device)
+    dims = t.scaled_dims if len(size) == t.scale.ndim else (False,) * len(size)
+    s = torch.ones([n if b else 1 for b, n in zip(dims, size)], dtype=torch.float32, device=device)
     return make_scaled(q, s, t.orig_dtype, t.fast_accum, dims)
 
 
@@ -358,23 +336,13 @@ def _view_scale_with_data(func, args, kwargs):
     else:  # view, _reshape_alias (its stride argument is the view's own)
         q = aten.view.default(t.qdata, size)
     scale, dims = _view_scale(t.scale, t.shape, q.shape, t.scaled_dims)
-    return _mark_scale_copy(_wrap(q, scale, t, dims=dims), t)
-
-
-def _mark_scale_copy(out: ScaledFp8Tensor, t: ScaledFp8Tensor) -> ScaledFp8Tensor:
-    """Mark a view of ``t`` whose scale had to be materialized (it no longer aliases ``t``'s): ``copy_`` into it
-    raises (its writes would not reach ``t``'s scales)."""
-    try:
-        copied = out.scale.untyped_storage().data_ptr() != t.scale.untyped_storage().data_ptr()
+    out = _wrap(q, scale, t, dims=dims)  # (a view of a view marked _SCALE_COPY is marked by _wrap)
+    try:  # a scale materialized by the view no longer aliases t's: copy_ into the view raises (t would not change)
+        if out.scale.untyped_storage().data_ptr() != t.scale.untyped_storage().data_ptr():
+            out.__dict__[_SCALE_COPY] = True
     except Exception:  # (tensors without storage: fake or traced)
-        copied = False
-    if copied or t.__dict__.get(_SCALE_COPY):
-        out.__dict__[_SCALE_COPY] = True
+        pass
     return out
-
-
-#: Attribute of a view whose scale is a copy of its base's (see :func:`_mark_scale_copy`).
-_SCALE_COPY = "_fp8tensor_scale_copy"
 
 
 @implements([aten.view_as.default])
@@ -400,7 +368,7 @@ def _slice_scale_if_scaled(func, args, kwargs):
     end = kwargs.get("end", args[3] if len(args) > 3 else None)
     step = kwargs.get("step", args[4] if len(args) > 4 else 1)
     q = aten.slice.Tensor(t.qdata, dim, start, end, step)
-    if _scaled_along(t, dim):
+    if t.scaled_dims[dim]:
         return _wrap(q, aten.slice.Tensor(t.scale, dim, start, end, step), t)
     return _wrap(q, t.scale, t, shares_scale=q.shape[dim] < t.shape[dim])
 
@@ -409,9 +377,9 @@ def _slice_scale_if_scaled(func, args, kwargs):
 def _select_scale(func, args, kwargs):
     t, dim, index = args[0], _norm_dim(args[1], args[0].dim()), args[2]
     q = t.qdata.select(dim, index)
-    s = t.scale.select(dim, index if _scaled_along(t, dim) else 0)
+    s = t.scale.select(dim, index if t.scaled_dims[dim] else 0)
     dims = t.scaled_dims[:dim] + t.scaled_dims[dim + 1 :]
-    return _wrap(q, s, t, shares_scale=not _scaled_along(t, dim) and t.shape[dim] > 1, dims=dims)
+    return _wrap(q, s, t, shares_scale=not t.scaled_dims[dim] and t.shape[dim] > 1, dims=dims)
 
 
 @implements([aten.split.Tensor, aten.split_with_sizes.default])
@@ -419,7 +387,7 @@ def _split_scale_if_scaled(func, args, kwargs):
     t, split = args[0], args[1]
     dim = _norm_dim(kwargs.get("dim", args[2] if len(args) > 2 else 0), t.dim())
     qs = func(t.qdata, split, dim)
-    if _scaled_along(t, dim):
+    if t.scaled_dims[dim]:
         ss = func(t.scale, split, dim)
         return [_wrap(q, s, t) for q, s in zip(qs, ss)]
     return [_wrap(q, t.scale, t, shares_scale=len(qs) > 1) for q in qs]
@@ -458,9 +426,9 @@ def _cat_scales(func, args, kwargs):
     off = [any(t.scaled_dims[d] for t in fp8) for d in range(nd)]
     scales = [t.scale.expand([t.scale.shape[d] if d == dim else (t.shape[d] if off[d] else 1) for d in range(nd)])
               for t in fp8]
-    if all(_scaled_along(t, dim) for t in fp8):
+    if all(t.scaled_dims[dim] for t in fp8):
         s, along = torch.cat(scales, dim), True
-    elif not any(_scaled_along(t, dim) for t in fp8) and _all_equal([s.contiguous() for s in scales]):
+    elif not any(t.scaled_dims[dim] for t in fp8) and _all_equal([s.contiguous() for s in scales]):
         s, along = scales[0], False
     else:
         s = torch.cat([sc.expand([t.shape[d] if d == dim else sc.shape[d] for d in range(nd)])

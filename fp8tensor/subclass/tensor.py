@@ -7,6 +7,7 @@ What each aten op does to the scale is in :mod:`fp8tensor.ops` (the non-GEMM op 
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -114,8 +115,6 @@ def _unknown_op(name: str) -> None:
         raise NotImplementedError(what + "); under `with fp8tensor.config(unknown_ops='warn'):` it runs dequantized)")
     if name not in _WARNED_OPS:
         _WARNED_OPS.add(name)
-        import warnings
-
         warnings.warn(what + "; dequantize explicitly with fp8tensor.dequantize(t) to silence this, or set "
                       "fp8tensor.set_config(unknown_ops='allow'))", UserWarning, stacklevel=3)
 
@@ -322,7 +321,7 @@ class ScaledFp8Tensor(torch.Tensor):
             raise TypeError(f"{op}: expected a high-precision floating-point tensor, got dtype {t.dtype}")
         if t.ndim < 2:
             raise ValueError(f"{op}: expected a tensor with at least 2 dims (rows × columns), got shape {tuple(t.shape)}")
-        t = _plain(t).detach()
+        t = (t.data if type(t) is torch.nn.Parameter else t).detach()  # (a plain view of a plain Parameter)
         check_finite_rows(t, op)
         qdata, scale = quantize(t, -1, float8_dtype)
         return make_scaled(qdata, scale, t.dtype, fast_accum, rowwise_dims(t.ndim, -1))
@@ -454,9 +453,7 @@ def check_finite_rows(t: torch.Tensor, what: str) -> None:
     hold an inf or NaN. Reads ``t`` once (a host sync on CUDA); skipped for empty, meta or fake tensors, while
     tracing and inside a CUDA-graph capture."""
     if (t.numel() == 0 or t.ndim < 1 or t.device.type == "meta" or compat.is_fake(t) or compat.is_compiling()
-            or compat.is_functorch_wrapped(t)):
-        return
-    if t.is_cuda and torch.cuda.is_current_stream_capturing():
+            or compat.is_functorch_wrapped(t) or (t.is_cuda and torch.cuda.is_current_stream_capturing())):
         return
     bad = ~torch.isfinite(t).all(dim=-1)
     if not bool(bad.any()):
@@ -505,12 +502,6 @@ def _check_layout(qdata, scale, orig_dtype, scaled_dims, op: str) -> tuple:
     return dims
 
 
-def _values_checkable(scale: torch.Tensor) -> bool:
-    """Whether the scale's values can be read here: a plain tensor, not meta, not while tracing."""
-    return (type(scale) is torch.Tensor and not scale.is_meta and not compat.is_compiling()
-            and not compat.dispatch_modes_active())
-
-
 def validate_parts(qdata, scale, orig_dtype, scaled_dims=None, op: str = "ScaledFp8Tensor") -> tuple:
     """All checks of the public :class:`ScaledFp8Tensor` constructor; returns the ``scaled_dims`` to use.
 
@@ -521,7 +512,8 @@ def validate_parts(qdata, scale, orig_dtype, scaled_dims=None, op: str = "Scaled
         TypeError / ValueError: naming ``op``, what was expected and what was given (the first bad scale, its index).
     """
     dims = _check_layout(qdata, scale, orig_dtype, scaled_dims, op)
-    if scale.numel() and _values_checkable(scale):
+    if (scale.numel() and type(scale) is torch.Tensor and not scale.is_meta and not compat.is_compiling()
+            and not compat.dispatch_modes_active()):  # (values readable here: a plain tensor, not traced)
         bad = ~(torch.isfinite(scale) & (scale > 0))
         if bool(bad.any()):
             idx = tuple(int(i) for i in bad.nonzero()[0])
@@ -597,31 +589,17 @@ def fsdp_post_all_gather(all_gather_outputs, metadata, param_dtype, *, out=None)
     return make_scaled(qdata, scale, param_dtype, metadata.fast_accum, dims), inner
 
 
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    """Unwrap an ``nn.Parameter`` of a plain tensor to a plain tensor view (no copy)."""
-    if isinstance(t, torch.nn.Parameter) and type(t) is torch.nn.Parameter:
-        return t.data
-    return t
-
-
 def dequantize(t: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Dequantize a ScaledFp8Tensor (or a DTensor whose local tensor is one); other tensors pass through.
 
     Returns a tensor of the same kind (DTensor stays a DTensor, with the same placements) in ``dtype``
     (default: the original high-precision dtype).
     """
-
-    def _one(lt):
-        if isinstance(lt, ScaledFp8Tensor):
-            return lt.to_hp(dtype)
-        return lt if dtype is None else lt.to(dtype)
-
-    return map_local(t, _one)
+    return map_local(t, lambda lt: lt.to_hp(dtype) if isinstance(lt, ScaledFp8Tensor)
+                     else lt if dtype is None else lt.to(dtype))
 
 
-try:  # let torch.load(weights_only=True) rebuild ScaledFp8Tensor (also files that name the flat module path)
-    torch.serialization.add_safe_globals([ScaledFp8Tensor, _rebuild_scaled_fp8,
-                                          (ScaledFp8Tensor, "fp8tensor.tensor.ScaledFp8Tensor"),
-                                          (_rebuild_scaled_fp8, "fp8tensor.tensor._rebuild_scaled_fp8")])
-except AttributeError:  # pragma: no cover - very old torch
-    pass
+# let torch.load(weights_only=True) rebuild ScaledFp8Tensor (also files that name the flat module path)
+torch.serialization.add_safe_globals([ScaledFp8Tensor, _rebuild_scaled_fp8,
+                                      (ScaledFp8Tensor, "fp8tensor.tensor.ScaledFp8Tensor"),
+                                      (_rebuild_scaled_fp8, "fp8tensor.tensor._rebuild_scaled_fp8")])

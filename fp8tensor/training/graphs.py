@@ -47,13 +47,6 @@ class _Value:
         return f"{type(self.v).__name__} {self.v!r}"
 
 
-def _describe(leaf) -> tuple:
-    """What must stay the same about one input leaf between calls."""
-    if isinstance(leaf, torch.Tensor):
-        return ("tensor", tuple(leaf.shape), leaf.dtype, leaf.device, leaf.requires_grad)
-    return ("value", _Value(leaf))
-
-
 def _storage_ptrs(t: torch.Tensor) -> tuple:
     """The addresses of the storages behind ``t``: its own, or those of the inner tensors of a wrapper subclass
     (DTensor, ScaledFp8Tensor, Fp8MasterWeight: through ``__tensor_flatten__``)."""
@@ -70,20 +63,11 @@ def _members(m: torch.nn.Module) -> tuple:
             tuple(compat.children_dict(m).values()))
 
 
-def _same(a: tuple, b: tuple) -> bool:
-    """Whether two :func:`_members` snapshots hold the same objects (by identity: a tensor's ``==`` is elementwise)."""
-    return all(len(x) == len(y) and all(map(operator.is_, x, y)) for x, y in zip(a, b))
-
-
 def _named_members(model: torch.nn.Module) -> dict:
     """``{"parameters": [(name, parameter)], "buffers": [...], "submodules": [...]}`` of ``model`` (for messages)."""
     return {"parameters": list(model.named_parameters(remove_duplicate=False)),
             "buffers": list(model.named_buffers(remove_duplicate=False)),
             "submodules": list(model.named_modules(remove_duplicate=False))[1:]}
-
-
-def _tensor_leaves(tree) -> list:
-    return [t for t in compat.tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
 class GraphedStep:
@@ -170,7 +154,8 @@ class GraphedStep:
             self.calls += 1
             return self.fn(*args, **kwargs)
         leaves, spec = compat.tree_flatten((args, kwargs))
-        desc = tuple(_describe(leaf) for leaf in leaves)
+        desc = tuple(("tensor", tuple(t.shape), t.dtype, t.device, t.requires_grad) if isinstance(t, torch.Tensor)
+                     else ("value", _Value(t)) for t in leaves)  # what must stay the same between calls
         if self.calls == 0:
             self._eager = not self._can_capture(leaves)
             self._signature = (spec, desc)
@@ -205,7 +190,6 @@ class GraphedStep:
         if self.calls <= self.warmup_steps:
             self._had_grad = [p for p in self.parameters if p.grad is not None]
         elif self.calls == self.warmup_steps + 1:  # the snapshot after the call, as a capture takes it
-            self._watched = [(p, p.grad) for p in self.parameters if p.grad is not None]
             self._record_memory()
         return out
 
@@ -248,8 +232,9 @@ class GraphedStep:
         with torch.cuda.stream(self._stream):
             out = self.fn(*args, **kwargs)
         main.wait_stream(self._stream)
-        for t in _tensor_leaves(out):  # made on the side stream, used (and freed) on the caller's stream
-            t.record_stream(main)
+        for t in compat.tree_leaves(out):  # made on the side stream, used (and freed) on the caller's stream
+            if isinstance(t, torch.Tensor):
+                t.record_stream(main)
         self._had_grad = [p for p in self.parameters if p.grad is not None]
         return out
 
@@ -279,14 +264,15 @@ class GraphedStep:
         end_capture(cap)
         self.graph, self._capture = graph, cap  # (cap: what the graph reads at each replay, freed with it)
         self._static_out = out
-        self._watched = [(p, p.grad) for p in self.parameters if p.grad is not None]
         self._record_memory()
         graph.replay()
         return out
 
     def _record_memory(self) -> None:
-        """The snapshot the graph reads from: each parameter's storage addresses and, with the model given, its
-        buffers' too, and for each of its modules the identities of its own parameters, buffers and children."""
+        """The snapshot the graph reads from and writes to: each parameter's gradient tensor and storage addresses
+        and, with the model given, its buffers' too, and for each of its modules the identities of its own
+        parameters, buffers and children."""
+        self._watched = [(p, p.grad) for p in self.parameters if p.grad is not None]
         tensors = list(self.parameters)
         self._tree, self._names = [], {}
         if self._module is not None:
@@ -298,7 +284,9 @@ class GraphedStep:
     def _check_memory(self) -> None:
         moved = [t for t, ptrs in self._memory if _storage_ptrs(t) != ptrs]
         replaced = {}
-        if any(not _same(members, _members(m)) for m, members in self._tree):  # (identities only: no names walk)
+        # (identities only, no names walk: a tensor's == is elementwise)
+        if any(not all(len(x) == len(y) and all(map(operator.is_, x, y)) for x, y in zip(members, _members(m)))
+               for m, members in self._tree):
             now = _named_members(self._module)
             for kind, then in self._names.items():
                 a, b = dict(then), dict(now[kind])

@@ -279,13 +279,24 @@ def fp8_linear(
             "use ordinary autograd (loss.backward() / torch.autograd.grad), or leave this Linear in high precision "
             "(convert_to_fp8's module_filter_fn)"
         )
-    if not compat.is_compiling() and compat.forward_ad_active():  # (a dual level is open: rare)
-        _check_no_tangents(input, weight, bias)
-    if compat.is_exporting():
-        return _exported_forward(input, weight, bias, r)
+    if not compat.is_compiling() and compat.forward_ad_active() and any(  # (a dual level is open: rare)
+            t is not None and _forward_ad.unpack_dual(t).tangent is not None for t in (input, weight, bias)):
+        raise NotImplementedError(
+            "fp8_linear: forward-mode AD (torch.autograd.forward_ad, torch.func.jvp) is not supported by the fp8 "
+            "Linear; use reverse mode (backward / torch.autograd.grad), or leave this Linear in high precision "
+            "(convert_to_fp8's module_filter_fn)")
     dev = input.device.type
     if (dev in _AUTOCAST_TYPES or torch.amp.is_autocast_available(dev)) and torch.is_autocast_enabled(dev):
-        return _autocast_linear(input, weight, bias, r, dev)  # (meta and the like have no autocast state to ask)
+        # (meta and the like have no autocast state to ask.) Operands cast as autocast casts F.linear's (float64 is
+        # left alone), then the fp8 Linear with autocast off: autocast would dequantize the fp8 operands of mm into a
+        # high-precision GEMM.
+        dt = torch.get_autocast_dtype(dev)
+        input, weight, bias = (t.to(dt) if t is not None and t.dtype != dt and t.dtype in _AUTOCAST_CASTS else t
+                               for t in (input, weight, bias))
+        with torch.autocast(dev, enabled=False):
+            return (_exported_forward if compat.is_exporting() else _Fp8Linear.apply)(input, weight, bias, r)
+    if compat.is_exporting():
+        return _exported_forward(input, weight, bias, r)
     if not torch.is_grad_enabled():
         return _inference_forward(input, weight, bias, r)  # (nothing to record: no autograd Function)
     return _Fp8Linear.apply(input, weight, bias, r)
@@ -328,12 +339,7 @@ def _exported_forward(input: torch.Tensor, weight: torch.Tensor, bias: Optional[
     """The fp8 Linear's forward as ``torch.export`` traces it, outside the ``autograd.Function`` (export cannot
     trace a subclass inside one; an exported program has no backward): the quantizations and ``torch._scaled_mm``
     call of the eager forward through the op table, so the program's outputs equal eager ones to the bit. Returns
-    ``(*, N)``, as :func:`fp8_linear`; under ``torch.autocast`` the operands are cast as :func:`_autocast_linear` does."""
-    dev = input.device.type
-    if (dev in _AUTOCAST_TYPES or torch.amp.is_autocast_available(dev)) and torch.is_autocast_enabled(dev):
-        input, weight, bias = _autocast_operands(input, weight, bias, dev)
-        with torch.autocast(dev, enabled=False):
-            return _exported_forward(input, weight, bias, recipe)
+    ``(*, N)``, as :func:`fp8_linear` (which casts the operands under ``torch.autocast``)."""
     if _is_dtensor(weight) or _is_dtensor(input):
         raise NotImplementedError(tp_export_message("fp8tensor.fp8_linear"))
     wd = weight._data if isinstance(weight, QuantizeOnUse) else weight
@@ -359,35 +365,7 @@ def _exported_forward(input: torch.Tensor, weight: torch.Tensor, bias: Optional[
     return out if input.dim() == 2 else out.reshape(*input.shape[:-1], N)
 
 
-def _check_no_tangents(*tensors) -> None:
-    """Raise if forward-mode AD carries a tangent into the fp8 Linear (it has no ``jvp``)."""
-    for t in tensors:
-        if t is not None and _forward_ad.unpack_dual(t).tangent is not None:
-            raise NotImplementedError(
-                "fp8_linear: forward-mode AD (torch.autograd.forward_ad, torch.func.jvp) is not supported by the fp8 "
-                "Linear; use reverse mode (backward / torch.autograd.grad), or leave this Linear in high precision "
-                "(convert_to_fp8's module_filter_fn)"
-            )
-
-
 #: Device types that always have an autocast state (others are asked ``torch.amp.is_autocast_available`` first).
 _AUTOCAST_TYPES = ("cuda", "cpu")
 #: The dtypes autocast casts to its lower precision (it leaves float64 as it is).
 _AUTOCAST_CASTS = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _autocast_operands(input, weight, bias, device_type: str) -> tuple:
-    """``(input, weight, bias)`` cast to the autocast dtype of ``device_type`` as autocast casts ``F.linear``'s
-    operands (float32 / float16 / bfloat16 ones; autocast leaves float64 alone)."""
-    dt = torch.get_autocast_dtype(device_type)
-    cast = lambda t: t.to(dt) if t is not None and t.dtype != dt and t.dtype in _AUTOCAST_CASTS else t  # noqa: E731
-    return cast(input), cast(weight), cast(bias)
-
-
-def _autocast_linear(input, weight, bias, recipe: Recipe, device_type: str) -> torch.Tensor:
-    """:func:`fp8_linear` under autocast: operands cast to the autocast dtype (as autocast casts ``F.linear``'s),
-    then the fp8 Linear with autocast off (its own ops must not be re-cast: autocast would dequantize the fp8
-    operands of ``mm`` into a high-precision GEMM)."""
-    input, weight, bias = _autocast_operands(input, weight, bias, device_type)
-    with torch.autocast(device_type, enabled=False):
-        return _Fp8Linear.apply(input, weight, bias, recipe)

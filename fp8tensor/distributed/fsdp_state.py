@@ -35,8 +35,8 @@ def fp8_all_gather_default() -> bool:
     Why (measured on one H200, docs/fsdp.md): within one host the all-gather runs over NVLink (or moves nothing on
     one GPU), where the bytes the fp8 payload saves are worth less than the host time of FSDP2's per-parameter
     extension hooks (which also turn off its foreach copy-in) and of the subclass weights entering each compiled
-    block: self CPU time 40.5 vs 59.0 ms per step at dim 2048, faster steps at dims 1024-2048; the fp8 all-gather's
-    GPU time is lower (dim 8192: 1.377x vs 1.351x bf16). Across hosts the link is the bottleneck and the fp8
+    block: self CPU time 54.8 vs 82.2 ms per step at dim 2048, faster steps at dims 1024-2048 in most runs; the fp8
+    all-gather's GPU time is lower (dim 8192: 1.375x vs 1.345x bf16). Across hosts the link is the bottleneck and the fp8
     payload (``K + 4`` bytes per row instead of ``2 K``) halves its bytes.
     """
     import os

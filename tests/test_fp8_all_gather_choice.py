@@ -39,13 +39,38 @@ def test_rule(monkeypatch, backend, world, local_env, gpus, expected):
     monkeypatch.setattr(dist, "get_backend", lambda *a: backend)
     monkeypatch.setattr(dist, "get_world_size", lambda *a: world)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
-    if local_env is None:
-        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    else:
+    for name in _HINTS:
+        monkeypatch.delenv(name, raising=False)
+    if local_env is not None:
         monkeypatch.setenv("LOCAL_WORLD_SIZE", local_env)
     assert fsdp_state.fp8_all_gather_default() is expected
     m = fp8tensor.convert_to_fp8(_model())
     assert all(isinstance(lin.weight, Fp8MasterWeight) is expected and lin.fp8_all_gather is expected for lin in m)
+
+
+#: the environment variables the rule reads for the ranks per host / the hosts of the job
+_HINTS = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_STEP_NUM_NODES", "SLURM_NNODES")
+
+
+@pytest.mark.parametrize("env,world,gpus,expected", [
+    ({"SLURM_NNODES": "2"}, 8, 8, True),                        # srun over 2 hosts x 4 GPUs of 8: not one host
+    ({"SLURM_NNODES": "2", "SLURM_STEP_NUM_NODES": "1"}, 8, 8, False),  # the step runs on one host of the job
+    ({"SLURM_NNODES": "1"}, 8, 1, False),                       # one host, one GPU visible per rank
+    ({"OMPI_COMM_WORLD_LOCAL_SIZE": "4"}, 8, 8, True),          # mpirun, 4 ranks on each of 2 hosts
+    ({"MPI_LOCALNRANKS": "8"}, 8, 1, False),                    # MPICH, 8 ranks on this host
+    ({"LOCAL_WORLD_SIZE": "8", "SLURM_NNODES": "2"}, 8, 8, False),  # torchrun's own count wins
+])
+def test_rule_reads_the_launchers_host_counts(monkeypatch, env, world, gpus, expected):
+    # without torchrun's LOCAL_WORLD_SIZE the GPU-count guess takes 2 hosts x 4 ranks on 8-GPU hosts for one host
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda *a: "nccl")
+    monkeypatch.setattr(dist, "get_world_size", lambda *a: world)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    for name in _HINTS:
+        monkeypatch.delenv(name, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert fsdp_state.fp8_all_gather_default() is expected
 
 
 def test_the_rule_never_drops_a_master(monkeypatch):

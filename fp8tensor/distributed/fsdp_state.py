@@ -28,9 +28,11 @@ def fp8_all_gather_default() -> bool:
     """Whether FSDP2 all-gathers trained weights in fp8 (True) or in its ``param_dtype`` (False) when
     :func:`fp8tensor.convert_to_fp8` is not told (``fp8_all_gather=None``).
 
-    False when ``torch.distributed`` is initialized with an NCCL default group whose ranks all run on this host
-    (``WORLD_SIZE == LOCAL_WORLD_SIZE`` as torchrun sets them; without ``LOCAL_WORLD_SIZE``, a world no larger than
-    this host's GPU count); True otherwise (several hosts, another backend, or no process group yet).
+    False when ``torch.distributed`` is initialized with an NCCL default group whose ranks all run on this host;
+    True otherwise (several hosts, another backend, or no process group yet). Ranks per host, in this order: torchrun's
+    ``LOCAL_WORLD_SIZE``; Open MPI's ``OMPI_COMM_WORLD_LOCAL_SIZE`` or MPICH's ``MPI_LOCALNRANKS`` (``mpirun``);
+    Slurm's node count of the step or job (``SLURM_STEP_NUM_NODES`` / ``SLURM_NNODES``, one host iff 1; ``srun``
+    without torchrun); else a guess: a world no larger than this host's GPU count.
 
     Why (measured on one H200, docs/fsdp.md): within one host the all-gather runs over NVLink (or moves nothing on
     one GPU), where the bytes the fp8 payload saves are worth less than the host time of FSDP2's per-parameter
@@ -48,9 +50,16 @@ def fp8_all_gather_default() -> bool:
     if "nccl" not in str(dist.get_backend()).lower():
         return True
     world = dist.get_world_size()
-    local = os.environ.get("LOCAL_WORLD_SIZE")
-    if local is not None and local.isdigit():
-        return world > int(local)
+    if world == 1:
+        return False
+    for name in ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"):  # ranks on this host
+        local = os.environ.get(name, "")
+        if local.isdigit() and int(local) > 0:
+            return world > int(local)
+    for name in ("SLURM_STEP_NUM_NODES", "SLURM_NNODES"):  # srun without torchrun: hosts of the step / job
+        nodes = os.environ.get(name, "")
+        if nodes.isdigit() and int(nodes) > 0:
+            return int(nodes) > 1
     return world > max(torch.cuda.device_count(), 1)
 
 

@@ -73,6 +73,25 @@ def test_rule_reads_the_launchers_host_counts(monkeypatch, env, world, gpus, exp
     assert fsdp_state.fp8_all_gather_default() is expected
 
 
+@pytest.mark.parametrize("world,local,ag,warns", [
+    ("2", "2", None, True),     # one host under torchrun, converted before init_process_group: the choice would flip
+    ("4", "2", None, False),    # two hosts: fp8 before and after init
+    ("1", "1", None, False),    # a single process
+    ("2", "2", True, False),    # asked explicitly
+])
+def test_converting_before_init_in_a_one_host_job_warns(monkeypatch, world, local, ag, warns):
+    import warnings
+    assert not dist.is_initialized()
+    monkeypatch.setenv("WORLD_SIZE", world)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        m = fp8tensor.convert_to_fp8(_model(), fp8_all_gather=ag)
+    hit = [w for w in rec if "torch.distributed is not initialized yet" in str(w.message)]
+    assert bool(hit) is warns, [str(w.message) for w in rec]
+    assert all(isinstance(lin.weight, Fp8MasterWeight) for lin in m)  # the choice itself is unchanged
+
+
 def test_the_rule_never_drops_a_master(monkeypatch):
     # a master converted before keeps its fp8 all-gather when a later default conversion's rule says bf16 (silently:
     # only an explicit False is warned about)

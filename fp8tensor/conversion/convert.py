@@ -21,7 +21,7 @@ from ..core import compat
 from . import checkpoint as _checkpoint
 from ..numerics.quantize import E4M3, check_float8_dtype
 from ..distributed.fsdp_state import check_fsdp_sharded as _check_fsdp_sharded
-from ..distributed.fsdp_state import fp8_all_gather_default, refresh_fsdp_param
+from ..distributed.fsdp_state import fp8_all_gather_default, refresh_fsdp_param, rule_changes_after_init
 from .export import add_model_export_hook, add_tp_export_hook, refuse_tp_export
 from ..training.master import Fp8MasterWeight
 from .modules import (Fp8GroupedExpertsMixin, Fp8Linear, Fp8LinearMixin, _new_converted, add_fp8_checkpoint_hooks,
@@ -262,7 +262,9 @@ def convert_to_fp8(
             (its foreach copy-in, no extension hooks), and each Linear quantizes the gathered weight on use, inside
             its compiled block: less host time per step, a little more GPU time. None (default): False when the job
             runs on one host over NCCL, True otherwise (:func:`fp8tensor.distributed.fsdp_state.
-            fp8_all_gather_default`; docs/fsdp.md has the rule and the measured trade-off). Stored on each Linear
+            fp8_all_gather_default`; docs/fsdp.md has the rule and the measured trade-off; before
+            ``init_process_group`` in a one-host torchrun job it warns: the rule chooses True there, False after
+            ``init_process_group("nccl")``). Stored on each Linear
             (``module.fp8_all_gather``). Grouped-experts weights always become master weights (gathered in fp8). A
             Linear whose weight is already a master keeps it (a warning names them when False was asked for).
 
@@ -285,8 +287,10 @@ def convert_to_fp8(
     if fp8_all_gather is not None and not isinstance(fp8_all_gather, bool):
         raise TypeError(f"convert_to_fp8: fp8_all_gather must be None, True or False, got {fp8_all_gather!r}")
     asked_plain = fp8_all_gather is False  # (re-converting a master with the rule's False keeps it silently)
+    early = False  # the rule chose the fp8 all-gather only because no process group exists yet (one-host job)
     if fp8_all_gather is None:
         fp8_all_gather = fp8_all_gather_default()
+        early = fp8_all_gather and rule_changes_after_init()
     use_size_rule = get_config().size_rule if size_rule is None else size_rule
     chosen = _select_linears(module, module_filter_fn, op)
     _check_fsdp_sharded([lin.weight for _, lin in chosen], op)
@@ -346,6 +350,13 @@ def convert_to_fp8(
             f"{op}: already converted, so they stay fp8 with recipe {r.name!r} although the size rule would keep them "
             f"in high precision (it does not undo a conversion; apply it to an unconverted model): "
             f"{', '.join(stay_fp8)}", stacklevel=2)
+    if early and any(getattr(lin, "fp8_all_gather", False) for _, lin in chosen):
+        warnings.warn(
+            f"{op}: torch.distributed is not initialized yet, so fp8_all_gather=None chose the fp8 all-gather "
+            "(Fp8MasterWeight weights); this job runs all its ranks on one host (WORLD_SIZE == LOCAL_WORLD_SIZE), "
+            "where after init_process_group('nccl') the rule chooses the bf16 all-gather, and the two differ in "
+            "speed and in the fp8 rounding of the weights. Convert after init_process_group, or pass "
+            "fp8_all_gather=True or False", stacklevel=2)
     if keep_masters:
         warnings.warn(
             f"{op}: fp8_all_gather=False does not apply to Linears whose weight is already a master weight (converted "

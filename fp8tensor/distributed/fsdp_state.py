@@ -21,7 +21,8 @@ from ..training.master import Fp8MasterWeight
 from ..numerics.fsdp_payload import fsdp_params as _fsdp_params
 from ..subclass.tensor import _is_dtensor
 
-__all__ = ["refresh_fsdp_param", "find_fsdp_param", "check_fsdp_sharded", "fp8_all_gather_default"]
+__all__ = ["refresh_fsdp_param", "find_fsdp_param", "check_fsdp_sharded", "fp8_all_gather_default",
+           "rule_changes_after_init"]
 
 
 def fp8_all_gather_default() -> bool:
@@ -61,6 +62,20 @@ def fp8_all_gather_default() -> bool:
         if nodes.isdigit() and int(nodes) > 0:
             return int(nodes) > 1
     return world > max(torch.cuda.device_count(), 1)
+
+
+def rule_changes_after_init() -> bool:
+    """Whether :func:`fp8_all_gather_default` answers True only because no process group exists yet, in a job whose
+    launcher says all its ranks run on this host (torchrun's ``WORLD_SIZE == LOCAL_WORLD_SIZE``, both > 1): after
+    ``init_process_group("nccl")`` the rule would answer False. :func:`fp8tensor.convert_to_fp8` warns then."""
+    import os
+
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return False
+    world, local = os.environ.get("WORLD_SIZE", ""), os.environ.get("LOCAL_WORLD_SIZE", "")
+    return world.isdigit() and local.isdigit() and int(world) > 1 and int(world) == int(local)
 
 
 def find_fsdp_param(param: torch.Tensor, module: Optional[torch.nn.Module] = None):

@@ -141,3 +141,12 @@ def test_reconverting_a_master_keeps_it_and_says_so():
         fp8tensor.convert_to_fp8(m, recipe="rowwise_gw_hp", fp8_all_gather=False)
     assert all(isinstance(lin.weight, Fp8MasterWeight) and lin.fp8_all_gather for lin in m)
     assert all(lin.weight.recipe.name == "rowwise_gw_hp" for lin in m)
+
+
+def test_quantize_weights_after_a_plain_conversion_updates_the_attribute():
+    # the weight becomes a ScaledFp8Tensor, which FSDP2 all-gathers in fp8: the stored choice must say so
+    from fp8tensor import ScaledFp8Tensor
+    m = fp8tensor.convert_to_fp8(_model(), fp8_all_gather=False)
+    assert [lin.fp8_all_gather for lin in m] == [False, False]
+    fp8tensor.quantize_weights(m)
+    assert all(isinstance(lin.weight, ScaledFp8Tensor) and lin.fp8_all_gather is True for lin in m)

@@ -444,6 +444,8 @@ def quantize_weights(
                 new = shared[id(w)] = (w, nn.Parameter(q(w.data), requires_grad=False))
             lin.weight = new[1]
         lin.fp8_recipe = get_recipe("rowwise")
+        if hasattr(lin, "fp8_all_gather"):  # converted before: an fp8 weight is all-gathered in fp8
+            lin.fp8_all_gather = True
         install_fp8_forward(lin, classes[fqn], redirects[fqn])
         add_fp8_checkpoint_hooks(lin, float8_dtype)
         add_tp_export_hook(lin)

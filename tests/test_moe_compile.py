@@ -217,3 +217,49 @@ def test_compiled_torchtitan_grouped_experts_match_eager():
     compiled = run(torch.compile(copy.deepcopy(m), fullgraph=True, backend="aot_eager"))
     for c, e in zip(compiled, eager):
         assert _rel(c, e) <= VS_EAGER
+
+
+@pytest.fixture
+def one_rank_gloo():
+    import torch.distributed as dist
+
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        if own:
+            dist.destroy_process_group()
+
+
+@pytest.mark.xfail(strict=True, reason="under compile the FSDP2-gathered ScaledFp8Tensor expert weight has no "
+                   "__torch_function__: the op table runs the fp8 forward, the backward is PyTorch's derivative of "
+                   "_grouped_mm (bf16 grad_input / grad_weight; float32: BackendCompilerFailed 'Expected inputs of "
+                   "BF16 type'), not the recipe's fp8 GEMMs (review finding)")
+@pytest.mark.parametrize("param_dtype", [torch.bfloat16, None], ids=["bf16_mp", "float32"])
+def test_compiled_fsdp2_experts_match_eager_fsdp2(one_rank_gloo, param_dtype):
+    """Grouped experts under FSDP2 (1 gloo rank, fp8 all-gather of the masters) compiled with ``fullgraph=True``, as
+    torchtitan runs MoE blocks: output and gradients as the same FSDP2 model's eager step (``VS_EAGER``), whose
+    grad_weight is an fp8 GEMM (its error against float64 is fp8's, ~3e-2, not bf16's ~3e-3)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    block = RoutedExperts(cast=False)
+    fp8tensor.convert_to_fp8(block)
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    eager, compiled = copy.deepcopy(block), copy.deepcopy(block)
+    fully_shard(eager, mp_policy=mp)
+    fully_shard(compiled, mp_policy=mp)
+    torch._dynamo.reset()
+    run = torch.compile(compiled, fullgraph=True, backend="aot_eager")
+    x, expert, g = _inputs(SIZES[0])
+    res = []
+    for mod, params in ((eager, eager), (run, compiled)):
+        xr = x.clone().requires_grad_()
+        y = mod(xr, expert)
+        y.backward(g.to(y.dtype))
+        res.append((y.detach(), xr.grad, params.w.grad.to_local().clone()))
+    diffs = [_rel(c, e) for c, e in zip(res[1], res[0])]
+    print(f"FSDP2 experts {param_dtype}: compiled vs eager (out, grad_input, grad_weight) "
+          + " ".join(f"{d:.1e}" for d in diffs))
+    assert max(diffs) <= VS_EAGER, diffs

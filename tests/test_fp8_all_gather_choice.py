@@ -84,6 +84,7 @@ def test_converting_before_init_in_a_one_host_job_warns(monkeypatch, world, loca
     assert not dist.is_initialized()
     monkeypatch.setenv("WORLD_SIZE", world)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # (the job would init NCCL)
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
         m = fp8tensor.convert_to_fp8(_model(), fp8_all_gather=ag)
@@ -150,3 +151,15 @@ def test_quantize_weights_after_a_plain_conversion_updates_the_attribute():
     assert [lin.fp8_all_gather for lin in m] == [False, False]
     fp8tensor.quantize_weights(m)
     assert all(isinstance(lin.weight, ScaledFp8Tensor) and lin.fp8_all_gather is True for lin in m)
+
+
+def test_no_warning_before_init_without_cuda(monkeypatch):
+    # a CPU job's process group is gloo, where the rule answers True before and after init: nothing to warn about
+    import warnings
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        m = fp8tensor.convert_to_fp8(_model())
+    assert all(isinstance(lin.weight, Fp8MasterWeight) for lin in m)

@@ -67,12 +67,13 @@ def fp8_all_gather_default() -> bool:
 def rule_changes_after_init() -> bool:
     """Whether :func:`fp8_all_gather_default` answers True only because no process group exists yet, in a job whose
     launcher says all its ranks run on this host (torchrun's ``WORLD_SIZE == LOCAL_WORLD_SIZE``, both > 1): after
-    ``init_process_group("nccl")`` the rule would answer False. :func:`fp8tensor.convert_to_fp8` warns then."""
+    ``init_process_group("nccl")`` the rule would answer False. :func:`fp8tensor.convert_to_fp8` warns then. Never
+    on a machine without CUDA (its process group will be gloo, where the rule answers True as well)."""
     import os
 
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
+    if (dist.is_available() and dist.is_initialized()) or not torch.cuda.is_available():
         return False
     world, local = os.environ.get("WORLD_SIZE", ""), os.environ.get("LOCAL_WORLD_SIZE", "")
     return world.isdigit() and local.isdigit() and int(world) > 1 and int(world) == int(local)

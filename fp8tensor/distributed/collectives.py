@@ -4,25 +4,8 @@
 Every handler moves the fp8 data (as ``uint8``: gloo has no fp8 type) and the float32 scales as **two collectives
 of the same kind**. Nothing is dequantized, requantized or reduced: a gathered tensor keeps each rank's own scales
 and dequantizes bit-exactly to the ranks' values. A scale is *expanded* only where the collective would otherwise
-merge different per-rank scales into one compact slot (the rule of the op table's ``cat``).
-
-===========================================  ===============================================================
-op                                           scale handling
-===========================================  ===============================================================
-``_c10d_functional.all_gather_into_tensor``  gathered along dim 0 with the data (per-rank dim-0 scales
-                                             repeated over each rank's rows when the scale is compact there);
-                                             on the CPU (gloo) each collective is waited on before the next
-``_c10d_functional.wait_tensor``             waits on data and scale (``_wrap_tensor_autograd``: wrapped
-                                             in an ``AsyncCollectiveTensor`` that waits on first use)
-``_c10d_functional.all_to_all_single``       scale made full-size on dim 0, then split/sent like the data
-``_dtensor.shard_dim_alltoall``              full-size on the gather dim; a compact scale on the shard dim is
-                                             expanded to ``group_size`` so each rank receives one slot
-``c10d.scatter_`` (``distribute_tensor``     each shard's data and scale scattered into the output's data and
-Shard, ``src_data_rank`` set)                scale (scales must fit the output's scale layout)
-``c10d.broadcast_`` (Replicate)              data and scale broadcast in place
-``aten.constant_pad_nd`` / ``aten.pad``      data padded with fp8 zeros; scale padded with ones on the dims it
-                                             is full-size on (a zero dequantizes to zero with any scale)
-===========================================  ===============================================================
+merge different per-rank scales into one compact slot (the rule of the op table's ``cat``). Each handler's
+docstring says how it treats the scale.
 
 Reductions (``all_reduce``, ``reduce_scatter_tensor``) of fp8 data are not defined and raise
 ``NotImplementedError`` from the op table's fallback; DTensor never needs them (GEMM outputs, Partial ones included,
@@ -251,8 +234,9 @@ def _broadcast_data_and_scale(func, args, kwargs):
 @implements([aten.constant_pad_nd.default, aten.pad.default])
 def _pad_data_with_zeros_scale_with_ones(func, args, kwargs):
     """Zero-padding (DTensor pads uneven shards): fp8 zeros in the data; the scale padded with ones (or cropped) on
-    the dims where it is full-size. A non-zero value or a non-constant mode dequantizes. (``aten.pad`` reaches the
-    table inside DTensor's dispatch on torch 2.14: dequantizing there broke empty shards' all-gathers.)"""
+    the dims where it is full-size (a zero dequantizes to zero with any scale). A non-zero value or a non-constant
+    mode dequantizes. (``aten.pad`` reaches the table inside DTensor's dispatch on torch 2.14: dequantizing there
+    broke empty shards' all-gathers.)"""
     b = _bind(func, args, kwargs)
     t, pad = b["self"], list(b["pad"])
     value = b.get("value", 0)

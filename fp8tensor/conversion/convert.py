@@ -1,12 +1,8 @@
 """Module conversion: ``convert_to_fp8`` (training, master weights) and ``quantize_weights`` (fp8 storage): which
 modules are converted (the filter, the size rule of :mod:`fp8tensor.recipes`, tied weights, forwards that conversion
 would drop) and the conversion itself, with the classes and hooks of :mod:`fp8tensor.modules` and the export check of
-:mod:`fp8tensor.export`.
-
-Both work on plain modules and on modules already passed through ``parallelize_module`` (DTensor weights) or
-``fully_shard`` (FSDP2): a DTensor weight keeps its Parameter object and placements, only its local tensor is
-swapped, so optimizers and FSDP2 keep their references. A ``forward`` that a framework set on a Linear instance
-(torchtitan's TP wraps the bound ``forward`` it captured) is pointed at the fp8 forward (:class:`fp8tensor.modules._Redirect`).
+:mod:`fp8tensor.export`. Both work before or after ``parallelize_module`` and ``fully_shard``: a DTensor weight keeps
+its Parameter object and placements (only its local tensor is swapped), so optimizers and FSDP2 keep their references.
 """
 from __future__ import annotations
 
@@ -117,10 +113,8 @@ def _check_ties(root: nn.Module, chosen, op: str) -> None:
     """
     converted = {id(lin) for _, lin in chosen}
     owners = {id(lin.weight): fqn for fqn, lin in chosen if not _is_dtensor(lin.weight)}
-    bad = []
-    for fqn, mod in root.named_modules():
-        if isinstance(mod, nn.Linear) and id(mod) not in converted and id(mod.weight) in owners:
-            bad.append(f"{fqn!r} (shares its weight with {owners[id(mod.weight)]!r})")
+    bad = [f"{fqn!r} (shares its weight with {owners[id(mod.weight)]!r})" for fqn, mod in root.named_modules()
+           if isinstance(mod, nn.Linear) and id(mod) not in converted and id(mod.weight) in owners]
     if bad:
         raise RuntimeError(
             f"{op}: Linear {', '.join(bad)} is not selected for conversion but its weight is tied to a Linear that "
@@ -282,10 +276,9 @@ def convert_to_fp8(
     """
     op = "convert_to_fp8"
     r = get_recipe(recipe)
-    if size_rule is not None and not isinstance(size_rule, bool):
-        raise TypeError(f"convert_to_fp8: size_rule must be None, True or False, got {size_rule!r}")
-    if fp8_all_gather is not None and not isinstance(fp8_all_gather, bool):
-        raise TypeError(f"convert_to_fp8: fp8_all_gather must be None, True or False, got {fp8_all_gather!r}")
+    for name, value in (("size_rule", size_rule), ("fp8_all_gather", fp8_all_gather)):
+        if value is not None and not isinstance(value, bool):
+            raise TypeError(f"convert_to_fp8: {name} must be None, True or False, got {value!r}")
     asked_plain = fp8_all_gather is False  # (re-converting a master with the rule's False keeps it silently)
     early = False  # the rule chose the fp8 all-gather only because no process group exists yet (one-host job)
     if fp8_all_gather is None:
@@ -423,52 +416,39 @@ def quantize_weights(
             if not isinstance(local, ScaledFp8Tensor) and local.dtype.is_floating_point:  # (fp8 weights skipped)
                 check_finite_rows(local.detach(), f"{op}: {fqn + '.' if fqn else ''}{n}")
     classes = {fqn: fp8_class(type(lin)) for fqn, lin in chosen}  # before any change: a failure leaves no trace
+    q = functools.partial(quantize_expert_weight, float8_dtype=float8_dtype)  # a master's data, or the tensor itself
     shared: dict = {}  # id(old weight) -> (old weight, its fp8 Parameter): Linears sharing a weight share the fp8 one
-    for fqn, lin in chosen:
-        w = lin.weight
-        local = compat.local_tensor(w) if _is_dtensor(w) else w
-        if isinstance(local, ScaledFp8Tensor):
-            continue
-
-        def q(lt):
-            hp = lt._data if isinstance(lt, Fp8MasterWeight) else lt
-            return ScaledFp8Tensor.from_hp(hp.detach(), float8_dtype)
-
-        if _is_dtensor(w):
-            w.requires_grad_(False)
-            compat.set_local_tensor(w, map_shard(compat.local_tensor(w), q))
-            refresh_fsdp_param(w)
-        else:
-            new = shared.get(id(w))
-            if new is None:
-                new = shared[id(w)] = (w, nn.Parameter(q(w.data), requires_grad=False))
-            lin.weight = new[1]
-        lin.fp8_recipe = get_recipe("rowwise")
-        if hasattr(lin, "fp8_all_gather"):  # converted before: an fp8 weight is all-gathered in fp8
-            lin.fp8_all_gather = True
-        install_fp8_forward(lin, classes[fqn], redirects[fqn])
-        add_fp8_checkpoint_hooks(lin, float8_dtype)
-        add_tp_export_hook(lin)
-    for fqn, mod, names in experts:  # grouped experts: each 3-D weight stored as row-wise fp8 ([E, out, 1] scales)
+    for fqn, mod, names in [(fqn, lin, ("weight",)) for fqn, lin in chosen] + experts:
+        linear = isinstance(mod, nn.Linear)  # else grouped experts: each 3-D weight gets [E, out, 1] scales
         done = []
         for name in names:
-            w = compat.parameters_dict(mod)[name]
+            w = getattr(mod, name)
             local = compat.local_tensor(w) if _is_dtensor(w) else w
-            if not isinstance(local, ScaledFp8Tensor) and (w.shape[1] % 16 or w.shape[2] % 16):
+            if isinstance(local, ScaledFp8Tensor):  # stored in fp8 before (a Linear is then left as it is)
+                if not linear:
+                    done.append(name)
+                continue
+            if not linear and (w.shape[1] % 16 or w.shape[2] % 16):
                 continue
             done.append(name)
-            if isinstance(local, ScaledFp8Tensor):
-                continue
-            q = functools.partial(quantize_expert_weight, float8_dtype=float8_dtype)
             if _is_dtensor(w):
                 w.requires_grad_(False)
                 compat.set_local_tensor(w, map_shard(compat.local_tensor(w), q))
                 refresh_fsdp_param(w)
-            else:
-                setattr(mod, name, nn.Parameter(q(w.data), requires_grad=False))
-        if done:
-            add_fp8_checkpoint_hooks(mod, float8_dtype)
-            mod.fp8_recipe = get_recipe("rowwise")
+            else:  # (experts get a Parameter each)
+                if not linear or id(w) not in shared:
+                    shared[id(w)] = (w, nn.Parameter(q(w.data), requires_grad=False))
+                setattr(mod, name, shared[id(w)][1])
+        if not done:
+            continue
+        mod.fp8_recipe = get_recipe("rowwise")
+        add_fp8_checkpoint_hooks(mod, float8_dtype)
+        if linear:
+            if hasattr(mod, "fp8_all_gather"):  # converted before: an fp8 weight is all-gathered in fp8
+                mod.fp8_all_gather = True
+            install_fp8_forward(mod, classes[fqn], redirects[fqn])
+            add_tp_export_hook(mod)
+        else:
             mod.fp8_expert_params = tuple(done)
             mod.__class__ = experts_class(type(mod))
     if chosen or experts:

@@ -95,7 +95,7 @@ def _new_converted(base: type, mixin: type = None):
 def own_forward(lin: nn.Module) -> Optional[str]:
     """Why ``lin`` cannot be converted without changing what it computes: a class forward of its own that
     conversion would drop, or a parametrized weight (e.g. weight norm) that has no single tensor to swap. None when
-    it can. (A forward set on the instance is judged by :func:`_instance_forward`.)"""
+    it can. (A forward set on the instance is judged by :func:`instance_forward`.)"""
     from torch.nn.utils import parametrize
 
     if parametrize.is_parametrized(lin, "weight"):
@@ -135,12 +135,6 @@ class _Redirect:
         """Point every found reference at ``lin``'s fp8 forward (call after ``lin``'s class was converted)."""
         for edit in self._edits:
             edit()
-
-    def scaninstance_forward(self) -> None:
-        f = self.lin.__dict__["forward"]
-        new = self._scan(f, "forward", 0)
-        if new is not f:
-            self._edits.append(functools.partial(self.lin.__dict__.__setitem__, "forward", new))
 
     def _scan(self, obj, path: str, depth: int):
         """The object that should replace ``obj`` (``obj`` itself when nothing needs replacing)."""
@@ -220,10 +214,13 @@ def _same(a, b) -> bool:
 
 def instance_forward(lin: nn.Module) -> Optional[_Redirect]:
     """The redirect plan of a forward set on ``lin``'s instance; None when there is none."""
-    if lin.__dict__.get("forward") is None:
+    f = lin.__dict__.get("forward")
+    if f is None:
         return None
     plan = _Redirect(lin)
-    plan.scaninstance_forward()
+    new = plan._scan(f, "forward", 0)
+    if new is not f:
+        plan._edits.append(functools.partial(lin.__dict__.__setitem__, "forward", new))
     return plan
 
 
@@ -252,9 +249,7 @@ def plain_state_dict_hook(module, state_dict, prefix, local_metadata):
     parameter of ``module`` that is a master weight (or a DTensor of one) is stored as its high-precision data."""
     for name, p in compat.parameters_dict(module).items():
         key = prefix + name
-        t = state_dict.get(key)
-        if t is None:
-            continue
+        t = state_dict.get(key)  # (None for a parameter the state dict leaves out)
         if _is_dtensor(t):
             local = compat.local_tensor(t)
             if isinstance(local, Fp8MasterWeight):
@@ -298,8 +293,7 @@ def requantize_after_load(module, incompatible_keys):
     fp8 (a Linear's ``weight``, a grouped-experts module's expert weights), store it in fp8 again (row-wise, as
     ``quantize_weights`` does)."""
     dt = getattr(module, "_fp8_float8_dtype", E4M3)
-    names = getattr(module, "fp8_expert_params", None) or ("weight",)
-    for name in names:
+    for name in getattr(module, "fp8_expert_params", None) or ("weight",):
         w = compat.parameters_dict(module).get(name)
         if w is None or _is_dtensor(w) or isinstance(w, ScaledFp8Tensor) or not w.dtype.is_floating_point \
                 or w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):

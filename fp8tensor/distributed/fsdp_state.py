@@ -46,9 +46,7 @@ def fp8_all_gather_default() -> bool:
 
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()):
-        return True
-    if "nccl" not in str(dist.get_backend()).lower():
+    if not (dist.is_available() and dist.is_initialized()) or "nccl" not in str(dist.get_backend()).lower():
         return True
     world = dist.get_world_size()
     if world == 1:
@@ -87,21 +85,6 @@ def find_fsdp_param(param: torch.Tensor, module: Optional[torch.nn.Module] = Non
     return None
 
 
-def _refresh(fp) -> None:
-    if not compat.fsdp_is_sharded(fp):
-        raise RuntimeError(
-            f"fp8tensor: cannot convert FSDP2 parameter {compat.fsdp_param_name(fp)!r} while it is "
-            f"unsharded ({compat.fsdp_state_name(fp)}); call model.reshard() (or convert before the first forward)"
-        )
-    # FSDP2's reset_sharded_param (run at lazy init and after load_state_dict) compares storages of a plain
-    # ``_sharded_param_data`` with the local tensor, which a wrapper subclass has none of: give it the subclass.
-    # The extension path never reads ``_sharded_param_data`` otherwise (it is the default path's all-gather input).
-    local = compat.fsdp_sharded_local(fp)
-    compat.fsdp_set_flat_shard(fp, local.view(-1) if isinstance(local, Fp8MasterWeight) else local)
-    # Buffers sized and typed for the previous all-gather inputs: rebuilt on the next all-gather.
-    compat.fsdp_reset_extension(fp)
-
-
 def refresh_fsdp_param(param: torch.Tensor, module: Optional[torch.nn.Module] = None) -> bool:
     """Make FSDP2 pick up a swapped local tensor of ``param`` (``param._local_tensor = new`` after ``fully_shard``).
 
@@ -117,12 +100,21 @@ def refresh_fsdp_param(param: torch.Tensor, module: Optional[torch.nn.Module] = 
         RuntimeError: the parameter is currently unsharded (between forward and backward, or after a forward with
             ``reshard_after_forward=False``): reshard first.
     """
-    if not _is_dtensor(param):
-        return False
-    fp = find_fsdp_param(param, module)
+    fp = find_fsdp_param(param, module) if _is_dtensor(param) else None
     if fp is None:
         return False
-    _refresh(fp)
+    if not compat.fsdp_is_sharded(fp):
+        raise RuntimeError(
+            f"fp8tensor: cannot convert FSDP2 parameter {compat.fsdp_param_name(fp)!r} while it is "
+            f"unsharded ({compat.fsdp_state_name(fp)}); call model.reshard() (or convert before the first forward)"
+        )
+    # FSDP2's reset_sharded_param (run at lazy init and after load_state_dict) compares storages of a plain
+    # ``_sharded_param_data`` with the local tensor, which a wrapper subclass has none of: give it the subclass.
+    # The extension path never reads ``_sharded_param_data`` otherwise (it is the default path's all-gather input).
+    local = compat.fsdp_sharded_local(fp)
+    compat.fsdp_set_flat_shard(fp, local.view(-1) if isinstance(local, Fp8MasterWeight) else local)
+    # Buffers sized and typed for the previous all-gather inputs: rebuilt on the next all-gather.
+    compat.fsdp_reset_extension(fp)
     return True
 
 
@@ -139,11 +131,8 @@ def check_fsdp_sharded(params, op: str) -> None:
     params = [p for p in params if isinstance(p, torch.Tensor)]
     if not params:
         return
-    fps = _fsdp_params()
-    if not fps:
-        return
     ids = {id(p) for p in params}
-    for fp in fps:
+    for fp in _fsdp_params():
         unsharded = compat.fsdp_unsharded_param(fp)
         if unsharded is not None and id(unsharded) in ids and not compat.fsdp_is_sharded(fp):
             raise RuntimeError(

@@ -46,16 +46,10 @@ else:
     _IMPORT_ERROR = None
 
 
-def _selected(config: Any, fqn: str, filter_fqns: list[str]) -> bool:
-    """A plain ``Linear.Config`` (subclasses have their own forward) with dims multiples of 16 (fp8 GEMMs) and an
-    FQN containing none of ``filter_fqns``."""
-    return (type(config) is Linear.Config and config.in_features % 16 == 0 and config.out_features % 16 == 0
-            and not any(f in fqn for f in filter_fqns))
-
-
-def _experts_selected(config: Any, fqn: str, filter_fqns: list[str]) -> bool:
-    """As :func:`_selected`, for a plain ``GroupedExperts.Config`` (``dim`` and ``hidden_dim``)."""
-    return (type(config) is GroupedExperts.Config and config.dim % 16 == 0 and config.hidden_dim % 16 == 0
+def _selected(config: Any, fqn: str, filter_fqns: list[str], cls: type, dims: tuple) -> bool:
+    """A plain ``cls`` config (subclasses have their own forward) whose ``dims`` are multiples of 16 (fp8 GEMMs),
+    with an FQN containing none of ``filter_fqns``."""
+    return (type(config) is cls and all(getattr(config, d) % 16 == 0 for d in dims)
             and not any(f in fqn for f in filter_fqns))
 
 
@@ -161,9 +155,9 @@ if _IMPORT_ERROR is None:
         get_recipe(recipe)
         filter_fqns = list(filter_fqns or [])
         nodes = [(n, Fp8TensorLinear.Config) for n in model_config.traverse(Linear.Config)
-                 if _selected(n[1], n[0], filter_fqns)]
+                 if _selected(n[1], n[0], filter_fqns, Linear.Config, ("in_features", "out_features"))]
         nodes += [(n, Fp8TensorGroupedExperts.Config) for n in model_config.traverse(GroupedExperts.Config)
-                  if _experts_selected(n[1], n[0], filter_fqns)]
+                  if _selected(n[1], n[0], filter_fqns, GroupedExperts.Config, ("dim", "hidden_dim"))]
         for (fqn, cfg, parent, attr), target in nodes:
             node_recipe = recipe
             if size_rule and target is Fp8TensorLinear.Config:

@@ -9,16 +9,11 @@ The hooks follow FSDP2's all-gather extension protocol (``_fsdp_param.py``, "[No
 rows); ``fsdp_post_all_gather`` builds the unsharded ``ScaledFp8Tensor`` from :func:`gathered` /
 :func:`unsharded_buffers`. FSDP2's private state is reached through :mod:`fp8tensor.core.compat` only.
 
-How the bytes travel (every rank makes the same choice: it depends on the global shape and the mesh size only):
-
-``fused``  dim 0 divisible by the world size: the fp8 data as ``uint8`` (gloo has no fp8) and the float32 scales,
-           which FSDP2 packs into one ``uint8`` all-gather.
-``padded`` dim 0 not divisible: FSDP2 wants every input of a padded shard in the padded *parameter* shape, which a
-           ``(rows, 1)`` scale cannot have, so the scales go through one small extra all-gather in the metadata.
-``local``  world size 1: one ``uint8`` buffer, the fp8 bytes then (16-byte aligned) the scales, which the unsharded
-           tensor views, so later rounds copy nothing.
-
-Padding rows are zeros with unit scales, dropped after the gather (``torch.chunk`` puts the real rows first).
+How the bytes travel, ``fused`` / ``padded`` / ``local`` (chosen from the global shape and the mesh size only, so
+every rank makes the same choice), is in docs/fsdp.md ("How the bytes travel"). ``local`` (world size 1) uses one
+``uint8`` buffer, the fp8 bytes then (16-byte aligned) the scales, which the unsharded tensor views, so later rounds
+copy nothing. Padding rows are zeros with unit scales, dropped after the gather (``torch.chunk`` puts the real rows
+first).
 
 A parameter group's master weights are quantized in one launch: the group's first pre-all-gather hook quantizes
 all of them (``quantize_group``; on a 1-rank mesh ``quantize_rows_into`` one buffer) and keeps the others' results,

@@ -13,20 +13,12 @@ Recipes (:mod:`fp8tensor.recipes`); every operand is scaled along its GEMM's con
   expert and column): ``torch._scaled_grouped_mm`` 2-D x 2-D over the token dim; ``rowwise_gw_hp``: high precision
   (``torch._grouped_mm`` / per-group ``mm``).
 
-The CUDA kernel needs every token group of the 2-D x 2-D GEMM to start at a multiple of 16 tokens: both operands are
-quantized into a padded token layout (groups rounded up to 16, an empty group given 16, zero padding, so an expert
-without tokens gets an exact zero gradient), so any offsets work. Without ``torch._scaled_grouped_mm`` (CPU, or
-``grouped_gemm_kernel=False``) the same operands go through a per-group loop over ``torch._scaled_mm``: the same
-numerics. Quantization uses the row-wise and per-group column kernels of :mod:`fp8tensor.kernels` on CUDA, else the
-plain ops of :mod:`fp8tensor.quantize` (same formula).
-
-Under ``torch.compile`` dynamo does not hand ``torch._grouped_mm`` to torch-function handlers (it is not in
-``torch.overrides.get_overridable_functions()``): it records the call, with the master weight as an argument, as one
-graph node, and AOTAutograd's trace of that node runs :class:`~fp8tensor.master.Fp8MasterWeight`'s
-``__torch_function__``, i.e. :func:`fp8_grouped_mm` on fake tensors. Where the offsets cannot be read on the host
-(traced, fake or functional tensors) nothing loops over the groups: a GEMM without the fused kernel (CPU) runs every
-expert on all rows, masked to its group (the same quantized operands, ``E`` times the flops), and ``offs`` is not
-validated.
+Any group sizes: the 2-D x 2-D kernel's groups must start at multiples of 16 tokens, so both operands are quantized
+into a padded token layout (an expert without tokens gets an exact zero gradient). Without
+``torch._scaled_grouped_mm`` (CPU, ``grouped_gemm_kernel=False``) a per-group loop over ``torch._scaled_mm`` computes
+the same numerics. Under ``torch.compile`` the master weight's ``__torch_function__`` runs :func:`fp8_grouped_mm` on
+fake tensors; offsets that cannot be read on the host are not validated, and without the fused kernel every expert
+runs on all rows, masked to its group. docs/moe.md ("Recipes and numerics", "Compiled") has the details.
 """
 from __future__ import annotations
 

@@ -30,8 +30,8 @@ def fp8_all_gather_default() -> bool:
     :func:`fp8tensor.convert_to_fp8` is not told (``fp8_all_gather=None``).
 
     False when ``torch.distributed`` is initialized with an NCCL default group whose ranks all run on this host;
-    True otherwise (several hosts, another backend, or no process group yet). Ranks per host, in this order: torchrun's
-    ``LOCAL_WORLD_SIZE``; Open MPI's ``OMPI_COMM_WORLD_LOCAL_SIZE`` or MPICH's ``MPI_LOCALNRANKS`` (``mpirun``);
+    True otherwise (several hosts, another backend, or no process group yet). Ranks per host, in this order:
+    torchrun's ``LOCAL_WORLD_SIZE``; Open MPI's ``OMPI_COMM_WORLD_LOCAL_SIZE`` or MPICH's ``MPI_LOCALNRANKS`` (``mpirun``);
     Slurm's node count of the step or job (``SLURM_STEP_NUM_NODES`` / ``SLURM_NNODES``, one host iff 1; ``srun``
     without torchrun); else a guess: a world no larger than this host's GPU count.
 
@@ -39,8 +39,8 @@ def fp8_all_gather_default() -> bool:
     one GPU), where the bytes the fp8 payload saves are worth less than the host time of FSDP2's per-parameter
     extension hooks (which also turn off its foreach copy-in) and of the subclass weights entering each compiled
     block: self CPU time 54.8 vs 82.2 ms per step at dim 2048, faster steps at dims 1024-2048 in most runs; the fp8
-    all-gather's GPU time is lower (dim 8192: 1.375x vs 1.345x bf16). Across hosts the link is the bottleneck and the fp8
-    payload (``K + 4`` bytes per row instead of ``2 K``) halves its bytes.
+    all-gather's GPU time is lower (dim 8192: 1.375x vs 1.345x bf16). Across hosts the link is the bottleneck and
+    the fp8 payload (``K + 4`` bytes per row instead of ``2 K``) halves its bytes.
     """
     import os
 

@@ -32,8 +32,8 @@ def fp8_all_gather_default() -> bool:
     False when ``torch.distributed`` is initialized with an NCCL default group whose ranks all run on this host;
     True otherwise (several hosts, another backend, or no process group yet). Ranks per host, in this order:
     torchrun's ``LOCAL_WORLD_SIZE``; Open MPI's ``OMPI_COMM_WORLD_LOCAL_SIZE`` or MPICH's ``MPI_LOCALNRANKS``
-    (``mpirun``); Slurm's node count of the step or job (``SLURM_STEP_NUM_NODES`` / ``SLURM_NNODES``, one host iff 1; ``srun``
-    without torchrun); else a guess: a world no larger than this host's GPU count.
+    (``mpirun``); Slurm's node count of the step or job (``SLURM_STEP_NUM_NODES`` / ``SLURM_NNODES``, one host iff
+    1; ``srun`` without torchrun); else a guess: a world no larger than this host's GPU count.
 
     Why (measured on one H200, docs/fsdp.md): within one host the all-gather runs over NVLink (or moves nothing on
     one GPU), where the bytes the fp8 payload saves are worth less than the host time of FSDP2's per-parameter

@@ -113,36 +113,6 @@ def test_group_col_kernel_matches_plain_ops(dtype, monkeypatch):
     assert torch.equal(sk, sp) and torch.equal(qk.view(torch.uint8), qp.view(torch.uint8))
 
 
-def test_converted_grouped_experts_train_on_cuda():
-    from fp8tensor import convert_to_fp8
-
-    class Experts(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.w1 = nn.Parameter(torch.randn(8, 512, 256, device=DEV) * 0.05)
-            self.w2 = nn.Parameter(torch.randn(8, 256, 512, device=DEV) * 0.05)
-
-        def forward(self, x, counts):
-            offs = torch.cumsum(counts, 0, dtype=torch.int32)
-            # silu, not relu: a relu mask flipped by the forward's fp8 rounding would carry a full gradient element
-            # into w1's gradient (an error no operand-rounding bound covers)
-            h = F.silu(torch._grouped_mm(x.bfloat16(), self.w1.bfloat16().transpose(-2, -1), offs=offs))
-            return torch._grouped_mm(h, self.w2.bfloat16().transpose(-2, -1), offs=offs).type_as(x)
-
-    m = Experts()
-    ref = Experts()
-    ref.load_state_dict(m.state_dict())
-    convert_to_fp8(m)
-    counts = torch.tensor([100, 0, 37, 300, 5, 64, 0, 17], device=DEV)
-    x = torch.randn(int(counts.sum()), 256, device=DEV)
-    y, y_ref = m(x, counts), ref(x, counts)
-    y.sum().backward()
-    y_ref.sum().backward()
-    assert rel(y, y_ref) <= math.sqrt(2) * BOUND + 2.0**-7
-    assert rel(m.w1.grad, ref.w1.grad) <= 2 * BOUND
-    assert rel(m.w2.grad, ref.w2.grad) <= 2 * BOUND
-
-
 class _Experts(nn.Module):
     """Two-GEMM grouped experts with torchtitan's casts (bf16 operands, output cast back)."""
 
@@ -153,8 +123,27 @@ class _Experts(nn.Module):
 
     def forward(self, x, counts):
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        # silu, not relu: a relu mask flipped by the forward's fp8 rounding would carry a full gradient element
+        # into w1's gradient (an error no operand-rounding bound covers)
         h = F.silu(torch._grouped_mm(x.bfloat16(), self.w1.bfloat16().transpose(-2, -1), offs=offs))
         return torch._grouped_mm(h, self.w2.bfloat16().transpose(-2, -1), offs=offs).type_as(x)
+
+
+def test_converted_grouped_experts_train_on_cuda():
+    from fp8tensor import convert_to_fp8
+
+    m = _Experts()
+    ref = _Experts()
+    ref.load_state_dict(m.state_dict())
+    convert_to_fp8(m)
+    counts = torch.tensor([100, 0, 37, 300, 5, 64, 0, 17], device=DEV)
+    x = torch.randn(int(counts.sum()), 256, device=DEV)
+    y, y_ref = m(x, counts), ref(x, counts)
+    y.sum().backward()
+    y_ref.sum().backward()
+    assert rel(y, y_ref) <= math.sqrt(2) * BOUND + 2.0**-7
+    assert rel(m.w1.grad, ref.w1.grad) <= 2 * BOUND
+    assert rel(m.w2.grad, ref.w2.grad) <= 2 * BOUND
 
 
 class _Block(nn.Module):

@@ -405,7 +405,7 @@ def run_variant(variant: str, args, mesh, device):
             print(f"\n## {variant}: top GPU kernels (ms per step)")
             ks = [e for e in ka if e.self_device_time_total > 0 and not e.key.startswith("##")]
             ks.sort(key=lambda e: -e.self_device_time_total)
-            for e in ks[:40]:
+            for e in ks[:70]:
                 print(f"{e.self_device_time_total / 3e3:9.3f} {e.count // 3:5d}  {e.key[:110]}")
         if args.profile:
             print(f"\n## {variant}: top host ops (3 steps), wall {ms:.2f} ms, GPU {gpu_ms:.2f} ms per step")

@@ -362,3 +362,13 @@ def local_tensor_shards(t) -> dict:
     """The per-rank tensors of a ``LocalTensor`` (its ``_local_tensors`` dict, rank -> tensor); else ``{}``."""
     shards = getattr(t, "_local_tensors", None)
     return shards if isinstance(shards, dict) else {}
+
+
+def one_buffer(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as one buffer that several Triton kernels of a traced ``triton_op`` can read (inductor's
+    ``prims.inductor_force_stride_order`` at ``x``'s strides; ``x`` itself where that op is not registered, i.e.
+    inductor is not loaded). Inductor requires each user-defined kernel's input at its exact strides and writes an
+    unrealized (fused) input out once *per kernel* otherwise; realized once here, every kernel reads the same buffer.
+    Eager: ``x`` itself (its strides already match)."""
+    op = getattr(torch.ops.prims, "inductor_force_stride_order", None)
+    return x if op is None else op(x, x.stride())

@@ -470,8 +470,11 @@ def launch_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype, scale_floor: float
     ``scale_floor``: the smallest scale, ``max(amax / fmax, floor)``. Tiles from :data:`CONFIG` (read at each call).
 
     ``traced=True``: the body of the ``triton_op`` ``fp8tensor::quantize_dim0_t`` (``wrap_triton``: inductor calls
-    the kernels inline), else an eager launch. Traced, the kernels get ``x`` itself, never a view: inductor writes a
-    view of a fusible value out into a buffer of its own for *each* kernel argument."""
+    the kernels inline), else an eager launch. Traced, the kernels get ``x`` itself, never a view, realized once
+    (:func:`fp8tensor.compat.one_buffer`): inductor writes a fusible value out into a buffer of its own for *each*
+    kernel argument."""
+    if traced:  # both kernels read one buffer of x (else inductor writes a fused x out once per kernel)
+        x = compat.one_buffer(x)
     K = x.shape[-1]
     M = x.numel() // K
     stride_m = x.stride(0) if x.dim() == 2 else K

@@ -193,6 +193,12 @@ def build(precision: str, setup: str, args, mesh, device, mode=None):
     return model
 
 
+def _is_gemm(name: str) -> bool:
+    """Whether a profiler kernel name is a matrix-multiply kernel (cuBLAS ``nvjet*``, ``*gemm*``, CUTLASS)."""
+    low = name.lower()
+    return low.startswith("nvjet") or any(s in low for s in ("gemm", "cutlass", "xmma"))
+
+
 def kernel_ms(prof) -> float:
     """Milliseconds of GPU activity (kernels, memcpy, memset) in a profile; user annotations (e.g. inductor's
     "## Call CompiledFxGraph ##" ranges on the GPU timeline) are not activity and would count kernels twice."""
@@ -390,7 +396,7 @@ def run_variant(variant: str, args, mesh, device):
     ms = statistics.median(times)
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
     gpu_ms = float("nan")
-    host_top = None
+    host_top = kernels = None
     if cuda:
         from torch.profiler import ProfilerActivity, profile
 
@@ -407,6 +413,12 @@ def run_variant(variant: str, args, mesh, device):
             ks.sort(key=lambda e: -e.self_device_time_total)
             for e in ks[:70]:
                 print(f"{e.self_device_time_total / 3e3:9.3f} {e.count // 3:5d}  {e.key[:110]}")
+            gemm = [e for e in ks if _is_gemm(e.key)]
+            other = [e for e in ks if not _is_gemm(e.key)]
+            kernels = dict(gemm_ms=sum(e.self_device_time_total for e in gemm) / 3e3,
+                           other_ms=sum(e.self_device_time_total for e in other) / 3e3,
+                           launches=sum(e.count for e in ks) / 3,
+                           top=[(e.key, e.self_device_time_total / 3e3, e.count / 3) for e in other[:6]])
         if args.profile:
             print(f"\n## {variant}: top host ops (3 steps), wall {ms:.2f} ms, GPU {gpu_ms:.2f} ms per step")
             print(ka.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=80))
@@ -424,7 +436,8 @@ def run_variant(variant: str, args, mesh, device):
     loss = float(step(0).detach().float())
     row = dict(variant=variant, precision=precision, setup=setup, extra=extra, mode=mode or "default", ms=ms, tok_s=c["batch"] * c["seq"] / ms * 1e3,
                gpu_ms=gpu_ms, peak_gib=peak, warmup_s=t_compile, loss=loss, min_ms=min(times), times_ms=times,
-               alloc=alloc, cudagraphs=cg, warmup_ms=warm_times, pipe_ms=pipe_ms, host_top=host_top)
+               alloc=alloc, cudagraphs=cg, warmup_ms=warm_times, pipe_ms=pipe_ms, host_top=host_top,
+               kernels=kernels)
     print(f"# {variant}: {ms:.2f} ms/step (min {min(times):.2f}; back to back {pipe_ms:.2f}), GPU {gpu_ms:.2f} ms, peak {peak:.2f} GiB, "
           f"warm-up {t_compile:.1f} s, loss {loss:.3f}; steps (ms): {' '.join(f'{t:.1f}' for t in times)}; caching "
           f"allocator in the timed steps: {alloc}"
@@ -613,6 +626,24 @@ def main(argv=None):
                          " ".join(a for i, a in enumerate(sys.argv[1:]) if a != "--record" and sys.argv[i] != "--record"),
                          notes=["Top host ops by self CPU time per step (torch profiler over 3 steps, divided by 3); "
                                 "compiled graphs' calls and FSDP2's per-block hooks summed over the blocks."])
+        ker = [r for r in rows if r.get("kernels")]
+        if ker:  # --kernels: GPU kernel time per step split into GEMMs and the rest, beside bf16's
+            base = next((r["kernels"]["other_ms"] for r in ker if r["precision"] == "bf16"
+                         and r["setup"] == ker[0]["setup"]), None)
+            table = [{"variant": r["variant"], "GPU ms": f"{r['gpu_ms']:.2f}",
+                      "GEMM ms": f"{r['kernels']['gemm_ms']:.2f}", "other kernels ms": f"{r['kernels']['other_ms']:.2f}",
+                      "other − bf16's ms": "" if base is None else f"{r['kernels']['other_ms'] - base:+.2f}",
+                      "launches per step": f"{r['kernels']['launches']:.0f}",
+                      "top other kernels: ms per step (launches per step)": "; ".join(
+                          f"`{k[:48]}` {ms:.2f} ({n:.0f})" for k, ms, n in r["kernels"]["top"])} for r in ker]
+            stem = os.path.splitext(args.record)[0] + "_kernels"
+            write_record(stem + ".json", os.path.basename(stem), table, "PYTHONPATH=. python benchmarks/e2e.py " +
+                         " ".join(a for i, a in enumerate(sys.argv[1:]) if a != "--record" and sys.argv[i] != "--record"),
+                         notes=["GPU kernel time per step from the torch profiler (3 steps, divided by 3). GEMM: "
+                                "cuBLAS / CUTLASS matrix kernels (`nvjet*`, `*gemm*`); other: everything else "
+                                "(attention, norms, activations, quantization, optimizer, copies). `other − bf16's` is "
+                                "the non-GEMM time a variant adds over bf16 in the same run: for the fp8 variants, "
+                                "what quantization costs."])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(size=args.size, cfg=c, env=env, mode=args.mode, cudagraph_params=args.cudagraph_params,

@@ -369,6 +369,10 @@ def one_buffer(x: torch.Tensor) -> torch.Tensor:
     ``prims.inductor_force_stride_order`` at ``x``'s strides; ``x`` itself where that op is not registered, i.e.
     inductor is not loaded). Inductor requires each user-defined kernel's input at its exact strides and writes an
     unrealized (fused) input out once *per kernel* otherwise; realized once here, every kernel reads the same buffer.
-    Not compiling: ``x`` itself."""
-    op = getattr(torch.ops.prims, "inductor_force_stride_order", None) if is_compiling() else None
+    Not traced (a real tensor, not a fake or functional one): ``x`` itself."""
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    if not isinstance(x, (FakeTensor, FunctionalTensor)):  # (torch.compiler.is_compiling() is False where AOT traces)
+        return x
+    op = getattr(torch.ops.prims, "inductor_force_stride_order", None)
     return x if op is None else op(x, x.stride())

@@ -228,3 +228,18 @@ def test_module_member_dicts_are_the_live_dicts():
     new = nn.Linear(2, 3)
     m[0] = new
     assert compat.children_dict(m)["0"] is new
+
+
+def test_one_buffer_is_identity_on_real_tensors_and_keeps_a_traced_tensor_strides():
+    # compat.one_buffer: inductor's force-stride-order op on traced (fake) tensors, the tensor itself otherwise.
+    import torch._inductor.inductor_prims  # noqa: F401  (registers prims.inductor_force_stride_order, as inductor does)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fp8tensor.core import compat
+
+    x = torch.randn(6, 4)[:, :3]  # a strided view: returned as it is, no copy
+    assert compat.one_buffer(x) is x
+    with FakeTensorMode():
+        f = torch.empty(5, 8).t()
+        y = compat.one_buffer(f)
+    assert y.shape == f.shape and y.stride() == f.stride()

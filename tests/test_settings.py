@@ -255,7 +255,7 @@ def test_compiled_weight_columns_are_plain_ops(monkeypatch, mode):
     w = torch.randn(48, 32, dtype=torch.float64) * torch.logspace(-2, 2, 32, dtype=torch.float64)
     g = torch.randn(5, 48)
     with fp8tensor.config(compiled_quantization=mode):
-        assert q._inductor_quantizes() is (mode == "inductor")
+        assert q._inductor_quantizes(w) is (mode == "inductor")
         qt, st = q.quantize_dim0_t_after(w.float(), g)
     assert qt.shape == (32, 48) and st.shape == (32, 1)
     deq = qt.double() * st.double()  # (K, N) ≈ w.T, one e4m3 rounding per element: relative error <= 2^-4
@@ -482,3 +482,20 @@ def test_a_kept_scope_reenters_under_checkpointing_and_backward_leaves_no_settin
         fp8_linear(x, w).sum().backward()
         assert fp8tensor.get_config().unknown_ops == "raise"
     assert fp8tensor.get_config() == base
+
+
+def test_inductor_quantization_is_seen_where_aot_traces_below_the_subclass():
+    # AOTAutograd runs the op table (and triton_op bodies) on fake / functional tensors while
+    # torch.compiler.is_compiling() is False: compiled_quantization="inductor" must apply there too, and only to
+    # traced tensors (an eager call keeps the kernels).
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fp8tensor.numerics import quantize as q
+
+    with FakeTensorMode():
+        fake = torch.empty(4, 8)
+    real = torch.empty(4, 8)
+    with fp8tensor.config(compiled_quantization="inductor"):
+        assert q._inductor_quantizes(fake) and not q._inductor_quantizes(real)
+    with fp8tensor.config(compiled_quantization="kernels"):
+        assert not q._inductor_quantizes(fake) and not q._inductor_quantizes(real)

@@ -369,10 +369,17 @@ def one_buffer(x: torch.Tensor) -> torch.Tensor:
     ``prims.inductor_force_stride_order`` at ``x``'s strides; ``x`` itself where that op is not registered, i.e.
     inductor is not loaded). Inductor requires each user-defined kernel's input at its exact strides and writes an
     unrealized (fused) input out once *per kernel* otherwise; realized once here, every kernel reads the same buffer.
-    Not traced (a real tensor, not a fake or functional one): ``x`` itself."""
-    from torch._subclasses.functional_tensor import FunctionalTensor
-
-    if not isinstance(x, (FakeTensor, FunctionalTensor)):  # (torch.compiler.is_compiling() is False where AOT traces)
+    Not traced (:func:`is_traced`): ``x`` itself."""
+    if not is_traced(x):
         return x
     op = getattr(torch.ops.prims, "inductor_force_stride_order", None)
     return x if op is None else op(x, x.stride())
+
+
+def is_traced(x: torch.Tensor) -> bool:
+    """Whether ``x`` is being traced into a graph: dynamo is tracing (:func:`is_compiling`), or ``x`` is a fake or
+    functional tensor, as in code that AOTAutograd runs to trace a graph (a subclass's ``__torch_dispatch__``, a
+    ``triton_op``'s body), where ``torch.compiler.is_compiling()`` is False."""
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    return is_compiling() or isinstance(x, (FakeTensor, FunctionalTensor))

@@ -110,7 +110,7 @@ def quantize(x: torch.Tensor, dim: int = -1, float8_dtype: torch.dtype = E4M3, *
     """
     check_float8_dtype(float8_dtype, "quantize_rowwise")
     if x.is_cuda:
-        if gemm_layout and x.dim() == 2 and not _inductor_quantizes():
+        if gemm_layout and x.dim() == 2 and not _inductor_quantizes(x):
             if dim % 2 == 0 and kernels.kernel_available(x):
                 q, s = _dim0_t(x, float8_dtype)
                 return q.t(), s.t()
@@ -158,10 +158,11 @@ def quantize_rowwise(x: torch.Tensor, dim: int = -1, float8_dtype: torch.dtype =
 
 
 # ---------------------------------------------------------------------------------------------- dim-0 triton op
-def _inductor_quantizes() -> bool:
-    """Whether a traced graph quantizes token-dim operands as plain ops for inductor to fuse
-    (``compiled_quantization="inductor"``) instead of fp8tensor's kernels."""
-    return compat.is_compiling() and get_config().compiled_quantization == "inductor"
+def _inductor_quantizes(x: torch.Tensor) -> bool:
+    """Whether a traced graph quantizes the token-dim operand ``x`` as plain ops for inductor to fuse
+    (``compiled_quantization="inductor"``) instead of fp8tensor's kernels; traced includes the op table's code that
+    AOTAutograd runs below the subclass (:func:`fp8tensor.compat.is_traced`)."""
+    return get_config().compiled_quantization == "inductor" and compat.is_traced(x)
 
 
 def _reference_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype):
@@ -239,7 +240,8 @@ def quantize_tokens(x: torch.Tensor, float8_dtype: torch.dtype = E4M3):
         ``torch._scaled_mm`` wants its second operand); ``scale`` ``(1, K)`` float32, ``q.float() * scale ≈
         x.reshape(-1, K)``. Same bits as ``quantize(x.reshape(-1, K), 0, float8_dtype, gemm_layout=True)``.
     """
-    if not (x.is_cuda and kernels.kernel_available(x) and (x.dim() == 2 or x.is_contiguous())) or _inductor_quantizes():
+    if (not (x.is_cuda and kernels.kernel_available(x) and (x.dim() == 2 or x.is_contiguous()))
+            or _inductor_quantizes(x)):
         return None
     q, s = _dim0_t(x, float8_dtype, shared=True)
     return q.t(), s.t()

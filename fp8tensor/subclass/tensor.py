@@ -1,10 +1,5 @@
-"""``ScaledFp8Tensor``: fp8 data plus float32 row-wise scales, as a ``__torch_dispatch__`` wrapper subclass.
-
-This module holds the class, its op registry (``OP_TABLE`` filled with :func:`implements`) and the dispatcher.
-What each aten op does to the scale is in :mod:`fp8tensor.ops` (the non-GEMM op table entries); GEMMs are in
-:mod:`fp8tensor.gemm`; rounding is in :mod:`fp8tensor.quantize`; the FSDP2 all-gather payload is
-:mod:`fp8tensor.fsdp`.
-"""
+"""``ScaledFp8Tensor`` (fp8 data plus float32 scales, a ``__torch_dispatch__`` wrapper subclass), its op table
+(``OP_TABLE``, :func:`implements`) and dispatcher; docs/design.md ("One tensor class", "The op table")."""
 from __future__ import annotations
 
 import warnings
@@ -17,15 +12,7 @@ from ..numerics import fsdp_payload as _payload
 from ..numerics.quantize import E4M3, FLOAT8_DTYPES, amax_to_scale, cast_to_fp8, check_float8_dtype, quantize
 from ..core.settings import get_config
 
-__all__ = [
-    "ScaledFp8Tensor",
-    "dequantize",
-    "OP_TABLE",
-    "implements",
-    "validate_parts",
-    "make_scaled",
-    "rowwise_dims",
-]
+__all__ = ["ScaledFp8Tensor", "dequantize", "OP_TABLE", "implements", "validate_parts", "make_scaled", "rowwise_dims"]
 
 #: The op table: aten op overload -> ``handler(func, args, kwargs)``. Filled by :func:`implements` (in
 #: :mod:`fp8tensor.ops`, :mod:`fp8tensor.gemm`, :mod:`fp8tensor.collectives`).
@@ -156,6 +143,11 @@ def _dtensor_cls():
 def _is_dtensor(t: Any) -> bool:
     cls = _dtensor_cls()
     return cls is not False and isinstance(t, cls)
+
+
+def local_of(t: Any) -> Any:
+    """The local tensor of a DTensor (without autograd), else ``t`` itself."""
+    return compat.local_tensor(t) if _is_dtensor(t) else t
 
 
 def _is_local_tensor(t: Any) -> bool:
@@ -566,7 +558,7 @@ def fsdp_post_all_gather(all_gather_outputs, metadata, param_dtype, *, out=None)
         RuntimeError: ``out`` is not a ScaledFp8Tensor of the gathered shape.
     """
     if out is not None:
-        target = compat.local_tensor(out) if _is_dtensor(out) else out
+        target = local_of(out)
         if (
             metadata.mode == _payload.LOCAL
             and type(target) is ScaledFp8Tensor

@@ -1,17 +1,7 @@
-"""The knobs of fp8tensor, in one place: :class:`Config`, read with :func:`get_config`, set process-wide with
-:func:`set_config`, and scoped to a block (in the current thread) with :func:`config`::
-
-    import fp8tensor
-
-    with fp8tensor.config(unknown_ops="raise"):     # fail on any op without an fp8 implementation
-        model(x)
-    fp8tensor.set_config(gemm_backend="emulated")   # process-wide
-
-Knobs are read when an op runs or is traced: a compiled graph keeps what was in force when it was traced. A
-:func:`config` block holds in its own thread; the fp8 Linear's backward runs under the blocks that were in force at
-its forward (also in autograd's device threads, where CUDA backwards run). Other backwards (the fp8 grouped GEMM of
-experts) see the settings of the thread they run in: use :func:`set_config` for knobs that must reach those.
-"""
+"""The knobs of fp8tensor: :class:`Config`, read with :func:`get_config`, set process-wide with :func:`set_config`,
+scoped to a ``with`` block of the current thread with :func:`config`. Knobs are read when an op runs or is traced
+(a compiled graph keeps what was in force at tracing). The fp8 Linear's backward runs under its forward's blocks
+(docs/design.md, "Settings and tracing state"); other backwards (grouped GEMMs) see their own thread's settings."""
 from __future__ import annotations
 
 import dataclasses
@@ -177,17 +167,11 @@ def set_config(**changes) -> Config:
 class _Scope:
     """What :func:`config` returns: a context manager whose settings hold inside its ``with`` block.
 
-    ``fp8tensor.config(...)`` without ``with`` would change nothing, silently, and Python cannot tell at the call
-    whether its result will be entered. So each scope made in a thread is recorded there (weakly) until it is
-    entered, and the thread's next fp8tensor operation (:func:`get_config`, which every op reads, or
-    :func:`set_config`) raises ``RuntimeError`` while one is recorded; so does the next :func:`config` call once an
-    earlier scope was dropped without being entered. ``with fp8tensor.config(...):`` enters the scope before anything
-    else runs, so correct code never sees the error. A scope may be entered again after its block ended.
-
-    The thread keeps its entered scopes in order; leaving one removes it wherever it is (blocks of two generators
-    suspended inside them may end in any order) and the settings in force are recomputed from the scopes still
-    entered. A block left from another thread than the one that entered it (a suspended generator closed elsewhere)
-    changes nothing in either thread: leave blocks in the thread that entered them."""
+    ``fp8tensor.config(...)`` without ``with`` would silently change nothing, so each scope is recorded (weakly) in
+    its thread until entered, and the thread's next :func:`get_config` / :func:`set_config` (or :func:`config`, once
+    an earlier scope died unentered) raises ``RuntimeError``. Entered scopes are kept in order; leaving one removes
+    it wherever it is (generators may end blocks in any order) and the settings are recomputed. A block left from
+    another thread changes nothing in either thread."""
 
     __slots__ = ("changes", "__weakref__")
 

@@ -1,17 +1,8 @@
-"""Collectives of :class:`~fp8tensor.tensor.ScaledFp8Tensor`: what DTensor's sharding, redistribution and
-``distribute_tensor`` send over the wire when the local tensor is fp8.
-
-Every handler moves the fp8 data (as ``uint8``: gloo has no fp8 type) and the float32 scales as **two collectives
-of the same kind**. Nothing is dequantized, requantized or reduced: a gathered tensor keeps each rank's own scales
-and dequantizes bit-exactly to the ranks' values. A scale is *expanded* only where the collective would otherwise
-merge different per-rank scales into one compact slot (the rule of the op table's ``cat``). Each handler's
-docstring says how it treats the scale.
-
-Reductions (``all_reduce``, ``reduce_scatter_tensor``) of fp8 data are not defined and raise
-``NotImplementedError`` from the op table's fallback; DTensor never needs them (GEMM outputs, Partial ones included,
-are high-precision). :class:`~fp8tensor.master.Fp8MasterWeight` needs no handlers: this module only adds the
-collective and padding ops to those whose results stay master weights. Registered on import.
-"""
+"""Collectives of :class:`~fp8tensor.tensor.ScaledFp8Tensor` (DTensor's sharding, redistribution and
+``distribute_tensor``): the fp8 data (as ``uint8``: gloo has no fp8 type) and the float32 scales move as two
+collectives of the same kind, nothing dequantized or reduced; a scale is expanded only where the collective would
+merge different per-rank scales (docs/tp.md, "What is communicated"). Reductions of fp8 data raise
+``NotImplementedError``. Also the ops whose results stay master weights. Registered on import."""
 from __future__ import annotations
 
 import importlib

@@ -1,15 +1,6 @@
-"""Editing FSDP2's private state for fp8tensor subclasses (the payload that goes on the wire is :mod:`fp8tensor.fsdp`).
-
-* :func:`refresh_fsdp_param` lets :func:`fp8tensor.convert_to_fp8` / :func:`fp8tensor.quantize_weights` run after
-  ``fully_shard``: it finds the ``FSDPParam`` that owns the swapped parameter and resets its extension state and
-  cached all-gather buffers;
-* :func:`check_fsdp_sharded` refuses, before anything changes, to convert parameters that FSDP2 currently holds
-  unsharded;
-* :func:`fp8_all_gather_default` is the rule ``convert_to_fp8(..., fp8_all_gather=None)`` applies;
-
-FSDP2's ``FSDPParam`` / ``FSDPState`` attributes are not public API (``torch/distributed/fsdp/_fully_shard/``): they
-are read and written through :mod:`fp8tensor.compat` only.
-"""
+"""Editing FSDP2's private state (through :mod:`fp8tensor.compat` only) for conversion after ``fully_shard``:
+:func:`refresh_fsdp_param`, :func:`check_fsdp_sharded`; and :func:`fp8_all_gather_default`, the rule of
+``convert_to_fp8(..., fp8_all_gather=None)``. The payload on the wire is :mod:`fp8tensor.fsdp`."""
 from __future__ import annotations
 
 from typing import Optional
@@ -35,12 +26,8 @@ def fp8_all_gather_default() -> bool:
     (``mpirun``); Slurm's node count of the step or job (``SLURM_STEP_NUM_NODES`` / ``SLURM_NNODES``, one host iff
     1; ``srun`` without torchrun); else a guess: a world no larger than this host's GPU count.
 
-    Why (measured on one H200, docs/fsdp.md): within one host the all-gather runs over NVLink (or moves nothing on
-    one GPU), where the bytes the fp8 payload saves are worth less than the host time of FSDP2's per-parameter
-    extension hooks (which also turn off its foreach copy-in) and of the subclass weights entering each compiled
-    block: self CPU time 54.8 vs 82.2 ms per step at dim 2048, faster steps at dims 1024-2048 in most runs; the fp8
-    all-gather's GPU time is lower (dim 8192: 1.375x vs 1.345x bf16). Across hosts the link is the bottleneck and
-    the fp8 payload (``K + 4`` bytes per row instead of ``2 K``) halves its bytes.
+    Why (docs/fsdp.md, measured on H200): within one host the bytes the fp8 payload saves are worth less than the
+    host time of FSDP2's extension hooks; across hosts the link is the bottleneck and the fp8 payload halves it.
     """
     import os
 

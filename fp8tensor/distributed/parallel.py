@@ -1,19 +1,6 @@
-"""fp8 communication for sequence parallelism: all-gather the activation in fp8, with per-token scales.
-
-With sequence parallelism the input of each column-parallel block is all-gathered across the TP group, by
-``PrepareModuleInput`` in bf16. The fp8 GEMMs that follow quantize it per token anyway, and a rank's sequence shard
-holds whole tokens: quantizing the shard before the gather gives exactly the GEMM's per-token scales (no amax
-exchange) and moves ``hidden + 4`` bytes per token instead of ``2 * hidden``. Consumers get a ``Replicate`` DTensor
-of a per-token :class:`~fp8tensor.ScaledFp8Tensor`, which :func:`fp8tensor.fp8_linear` uses as is (``wq/wk/wv``
-share one gather); the backward is the high-precision one.
-
-Public API: :class:`Fp8PrepareModuleInput` (drop-in for ``PrepareModuleInput``), :func:`fp8_sequence_parallel_plan`
-(a TP plan with those entries swapped) and :func:`fp8_sequence_all_gather` (the functional form).
-
-Method: row-wise fp8 scaling as in :mod:`fp8tensor.quantize`; the fp8 SP all-gather follows TorchAO's float8
-``PrepareFloat8ModuleInput`` (a per-tensor scale), with per-token scales that need no agreement across ranks.
-See ``docs/sp_fp8.md``.
-"""
+"""fp8 communication for sequence parallelism: the activation all-gathered in fp8 with per-token scales (the GEMMs'
+own, so forward GEMMs are bit-identical; ``hidden + 4`` bytes per token instead of ``2 * hidden``), after TorchAO's
+``PrepareFloat8ModuleInput`` with per-token instead of per-tensor scales. docs/sp_fp8.md."""
 from __future__ import annotations
 
 import warnings

@@ -1,29 +1,7 @@
-"""fp8 GEMM engine: operand preparation (on-the-fly quantization, scale folding) and the backends.
-
-A GEMM ``out[M, N] = A[M, K] @ B[K, N]`` in fp8 needs each operand scaled along its *outer* dim (A per row, B per
-column): then the scales factor out of the sum over K, ``out = diag(sa) (A8 @ B8) diag(sb)``. Operands:
-
-* plain: quantized on the fly along K (:func:`fp8tensor.quantize.quantize` with ``gemm_layout=True``);
-* fp8 scaled on its outer dim: used as is;
-* fp8 scaled on K (``grad_out @ W``, ``W`` scaled per row): **scale folding**, ``A @ (diag(s) W8) = (A diag(s)) @
-  W8``: the product ``A diag(s)`` is quantized and the GEMM runs on ``W8`` unchanged;
-* anything else (a per-element scale, both operands scaled on K): dequantized and re-quantized.
-
-Backends (``set_gemm_backend`` / ``gemm_backend``):
-
-``"rowwise"``   ``torch._scaled_mm`` with per-row/per-column scales applied in its epilogue.
-``"tensorwise"`` ``torch._scaled_mm`` with unit scales and a float32 output, then the row/column fix-up.
-``"emulated"``  dequantize and matmul in float32 (pre-Hopper GPUs, and the numerical reference).
-``"auto"``      (default) CUDA sm_89+: rowwise for bf16 outputs, tensorwise otherwise (measured fastest on
-                H200, see docs/benchmarks.md); older CUDA: emulated; CPU: rowwise when ``torch._scaled_mm``
-                works there (probed once), else emulated.
-
-``torch._scaled_mm`` constraints handled here: A row-major, B column-major (a padded column-major B is kept),
-K and N multiples of 16 on CUDA (zero-padded otherwise), float32 scales of shape (M, 1) / (1, N),
-row-wise outputs bf16 only on CUDA, no e5m2 × e5m2 on CUDA.
-
-Registers the ``aten.mm`` / ``aten.addmm`` op table entries of :class:`~fp8tensor.tensor.ScaledFp8Tensor`.
-"""
+"""fp8 GEMM engine: operand preparation (on-the-fly quantization, scale folding) and the backends ``"rowwise"``,
+``"tensorwise"``, ``"emulated"`` and ``"auto"`` (docs/design.md, "GEMMs and scale folding"), with
+``torch._scaled_mm``'s layout, padding and dtype constraints handled in :func:`scaled_mm`. Registers the ``aten.mm`` /
+``aten.addmm`` op table entries of :class:`~fp8tensor.tensor.ScaledFp8Tensor`."""
 from __future__ import annotations
 
 import functools

@@ -162,13 +162,11 @@ def _is_local_tensor(t: Any) -> bool:
 def map_local(t: Any, fn):
     """Apply ``fn`` to a tensor, or to the local tensor of a DTensor, keeping mesh, placements, shape and stride.
 
-    fp8tensor never looks at placements: it works on the local shard. Without autograd and outside
-    ``torch.compile``, a result of the local tensor's shape and dtype is wrapped with ``t``'s own spec directly
-    (what ``DTensor.from_local(..., run_check=False, shape=t.shape, stride=t.stride())`` builds, minus autograd).
-    """
+    Without autograd and outside ``torch.compile``, a result of the local tensor's shape and dtype is wrapped with
+    ``t``'s own spec directly (``DTensor.from_local(..., run_check=False, shape=, stride=)`` minus autograd)."""
     cls = _dtensor_cls()
     if cls is False or not isinstance(t, cls):
-        return map_shard(t, fn) if _is_local_tensor(t) else fn(t)
+        return map_shard(t, fn)
     # (not in inference mode: from_local's view_as dequantizes there, a separate bug; keep from_local's result)
     direct = (not compat.is_compiling() and not (torch.is_grad_enabled() and t.requires_grad)
               and not torch.is_inference_mode_enabled())
@@ -185,10 +183,7 @@ def map_local(t: Any, fn):
 def map_shard(local: torch.Tensor, fn):
     """``fn(local)``; for a ``LocalTensor`` (simulated ranks) ``fn`` runs per rank, so that a subclass it builds
     ends up *inside* the ``LocalTensor``, as on real ranks."""
-    cls = compat.local_tensor_cls()
-    if cls is not None and isinstance(local, cls):
-        return compat.run_per_simulated_rank(fn)(local)
-    return fn(local)
+    return compat.run_per_simulated_rank(fn)(local) if _is_local_tensor(local) else fn(local)
 
 
 #: The error of reading a ScaledFp8Tensor's storage as one tensor's (safetensors, Hugging Face ``save_pretrained``).

@@ -35,15 +35,9 @@ def _dist_op(name: str) -> list:
 
 def _bind(func, args, kwargs) -> dict[str, Any]:
     """Arguments of an op call by schema name, defaults filled in."""
-    out = {}
-    for i, arg in enumerate(compat.op_schema(func).arguments):
-        if i < len(args):
-            out[arg.name] = args[i]
-        elif arg.name in kwargs:
-            out[arg.name] = kwargs[arg.name]
-        elif arg.has_default_value():
-            out[arg.name] = arg.default_value
-    return out
+    schema = compat.op_schema(func).arguments
+    return {a.name: args[i] if i < len(args) else kwargs.get(a.name, a.default_value) for i, a in enumerate(schema)
+            if i < len(args) or a.name in kwargs or a.has_default_value()}
 
 
 def _bytes(q: torch.Tensor) -> torch.Tensor:

@@ -262,13 +262,12 @@ def _quantized_rows(master, float8_dtype, local: bool):
 def master_pre_all_gather(master, mesh, outer_size, outer_stride, module, mp_policy):
     """``Fp8MasterWeight.fsdp_pre_all_gather``: quantize the local master rows row-wise, return fp8 data + scales.
 
-    Each rank quantizes its own master rows as :meth:`ScaledFp8Tensor.from_hp` (recipe's fp8 format), from the
-    master dtype (no cast to ``mp_policy.param_dtype``), with its FSDP2 parameter group in one launch.
+    Each rank quantizes its own rows as :meth:`ScaledFp8Tensor.from_hp` (the recipe's fp8 format) from the master
+    dtype (not ``mp_policy.param_dtype``), with its FSDP2 parameter group in one launch.
 
     Args:
-        master: the local ``Fp8MasterWeight`` shard, shape ``(r, *rest)``; its ``_data`` and ``recipe`` are read.
-        mesh: FSDP2's shard mesh (1-D). outer_size / outer_stride: the unsharded size and stride.
-        module, mp_policy: unused (part of FSDP2's signature).
+        master: the local ``Fp8MasterWeight`` shard ``(r, *rest)``. mesh: FSDP2's 1-D shard mesh. outer_size /
+            outer_stride: the unsharded size and stride. module, mp_policy: unused (FSDP2's signature).
 
     Returns:
         ``(all_gather_inputs, metadata)`` (see :func:`all_gather_inputs`).
@@ -289,16 +288,10 @@ def master_pre_all_gather(master, mesh, outer_size, outer_stride, module, mp_pol
 
 @torch.no_grad()
 def scaled_pre_all_gather(local, mesh, outer_size):
-    """``ScaledFp8Tensor.fsdp_pre_all_gather``: gather the stored fp8 rows of ``local`` and their scales unchanged.
+    """``ScaledFp8Tensor.fsdp_pre_all_gather``: gather the stored fp8 rows of ``local`` and their scales unchanged
+    (a scale not per row is expanded to one per row; FSDP2's flat copy of the shard is dropped first).
 
-    A scale that is not per-row (size 1 on dim 0) is expanded to one per row (exact, a larger scale payload).
-    FSDP2's flat copy of the shard is dropped first (see :func:`_drop_flat_copy`).
-
-    Returns:
-        ``(all_gather_inputs, metadata)``, as :func:`master_pre_all_gather`.
-
-    Raises:
-        NotImplementedError: the tensor has fewer than 2 dims.
+    Returns ``(all_gather_inputs, metadata)``. Raises ``NotImplementedError``: fewer than 2 dims.
     """
     check_rowwise_input(local, "ScaledFp8Tensor.fsdp_pre_all_gather")
     if not compat.is_compiling():

@@ -77,9 +77,8 @@ def _cpu_scaled_mm_works(a_dtype: torch.dtype, b_dtype: torch.dtype, rowwise: bo
 @functools.lru_cache(maxsize=None)
 def choose_backend(device: torch.device, a_dtype: torch.dtype, b_dtype: torch.dtype, out_dtype: torch.dtype,
                    backend: str = "auto") -> str:
-    """Resolve ``backend`` (``"auto"`` or a name) into the backend that can run this GEMM: a requested backend
-    that cannot run on this device and dtypes falls back (to ``"emulated"`` at worst) rather than failing inside
-    cuBLAS. Cached per (device, dtypes, requested backend)."""
+    """Resolve ``backend`` (``"auto"`` or a name) into one that can run this GEMM on this device and dtypes
+    (falling back to ``"emulated"`` at worst rather than failing inside cuBLAS); cached."""
     if device.type == "cuda":
         if torch.cuda.get_device_capability(device) < (8, 9) or (a_dtype == E5M2 and b_dtype == E5M2):
             return "emulated"
@@ -235,14 +234,8 @@ def fp8_mm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None
             else:
                 b = b.to_hp(torch.float32)
 
-    if isinstance(a, ScaledFp8Tensor):
-        a8, sa = a.qdata, a.scale
-    else:
-        a8, sa = quantize(a, 1, float8_dtype, gemm_layout=True)
-    if isinstance(b, ScaledFp8Tensor):
-        b8, sb = b.qdata, b.scale
-    else:
-        b8, sb = quantize(b, 0, float8_dtype, gemm_layout=True)
+    a8, sa = (a.qdata, a.scale) if isinstance(a, ScaledFp8Tensor) else quantize(a, 1, float8_dtype, gemm_layout=True)
+    b8, sb = (b.qdata, b.scale) if isinstance(b, ScaledFp8Tensor) else quantize(b, 0, float8_dtype, gemm_layout=True)
     if isinstance(bias, ScaledFp8Tensor):
         bias = bias.to_hp()
     return scaled_mm(a8, sa, b8, sb, out_dtype, bias=bias, use_fast_accum=fast)

@@ -294,19 +294,16 @@ class _Fp8GroupedMM(torch.autograd.Function):
 def fp8_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, *, recipe="rowwise",
                    out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """fp8 ``torch._grouped_mm(a, b, offs=offs)`` for expert weights: row-wise scaled fp8 output, grad_input and
-    grad_weight GEMMs (see the module docstring for the scaling of each operand).
+    grad_weight GEMMs (operand scalings: docs/moe.md, "Recipes and numerics").
 
     Args:
         a: ``(M, K)`` high-precision tokens sorted by expert (plain tensor).
         b: ``(E, K, N)`` expert weights, the ``transpose(-2, -1)`` of ``(E, N, K)`` ones: a plain high-precision
-            tensor, an :class:`~fp8tensor.Fp8MasterWeight` or a :class:`ScaledFp8Tensor` (``from_hp`` of
-            ``(E, N, K)``, used as stored).
+            tensor, an :class:`~fp8tensor.Fp8MasterWeight` or a :class:`ScaledFp8Tensor` (used as stored).
         offs: int32 ``(E,)`` cumulative ends of the token groups (``torch.cumsum(tokens_per_expert, 0,
-            dtype=torch.int32)``), any sizes including 0; rows past ``offs[-1]`` belong to no expert (their outputs
-            and gradients are not computed).
+            dtype=torch.int32)``), any sizes including 0; rows past ``offs[-1]`` belong to no expert.
         recipe: ``"rowwise"``, ``"rowwise_gw_hp"`` or a :class:`Recipe`.
-        out_dtype: the output dtype (default: the promoted dtype of ``a`` and ``b``). On CUDA the fp8 GEMMs write
-            bf16, which is then cast.
+        out_dtype: the output dtype (default: the promoted dtype of ``a`` and ``b``; CUDA fp8 GEMMs write bf16).
 
     Returns:
         ``(M, N)`` tensor.

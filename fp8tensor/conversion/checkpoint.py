@@ -66,11 +66,10 @@ def plain_state_dict(state_dict: Mapping[str, object]) -> dict:
 
 def load_safetensors(module: torch.nn.Module, path, *, strict: bool = True):
     """Load a safetensors checkpoint (one file, or every ``*.safetensors`` file of a directory such as a Hugging Face
-    ``save_pretrained`` output, sharded or not) into ``module`` with ``module.load_state_dict(..., strict=strict)``.
-
-    All files are read (onto the CPU) before loading, so an fp8 entry and its ``_scale`` entry may lie in different
-    shards. A :func:`fp8tensor.quantize_weights` model takes plain-layout fp8 entries bit for bit (its load hook
-    merges ``weight`` and ``weight_scale``); high-precision entries load as into any module.
+    ``save_pretrained`` output) into ``module`` with ``module.load_state_dict(..., strict=strict)``. All files are
+    read (onto the CPU) first, so an fp8 entry and its ``_scale`` may lie in different shards; a
+    :func:`fp8tensor.quantize_weights` model takes plain-layout fp8 entries bit for bit. Warns when high-precision
+    entries have another dtype than the model's.
 
     Args:
         module: the model (e.g. built from its config, then ``fp8tensor.quantize_weights(model)``).

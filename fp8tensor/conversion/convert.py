@@ -81,15 +81,10 @@ def _select(module: nn.Module, module_filter_fn: Optional[FilterFn], op: str, ti
 
 
 def _drop_custom_forwards(chosen, op: str):
-    """Split off Linears whose own ``forward`` conversion would silently replace (e.g. a LoRA Linear adding a
-    low-rank path, or a forward set on the instance that never calls the Linear's forward): they stay in high
-    precision and are reported. Returns ``(keep, skipped, redirects)``; ``redirects[fqn]`` points a framework's
-    instance-level wrapper at the fp8 forward once the module is converted.
-
-    Raises:
-        RuntimeError: an instance-level forward holds the Linear's bound forward where it cannot be redirected
-            (nothing has been changed yet).
-    """
+    """Split off Linears whose own ``forward`` conversion would silently replace (a LoRA Linear, an instance forward
+    that never calls the Linear's): ``(keep, skipped, redirects)``; ``redirects[fqn]`` points a framework's
+    instance-level wrapper at the fp8 forward once converted. Raises ``RuntimeError`` (nothing changed yet) when an
+    instance-level forward holds the Linear's bound forward where it cannot be redirected."""
     keep, skipped, redirects, blocked = [], [], {}, []
     for fqn, lin in chosen:
         name = fqn or "<root>"
@@ -114,13 +109,8 @@ def _drop_custom_forwards(chosen, op: str):
 
 
 def _check_ties(root: nn.Module, chosen, op: str) -> None:
-    """Raise before anything changes if a weight that conversion makes a master is also held by an ``nn.Linear``
-    that is not converted (left out by the filter, or by its own ``forward``): a weight is either quantized on every
-    GEMM use (a master's ``F.linear`` runs the fp8 Linear) or on none, so the two Linears cannot be split.
-
-    Raises:
-        RuntimeError: naming both Linears; the model is left unchanged.
-    """
+    """Raise ``RuntimeError`` (naming both; nothing changed) if a weight conversion makes a master is also held by an
+    ``nn.Linear`` that is not converted: a tied weight is quantized on every GEMM use or on none."""
     converted = {id(lin) for _, lin in chosen}
     owners = {id(lin.weight): fqn for fqn, lin in chosen if not _is_dtensor(lin.weight)}
     bad = [f"{fqn!r} (shares its weight with {owners[id(mod.weight)]!r})" for fqn, mod in root.named_modules()
@@ -134,14 +124,10 @@ def _check_ties(root: nn.Module, chosen, op: str) -> None:
 
 
 def _adopt_parameter(root: nn.Module, old: nn.Parameter, new: nn.Parameter) -> None:
-    """Make every holder of the plain Parameter ``old`` hold the master ``new``, so weights tied across modules (an
-    embedding and the output head, two Linears) stay one Parameter: one gradient, one optimizer state.
-
-    ``torch.utils.swap_tensors(old, new)`` turns the object ``old`` itself into the master, so every reference sees
-    it: modules inside and outside ``root``, an optimizer built before conversion. Where torch refuses the swap (a
-    weak reference to ``old``, e.g. from ``torch.compile``'s guards, or another C++ reference), ``new`` is set in every
-    module of ``root`` that holds ``old``. A module other than a Linear holding the master (a tied embedding) gets the
-    plain state-dict hook."""
+    """Make every holder of the plain Parameter ``old`` hold the master ``new`` (tied weights stay one Parameter):
+    ``torch.utils.swap_tensors(old, new)`` turns ``old`` itself into the master; where torch refuses (a weak or C++
+    reference), ``new`` is set in every module of ``root`` holding ``old``. A non-Linear holder (a tied embedding)
+    gets the plain state-dict hook."""
     for k, v in old.__dict__.items():  # attributes users and frameworks set on the Parameter (no_weight_decay, ...)
         new.__dict__.setdefault(k, v)
     try:

@@ -68,13 +68,9 @@ def _data_and_scale(t: ScaledFp8Tensor, func, scale: torch.Tensor, *rest) -> tup
 
 @implements(_dist_op("_c10d_functional.all_gather_into_tensor.default"))
 def _all_gather_data_and_scales(func, args, kwargs):
-    """Concatenate every rank's data along dim 0, and their scales along dim 0.
-
-    A scale shared along dim 0 is gathered compactly, then repeated over each rank's rows; it (and a one-row
-    tensor's scale, which a later ``view`` may materialize) is waited on at once, so no op reads a scale in flight.
-    Per-row or not is the declared ``scaled_dims`` (the same on every rank), never the local size. On the CPU
-    (:func:`_serial`) both collectives are waited on.
-    """
+    """Concatenate every rank's data and scales along dim 0. A scale shared along dim 0 is gathered compactly, then
+    repeated over each rank's rows; it (and a one-row tensor's) is waited on at once, so no op reads a scale in
+    flight. Per-row or not is the declared ``scaled_dims``, never the local size."""
     b = _bind(func, args, kwargs)
     t, group_size, group = b["input"], b["group_size"], b["group_name"]
     rows = t.shape[0]
@@ -147,10 +143,9 @@ def _contiguous_scale(t: ScaledFp8Tensor) -> torch.Tensor:
 
 @implements(_dist_op("c10d.scatter_.default"))
 def _scatter_data_and_scales(func, args, kwargs):
-    """``distribute_tensor`` with a Shard placement: scatter each shard's fp8 bytes and scale from the source rank.
-
-    The output receives data and scale in place; each source shard's scale must fit the output's layout (expanded
-    where the output's is full-size). The data scatter is waited on; the scale scatter's Work is returned.
+    """``distribute_tensor`` with a Shard placement: scatter each shard's fp8 bytes and scale from the source rank
+    into the output in place (each shard's scale expanded to the output's layout); the data scatter is waited on,
+    the scale scatter's Work returned.
 
     Raises:
         NotImplementedError: several output tensors, or ScaledFp8Tensors mixed with other tensors.
@@ -189,10 +184,8 @@ def _scatter_data_and_scales(func, args, kwargs):
 
 @implements(_dist_op("c10d.broadcast_.default"))
 def _broadcast_data_and_scale(func, args, kwargs):
-    """``distribute_tensor`` with Replicate: broadcast the fp8 bytes and the scale from the source, in place.
-
-    Overwrites data and scale of the tensor on the other ranks. Returns the scale broadcast's Work; the data
-    broadcast is waited on first.
+    """``distribute_tensor`` with Replicate: broadcast the fp8 bytes (waited on) and the scale (its Work returned)
+    from the source, in place.
 
     Raises:
         NotImplementedError: more than one tensor in the list, or ScaledFp8Tensors mixed with other tensors.

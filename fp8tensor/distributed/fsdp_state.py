@@ -73,19 +73,15 @@ def find_fsdp_param(param: torch.Tensor, module: Optional[torch.nn.Module] = Non
 
 
 def refresh_fsdp_param(param: torch.Tensor, module: Optional[torch.nn.Module] = None) -> bool:
-    """Make FSDP2 pick up a swapped local tensor of ``param`` (``param._local_tensor = new`` after ``fully_shard``).
-
-    Finds the ``FSDPParam`` owning ``param`` (among the FSDP2 states under ``module``, or all live ones), re-pads
-    its sharded data, re-initializes its all-gather extension state (``_init_extensions``) and drops the cached
-    all-gather outputs and unsharded parameter, which were typed for the old local tensor. A parameter not managed
-    by FSDP2 is left alone.
+    """Make FSDP2 pick up a swapped local tensor of ``param`` (``param._local_tensor = new`` after ``fully_shard``):
+    re-pad the sharded data of the ``FSDPParam`` owning it (under ``module``, or any live state), re-initialize its
+    all-gather extension and drop the buffers typed for the old local tensor. Other parameters are left alone.
 
     Returns:
         True if an FSDP2 parameter was refreshed.
 
     Raises:
-        RuntimeError: the parameter is currently unsharded (between forward and backward, or after a forward with
-            ``reshard_after_forward=False``): reshard first.
+        RuntimeError: the parameter is currently unsharded: reshard first.
     """
     fp = find_fsdp_param(param, module) if _is_dtensor(param) else None
     if fp is None:
@@ -106,14 +102,11 @@ def refresh_fsdp_param(param: torch.Tensor, module: Optional[torch.nn.Module] = 
 
 
 def check_fsdp_sharded(params, op: str) -> None:
-    """Raise before a conversion if any of ``params`` is an FSDP2 parameter currently held *unsharded*.
-
-    Between a forward with ``reshard_after_forward=False`` and the backward (or after ``unshard()``), a module's
-    attribute is FSDP2's unsharded parameter, not the sharded one the optimizer holds: swapping it would be lost
-    (or silently bypass FSDP2) at the next reshard. Nothing is changed when this raises.
+    """Raise before a conversion if any of ``params`` is an FSDP2 parameter currently held *unsharded* (its module
+    attribute is then FSDP2's unsharded parameter, not the sharded one: a swap would be lost at the next reshard).
 
     Raises:
-        RuntimeError: naming ``op`` and the parameter; call ``model.reshard()`` first.
+        RuntimeError: naming ``op`` and the parameter; call ``model.reshard()`` first. Nothing is changed.
     """
     params = [p for p in params if isinstance(p, torch.Tensor)]
     if not params:

@@ -192,11 +192,9 @@ def fp8_mm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None
            float8_dtype: torch.dtype = E4M3, checked: bool = False) -> torch.Tensor:
     """``a @ b (+ bias)`` where ``a`` ``(M, K)`` and/or ``b`` ``(K, N)`` is a ScaledFp8Tensor.
 
-    A high-precision operand is quantized row-wise along K (``float8_dtype``); an fp8 operand scaled on K is
-    handled by scale folding (see module docstring). Output dtype: the promoted high-precision dtype of the
-    operands. Fast accumulation is used iff every ScaledFp8Tensor operand has ``fast_accum=True``.
-
-    ``checked=True`` skips the argument checks below (callers that built the operands, e.g. the fp8 Linear).
+    A high-precision operand is quantized row-wise along K (``float8_dtype``); an fp8 operand scaled on K is folded
+    (module docstring). Output dtype: the promoted high-precision dtype; fast accumulation iff every ScaledFp8Tensor
+    operand has ``fast_accum=True``. ``checked=True`` skips the argument checks (callers that built the operands).
 
     Raises:
         RuntimeError: operands not 2-D, inner dims differ, devices differ (message names ``op``).

@@ -65,14 +65,11 @@ def _named_members(model: torch.nn.Module) -> dict:
 
 
 class GraphedStep:
-    """``fn(*args, **kwargs)`` (forward + loss + ``backward()``) captured as one CUDA graph; see :func:`graph_step`
-    (warm-up calls, then one capture, then replays; each call is one forward + backward on its inputs).
+    """``fn(*args, **kwargs)`` (forward + loss + ``backward()``) captured as one CUDA graph; see :func:`graph_step`.
 
     Attributes:
-        calls: number of calls so far (warm-up, capture and replays).
-        captured: whether the graph exists.
-        graph: the ``torch.cuda.CUDAGraph`` (None before capture and after :meth:`close`; not to be replayed after
-            :meth:`close`, which frees what it reads).
+        calls: number of calls so far (warm-up, capture and replays). captured: whether the graph exists.
+        graph: the ``torch.cuda.CUDAGraph`` (None before capture and after :meth:`close`).
         pool: the graph memory pool handle (shareable with other graphs through ``graph_step(..., pool=)``).
     """
 

@@ -39,58 +39,29 @@ _REGISTERING = (ops, fsdp_state, collectives)
 
 def _alias_modules() -> None:
     """``fp8tensor.<module>`` names each module by its flat name too (``fp8tensor.quantize``, ``fp8tensor.linear``,
-    ``fp8tensor.master``, ...: the layout before the layer folders), so imports, monkeypatches and pickles that name
-    them keep working; ``fp8tensor.fsdp`` is ``fp8tensor.numerics.fsdp_payload``."""
+    ...: the layout before the layer folders), so imports, monkeypatches and pickles that name them keep working;
+    ``fp8tensor.fsdp`` is ``fp8tensor.numerics.fsdp_payload``."""
     import importlib
+    import pkgutil
     import sys
 
-    layers = {
-        "core": ("compat", "capture", "settings"),
-        "numerics": ("kernels", "quantize", "fsdp_payload"),
-        "subclass": ("tensor", "ops", "gemm"),
-        "training": ("recipes", "linear", "grouped", "master", "graphs"),
-        "distributed": ("fsdp_state", "collectives", "parallel"),
-        "conversion": ("checkpoint", "export", "modules", "convert"),
-    }
-    for layer, names in layers.items():
-        for name in names:
+    for layer in ("core", "numerics", "subclass", "training", "distributed", "conversion"):
+        for info in pkgutil.iter_modules(importlib.import_module(f"{__name__}.{layer}").__path__):
             try:
-                mod = importlib.import_module(f"{__name__}.{layer}.{name}")
+                mod = importlib.import_module(f"{__name__}.{layer}.{info.name}")
             except ImportError:  # pragma: no cover - parallel needs torch.distributed
                 continue
-            flat = "fsdp" if name == "fsdp_payload" else name
+            flat = "fsdp" if info.name == "fsdp_payload" else info.name
             sys.modules.setdefault(f"{__name__}.{flat}", mod)
             globals().setdefault(flat, mod)
 
 
 _alias_modules()
 
-__all__ = [
-    "Fp8MasterWeight",
-    "Recipe",
-    "RECIPES",
-    "fp8_linear",
-    "fp8_grouped_mm",
-    "convert_to_fp8",
-    "quantize_weights",
-    "ScaledFp8Tensor",
-    "dequantize",
-    "quantize_rowwise",
-    "E4M3",
-    "E5M2",
-    "BACKENDS",
-    "gemm_backend",
-    "get_gemm_backend",
-    "set_gemm_backend",
-    "GraphedStep",
-    "graph_step",
-    "Config",
-    "config",
-    "get_config",
-    "set_config",
-    "plain_state_dict",
-    "load_safetensors",
-]
+__all__ = ["Fp8MasterWeight", "Recipe", "RECIPES", "fp8_linear", "fp8_grouped_mm", "convert_to_fp8", "quantize_weights",
+           "ScaledFp8Tensor", "dequantize", "quantize_rowwise", "E4M3", "E5M2", "BACKENDS", "gemm_backend",
+           "get_gemm_backend", "set_gemm_backend", "GraphedStep", "graph_step", "Config", "config", "get_config",
+           "set_config", "plain_state_dict", "load_safetensors"]
 try:  # fp8 sequence-parallel communication (needs torch.distributed)
     from .distributed.parallel import Fp8PrepareModuleInput, fp8_sequence_all_gather, fp8_sequence_parallel_plan
 

@@ -1,25 +1,9 @@
-"""torchtitan integration: fp8tensor's row-wise fp8 training as a torchtitan model converter (torchtitan 0.3.0).
-
-torchtitan 0.3.0 converts models on their *config tree*, before they are built, parallelized and initialized (as
-torchao's ``Float8LinearConverter`` does). Here:
-
-* :class:`Fp8TensorLinear` — torchtitan's ``Linear`` converted by :func:`fp8tensor.convert_to_fp8` when built: the
-  :func:`fp8tensor.fp8_linear` forward (all three GEMMs in fp8 per the recipe) and, by ``convert_to_fp8``'s rule, an
-  :class:`~fp8tensor.Fp8MasterWeight` weight that FSDP2 all-gathers in fp8 (across hosts) or a plain weight that it
-  all-gathers in bf16 (one host over NCCL); TP shards it, ``init_weights`` initializes it.
-* :class:`Fp8TensorGroupedExperts` — torchtitan's MoE ``GroupedExperts`` converted likewise: master expert weights,
-  its ``torch._grouped_mm`` calls run :func:`fp8tensor.grouped.fp8_grouped_mm` (``docs/moe.md``).
-* :class:`Fp8TensorConverter` — a ``ModelConfigConverter`` (options ``recipe``, ``filter_fqns``, ``size_rule``)
-  swapping both config kinds; list its ``Config`` in ``model_registry(..., converters=[...])``.
-* :func:`llama3_debugmodel_fp8tensor` — the Llama3 debug config with the converter
-  (``--module fp8tensor.torchtitan --config llama3_debugmodel_fp8tensor``).
-* ``--override.imports fp8tensor.torchtitan.fp8tensor_linear`` (every Linear) or ``...fp8tensor_linear_layers``
-  (not ``lm_head``): the same from the command line of any config; a JSON object after ``=`` passes options
-  (``'fp8tensor.torchtitan.fp8tensor_linear_layers={"recipe": "rowwise_gw_hp"}'``).
-
-See ``docs/torchtitan.md``. This module imports without torchtitan; its torchtitan classes raise ``ImportError``
-when used without it.
-"""
+"""torchtitan integration (torchtitan 0.3.0, which converts models on their config tree, before they are built):
+:class:`Fp8TensorLinear` and :class:`Fp8TensorGroupedExperts` (torchtitan's ``Linear`` / ``GroupedExperts`` converted by
+:func:`fp8tensor.convert_to_fp8` when built), :class:`Fp8TensorConverter` (a ``ModelConfigConverter`` swapping their
+configs), :func:`llama3_debugmodel_fp8tensor`, and the ``--override.imports`` entries :func:`fp8tensor_linear` /
+:func:`fp8tensor_linear_layers`. See docs/torchtitan.md. Imports without torchtitan; its classes then raise
+``ImportError`` when used."""
 from __future__ import annotations
 
 from dataclasses import field

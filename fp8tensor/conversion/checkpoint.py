@@ -1,17 +1,6 @@
-"""The plain fp8 checkpoint layout: each :class:`ScaledFp8Tensor` of a state dict stored as two plain tensors, the
-form safetensors and Hugging Face checkpoints hold.
-
-For an entry ``name`` (e.g. ``"model.layers.0.mlp.up_proj.weight"``, shape ``(N, K)``):
-
-* ``name``: the fp8 data, ``torch.float8_e4m3fn`` (or ``float8_e5m2``), shape ``(N, K)``, contiguous;
-* ``name + "_scale"``: float32, shape ``(N, 1)`` (``(E, N, 1)`` for 3-D expert weights): the per-row (per output
-  channel) **dequantization multiplier**, ``w ≈ weight.float() * weight_scale``.
-
-This is the per-channel layout of transformers' ``fbgemm_fp8`` checkpoints and of compressed-tensors' float8
-"channel" strategy (transformers' block-wise ``fp8`` layout, ``weight_scale_inv``, is not per row). Which form
-``state_dict()`` of a :func:`fp8tensor.quantize_weights` model returns is ``Config.state_dict_fp8``: ``"subclass"``
-(default: ScaledFp8Tensor entries, for ``torch.save``, DCP and FSDP2) or ``"plain"``. Loading accepts both.
-"""
+"""The plain fp8 checkpoint layout (safetensors, Hugging Face ``fbgemm_fp8``): each :class:`ScaledFp8Tensor` entry
+``name`` stored as ``name`` (fp8 data) and ``name + "_scale"`` (float32 per-row dequantization multipliers, ``(N, 1)``
+or ``(E, N, 1)``); ``Config.state_dict_fp8`` picks the form ``state_dict()`` writes (docs/serving.md, "Checkpoints")."""
 from __future__ import annotations
 
 import copy
@@ -24,7 +13,7 @@ import torch
 from ..core import compat
 from ..numerics.quantize import FLOAT8_DTYPES
 from ..core.settings import get_config
-from ..subclass.tensor import ScaledFp8Tensor, _check_layout, _is_dtensor, make_scaled, rowwise_dims
+from ..subclass.tensor import ScaledFp8Tensor, _check_layout, _is_dtensor, local_of, make_scaled, rowwise_dims
 
 __all__ = ["SCALE_SUFFIX", "plain_state_dict", "load_safetensors", "state_dict_hook", "load_state_dict_pre_hook",
            "set_hf_quantization_config"]
@@ -66,7 +55,7 @@ def plain_state_dict(state_dict: Mapping[str, object]) -> dict:
             if key + SCALE_SUFFIX in state_dict:
                 raise ValueError(f"{op}: {key!r} is fp8 but {key + SCALE_SUFFIX!r} is already in the state dict")
             _split(key, v.detach() if v.requires_grad else v, out, op)
-        elif _is_dtensor(v) and isinstance(compat.local_tensor(v), ScaledFp8Tensor):
+        elif _is_dtensor(v) and isinstance(local_of(v), ScaledFp8Tensor):
             raise NotImplementedError(
                 f"{op}: {key!r} is a DTensor of fp8 shards (a tensor-parallel weight); the plain layout holds whole "
                 "tensors. Save sharded fp8 models with torch.distributed.checkpoint (Distributed Checkpoint)")
@@ -77,11 +66,10 @@ def plain_state_dict(state_dict: Mapping[str, object]) -> dict:
 
 def load_safetensors(module: torch.nn.Module, path, *, strict: bool = True):
     """Load a safetensors checkpoint (one file, or every ``*.safetensors`` file of a directory such as a Hugging Face
-    ``save_pretrained`` output, sharded or not) into ``module`` with ``module.load_state_dict(..., strict=strict)``.
-
-    All files are read (onto the CPU) before loading, so an fp8 entry and its ``_scale`` entry may lie in different
-    shards. A :func:`fp8tensor.quantize_weights` model takes plain-layout fp8 entries bit for bit (its load hook
-    merges ``weight`` and ``weight_scale``); high-precision entries load as into any module.
+    ``save_pretrained`` output) into ``module`` with ``module.load_state_dict(..., strict=strict)``. All files are
+    read (onto the CPU) first, so an fp8 entry and its ``_scale`` may lie in different shards; a
+    :func:`fp8tensor.quantize_weights` model takes plain-layout fp8 entries bit for bit. Warns when high-precision
+    entries have another dtype than the model's.
 
     Args:
         module: the model (e.g. built from its config, then ``fp8tensor.quantize_weights(model)``).
@@ -135,7 +123,7 @@ def state_dict_hook(module, state_dict, prefix, local_metadata):
         v = state_dict.get(key)
         if isinstance(v, ScaledFp8Tensor):
             _split(key, v.detach() if v.requires_grad else v, state_dict, op)
-        elif _is_dtensor(v) and isinstance(compat.local_tensor(v), ScaledFp8Tensor):
+        elif _is_dtensor(v) and isinstance(local_of(v), ScaledFp8Tensor):
             plain_state_dict({key: v})  # raises naming the remedy
 
 
@@ -156,7 +144,7 @@ def load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict,
         q = state_dict.get(key)
         if not isinstance(q, torch.Tensor) or type(q) is ScaledFp8Tensor or q.dtype not in FLOAT8_DTYPES:
             continue
-        local = _local(p)
+        local = local_of(p)
         if scale is None:
             if p is not None and local.dtype not in FLOAT8_DTYPES or isinstance(local, ScaledFp8Tensor):
                 raise ValueError(
@@ -175,26 +163,17 @@ def load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict,
         del state_dict[key + SCALE_SUFFIX]
 
 
-def _local(p):
-    return compat.local_tensor(p) if _is_dtensor(p) else p
-
-
 def set_hf_quantization_config(module: torch.nn.Module) -> Optional[object]:
-    """Describe the fp8 weights of a Hugging Face transformers model in its ``config.quantization_config``, so that
-    ``save_pretrained`` in the plain layout writes a ``config.json`` that ``from_pretrained`` reads correctly or
-    refuses clearly, never as a high-precision model without the scales. Called by
-    :func:`fp8tensor.quantize_weights`; a no-op (returns None) unless ``module`` is a ``transformers.PreTrainedModel``
-    (transformers is never imported here).
+    """Describe the fp8 weights of a Hugging Face transformers model in its ``config.quantization_config``, so that a
+    plain-layout ``save_pretrained`` writes a ``config.json`` that ``from_pretrained`` reads correctly or refuses
+    clearly (docs/serving.md, "``from_pretrained``"). Called by :func:`fp8tensor.quantize_weights`; a no-op (None)
+    unless ``module`` is a ``transformers.PreTrainedModel`` (transformers is never imported here).
 
-    When every fp8 weight is a 2-D ``float8_e4m3fn`` Linear weight (the ``fbgemm_fp8`` layout): ``module.config``
-    becomes a copy (shared by its submodules, not by other models) with ``quantization_config =
-    transformers.FbgemmFp8Config(modules_to_not_convert=[names, relative to module, of the nn.Linear modules whose
-    weight is not fp8])``; ``from_pretrained`` then builds ``FbgemmFp8Linear`` for exactly the fp8 Linears (CUDA
-    sm_90+ and fbgemm-gpu; elsewhere transformers raises ``ImportError``).
-
-    Otherwise (``float8_e5m2`` weights, fp8 expert weights, an fp8 Linear among ``_keep_in_fp32_modules``): every
-    fp8 module refuses ``state_dict()`` in the plain layout (``ValueError`` naming the remedy:
-    ``fp8tensor.plain_state_dict`` + ``safetensors``, read back with ``fp8tensor.load_safetensors``).
+    When every fp8 weight is a 2-D ``float8_e4m3fn`` Linear weight: ``module.config`` becomes a copy (shared by its
+    submodules) with ``quantization_config = transformers.FbgemmFp8Config(modules_to_not_convert=[names of the
+    nn.Linear modules whose weight is not fp8])``. Otherwise (e5m2 weights, fp8 expert weights, an fp8 Linear among
+    ``_keep_in_fp32_modules``): every fp8 module refuses ``state_dict()`` in the plain layout (``ValueError`` naming
+    the remedy: ``fp8tensor.plain_state_dict`` + safetensors, read back with ``fp8tensor.load_safetensors``).
 
     Returns:
         The quantization config set, or None.
@@ -205,11 +184,11 @@ def set_hf_quantization_config(module: torch.nn.Module) -> Optional[object]:
         return None
     fp8_mods, hp_linears, representable = [], [], True
     for name, m in module.named_modules():
-        fp8_params = [p for p in compat.parameters_dict(m).values() if p is not None and isinstance(_local(p), ScaledFp8Tensor)]
+        fp8_params = [p for p in compat.parameters_dict(m).values() if isinstance(local_of(p), ScaledFp8Tensor)]
         if fp8_params:
             fp8_mods.append(m)
             if not isinstance(m, torch.nn.Linear) or any(
-                    p.dim() != 2 or _local(p).qdata.dtype != torch.float8_e4m3fn for p in fp8_params):
+                    p.dim() != 2 or local_of(p).qdata.dtype != torch.float8_e4m3fn for p in fp8_params):
                 representable = False
         elif isinstance(m, torch.nn.Linear):
             hp_linears.append(name)

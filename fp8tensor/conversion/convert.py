@@ -1,9 +1,5 @@
 """Module conversion: ``convert_to_fp8`` (training, master weights) and ``quantize_weights`` (fp8 storage): which
-modules are converted (the filter, the size rule of :mod:`fp8tensor.recipes`, tied weights, forwards that conversion
-would drop) and the conversion itself, with the classes and hooks of :mod:`fp8tensor.modules` and the export check of
-:mod:`fp8tensor.export`. Both work before or after ``parallelize_module`` and ``fully_shard``: a DTensor weight keeps
-its Parameter object and placements (only its local tensor is swapped), so optimizers and FSDP2 keep their references.
-"""
+modules are converted and the conversion itself (docs/design.md, "Map of the package"; docs/fsdp.md, docs/tp.md)."""
 from __future__ import annotations
 
 import functools
@@ -17,7 +13,7 @@ from ..core import compat
 from . import checkpoint as _checkpoint
 from ..numerics.quantize import E4M3, check_float8_dtype
 from ..distributed.fsdp_state import check_fsdp_sharded as _check_fsdp_sharded
-from ..distributed.fsdp_state import fp8_all_gather_default, refresh_fsdp_param, rule_changes_after_init
+from ..distributed.fsdp_state import fp8_all_gather_default, rule_changes_after_init
 from .export import add_model_export_hook, add_tp_export_hook, refuse_tp_export
 from ..training.master import Fp8MasterWeight
 from .modules import (Fp8GroupedExpertsMixin, Fp8Linear, Fp8LinearMixin, _new_converted, add_fp8_checkpoint_hooks,
@@ -26,7 +22,7 @@ from .modules import (Fp8GroupedExpertsMixin, Fp8Linear, Fp8LinearMixin, _new_co
                       swap_local, uses_grouped_mm)
 from ..training.recipes import fp8_size_choice, fp8_size_rule, get_recipe
 from ..core.settings import get_config
-from ..subclass.tensor import ScaledFp8Tensor, _is_dtensor, check_finite_rows, map_shard
+from ..subclass.tensor import ScaledFp8Tensor, _is_dtensor, check_finite_rows, local_of
 
 __all__ = ["convert_to_fp8", "quantize_weights", "fp8_linear_forward", "Fp8Linear", "Fp8LinearMixin",
            "Fp8GroupedExpertsMixin", "uses_grouped_mm", "fp8_size_rule", "fp8_size_choice"]
@@ -39,8 +35,6 @@ _refuse_tp_export = refuse_tp_export
 _plain_state_dict_hook = plain_state_dict_hook
 _rewrap_after_load = _rewrap_experts_after_load = rewrap_after_load
 _requantize_after_load = requantize_after_load
-_PICKLED_NAMES = (_new_converted, _refuse_tp_export, _plain_state_dict_hook, _rewrap_after_load,
-                  _rewrap_experts_after_load, _requantize_after_load)
 
 
 def _new_converted_experts(base: type):
@@ -57,41 +51,52 @@ def _wanted(module_filter_fn: Optional[FilterFn], mod: nn.Module, fqn: str, op: 
         raise RuntimeError(f"{op}: module_filter_fn raised for module {fqn!r}; the model was not changed") from e
 
 
-def _select_linears(module: nn.Module, module_filter_fn: Optional[FilterFn], op: str):
+def _select(module: nn.Module, module_filter_fn: Optional[FilterFn], op: str, ties: bool = False):
+    """``(linears, skipped, redirects, experts)`` to convert, checked before anything changes: the selected Linears
+    ``[(fqn, lin)]`` (those with a forward of their own split off into ``skipped``, see :func:`_drop_custom_forwards`;
+    with ``ties``, :func:`_check_ties`) and grouped-experts modules ``[(fqn, module, [3-D parameter names])]``, none
+    of their weights unsharded by FSDP2."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"{op}: expected an nn.Module, got {type(module).__name__}")
     if module_filter_fn is not None and not callable(module_filter_fn):
         raise TypeError(f"{op}: module_filter_fn must be callable (module, fqn) -> bool")
-    return [(fqn, mod) for fqn, mod in module.named_modules()
-            if isinstance(mod, nn.Linear) and _wanted(module_filter_fn, mod, fqn, op)]
+    chosen = [(fqn, mod) for fqn, mod in module.named_modules()
+              if isinstance(mod, nn.Linear) and _wanted(module_filter_fn, mod, fqn, op)]
+    _check_fsdp_sharded([lin.weight for _, lin in chosen], op)
+    chosen, skipped, redirects = _drop_custom_forwards(chosen, op)
+    if ties:
+        _check_ties(module, chosen, op)
+    experts = []
+    for fqn, mod in module.named_modules():
+        if isinstance(mod, nn.Linear):
+            continue
+        names = [n for n, p in compat.parameters_dict(mod).items()
+                 if p is not None and p.dim() == 3 and (p.dtype.is_floating_point or isinstance(local_of(p),
+                                                                                              ScaledFp8Tensor))]
+        if (names and (isinstance(mod, Fp8GroupedExpertsMixin) or uses_grouped_mm(type(mod)))
+                and _wanted(module_filter_fn, mod, fqn, op)):
+            experts.append((fqn, mod, names))
+    _check_fsdp_sharded([getattr(m, n) for _, m, names in experts for n in names], op)
+    return chosen, skipped, redirects, experts
 
 
 def _drop_custom_forwards(chosen, op: str):
-    """Split off Linears whose own ``forward`` conversion would silently replace (e.g. a LoRA Linear adding a
-    low-rank path, or a forward set on the instance that never calls the Linear's forward): they stay in high
-    precision and are reported. Returns ``(keep, skipped, redirects)``; ``redirects[fqn]`` points a framework's
-    instance-level wrapper at the fp8 forward once the module is converted.
-
-    Raises:
-        RuntimeError: an instance-level forward holds the Linear's bound forward where it cannot be redirected
-            (nothing has been changed yet).
-    """
+    """Split off Linears whose own ``forward`` conversion would silently replace (a LoRA Linear, an instance forward
+    that never calls the Linear's): ``(keep, skipped, redirects)``; ``redirects[fqn]`` points a framework's
+    instance-level wrapper at the fp8 forward once converted. Raises ``RuntimeError`` (nothing changed yet) when an
+    instance-level forward holds the Linear's bound forward where it cannot be redirected."""
     keep, skipped, redirects, blocked = [], [], {}, []
     for fqn, lin in chosen:
         name = fqn or "<root>"
         why = own_forward(lin)
-        if why is not None:
-            skipped.append(f"{name} ({why})")
-            continue
-        plan = instance_forward(lin)
-        if plan is not None and plan.blocked:
+        plan = instance_forward(lin) if why is None else None
+        if why is not None or (plan is not None and not plan.blocked and not plan.found):
+            skipped.append(f"{name} ({why or 'a forward set on the instance'})")
+        elif plan is not None and plan.blocked:
             blocked.append(f"{name!r} ({', '.join(plan.blocked)})")
-            continue
-        if plan is not None and not plan.found:
-            skipped.append(f"{name} (a forward set on the instance)")
-            continue
-        keep.append((fqn, lin))
-        redirects[fqn] = plan
+        else:
+            keep.append((fqn, lin))
+            redirects[fqn] = plan
     if blocked:
         raise RuntimeError(
             f"{op}: the forward set on Linear {', '.join(blocked)} calls the Linear's own forward through an object "
@@ -104,13 +109,8 @@ def _drop_custom_forwards(chosen, op: str):
 
 
 def _check_ties(root: nn.Module, chosen, op: str) -> None:
-    """Raise before anything changes if a weight that conversion makes a master is also held by an ``nn.Linear``
-    that is not converted (left out by the filter, or by its own ``forward``): a weight is either quantized on every
-    GEMM use (a master's ``F.linear`` runs the fp8 Linear) or on none, so the two Linears cannot be split.
-
-    Raises:
-        RuntimeError: naming both Linears; the model is left unchanged.
-    """
+    """Raise ``RuntimeError`` (naming both; nothing changed) if a weight conversion makes a master is also held by an
+    ``nn.Linear`` that is not converted: a tied weight is quantized on every GEMM use or on none."""
     converted = {id(lin) for _, lin in chosen}
     owners = {id(lin.weight): fqn for fqn, lin in chosen if not _is_dtensor(lin.weight)}
     bad = [f"{fqn!r} (shares its weight with {owners[id(mod.weight)]!r})" for fqn, mod in root.named_modules()
@@ -124,14 +124,10 @@ def _check_ties(root: nn.Module, chosen, op: str) -> None:
 
 
 def _adopt_parameter(root: nn.Module, old: nn.Parameter, new: nn.Parameter) -> None:
-    """Make every holder of the plain Parameter ``old`` hold the master ``new``, so weights tied across modules (an
-    embedding and the output head, two Linears) stay one Parameter: one gradient, one optimizer state.
-
-    ``torch.utils.swap_tensors(old, new)`` turns the object ``old`` itself into the master, so every reference sees
-    it: modules inside and outside ``root``, an optimizer built before conversion. Where torch refuses the swap (a
-    weak reference to ``old``, e.g. from ``torch.compile``'s guards, or another C++ reference), ``new`` is set in every
-    module of ``root`` that holds ``old``. A module other than a Linear holding the master (a tied embedding) gets the
-    plain state-dict hook."""
+    """Make every holder of the plain Parameter ``old`` hold the master ``new`` (tied weights stay one Parameter):
+    ``torch.utils.swap_tensors(old, new)`` turns ``old`` itself into the master; where torch refuses (a weak or C++
+    reference), ``new`` is set in every module of ``root`` holding ``old``. A non-Linear holder (a tied embedding)
+    gets the plain state-dict hook."""
     for k, v in old.__dict__.items():  # attributes users and frameworks set on the Parameter (no_weight_decay, ...)
         new.__dict__.setdefault(k, v)
     try:
@@ -151,49 +147,30 @@ def _adopt_parameter(root: nn.Module, old: nn.Parameter, new: nn.Parameter) -> N
             mod._fp8_state_dict_hook = True
 
 
-# ---------------------------------------------------------------------------------------------- grouped experts
-def _select_experts(module: nn.Module, module_filter_fn: Optional[FilterFn], op: str):
-    """``(fqn, module, [names of its 3-D floating parameters])`` of the grouped-experts modules to convert."""
-    chosen = []
-    for fqn, mod in module.named_modules():
-        if isinstance(mod, nn.Linear):
-            continue
-        names = [n for n, p in compat.parameters_dict(mod).items()
-                 if p is not None and p.dim() == 3 and (p.dtype.is_floating_point or isinstance(
-                     compat.local_tensor(p) if _is_dtensor(p) else p, ScaledFp8Tensor))]
-        if (names and (isinstance(mod, Fp8GroupedExpertsMixin) or uses_grouped_mm(type(mod)))
-                and _wanted(module_filter_fn, mod, fqn, op)):
-            chosen.append((fqn, mod, names))
-    return chosen
-
-
 def _convert_experts(root: nn.Module, chosen, r, skipped: list) -> None:
     for fqn, mod, names in chosen:
         done = []
         for name in names:
             w = compat.parameters_dict(mod)[name]
-            local = compat.local_tensor(w) if _is_dtensor(w) else w
+            local = local_of(w)
             if isinstance(local, Fp8MasterWeight):
                 local.recipe = r
-            elif isinstance(local, ScaledFp8Tensor):
-                pass
-            elif w.shape[1] % 16 or w.shape[2] % 16:
-                skipped.append(f"{fqn + '.' if fqn else ''}{name} ({tuple(w.shape)})")
-                continue
-            else:
+            elif not isinstance(local, ScaledFp8Tensor):
+                if w.shape[1] % 16 or w.shape[2] % 16:
+                    skipped.append(f"{fqn + '.' if fqn else ''}{name} ({tuple(w.shape)})")
+                    continue
                 new = swap_local(w, lambda lt: Fp8MasterWeight(lt, r))
                 if new is not None:
                     _adopt_parameter(root, w, new)
             done.append(name)
-        if not done:
-            continue
-        if not getattr(mod, "_fp8_hooks", False):
-            compat.register_state_dict_hook(mod, plain_state_dict_hook)
-            mod.register_load_state_dict_post_hook(rewrap_after_load)
-            mod._fp8_hooks = True
-        mod.fp8_recipe = r
-        mod.fp8_expert_params = tuple(done)
-        mod.__class__ = experts_class(type(mod))
+        if done:
+            if not getattr(mod, "_fp8_hooks", False):
+                compat.register_state_dict_hook(mod, plain_state_dict_hook)
+                mod.register_load_state_dict_post_hook(rewrap_after_load)
+                mod._fp8_hooks = True
+            mod.fp8_recipe = r
+            mod.fp8_expert_params = tuple(done)
+            mod.__class__ = experts_class(type(mod))
 
 
 def convert_to_fp8(
@@ -202,65 +179,44 @@ def convert_to_fp8(
 ) -> nn.Module:
     """Convert every ``nn.Linear`` of ``module`` (in place) to fp8 training with high-precision master weights.
 
-    Each selected Linear's weight is wrapped in :class:`~fp8tensor.master.Fp8MasterWeight` (quantized on use;
-    the optimizer still updates the high-precision values) and its ``forward`` becomes
-    :func:`~fp8tensor.fp8_linear` with ``recipe`` (the module's class becomes a subclass of its class and of
-    :class:`Fp8LinearMixin`: ``nn.Linear`` -> :class:`Fp8Linear`). Callable before or after ``parallelize_module``,
-    torchtitan's TP and ``fully_shard``. ``state_dict()`` of the converted module holds plain high-precision tensors.
-    A plain weight Parameter becomes its master in place (``torch.utils.swap_tensors``), so tied weights stay tied
-    and every holder sees the master: an embedding sharing the output head's weight reads it as the high-precision
-    tensor it wraps; one gradient, one optimizer state (an optimizer built before conversion keeps working). Where
-    torch refuses the swap (weak references to the Parameter, e.g. after ``torch.compile`` ran the model), the master
-    is set in every module of ``module`` that held the Parameter. DTensor weights keep their Parameter object anyway.
+    Each selected Linear's weight becomes an :class:`~fp8tensor.master.Fp8MasterWeight` (quantized on use; the
+    optimizer updates the high-precision values) and its ``forward`` :func:`~fp8tensor.fp8_linear` with ``recipe``
+    (its class becomes ``Fp8C(Fp8LinearMixin, C)``: ``nn.Linear`` -> :class:`Fp8Linear`). Callable before or after
+    ``parallelize_module``, torchtitan's TP and ``fully_shard``. ``state_dict()`` holds plain high-precision tensors.
+    A plain weight Parameter becomes its master in place (``torch.utils.swap_tensors``; where torch refuses, the
+    master is set in every module of ``module`` holding it), so tied weights stay one Parameter with one gradient and
+    one optimizer state; DTensor weights keep their Parameter object.
 
-    Grouped-experts modules (a module whose class calls ``torch._grouped_mm`` / ``F.grouped_mm``, e.g. torchtitan's
-    ``GroupedExperts``, with 3-D parameters ``(E, out_features, in_features)`` such as ``w1`` / ``w2`` / ``w3``) are
-    converted alike: each 3-D parameter (both inner dims multiples of 16) becomes a master weight and the module's
-    ``forward`` runs under :class:`~fp8tensor.grouped.Fp8GroupedMMMode`, so its grouped GEMMs with these weights run
-    :func:`~fp8tensor.grouped.fp8_grouped_mm` (docs/moe.md). ``module_filter_fn`` is asked about these modules too.
+    Grouped-experts modules (whose class calls ``torch._grouped_mm`` / ``F.grouped_mm``, e.g. torchtitan's
+    ``GroupedExperts``, with 3-D parameters ``(E, out_features, in_features)``) are converted alike: each 3-D
+    parameter (inner dims multiples of 16) becomes a master and ``forward`` runs under
+    :class:`~fp8tensor.grouped.Fp8GroupedMMMode` (docs/moe.md). ``module_filter_fn`` is asked about them too.
 
-    A ``forward`` that a framework set on the instance and that calls the Linear's own bound forward it captured
-    (torchtitan's ``Module.parallelize``: ``lin.forward = wrapper`` around the bound ``nn.Linear.forward``) is kept
-    and pointed at the fp8 forward, so the Linear still runs all of the recipe's fp8 GEMMs (see :class:`_Redirect`).
-
-    Layers with ``in_features`` or ``out_features`` not a multiple of 16 (fp8 GEMMs need it; padding every call
-    would cost more than it saves), and Linears with a ``forward`` of their own (a subclass overriding it, or one
-    set on the instance that never calls the Linear's forward, e.g. a LoRA-style Linear: conversion would silently
-    replace it) are left in high precision, and a warning lists them; they are also listed in
-    ``module.fp8_skipped``. So are Linears whose weight is parametrized (e.g. weight norm). Converting a converted
-    model again switches its recipe; a Linear whose weight is already an :class:`Fp8MasterWeight` (swapped in by
-    hand) gets the fp8 forward.
-
-    With ``size_rule`` (the size-aware choice, :func:`fp8_size_choice`), Linears too small for fp8 to pay for its
-    quantizations stay in high precision too; they are listed as ``"fqn (K->N, size rule)"``. With the ``rowwise``
-    recipe, mid-sized Linears (``K * N / (K + N)`` below ``size_rule_fp8_grad_weight_min``) get ``rowwise_gw_hp``
-    (grad_weight in high precision); they are listed in ``module.fp8_grad_weight_hp`` as ``"fqn (K->N)"``.
-
-    The model gets a forward pre-hook, first among its hooks, under which ``torch.export`` of a tensor-parallel fp8
-    model (parallelized before or after the conversion) raises a ``NotImplementedError`` naming the remedy instead of
-    DTensor's own failure; outside ``torch.export`` it does nothing.
+    A ``forward`` a framework set on the instance around the Linear's bound forward (torchtitan's
+    ``Module.parallelize``) is kept and pointed at the fp8 forward (:class:`~fp8tensor.modules._Redirect`). Left in
+    high precision, with a warning, and listed in ``module.fp8_skipped``: Linears with ``in_features`` or
+    ``out_features`` not a multiple of 16, with a ``forward`` of their own (a subclass's, or one set on the instance
+    that never calls the Linear's forward, e.g. LoRA) or a parametrized weight, and with ``size_rule`` those too small
+    for fp8 (``"fqn (K->N, size rule)"``); mid-sized ``rowwise`` Linears it gives ``rowwise_gw_hp`` are listed in
+    ``module.fp8_grad_weight_hp`` (``"fqn (K->N)"``). Converting again switches the recipe; a Linear whose weight is
+    already a master gets the fp8 forward. The model gets a forward pre-hook that makes ``torch.export`` of a
+    tensor-parallel fp8 model raise ``NotImplementedError`` naming the remedy (docs/serving.md).
 
     Args:
         module: the model.
-        recipe: ``"rowwise"`` (all three GEMMs in fp8) or ``"rowwise_gw_hp"`` (grad_weight in high precision).
+        recipe: ``"rowwise"`` (all three GEMMs in fp8), ``"rowwise_gw_hp"`` (grad_weight in high precision) or a
+            :class:`~fp8tensor.Recipe`.
         module_filter_fn: ``fn(module, fqn) -> bool``; only Linears and grouped-experts modules for which it returns
             True are converted.
-        size_rule: keep Linears that :func:`fp8_size_rule` expects to be slower in fp8 in high precision, and give
-            mid-sized ``rowwise`` Linears ``rowwise_gw_hp`` (True, :func:`fp8_size_choice`), or convert every Linear
-            the filter selects with ``recipe`` (False); None (default): ``fp8tensor.get_config().size_rule``
-            (default False).
-            Applied after ``module_filter_fn``.
+        size_rule: True: the size-aware choice :func:`fp8_size_choice` (applied after ``module_filter_fn``); False:
+            every selected Linear with ``recipe``; None (default): ``fp8tensor.get_config().size_rule`` (False).
         fp8_all_gather: True: each weight becomes an :class:`Fp8MasterWeight`, which FSDP2 all-gathers in fp8 with
-            its row scales (``K + 4`` bytes per row instead of ``2 K``; the shard is quantized once, before the
-            all-gather). False: the weight stays a plain Parameter that FSDP2 all-gathers in its ``param_dtype``
-            (its foreach copy-in, no extension hooks), and each Linear quantizes the gathered weight on use, inside
-            its compiled block: less host time per step, a little more GPU time. None (default): False when the job
-            runs on one host over NCCL, True otherwise (:func:`fp8tensor.distributed.fsdp_state.
-            fp8_all_gather_default`; docs/fsdp.md has the rule and the measured trade-off; before
-            ``init_process_group`` in a one-host torchrun job it warns: the rule chooses True there, False after
-            ``init_process_group("nccl")``). Stored on each Linear
-            (``module.fp8_all_gather``). Grouped-experts weights always become master weights (gathered in fp8). A
-            Linear whose weight is already a master keeps it (a warning names them when False was asked for).
+            its row scales (``K + 4`` bytes per row instead of ``2 K``). False: a plain Parameter all-gathered in its
+            ``param_dtype``, quantized on use (less host time, a little more GPU time). None (default):
+            :func:`fp8tensor.distributed.fsdp_state.fp8_all_gather_default` (False on one host over NCCL; it warns
+            before ``init_process_group`` in a one-host torchrun job; docs/fsdp.md). Stored as
+            ``module.fp8_all_gather`` on each Linear. Expert weights always become masters; a Linear whose weight
+            is already a master keeps it (with a warning when False was asked for).
 
     Returns:
         ``module`` itself.
@@ -285,25 +241,21 @@ def convert_to_fp8(
         fp8_all_gather = fp8_all_gather_default()
         early = fp8_all_gather and rule_changes_after_init()
     use_size_rule = get_config().size_rule if size_rule is None else size_rule
-    chosen = _select_linears(module, module_filter_fn, op)
-    _check_fsdp_sharded([lin.weight for _, lin in chosen], op)
-    chosen, skipped, redirects = _drop_custom_forwards(chosen, op)
-    _check_ties(module, chosen, op)
-    experts = _select_experts(module, module_filter_fn, op)
-    _check_fsdp_sharded([getattr(m, n) for _, m, names in experts for n in names], op)
+    chosen, skipped, redirects, experts = _select(module, module_filter_fn, op, ties=True)
     classes = {fqn: fp8_class(type(lin)) for fqn, lin in chosen}  # before any change: a failure leaves no trace
     gw_hp = []  # Linears the size rule gives rowwise_gw_hp instead of rowwise
     stay_fp8 = []  # Linears converted before that the size rule would have kept in high precision
     keep_masters = []  # Linears converted before with the fp8 all-gather, now asked for fp8_all_gather=False
     for fqn, lin in chosen:
         w = lin.weight
-        local = compat.local_tensor(w) if _is_dtensor(w) else w
+        local = local_of(w)
+        label = f"{fqn or '<root>'} ({lin.in_features}->{lin.out_features}"
         lr = fp8_size_choice(lin.in_features, lin.out_features, r) if use_size_rule else r
         if isinstance(local, Fp8MasterWeight):
             # Converted before (only the recipe may change), or a master swapped in by hand: the module's forward
             # becomes fp8_linear too (a bare F.linear on a DTensor master runs grad_weight in high precision).
             if lr is None:  # (the size rule does not undo a conversion: said in the warning below)
-                stay_fp8.append(f"{fqn or '<root>'} ({lin.in_features}->{lin.out_features})")
+                stay_fp8.append(label + ")")
                 lr = r
             if asked_plain:
                 keep_masters.append(fqn or "<root>")
@@ -311,17 +263,17 @@ def convert_to_fp8(
         elif isinstance(local, ScaledFp8Tensor):
             continue  # stored in fp8 by quantize_weights: nothing to train
         elif lin.in_features % 16 or lin.out_features % 16 or not w.dtype.is_floating_point:
-            skipped.append(f"{fqn or '<root>'} ({lin.in_features}->{lin.out_features})")
+            skipped.append(label + ")")
             continue
         elif lr is None:
-            skipped.append(f"{fqn or '<root>'} ({lin.in_features}->{lin.out_features}, size rule)")
+            skipped.append(label + ", size rule)")
             continue
         elif fp8_all_gather:
             new = swap_local(w, lambda lt, lr=lr: Fp8MasterWeight(lt, lr))
             if new is not None:  # a plain Parameter: every holder of it gets the master (tied weights)
                 _adopt_parameter(module, w, new)
         if lr is not r:
-            gw_hp.append(f"{fqn or '<root>'} ({lin.in_features}->{lin.out_features})")
+            gw_hp.append(label + ")")
         if not getattr(lin, "_fp8_hooks", False):  # state-dict hooks once per module
             compat.register_state_dict_hook(lin, plain_state_dict_hook)
             lin.register_load_state_dict_pre_hook(_checkpoint.load_state_dict_pre_hook)  # plain fp8 checkpoints
@@ -368,24 +320,17 @@ def quantize_weights(
 
     For inference and frozen (e.g. LoRA base) weights: ``weight = ScaledFp8Tensor.from_hp(weight)`` with
     ``requires_grad=False``; the Linear's ``forward`` becomes :func:`~fp8tensor.fp8_linear`, so gradients still
-    flow to the input, in fp8, through scale folding (the fp8 weight is never re-quantized). Works before or
-    after ``parallelize_module`` or torchtitan's TP (each shard is quantized on its own; a framework's wrapper of the
-    forward is redirected as in :func:`convert_to_fp8`). Linears sharing one weight share one fp8 copy of it; a
-    module other than a Linear that shares it (a tied embedding) keeps the high-precision Parameter. Linears with a
-    ``forward`` of their own are left
-    unchanged, with a warning (as in :func:`convert_to_fp8`).
+    flow to the input, in fp8, through scale folding. Works before or after ``parallelize_module`` or torchtitan's
+    TP (each shard quantized on its own; framework forward wrappers redirected as in :func:`convert_to_fp8`).
+    Linears sharing one weight share one fp8 copy; a tied non-Linear (an embedding) keeps the high-precision
+    Parameter. Linears with a ``forward`` of their own are left unchanged, with a warning. A Hugging Face
+    ``PreTrainedModel`` also gets ``config.quantization_config`` (:func:`fp8tensor.checkpoint.
+    set_hf_quantization_config`); the model gets the ``torch.export`` pre-hook of :func:`convert_to_fp8`.
 
     Args:
         module: the model.
         module_filter_fn: ``fn(linear, fqn) -> bool`` selecting Linears.
         float8_dtype: ``torch.float8_e4m3fn`` (default) or ``torch.float8_e5m2``.
-
-    A Hugging Face transformers ``PreTrainedModel`` also gets ``model.config.quantization_config`` describing its
-    fp8 weights (transformers' ``fbgemm_fp8`` method, the same checkpoint layout), so that ``from_pretrained`` of a
-    plain-layout ``save_pretrained`` checkpoint loads it correctly or raises clearly
-    (:func:`fp8tensor.checkpoint.set_hf_quantization_config`). The model also gets a forward pre-hook that makes
-    ``torch.export`` of a tensor-parallel fp8 model raise an error naming the remedy (before or after
-    ``parallelize_module``).
 
     Returns:
         ``module`` itself.
@@ -399,32 +344,28 @@ def quantize_weights(
     """
     op = "quantize_weights"
     check_float8_dtype(float8_dtype, op)
-    chosen = _select_linears(module, module_filter_fn, op)
-    _check_fsdp_sharded([lin.weight for _, lin in chosen], op)
-    chosen, skipped, redirects = _drop_custom_forwards(chosen, op)
-    experts = _select_experts(module, module_filter_fn, op)
-    _check_fsdp_sharded([getattr(m, n) for _, m, names in experts for n in names], op)
+    chosen, skipped, redirects, experts = _select(module, module_filter_fn, op)
     for fqn, mod, names in experts:
         skipped += [f"{fqn + '.' if fqn else ''}{n} ({tuple(getattr(mod, n).shape)})" for n in names
                     if getattr(mod, n).shape[1] % 16 or getattr(mod, n).shape[2] % 16]
     if skipped:
         warnings.warn(f"{op}: left in high precision: {', '.join(skipped)}", stacklevel=2)
-    for fqn, mod, names in [(fqn, lin, ("weight",)) for fqn, lin in chosen] + experts:
+    targets = [(fqn, lin, ("weight",)) for fqn, lin in chosen] + experts
+    for fqn, mod, names in targets:
         for n in names:  # inf / NaN rows raise before any change (quantized, they would be all NaN)
-            local = compat.local_tensor(getattr(mod, n)) if _is_dtensor(getattr(mod, n)) else getattr(mod, n)
+            local = local_of(getattr(mod, n))
             local = local._data if isinstance(local, Fp8MasterWeight) else local  # (a DTensor's shard, a master's data)
             if not isinstance(local, ScaledFp8Tensor) and local.dtype.is_floating_point:  # (fp8 weights skipped)
                 check_finite_rows(local.detach(), f"{op}: {fqn + '.' if fqn else ''}{n}")
     classes = {fqn: fp8_class(type(lin)) for fqn, lin in chosen}  # before any change: a failure leaves no trace
     q = functools.partial(quantize_expert_weight, float8_dtype=float8_dtype)  # a master's data, or the tensor itself
     shared: dict = {}  # id(old weight) -> (old weight, its fp8 Parameter): Linears sharing a weight share the fp8 one
-    for fqn, mod, names in [(fqn, lin, ("weight",)) for fqn, lin in chosen] + experts:
+    for fqn, mod, names in targets:
         linear = isinstance(mod, nn.Linear)  # else grouped experts: each 3-D weight gets [E, out, 1] scales
         done = []
         for name in names:
             w = getattr(mod, name)
-            local = compat.local_tensor(w) if _is_dtensor(w) else w
-            if isinstance(local, ScaledFp8Tensor):  # stored in fp8 before (a Linear is then left as it is)
+            if isinstance(local_of(w), ScaledFp8Tensor):  # stored in fp8 before (a Linear is then left as it is)
                 if not linear:
                     done.append(name)
                 continue
@@ -433,8 +374,7 @@ def quantize_weights(
             done.append(name)
             if _is_dtensor(w):
                 w.requires_grad_(False)
-                compat.set_local_tensor(w, map_shard(compat.local_tensor(w), q))
-                refresh_fsdp_param(w)
+                swap_local(w, q)
             else:  # (experts get a Parameter each)
                 if not linear or id(w) not in shared:
                     shared[id(w)] = (w, nn.Parameter(q(w.data), requires_grad=False))

@@ -1,10 +1,5 @@
-"""``torch.export`` of tensor-parallel fp8 models: refused early, with an error naming the remedy.
-
-``torch.export`` does not trace DTensor's parallel styles on the torch versions fp8tensor supports; a converted model
-and each of its tensor-parallel fp8 modules get a forward pre-hook, first among their hooks, that raises
-:func:`fp8tensor.linear.tp_export_message` under ``torch.export`` before any parallel style's hook fails in
-DTensor's own way. Outside ``torch.export`` the hook only asks :func:`fp8tensor.compat.is_exporting`.
-"""
+"""``torch.export`` of tensor-parallel fp8 models (which it cannot trace) refused early by a forward pre-hook, first
+among the hooks of the model and of each TP fp8 module, raising an error naming the remedy (docs/serving.md)."""
 from __future__ import annotations
 
 import torch.nn as nn
@@ -25,11 +20,9 @@ def tp_fp8_module(m: nn.Module) -> bool:
 
 
 def refuse_tp_export(module: nn.Module, args):
-    """Forward pre-hook, first among a module's pre-hooks, of converted Linears with a DTensor weight and of the model
-    passed to :func:`fp8tensor.convert_to_fp8` / :func:`fp8tensor.quantize_weights`: under ``torch.export`` it raises the error naming the
-    remedy (:func:`fp8tensor.linear.tp_export_message`) when ``module`` or a submodule is a tensor-parallel fp8
-    module, before any parallel style's hook fails in DTensor's own way; otherwise (and always outside
-    ``torch.export``) it does nothing."""
+    """The forward pre-hook: under ``torch.export``, raise ``NotImplementedError``
+    (:func:`fp8tensor.linear.tp_export_message`) when ``module`` or a submodule is a tensor-parallel fp8 module, before
+    any parallel style's hook fails in DTensor's own way; otherwise do nothing."""
     if not compat.is_exporting():
         return
     for name, m in module.named_modules():
@@ -39,19 +32,17 @@ def refuse_tp_export(module: nn.Module, args):
 
 
 def add_tp_export_hook(lin: nn.Module) -> None:
-    """Once per Linear whose weight is a DTensor: :func:`refuse_tp_export`, first among its pre-hooks (only
-    tensor-parallel Linears get it: a plain Linear's forward keeps its hook-free fast path). Called at conversion
-    and when a DTensor weight is registered later (:meth:`fp8tensor.modules.Fp8LinearMixin.register_parameter`)."""
+    """Once per Linear whose weight is a DTensor (a plain Linear keeps its hook-free fast path):
+    :func:`refuse_tp_export` first among its pre-hooks. Called at conversion and by
+    :meth:`fp8tensor.modules.Fp8LinearMixin.register_parameter`."""
     if _is_dtensor(compat.parameters_dict(lin).get("weight")) and not getattr(lin, "_fp8_tp_export_hook", False):
         compat.prepend_forward_pre_hook(lin, refuse_tp_export)
         lin._fp8_tp_export_hook = True
 
 
 def add_model_export_hook(module: nn.Module) -> None:
-    """Once per converted model: :func:`refuse_tp_export` first among the pre-hooks of the model itself, so that
-    ``torch.export.export(model)`` of a model parallelized before or after the conversion fails with fp8tensor's
-    error before any hook of a parallel style (on the model's submodules, Linears or not) runs. Outside
-    ``torch.export`` the hook only asks :func:`fp8tensor.compat.is_exporting`, once per forward of the model."""
+    """Once per converted model: :func:`refuse_tp_export` first among the model's own pre-hooks, so that exporting a
+    model parallelized before or after the conversion fails with fp8tensor's error before any parallel style's hook."""
     if not getattr(module, "_fp8_model_export_hook", False):
         compat.prepend_forward_pre_hook(module, refuse_tp_export)
         module._fp8_model_export_hook = True

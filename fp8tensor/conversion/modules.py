@@ -1,10 +1,5 @@
-"""The classes of converted modules and what converting a module needs: the class swap, the parameter swap, the
-redirect of a framework's instance-level forward, and the state-dict hooks.
-
-A converted Linear of class ``C`` becomes ``Fp8C(Fp8LinearMixin, C)``; a converted grouped-experts module
-``Fp8C(Fp8GroupedExpertsMixin, C)`` (:func:`converted_class`, one class per pair). :mod:`fp8tensor.convert` selects
-the modules and applies these.
-"""
+"""The classes of converted modules (``Fp8C(Fp8LinearMixin, C)``, ``Fp8C(Fp8GroupedExpertsMixin, C)``: one per pair,
+:func:`converted_class`), the parameter swap, the redirect of instance-level forwards and the state-dict hooks."""
 from __future__ import annotations
 
 import functools
@@ -22,7 +17,8 @@ from ..training.grouped import Fp8GroupedMMMode
 from ..training.linear import fp8_linear
 from ..training.master import Fp8MasterWeight
 from ..numerics.quantize import E4M3
-from ..subclass.tensor import ScaledFp8Tensor, _is_dtensor, map_shard
+from ..numerics.quantize import FLOAT8_DTYPES
+from ..subclass.tensor import ScaledFp8Tensor, _is_dtensor, local_of, map_local, map_shard
 
 __all__ = ["fp8_linear_forward", "Fp8LinearMixin", "Fp8Linear", "Fp8GroupedExpertsMixin", "converted_class",
            "fp8_class", "experts_class", "uses_grouped_mm", "own_forward", "instance_forward", "install_fp8_forward",
@@ -110,19 +106,12 @@ _LINEAR_FORWARDS = (nn.Linear.forward, fp8_linear_forward)
 
 
 class _Redirect:
-    """Where a ``forward`` set on Linear ``lin``'s instance holds ``lin``'s own bound forward (``nn.Linear.forward``
-    or the fp8 forward, bound to ``lin``), and the edits that point each of those references at the fp8 forward.
-
-    Frameworks wrap a module's forward on the instance: torchtitan's ``Module.parallelize`` sets
-    ``lin.forward = forward_with_redistribution``, a closure that redistributes the inputs and calls the bound
-    ``lin.forward`` it captured (through ``local_map``'s ``functools.partial`` when one applies). Such a wrapper
-    ends in the Linear's own computation; the user's own forward (e.g. ``F.linear(x, lin.weight) * 2``) does not
-    hold the bound method and is not touched. The scan follows closure cells, default arguments, partials, lists,
-    tuples, dicts, bound methods of other objects and attributes of callable wrapper objects (not modules or
-    tensors), up to depth 8. Cells, defaults, lists, dicts and attributes are edited in place; partials and plain
-    tuples are rebuilt and replaced in their parent; a reference held where neither works (e.g. a named tuple) is
-    ``blocked``. Nothing is edited before :meth:`apply`.
-    """
+    """Where a ``forward`` set on Linear ``lin``'s instance (e.g. torchtitan's ``Module.parallelize`` closure) holds
+    ``lin``'s own bound forward, and the edits that point each such reference at the fp8 forward. The scan follows
+    closure cells, defaults, partials, lists, tuples, dicts, bound methods and attributes of callable wrappers (not
+    modules or tensors) up to depth 8; cells, defaults, lists, dicts and attributes are edited in place, partials and
+    plain tuples rebuilt in their parent, anything else (a named tuple) is ``blocked``. Nothing is edited before
+    :meth:`apply`. A user's own forward (``F.linear(x, lin.weight) * 2``) holds no bound method and is not touched."""
 
     def __init__(self, lin: nn.Module):
         self.lin = lin
@@ -247,19 +236,10 @@ def swap_local(param: torch.Tensor, fn) -> Optional[nn.Parameter]:
 def plain_state_dict_hook(module, state_dict, prefix, local_metadata):
     """State dict of a converted module holds plain high-precision weights (loadable without fp8tensor): every
     parameter of ``module`` that is a master weight (or a DTensor of one) is stored as its high-precision data."""
-    for name, p in compat.parameters_dict(module).items():
-        key = prefix + name
-        t = state_dict.get(key)  # (None for a parameter the state dict leaves out)
-        if _is_dtensor(t):
-            local = compat.local_tensor(t)
-            if isinstance(local, Fp8MasterWeight):
-                from torch.distributed.tensor import DTensor
-
-                state_dict[key] = DTensor.from_local(
-                    local._data, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
-                )
-        elif isinstance(t, Fp8MasterWeight):
-            state_dict[key] = t._data
+    for name in compat.parameters_dict(module):
+        t = state_dict.get(prefix + name)  # (None for a parameter the state dict leaves out)
+        if isinstance(local_of(t), Fp8MasterWeight):
+            state_dict[prefix + name] = map_local(t, lambda lt: lt._data)
 
 
 def rewrap_after_load(module, incompatible_keys):
@@ -267,8 +247,7 @@ def rewrap_after_load(module, incompatible_keys):
     module's ``fp8_expert_params``) with a plain tensor, make it a master weight again."""
     for name in getattr(module, "fp8_expert_params", None) or ("weight",):
         w = getattr(module, name)
-        local = compat.local_tensor(w) if _is_dtensor(w) else w
-        if isinstance(local, (Fp8MasterWeight, ScaledFp8Tensor)) or not getattr(module, "fp8_all_gather", True):
+        if isinstance(local_of(w), (Fp8MasterWeight, ScaledFp8Tensor)) or not getattr(module, "fp8_all_gather", True):
             continue
         new = swap_local(w, lambda lt: Fp8MasterWeight(lt, module.fp8_recipe))
         if new is not None:
@@ -295,8 +274,8 @@ def requantize_after_load(module, incompatible_keys):
     dt = getattr(module, "_fp8_float8_dtype", E4M3)
     for name in getattr(module, "fp8_expert_params", None) or ("weight",):
         w = compat.parameters_dict(module).get(name)
-        if w is None or _is_dtensor(w) or isinstance(w, ScaledFp8Tensor) or not w.dtype.is_floating_point \
-                or w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        if (w is None or _is_dtensor(w) or isinstance(w, ScaledFp8Tensor) or not w.dtype.is_floating_point
+                or w.dtype in FLOAT8_DTYPES):
             continue
         q = quantize_expert_weight(w.detach(), dt) if w.dim() == 3 else ScaledFp8Tensor.from_hp(w.detach(), dt)
         setattr(module, name, nn.Parameter(q, requires_grad=False))

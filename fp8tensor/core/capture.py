@@ -1,18 +1,9 @@
 """Which CUDA-graph capture (if any) the current stream is in, and what a capture's graph must keep alive.
 
-A CUDA graph replays the kernels recorded during its capture and none of the Python that launched them. A cache
-that hands out a tensor computed *before* the capture would therefore be baked into the graph as a constant: every
-replay would read the old values. The one such cache of fp8tensor (the results of one FSDP2 group-quantization
-launch kept for the group's later weights) keys its entries with :func:`capture_token`, so an entry made outside a
-capture (or in another capture) is never served inside one.
-
-A graph also reads, at every replay, the host buffers its host-to-device copy nodes were recorded from (the argument
-tables of the grouped quantization kernel): :func:`keep_for_replays` hands them to the :class:`Capture` that
-:class:`fp8tensor.graphs.GraphedStep` keeps with its graph, so they are freed with the graph and not before.
-
-:func:`begin_capture` is called by :class:`fp8tensor.graphs.GraphedStep` before each capture; a capture made with
-``torch.cuda.graph`` directly still gets a token different from "not capturing".
-"""
+A cache that served a tensor computed before a capture would bake it into the graph, so fp8tensor's one such cache
+(an FSDP2 group-quantization launch's kept results) keys entries with :func:`capture_token`. Host buffers a graph's
+copy nodes read at every replay are handed by :func:`keep_for_replays` to the :class:`Capture` that
+:class:`fp8tensor.graphs.GraphedStep` keeps with its graph (:func:`begin_capture` before each capture)."""
 from __future__ import annotations
 
 import threading

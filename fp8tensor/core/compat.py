@@ -39,17 +39,14 @@ def parse_to(*args, **kwargs):
 
 
 def is_exporting() -> bool:
-    """Whether ``torch.export`` is tracing (strict or not), and only then: False under ``torch.compile``.
-
-    Reads ``torch.compiler._is_exporting_flag``, which ``torch.export`` alone sets (dynamo guards on it): the public
-    ``torch.compiler.is_exporting()`` is folded to True in *every* dynamo trace on torch 2.11.
-    """
+    """Whether ``torch.export`` is tracing (strict or not), and only then (False under ``torch.compile``): reads the
+    flag ``torch.export`` alone sets (the public ``is_exporting()`` is True in every dynamo trace on torch 2.11)."""
     return bool(torch.compiler._is_exporting_flag)
 
 
 def is_compiling() -> bool:
-    """Whether the code is being traced by ``torch.compile`` or ``torch.export`` (``torch.compiler.is_compiling()``:
-    True under dynamo and while ``torch.export`` traces; False in eager code and in compiled code's eager fallbacks)."""
+    """Whether ``torch.compile`` or ``torch.export`` is tracing (``torch.compiler.is_compiling()``; False in eager
+    fallbacks)."""
     return torch.compiler.is_compiling()
 
 
@@ -86,23 +83,19 @@ def rebuild_parameter():
 def functional_collectives():
     """The functional collectives module (``torch.distributed._functional_collectives``)."""
     import torch.distributed._functional_collectives as funcol
-
     return funcol
 
 
 def register_state_dict_hook(module: torch.nn.Module, hook) -> None:
-    """``module``'s state-dict post-hook ``hook(module, state_dict, prefix, local_metadata)`` that may return a new
-    state dict (``nn.Module._register_state_dict_hook``; the public ``register_state_dict_post_hook`` must edit in
-    place)."""
+    """Register ``hook(module, state_dict, prefix, local_metadata)``, which may return a new state dict
+    (``nn.Module._register_state_dict_hook``; the public post-hook must edit in place)."""
     module._register_state_dict_hook(hook)
 
 
 def functional_data(x: torch.Tensor):
-    """``(tracer, inner, storage_key)`` of a ``FunctionalTensor`` traced under a proxy mode: the proxy tracer, the
-    tensor it holds now (pending mutations synced) and its storage's identity; None for any other tensor, and
-    wherever torch's private tracing APIs differ from what is expected here."""
+    """``(proxy tracer, inner tensor with pending mutations synced, storage identity)`` of a ``FunctionalTensor``
+    traced under a proxy mode; None for any other tensor and wherever torch's private tracing APIs differ."""
     from torch._subclasses.functional_tensor import FunctionalTensor
-
     if not isinstance(x, FunctionalTensor):
         return None
     try:
@@ -121,7 +114,6 @@ def functional_data(x: torch.Tensor):
 def forward_ad_active() -> bool:
     """Whether a forward-mode AD level is open (``torch.autograd.forward_ad.dual_level``)."""
     import torch.autograd.forward_ad as fwd
-
     return fwd._current_level >= 0
 
 
@@ -143,11 +135,9 @@ TORCH_VERSION = _version(torch.__version__)
 
 
 def register_foreach_type(cls: type) -> None:
-    """Let optimizers pick their foreach / fused implementations for parameters of type ``cls`` by default (as
-    DTensor does): they test ``type(p)`` against private lists, else fall back to a Python loop."""
+    """Let optimizers pick foreach / fused implementations for parameters of type ``cls`` (as DTensor does)."""
     from torch.optim import optimizer as _optimizer
     from torch.utils import _foreach_utils
-
     for types in (_optimizer._foreach_supported_types, _foreach_utils._foreach_supported_types):
         if cls not in types:
             types.append(cls)
@@ -204,7 +194,6 @@ def fsdp_states() -> list:
 def fsdp_module_state(module: torch.nn.Module):
     """The composable state attached to ``module`` (FSDP2's ``FSDPState`` after ``fully_shard``), or None."""
     from torch.distributed._composable_state import _get_module_state
-
     return _get_module_state(module)
 
 
@@ -235,7 +224,6 @@ def fsdp_param_name(fp) -> str:
 def fsdp_is_sharded(fp) -> bool:
     """Whether an ``FSDPParam`` is in its sharded state (not unsharded between forward and backward)."""
     from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
-
     return fp.sharded_state == ShardedState.SHARDED
 
 
@@ -260,9 +248,8 @@ def fsdp_set_flat_shard(fp, t: torch.Tensor) -> None:
 
 
 def fsdp_reset_extension(fp) -> None:
-    """Make an ``FSDPParam`` re-read its local tensor's all-gather extension (``fsdp_pre_all_gather`` /
-    ``fsdp_post_all_gather``) and drop what was sized and typed for the previous local tensor: the all-gather
-    outputs, the unsharded parameter, the mixed-precision dtypes."""
+    """Make an ``FSDPParam`` re-read its local tensor's all-gather extension and drop what was sized and typed for the
+    previous one (all-gather outputs, unsharded parameter, mixed-precision dtypes)."""
     fp._init_extensions()
     fp.all_gather_outputs = []
     if hasattr(fp, "_unsharded_param"):
@@ -275,14 +262,12 @@ def fsdp_reset_extension(fp) -> None:
 def process_group_size(group_name: str) -> int:
     """The size of the process group registered under ``group_name`` (the functional collectives' handle)."""
     from torch.distributed.distributed_c10d import _get_group_size_by_name
-
     return _get_group_size_by_name(group_name)
 
 
 def wait_work(work) -> None:
     """Block on a ``c10d`` Work returned by a ``c10d.*_`` op (the dispatcher boxes it as a ScriptObject)."""
     from torch._C._distributed_c10d import Work
-
     (Work.unbox(work) if not isinstance(work, Work) else work).wait()
 
 
@@ -310,7 +295,6 @@ def local_tensor_cls():
 def run_per_simulated_rank(fn):
     """``fn`` wrapped to run once per simulated rank on a ``LocalTensor`` (``maybe_run_for_local_tensor``)."""
     from torch.distributed._local_tensor import maybe_run_for_local_tensor
-
     return maybe_run_for_local_tensor(fn)
 
 
@@ -330,8 +314,7 @@ def children_dict(module: torch.nn.Module) -> dict:
 
 
 def preserve_version_counter(t: torch.Tensor):
-    """Context manager: writes into ``t`` inside it leave ``t``'s version counter as it was
-    (``torch.autograd._unsafe_preserve_version_counter``)."""
+    """Context manager: writes into ``t`` leave its version counter as it was."""
     return torch.autograd._unsafe_preserve_version_counter(t)
 
 
@@ -341,20 +324,17 @@ def c10d_functional_ops():
 
 
 def op_schema(func):
-    """The ``torch._C.FunctionSchema`` of an ``OpOverload`` (``func._schema``: its arguments with their alias and
-    write annotations, ``is_mutable``); an ``OpOverload`` has no public accessor for it."""
+    """The ``torch._C.FunctionSchema`` of an ``OpOverload`` (``func._schema``; no public accessor)."""
     return func._schema
 
 
 def is_parameter_marked(t: torch.Tensor) -> bool:
-    """Whether ``t`` (a tensor subclass) was made a parameter by ``nn.Parameter(t)``, which for subclasses returns
-    the tensor itself with the private marker ``_is_param`` set."""
+    """Whether ``nn.Parameter(t)`` marked the tensor subclass ``t`` (its private ``_is_param``)."""
     return bool(getattr(t, "_is_param", False))
 
 
 def mark_parameter(t: torch.Tensor) -> None:
-    """Set the marker :func:`is_parameter_marked` reads, as ``nn.Parameter(t)`` does for a tensor subclass (used
-    when unpickling one that was a parameter)."""
+    """Set the marker :func:`is_parameter_marked` reads (unpickling a subclass that was a parameter)."""
     t._is_param = True
 
 

@@ -1,17 +1,7 @@
-"""The knobs of fp8tensor, in one place: :class:`Config`, read with :func:`get_config`, set process-wide with
-:func:`set_config`, and scoped to a block (in the current thread) with :func:`config`::
-
-    import fp8tensor
-
-    with fp8tensor.config(unknown_ops="raise"):     # fail on any op without an fp8 implementation
-        model(x)
-    fp8tensor.set_config(gemm_backend="emulated")   # process-wide
-
-Knobs are read when an op runs or is traced: a compiled graph keeps what was in force when it was traced. A
-:func:`config` block holds in its own thread; the fp8 Linear's backward runs under the blocks that were in force at
-its forward (also in autograd's device threads, where CUDA backwards run). Other backwards (the fp8 grouped GEMM of
-experts) see the settings of the thread they run in: use :func:`set_config` for knobs that must reach those.
-"""
+"""The knobs of fp8tensor: :class:`Config`, read with :func:`get_config`, set process-wide with :func:`set_config`,
+scoped to a ``with`` block of the current thread with :func:`config`. Knobs are read when an op runs or is traced
+(a compiled graph keeps what was in force at tracing). The fp8 Linear's backward runs under its forward's blocks
+(docs/design.md, "Settings and tracing state"); other backwards (grouped GEMMs) see their own thread's settings."""
 from __future__ import annotations
 
 import dataclasses
@@ -38,50 +28,36 @@ STATE_DICT_FP8 = ("subclass", "plain")
 class Config:
     """fp8tensor's settings (immutable; change them with :func:`set_config` or :func:`config`).
 
-    Every field but ``gemm_backend`` (on devices where several backends run), ``weight_only_decode`` and the
-    ``size_rule*`` fields (which Linears are converted, and with which recipe) leaves the numbers unchanged: the others choose between code
-    paths that compute the same bits, and exist to measure one against the other or to rule a fast path out while
-    looking for a problem.
+    Every field but ``gemm_backend`` (where several backends run), ``weight_only_decode`` and the ``size_rule*``
+    fields leaves the numbers unchanged: the others choose between code paths computing the same bits (to measure
+    one against the other, or to rule a fast path out while looking for a problem).
 
     Attributes:
         gemm_backend: one of :data:`GEMM_BACKENDS` (default ``"auto"``).
-        unknown_ops: one of :data:`UNKNOWN_OPS` (default ``"warn"``): an out-of-place op that fp8tensor does not
-            implement in fp8 runs in high precision on the dequantized tensors (correct, but a missing fp8 op looks
-            like a working one, hence the warning; ``"raise"`` is for tests that must prove a path stays in fp8).
+        unknown_ops: one of :data:`UNKNOWN_OPS` (default ``"warn"``): what an out-of-place op without an fp8
+            implementation does (it runs on the dequantized tensors; ``"raise"`` proves a path stays in fp8).
         weight_only_decode: (default True) with autograd off, a decode-sized input (up to 32 tokens, bf16 / fp16,
-            CUDA with Triton) of an fp8 weight stored per row (``quantize_weights``) is multiplied in its own
-            precision by the fp8 weight read once (:func:`fp8tensor.quantize.weight_only_mm`, eager and
-            ``torch.compile``), instead of being quantized to e4m3 for ``torch._scaled_mm``: faster where the step is
-            bound by the weight's bytes, and more accurate (no activation rounding). Its outputs therefore differ
-            from the exported program's (which always quantizes the input) by the fp8 rounding of the activations;
-            False: the same GEMM as training and ``torch.export``.
+            CUDA with Triton) of a per-row fp8 weight (``quantize_weights``) is multiplied in its own precision by
+            the fp8 weight read once (:func:`fp8tensor.quantize.weight_only_mm`) instead of quantized to e4m3: faster
+            where the weight's bytes bound the step, and without activation rounding (so its outputs differ from
+            the exported program's by that rounding). False: the same GEMM as training and ``torch.export``.
         compiled_quantization: one of :data:`COMPILED_QUANTIZATION` (default ``"kernels"``): how a compiled graph
-            (``torch.compile``) quantizes the token-dim (column) operands of the grad_weight GEMMs. ``"kernels"``:
-            fp8tensor's Triton kernels, launched inline by inductor's generated code; ``"inductor"``: as plain
-            torch ops (column amax, scale, cast, transpose) that inductor generates itself and may fuse into their
-            producers (norm, SwiGLU, residual add). Same math either way; read when a graph is traced.
+            quantizes the token-dim operands of the grad_weight GEMMs: fp8tensor's Triton kernels, or plain torch ops
+            that inductor generates and may fuse into their producers. Same math; read when a graph is traced.
         grouped_gemm_kernel: (default True) fp8 grouped GEMMs (MoE) run ``torch._scaled_grouped_mm`` where it exists
-            (CUDA, e4m3, dims multiples of 16). False: a loop of ``torch._scaled_mm`` over the groups everywhere
-            (the CPU path; to compare the two on a GPU).
+            (CUDA, e4m3, dims multiples of 16); False: the per-group ``torch._scaled_mm`` loop (the CPU path).
         size_rule: (default False) whether :func:`fp8tensor.convert_to_fp8` applies the size-aware choice
-            :func:`fp8tensor.recipes.fp8_size_choice` (Linears too small for fp8 to pay stay in high precision,
-            mid-sized ``rowwise`` ones get ``rowwise_gw_hp``) when its ``size_rule`` argument is left at None. Off
-            by default: converting converts what the filter selects, with the requested recipe.
-        size_rule_min: (default 640) the size rule's threshold on ``K * N / (K + N)`` (``K`` in_features, ``N``
-            out_features): below it a Linear stays in high precision; calibrate it with ``benchmarks/linear.py --size-rule``.
-            A positive number.
-        size_rule_fp8_grad_weight_min: (default 1024) the size rule's second threshold: a Linear converted with the
-            ``rowwise`` recipe whose ``K * N / (K + N)`` lies in ``[size_rule_min, size_rule_fp8_grad_weight_min)``
-            gets ``rowwise_gw_hp`` (grad_weight GEMM in high precision: no per-token quantizations of ``x`` and
-            ``grad_out``, which cost more than an fp8 grad_weight GEMM saves at these sizes). A positive number;
-            at most ``size_rule_min`` turns the middle tier off.
-        state_dict_fp8: one of :data:`STATE_DICT_FP8` (default ``"subclass"``): what ``Module.state_dict()`` of a
-            :func:`fp8tensor.quantize_weights` model holds for each fp8 weight. ``"subclass"``: the
-            :class:`ScaledFp8Tensor` itself (``torch.save`` / ``torch.load(weights_only=True)``, Distributed
-            Checkpoint, FSDP2); ``"plain"``: two plain tensors, ``weight`` (fp8) and ``weight_scale`` (float32
-            ``(out_features, 1)``), the layout safetensors and Hugging Face fp8 checkpoints hold
-            (:mod:`fp8tensor.checkpoint`): ``with fp8tensor.config(state_dict_fp8="plain"): model.save_pretrained(d)``.
-            Loading accepts both. ``convert_to_fp8`` models save plain high-precision weights either way.
+            :func:`fp8tensor.recipes.fp8_size_choice` when its ``size_rule`` argument is None.
+        size_rule_min: (default 640) the size rule's threshold on ``K * N / (K + N)``: below it a Linear stays in
+            high precision (calibrate with ``benchmarks/linear.py --size-rule``). A positive number.
+        size_rule_fp8_grad_weight_min: (default 1024) a ``rowwise`` Linear whose ``K * N / (K + N)`` lies in
+            ``[size_rule_min, size_rule_fp8_grad_weight_min)`` gets ``rowwise_gw_hp``. A positive number; at most
+            ``size_rule_min`` turns this middle tier off.
+        state_dict_fp8: one of :data:`STATE_DICT_FP8` (default ``"subclass"``): what ``state_dict()`` of a
+            :func:`fp8tensor.quantize_weights` model holds per fp8 weight: the :class:`ScaledFp8Tensor` (``torch.save``,
+            DCP, FSDP2), or ``"plain"`` ``weight`` (fp8) + ``weight_scale`` (float32 ``(out_features, 1)``), the
+            safetensors / Hugging Face layout (:mod:`fp8tensor.checkpoint`). Loading accepts both;
+            ``convert_to_fp8`` models save plain high-precision weights either way.
     """
 
     gemm_backend: str = "auto"
@@ -177,17 +153,11 @@ def set_config(**changes) -> Config:
 class _Scope:
     """What :func:`config` returns: a context manager whose settings hold inside its ``with`` block.
 
-    ``fp8tensor.config(...)`` without ``with`` would change nothing, silently, and Python cannot tell at the call
-    whether its result will be entered. So each scope made in a thread is recorded there (weakly) until it is
-    entered, and the thread's next fp8tensor operation (:func:`get_config`, which every op reads, or
-    :func:`set_config`) raises ``RuntimeError`` while one is recorded; so does the next :func:`config` call once an
-    earlier scope was dropped without being entered. ``with fp8tensor.config(...):`` enters the scope before anything
-    else runs, so correct code never sees the error. A scope may be entered again after its block ended.
-
-    The thread keeps its entered scopes in order; leaving one removes it wherever it is (blocks of two generators
-    suspended inside them may end in any order) and the settings in force are recomputed from the scopes still
-    entered. A block left from another thread than the one that entered it (a suspended generator closed elsewhere)
-    changes nothing in either thread: leave blocks in the thread that entered them."""
+    ``fp8tensor.config(...)`` without ``with`` would silently change nothing, so each scope is recorded (weakly) in
+    its thread until entered, and the thread's next :func:`get_config` / :func:`set_config` (or :func:`config`, once
+    an earlier scope died unentered) raises ``RuntimeError``. Entered scopes are kept in order; leaving one removes
+    it wherever it is (generators may end blocks in any order) and the settings are recomputed. A block left from
+    another thread changes nothing in either thread."""
 
     __slots__ = ("changes", "__weakref__")
 

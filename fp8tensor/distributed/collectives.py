@@ -1,17 +1,8 @@
-"""Collectives of :class:`~fp8tensor.tensor.ScaledFp8Tensor`: what DTensor's sharding, redistribution and
-``distribute_tensor`` send over the wire when the local tensor is fp8.
-
-Every handler moves the fp8 data (as ``uint8``: gloo has no fp8 type) and the float32 scales as **two collectives
-of the same kind**. Nothing is dequantized, requantized or reduced: a gathered tensor keeps each rank's own scales
-and dequantizes bit-exactly to the ranks' values. A scale is *expanded* only where the collective would otherwise
-merge different per-rank scales into one compact slot (the rule of the op table's ``cat``). Each handler's
-docstring says how it treats the scale.
-
-Reductions (``all_reduce``, ``reduce_scatter_tensor``) of fp8 data are not defined and raise
-``NotImplementedError`` from the op table's fallback; DTensor never needs them (GEMM outputs, Partial ones included,
-are high-precision). :class:`~fp8tensor.master.Fp8MasterWeight` needs no handlers: this module only adds the
-collective and padding ops to those whose results stay master weights. Registered on import.
-"""
+"""Collectives of :class:`~fp8tensor.tensor.ScaledFp8Tensor` (DTensor's sharding, redistribution and
+``distribute_tensor``): the fp8 data (as ``uint8``: gloo has no fp8 type) and the float32 scales move as two
+collectives of the same kind, nothing dequantized or reduced; a scale is expanded only where the collective would
+merge different per-rank scales (docs/tp.md, "What is communicated"). Reductions of fp8 data raise
+``NotImplementedError``. Also the ops whose results stay master weights. Registered on import."""
 from __future__ import annotations
 
 import importlib
@@ -44,15 +35,9 @@ def _dist_op(name: str) -> list:
 
 def _bind(func, args, kwargs) -> dict[str, Any]:
     """Arguments of an op call by schema name, defaults filled in."""
-    out = {}
-    for i, arg in enumerate(compat.op_schema(func).arguments):
-        if i < len(args):
-            out[arg.name] = args[i]
-        elif arg.name in kwargs:
-            out[arg.name] = kwargs[arg.name]
-        elif arg.has_default_value():
-            out[arg.name] = arg.default_value
-    return out
+    schema = compat.op_schema(func).arguments
+    return {a.name: args[i] if i < len(args) else kwargs.get(a.name, a.default_value) for i, a in enumerate(schema)
+            if i < len(args) or a.name in kwargs or a.has_default_value()}
 
 
 def _bytes(q: torch.Tensor) -> torch.Tensor:
@@ -83,13 +68,9 @@ def _data_and_scale(t: ScaledFp8Tensor, func, scale: torch.Tensor, *rest) -> tup
 
 @implements(_dist_op("_c10d_functional.all_gather_into_tensor.default"))
 def _all_gather_data_and_scales(func, args, kwargs):
-    """Concatenate every rank's data along dim 0, and their scales along dim 0.
-
-    A scale shared along dim 0 is gathered compactly, then repeated over each rank's rows; it (and a one-row
-    tensor's scale, which a later ``view`` may materialize) is waited on at once, so no op reads a scale in flight.
-    Per-row or not is the declared ``scaled_dims`` (the same on every rank), never the local size. On the CPU
-    (:func:`_serial`) both collectives are waited on.
-    """
+    """Concatenate every rank's data and scales along dim 0. A scale shared along dim 0 is gathered compactly, then
+    repeated over each rank's rows; it (and a one-row tensor's) is waited on at once, so no op reads a scale in
+    flight. Per-row or not is the declared ``scaled_dims``, never the local size."""
     b = _bind(func, args, kwargs)
     t, group_size, group = b["input"], b["group_size"], b["group_name"]
     rows = t.shape[0]
@@ -162,10 +143,9 @@ def _contiguous_scale(t: ScaledFp8Tensor) -> torch.Tensor:
 
 @implements(_dist_op("c10d.scatter_.default"))
 def _scatter_data_and_scales(func, args, kwargs):
-    """``distribute_tensor`` with a Shard placement: scatter each shard's fp8 bytes and scale from the source rank.
-
-    The output receives data and scale in place; each source shard's scale must fit the output's layout (expanded
-    where the output's is full-size). The data scatter is waited on; the scale scatter's Work is returned.
+    """``distribute_tensor`` with a Shard placement: scatter each shard's fp8 bytes and scale from the source rank
+    into the output in place (each shard's scale expanded to the output's layout); the data scatter is waited on,
+    the scale scatter's Work returned.
 
     Raises:
         NotImplementedError: several output tensors, or ScaledFp8Tensors mixed with other tensors.
@@ -204,10 +184,8 @@ def _scatter_data_and_scales(func, args, kwargs):
 
 @implements(_dist_op("c10d.broadcast_.default"))
 def _broadcast_data_and_scale(func, args, kwargs):
-    """``distribute_tensor`` with Replicate: broadcast the fp8 bytes and the scale from the source, in place.
-
-    Overwrites data and scale of the tensor on the other ranks. Returns the scale broadcast's Work; the data
-    broadcast is waited on first.
+    """``distribute_tensor`` with Replicate: broadcast the fp8 bytes (waited on) and the scale (its Work returned)
+    from the source, in place.
 
     Raises:
         NotImplementedError: more than one tensor in the list, or ScaledFp8Tensors mixed with other tensors.

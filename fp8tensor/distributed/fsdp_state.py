@@ -1,15 +1,6 @@
-"""Editing FSDP2's private state for fp8tensor subclasses (the payload that goes on the wire is :mod:`fp8tensor.fsdp`).
-
-* :func:`refresh_fsdp_param` lets :func:`fp8tensor.convert_to_fp8` / :func:`fp8tensor.quantize_weights` run after
-  ``fully_shard``: it finds the ``FSDPParam`` that owns the swapped parameter and resets its extension state and
-  cached all-gather buffers;
-* :func:`check_fsdp_sharded` refuses, before anything changes, to convert parameters that FSDP2 currently holds
-  unsharded;
-* :func:`fp8_all_gather_default` is the rule ``convert_to_fp8(..., fp8_all_gather=None)`` applies;
-
-FSDP2's ``FSDPParam`` / ``FSDPState`` attributes are not public API (``torch/distributed/fsdp/_fully_shard/``): they
-are read and written through :mod:`fp8tensor.compat` only.
-"""
+"""Editing FSDP2's private state (through :mod:`fp8tensor.compat` only) for conversion after ``fully_shard``:
+:func:`refresh_fsdp_param`, :func:`check_fsdp_sharded`; and :func:`fp8_all_gather_default`, the rule of
+``convert_to_fp8(..., fp8_all_gather=None)``. The payload on the wire is :mod:`fp8tensor.fsdp`."""
 from __future__ import annotations
 
 from typing import Optional
@@ -35,12 +26,8 @@ def fp8_all_gather_default() -> bool:
     (``mpirun``); Slurm's node count of the step or job (``SLURM_STEP_NUM_NODES`` / ``SLURM_NNODES``, one host iff
     1; ``srun`` without torchrun); else a guess: a world no larger than this host's GPU count.
 
-    Why (measured on one H200, docs/fsdp.md): within one host the all-gather runs over NVLink (or moves nothing on
-    one GPU), where the bytes the fp8 payload saves are worth less than the host time of FSDP2's per-parameter
-    extension hooks (which also turn off its foreach copy-in) and of the subclass weights entering each compiled
-    block: self CPU time 54.8 vs 82.2 ms per step at dim 2048, faster steps at dims 1024-2048 in most runs; the fp8
-    all-gather's GPU time is lower (dim 8192: 1.375x vs 1.345x bf16). Across hosts the link is the bottleneck and
-    the fp8 payload (``K + 4`` bytes per row instead of ``2 K``) halves its bytes.
+    Why (docs/fsdp.md, measured on H200): within one host the bytes the fp8 payload saves are worth less than the
+    host time of FSDP2's extension hooks; across hosts the link is the bottleneck and the fp8 payload halves it.
     """
     import os
 
@@ -86,19 +73,15 @@ def find_fsdp_param(param: torch.Tensor, module: Optional[torch.nn.Module] = Non
 
 
 def refresh_fsdp_param(param: torch.Tensor, module: Optional[torch.nn.Module] = None) -> bool:
-    """Make FSDP2 pick up a swapped local tensor of ``param`` (``param._local_tensor = new`` after ``fully_shard``).
-
-    Finds the ``FSDPParam`` owning ``param`` (among the FSDP2 states under ``module``, or all live ones), re-pads
-    its sharded data, re-initializes its all-gather extension state (``_init_extensions``) and drops the cached
-    all-gather outputs and unsharded parameter, which were typed for the old local tensor. A parameter not managed
-    by FSDP2 is left alone.
+    """Make FSDP2 pick up a swapped local tensor of ``param`` (``param._local_tensor = new`` after ``fully_shard``):
+    re-pad the sharded data of the ``FSDPParam`` owning it (under ``module``, or any live state), re-initialize its
+    all-gather extension and drop the buffers typed for the old local tensor. Other parameters are left alone.
 
     Returns:
         True if an FSDP2 parameter was refreshed.
 
     Raises:
-        RuntimeError: the parameter is currently unsharded (between forward and backward, or after a forward with
-            ``reshard_after_forward=False``): reshard first.
+        RuntimeError: the parameter is currently unsharded: reshard first.
     """
     fp = find_fsdp_param(param, module) if _is_dtensor(param) else None
     if fp is None:
@@ -119,14 +102,11 @@ def refresh_fsdp_param(param: torch.Tensor, module: Optional[torch.nn.Module] = 
 
 
 def check_fsdp_sharded(params, op: str) -> None:
-    """Raise before a conversion if any of ``params`` is an FSDP2 parameter currently held *unsharded*.
-
-    Between a forward with ``reshard_after_forward=False`` and the backward (or after ``unshard()``), a module's
-    attribute is FSDP2's unsharded parameter, not the sharded one the optimizer holds: swapping it would be lost
-    (or silently bypass FSDP2) at the next reshard. Nothing is changed when this raises.
+    """Raise before a conversion if any of ``params`` is an FSDP2 parameter currently held *unsharded* (its module
+    attribute is then FSDP2's unsharded parameter, not the sharded one: a swap would be lost at the next reshard).
 
     Raises:
-        RuntimeError: naming ``op`` and the parameter; call ``model.reshard()`` first.
+        RuntimeError: naming ``op`` and the parameter; call ``model.reshard()`` first. Nothing is changed.
     """
     params = [p for p in params if isinstance(p, torch.Tensor)]
     if not params:

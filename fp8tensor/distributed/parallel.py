@@ -1,19 +1,6 @@
-"""fp8 communication for sequence parallelism: all-gather the activation in fp8, with per-token scales.
-
-With sequence parallelism the input of each column-parallel block is all-gathered across the TP group, by
-``PrepareModuleInput`` in bf16. The fp8 GEMMs that follow quantize it per token anyway, and a rank's sequence shard
-holds whole tokens: quantizing the shard before the gather gives exactly the GEMM's per-token scales (no amax
-exchange) and moves ``hidden + 4`` bytes per token instead of ``2 * hidden``. Consumers get a ``Replicate`` DTensor
-of a per-token :class:`~fp8tensor.ScaledFp8Tensor`, which :func:`fp8tensor.fp8_linear` uses as is (``wq/wk/wv``
-share one gather); the backward is the high-precision one.
-
-Public API: :class:`Fp8PrepareModuleInput` (drop-in for ``PrepareModuleInput``), :func:`fp8_sequence_parallel_plan`
-(a TP plan with those entries swapped) and :func:`fp8_sequence_all_gather` (the functional form).
-
-Method: row-wise fp8 scaling as in :mod:`fp8tensor.quantize`; the fp8 SP all-gather follows TorchAO's float8
-``PrepareFloat8ModuleInput`` (a per-tensor scale), with per-token scales that need no agreement across ranks.
-See ``docs/sp_fp8.md``.
-"""
+"""fp8 communication for sequence parallelism: the activation all-gathered in fp8 with per-token scales (the GEMMs'
+own, so forward GEMMs are bit-identical; ``hidden + 4`` bytes per token instead of ``2 * hidden``), after TorchAO's
+``PrepareFloat8ModuleInput`` with per-token instead of per-tensor scales. docs/sp_fp8.md."""
 from __future__ import annotations
 
 import warnings
@@ -104,27 +91,26 @@ def _why_not_fp8(x: torch.Tensor) -> Optional[tuple[type, str]]:
 def fp8_sequence_all_gather(x: DTensor, *, float8_dtype: torch.dtype = E4M3) -> DTensor:
     """All-gather a sequence-sharded activation in fp8 with one scale per token.
 
-    Each rank quantizes its local rows over the last dim (:func:`fp8tensor.quantize.quantize_rowwise`), then fp8
+    Each rank quantizes its local rows over the last dim (:func:`fp8tensor.quantize.quantize_rowwise`), then the fp8
     data (as uint8) and float32 scales are all-gathered along the sharded dim: the scales :func:`fp8tensor.fp8_linear`
-    would compute after a high-precision gather, so forward GEMMs are bit-identical. Differentiable: the gradient
-    is the output's, redistributed to ``x``'s placement, as for ``x.redistribute(placements=[Replicate()])``.
+    would compute after a high-precision gather, so forward GEMMs are bit-identical. Differentiable: the gradient is
+    the output's, redistributed to ``x``'s placement (as for ``x.redistribute(placements=[Replicate()])``).
 
     Args:
-        x: DTensor of shape ``(..., hidden)`` on a 1-D mesh (the TP mesh) with placements ``(Shard(d),)``,
-            ``d`` not the last dim (typically ``Shard(1)`` for ``(batch, seq, hidden)``), evenly sharded, of a
-            high-precision floating dtype (bf16/fp16/fp32).
+        x: DTensor ``(..., hidden)`` of a high-precision floating dtype on a 1-D (TP) mesh, placements
+            ``(Shard(d),)`` with ``d`` not the last dim (typically ``Shard(1)`` of ``(batch, seq, hidden)``), evenly
+            sharded.
         float8_dtype: ``torch.float8_e4m3fn`` (default) or ``torch.float8_e5m2``.
 
     Returns:
         DTensor of ``x``'s global shape and dtype, placements ``(Replicate(),)``, whose local tensor is a
-        :class:`~fp8tensor.ScaledFp8Tensor` with ``qdata`` of the global shape and ``scale`` ``(..., 1)`` (one per
-        token). Its consumers should be fp8 Linears; a plain op on it runs on the dequantized value.
+        :class:`~fp8tensor.ScaledFp8Tensor` with ``scale`` ``(..., 1)`` (one per token), for fp8 Linears.
 
     Raises:
         TypeError: ``x`` is not a DTensor, not high-precision floating point, or already fp8; unsupported
             ``float8_dtype``.
         ValueError: ``x`` has fewer than 2 dims, is not ``(Shard(d),)`` on a 1-D mesh, is sharded on its last
-            dim, or its shards are uneven (dim size not divisible by the mesh size).
+            dim, or its shards are uneven.
     """
     op = "fp8_sequence_all_gather"
     check_float8_dtype(float8_dtype, op)
@@ -141,8 +127,7 @@ def _is_sp_gather(input_layout: Optional[Placement], desired_layout: Optional[Pl
 class Fp8PrepareModuleInput(PrepareModuleInput):
     """``PrepareModuleInput`` whose ``Shard(d) -> Replicate()`` input gathers move fp8 data and per-token scales.
 
-    Use it instead of ``PrepareModuleInput`` on the modules whose inputs feed column-parallel fp8 Linears under
-    sequence parallelism (attention, feed-forward), e.g.::
+    For the modules whose inputs feed column-parallel fp8 Linears under sequence parallelism, e.g.::
 
         plan = {
             "attention": Fp8PrepareModuleInput(input_layouts=(Shard(1), None),
@@ -150,17 +135,14 @@ class Fp8PrepareModuleInput(PrepareModuleInput):
             "attention.wq": ColwiseParallel(), ...
         }
 
-    Each input (positional or keyword) going from ``Shard(d)`` (``d`` not the last dim) to ``Replicate()`` is
-    gathered with :func:`fp8_sequence_all_gather`: the module receives a ``Replicate`` DTensor of a
-    :class:`~fp8tensor.ScaledFp8Tensor` (its local tensor with ``use_local_output=True``). Other inputs are prepared
-    as ``PrepareModuleInput`` does; one that cannot be gathered per token (not floating point, fewer than 2 dims,
-    sharded on its last dim, uneven shards, already fp8) falls back to the high-precision gather, with a warning.
-    Consumers must be fp8 Linears (``convert_to_fp8`` or ``quantize_weights``); other ops see dequantized values.
+    Each such input (positional or keyword, ``d`` not the last dim) is gathered with
+    :func:`fp8_sequence_all_gather`; other inputs are prepared as ``PrepareModuleInput`` does, and one that cannot be
+    gathered per token falls back to the high-precision gather with a warning. Consumers must be fp8 Linears (other
+    ops see dequantized values).
 
-    Args (keyword-only): as ``torch.distributed.tensor.parallel.PrepareModuleInput`` — ``input_layouts``,
-        ``desired_input_layouts``, ``input_kwarg_layouts``, ``desired_input_kwarg_layouts``,
-        ``use_local_output`` — plus ``float8_dtype`` (``torch.float8_e4m3fn``, default, or
-        ``torch.float8_e5m2``).
+    Args (keyword-only): those of ``PrepareModuleInput`` (``input_layouts``, ``desired_input_layouts``,
+        ``input_kwarg_layouts``, ``desired_input_kwarg_layouts``, ``use_local_output``) and ``float8_dtype``
+        (``torch.float8_e4m3fn``, default, or ``torch.float8_e5m2``).
 
     Raises:
         TypeError: unsupported ``float8_dtype``.
@@ -209,13 +191,10 @@ def fp8_sequence_parallel_plan(plan: dict[str, ParallelStyle], *, float8_dtype: 
                                ) -> dict[str, ParallelStyle]:
     """Copy of a ``parallelize_module`` plan with fp8 sequence-parallel gathers.
 
-    Every ``PrepareModuleInput`` entry (exact type, or the input half of a ``PrepareModuleInputOutput``) with
-    at least one ``Shard(d) -> Replicate()`` input becomes an :class:`Fp8PrepareModuleInput` with the same
-    layouts and ``use_local_output``; all other entries are kept (the same objects). ``plan`` is not modified.
-
-    Typical use on a Llama block plan with sequence parallelism (the prepared modules must feed fp8 Linears)::
-
-        parallelize_module(block, tp_mesh, fp8_sequence_parallel_plan(block_plan))
+    Every ``PrepareModuleInput`` entry (exact type, or the input half of a ``PrepareModuleInputOutput``) with at
+    least one ``Shard(d) -> Replicate()`` input becomes an :class:`Fp8PrepareModuleInput` with the same layouts;
+    other entries are kept (the same objects); ``plan`` is not modified. Use:
+    ``parallelize_module(block, tp_mesh, fp8_sequence_parallel_plan(block_plan))``.
 
     Args:
         plan: dict from module FQN (or pattern) to ``ParallelStyle``.

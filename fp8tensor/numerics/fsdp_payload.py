@@ -1,24 +1,8 @@
-"""FSDP2's fp8 all-gather: row-wise fp8 data plus row scales travel instead of high-precision weights.
-
-FSDP2 (``torch.distributed.fsdp.fully_shard``) shards every parameter on dim 0, by whole rows, so a row scale taken
-on a rank's shard is *the* global scale of its rows: gathering fp8 rows and their scales gives, bit for bit, the
-quantization of the unsharded weight, moving ``K + 4`` bytes per row of ``K`` elements instead of ``2 K`` (bf16).
-
-The hooks follow FSDP2's all-gather extension protocol (``_fsdp_param.py``, "[Note: FSDP tensors]"):
-:func:`master_pre_all_gather` (quantize the local master rows) and :func:`scaled_pre_all_gather` (the stored fp8
-rows); ``fsdp_post_all_gather`` builds the unsharded ``ScaledFp8Tensor`` from :func:`gathered` /
-:func:`unsharded_buffers`. FSDP2's private state is reached through :mod:`fp8tensor.core.compat` only.
-
-How the bytes travel, ``fused`` / ``padded`` / ``local`` (chosen from the global shape and the mesh size only, so
-every rank makes the same choice), is in docs/fsdp.md ("How the bytes travel"). ``local`` (world size 1) uses one
-``uint8`` buffer, the fp8 bytes then (16-byte aligned) the scales, which the unsharded tensor views, so later rounds
-copy nothing. Padding rows are zeros with unit scales, dropped after the gather (``torch.chunk`` puts the real rows
-first).
-
-A parameter group's master weights are quantized in one launch: the group's first pre-all-gather hook quantizes
-all of them (``quantize_group``; on a 1-rank mesh ``quantize_rows_into`` one buffer) and keeps the others' results,
-served only to the same data at the same version, in the same CUDA-graph capture.
-"""
+"""FSDP2's fp8 all-gather: row-wise fp8 data plus row scales travel instead of high-precision weights (FSDP2 shards
+by whole rows, so a shard's row scales are the global ones: bit-exact, ``K + 4`` bytes per row instead of ``2 K``).
+The hooks follow FSDP2's all-gather extension protocol; the ``fused`` / ``padded`` / ``local`` modes and the
+one-launch quantization of a parameter group are in docs/fsdp.md ("How the bytes travel"). FSDP2's private state is
+reached through :mod:`fp8tensor.core.compat` only."""
 from __future__ import annotations
 
 import functools
@@ -278,13 +262,12 @@ def _quantized_rows(master, float8_dtype, local: bool):
 def master_pre_all_gather(master, mesh, outer_size, outer_stride, module, mp_policy):
     """``Fp8MasterWeight.fsdp_pre_all_gather``: quantize the local master rows row-wise, return fp8 data + scales.
 
-    Each rank quantizes its own master rows as :meth:`ScaledFp8Tensor.from_hp` (recipe's fp8 format), from the
-    master dtype (no cast to ``mp_policy.param_dtype``), with its FSDP2 parameter group in one launch.
+    Each rank quantizes its own rows as :meth:`ScaledFp8Tensor.from_hp` (the recipe's fp8 format) from the master
+    dtype (not ``mp_policy.param_dtype``), with its FSDP2 parameter group in one launch.
 
     Args:
-        master: the local ``Fp8MasterWeight`` shard, shape ``(r, *rest)``; its ``_data`` and ``recipe`` are read.
-        mesh: FSDP2's shard mesh (1-D). outer_size / outer_stride: the unsharded size and stride.
-        module, mp_policy: unused (part of FSDP2's signature).
+        master: the local ``Fp8MasterWeight`` shard ``(r, *rest)``. mesh: FSDP2's 1-D shard mesh. outer_size /
+            outer_stride: the unsharded size and stride. module, mp_policy: unused (FSDP2's signature).
 
     Returns:
         ``(all_gather_inputs, metadata)`` (see :func:`all_gather_inputs`).
@@ -305,16 +288,10 @@ def master_pre_all_gather(master, mesh, outer_size, outer_stride, module, mp_pol
 
 @torch.no_grad()
 def scaled_pre_all_gather(local, mesh, outer_size):
-    """``ScaledFp8Tensor.fsdp_pre_all_gather``: gather the stored fp8 rows of ``local`` and their scales unchanged.
+    """``ScaledFp8Tensor.fsdp_pre_all_gather``: gather the stored fp8 rows of ``local`` and their scales unchanged
+    (a scale not per row is expanded to one per row; FSDP2's flat copy of the shard is dropped first).
 
-    A scale that is not per-row (size 1 on dim 0) is expanded to one per row (exact, a larger scale payload).
-    FSDP2's flat copy of the shard is dropped first (see :func:`_drop_flat_copy`).
-
-    Returns:
-        ``(all_gather_inputs, metadata)``, as :func:`master_pre_all_gather`.
-
-    Raises:
-        NotImplementedError: the tensor has fewer than 2 dims.
+    Returns ``(all_gather_inputs, metadata)``. Raises ``NotImplementedError``: fewer than 2 dims.
     """
     check_rowwise_input(local, "ScaledFp8Tensor.fsdp_pre_all_gather")
     if not compat.is_compiling():
@@ -333,11 +310,7 @@ def gathered(all_gather_outputs, metadata) -> tuple[torch.Tensor, torch.Tensor]:
         all_gather_outputs: ``(data,)`` or ``(data, scale)``; ``data`` is ``(world * padded_rows, *rest)`` uint8.
         metadata: what ``fsdp_pre_all_gather`` returned.
     """
-    meta: _Meta = metadata
-    if meta.mode == LOCAL:
-        return packed_views(all_gather_outputs[0], *meta.packed, meta.float8_dtype)
-    scale_full = all_gather_outputs[1] if meta.mode == FUSED else meta.scale
-    return all_gather_outputs[0].view(meta.float8_dtype)[: meta.rows], scale_full[: meta.rows]
+    return unsharded_buffers(all_gather_outputs, metadata, copy_scale=False)[:2]
 
 
 @torch.no_grad()
@@ -351,15 +324,15 @@ def refill(dst_qdata: torch.Tensor, dst_scale: torch.Tensor, qdata: torch.Tensor
 
 
 @torch.no_grad()
-def unsharded_buffers(all_gather_outputs, metadata):
+def unsharded_buffers(all_gather_outputs, metadata, copy_scale: bool = True):
     """First ``fsdp_post_all_gather``: ``(qdata, scale, inner_tensors)`` of the unsharded tensor.
 
     ``inner_tensors`` are the buffers FSDP2 frees on reshard and re-allocates before the next ``out=`` call; in the
-    ``padded`` mode the scales are copied into such a buffer of their own (``local``: data and scales both view
-    the one gathered buffer)."""
+    ``padded`` mode the scales are copied into such a buffer of their own (unless ``copy_scale`` is False; ``local``:
+    data and scales both view the one gathered buffer)."""
     meta: _Meta = metadata
     data_u8 = all_gather_outputs[0]
     if meta.mode == LOCAL:
-        return (*gathered(all_gather_outputs, meta), (data_u8,))
-    scale_full = all_gather_outputs[1] if meta.mode == FUSED else meta.scale.clone()
+        return (*packed_views(data_u8, *meta.packed, meta.float8_dtype), (data_u8,))
+    scale_full = all_gather_outputs[1] if meta.mode == FUSED else meta.scale.clone() if copy_scale else meta.scale
     return data_u8.view(meta.float8_dtype)[: meta.rows], scale_full[: meta.rows], (data_u8, scale_full)

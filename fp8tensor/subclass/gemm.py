@@ -1,29 +1,7 @@
-"""fp8 GEMM engine: operand preparation (on-the-fly quantization, scale folding) and the backends.
-
-A GEMM ``out[M, N] = A[M, K] @ B[K, N]`` in fp8 needs each operand scaled along its *outer* dim (A per row, B per
-column): then the scales factor out of the sum over K, ``out = diag(sa) (A8 @ B8) diag(sb)``. Operands:
-
-* plain: quantized on the fly along K (:func:`fp8tensor.quantize.quantize` with ``gemm_layout=True``);
-* fp8 scaled on its outer dim: used as is;
-* fp8 scaled on K (``grad_out @ W``, ``W`` scaled per row): **scale folding**, ``A @ (diag(s) W8) = (A diag(s)) @
-  W8``: the product ``A diag(s)`` is quantized and the GEMM runs on ``W8`` unchanged;
-* anything else (a per-element scale, both operands scaled on K): dequantized and re-quantized.
-
-Backends (``set_gemm_backend`` / ``gemm_backend``):
-
-``"rowwise"``   ``torch._scaled_mm`` with per-row/per-column scales applied in its epilogue.
-``"tensorwise"`` ``torch._scaled_mm`` with unit scales and a float32 output, then the row/column fix-up.
-``"emulated"``  dequantize and matmul in float32 (pre-Hopper GPUs, and the numerical reference).
-``"auto"``      (default) CUDA sm_89+: rowwise for bf16 outputs, tensorwise otherwise (measured fastest on
-                H200, see docs/benchmarks.md); older CUDA: emulated; CPU: rowwise when ``torch._scaled_mm``
-                works there (probed once), else emulated.
-
-``torch._scaled_mm`` constraints handled here: A row-major, B column-major (a padded column-major B is kept),
-K and N multiples of 16 on CUDA (zero-padded otherwise), float32 scales of shape (M, 1) / (1, N),
-row-wise outputs bf16 only on CUDA, no e5m2 × e5m2 on CUDA.
-
-Registers the ``aten.mm`` / ``aten.addmm`` op table entries of :class:`~fp8tensor.tensor.ScaledFp8Tensor`.
-"""
+"""fp8 GEMM engine: operand preparation (on-the-fly quantization, scale folding) and the backends ``"rowwise"``,
+``"tensorwise"``, ``"emulated"`` and ``"auto"`` (docs/design.md, "GEMMs and scale folding"), with
+``torch._scaled_mm``'s layout, padding and dtype constraints handled in :func:`scaled_mm`. Registers the ``aten.mm`` /
+``aten.addmm`` op table entries of :class:`~fp8tensor.tensor.ScaledFp8Tensor`."""
 from __future__ import annotations
 
 import functools
@@ -99,9 +77,8 @@ def _cpu_scaled_mm_works(a_dtype: torch.dtype, b_dtype: torch.dtype, rowwise: bo
 @functools.lru_cache(maxsize=None)
 def choose_backend(device: torch.device, a_dtype: torch.dtype, b_dtype: torch.dtype, out_dtype: torch.dtype,
                    backend: str = "auto") -> str:
-    """Resolve ``backend`` (``"auto"`` or a name) into the backend that can run this GEMM: a requested backend
-    that cannot run on this device and dtypes falls back (to ``"emulated"`` at worst) rather than failing inside
-    cuBLAS. Cached per (device, dtypes, requested backend)."""
+    """Resolve ``backend`` (``"auto"`` or a name) into one that can run this GEMM on this device and dtypes
+    (falling back to ``"emulated"`` at worst rather than failing inside cuBLAS); cached."""
     if device.type == "cuda":
         if torch.cuda.get_device_capability(device) < (8, 9) or (a_dtype == E5M2 and b_dtype == E5M2):
             return "emulated"
@@ -215,11 +192,9 @@ def fp8_mm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None
            float8_dtype: torch.dtype = E4M3, checked: bool = False) -> torch.Tensor:
     """``a @ b (+ bias)`` where ``a`` ``(M, K)`` and/or ``b`` ``(K, N)`` is a ScaledFp8Tensor.
 
-    A high-precision operand is quantized row-wise along K (``float8_dtype``); an fp8 operand scaled on K is
-    handled by scale folding (see module docstring). Output dtype: the promoted high-precision dtype of the
-    operands. Fast accumulation is used iff every ScaledFp8Tensor operand has ``fast_accum=True``.
-
-    ``checked=True`` skips the argument checks below (callers that built the operands, e.g. the fp8 Linear).
+    A high-precision operand is quantized row-wise along K (``float8_dtype``); an fp8 operand scaled on K is folded
+    (module docstring). Output dtype: the promoted high-precision dtype; fast accumulation iff every ScaledFp8Tensor
+    operand has ``fast_accum=True``. ``checked=True`` skips the argument checks (callers that built the operands).
 
     Raises:
         RuntimeError: operands not 2-D, inner dims differ, devices differ (message names ``op``).
@@ -257,14 +232,8 @@ def fp8_mm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None
             else:
                 b = b.to_hp(torch.float32)
 
-    if isinstance(a, ScaledFp8Tensor):
-        a8, sa = a.qdata, a.scale
-    else:
-        a8, sa = quantize(a, 1, float8_dtype, gemm_layout=True)
-    if isinstance(b, ScaledFp8Tensor):
-        b8, sb = b.qdata, b.scale
-    else:
-        b8, sb = quantize(b, 0, float8_dtype, gemm_layout=True)
+    a8, sa = (a.qdata, a.scale) if isinstance(a, ScaledFp8Tensor) else quantize(a, 1, float8_dtype, gemm_layout=True)
+    b8, sb = (b.qdata, b.scale) if isinstance(b, ScaledFp8Tensor) else quantize(b, 0, float8_dtype, gemm_layout=True)
     if isinstance(bias, ScaledFp8Tensor):
         bias = bias.to_hp()
     return scaled_mm(a8, sa, b8, sb, out_dtype, bias=bias, use_fast_accum=fast)

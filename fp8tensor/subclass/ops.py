@@ -1,7 +1,5 @@
-"""The non-GEMM entries of the op table of :class:`~fp8tensor.tensor.ScaledFp8Tensor`: what each aten op does to
-data and scale, each handler named after what it does to the scale. GEMMs are in :mod:`fp8tensor.gemm`, collectives
-in :mod:`fp8tensor.collectives`; other ops follow the fallback rules of :func:`fp8tensor.tensor._dispatch`.
-"""
+"""The non-GEMM entries of the op table of :class:`~fp8tensor.tensor.ScaledFp8Tensor`, each handler named after what
+it does to the scale (docs/design.md, "The op table")."""
 from __future__ import annotations
 
 import contextlib
@@ -142,12 +140,9 @@ def _fill_as_copy(func, args, kwargs):
 
 def _write_scale_groups(dst: ScaledFp8Tensor, src: torch.Tensor) -> None:
     """``dst.copy_(src)`` for a view ``dst`` whose scales also scale elements outside it (an element, a column
-    slice): every scale group (row) the view touches is dequantized from the tensor it was cut from, the written
-    elements replaced by ``src``, and the group re-quantized; untouched groups keep their bytes and scales.
-
-    Raises:
-        NotImplementedError: the view's origin is unknown (a view rebuilt by ``torch.compile``, a deep copy or a
-            pickle of one): nothing is written."""
+    slice): each touched scale group (row) of the tensor it was cut from is dequantized, written and re-quantized;
+    untouched groups keep their bytes and scales. Raises ``NotImplementedError`` (nothing written) when the view's
+    origin is unknown (rebuilt by ``torch.compile``, a deep copy or a pickle)."""
     root = dst.__dict__.get(_ROOT)
     if root is None:
         raise NotImplementedError(
@@ -176,12 +171,10 @@ def _write_scale_groups(dst: ScaledFp8Tensor, src: torch.Tensor) -> None:
 
 
 def _shared_scale_write_ok(dst: ScaledFp8Tensor, new_scale: torch.Tensor) -> bool:
-    """Whether ``copy_`` may write ``new_scale`` into a view ``dst`` that shares its scales with sibling views.
-
-    DCP loads column chunks of a row-scaled weight into slices: fine while all chunks of a row carry the same scale.
-    ``scale_writes`` records the regions written since the values last changed; new values from a region not written
-    before, while another was written with the old ones, would corrupt that one: refused. Rewriting a written region
-    with new scales starts over (the next load)."""
+    """Whether ``copy_`` may write ``new_scale`` into a view ``dst`` sharing its scales with sibling views (DCP loads
+    column chunks of a row-scaled weight): ``scale_writes`` records the regions written since the values last
+    changed; new values for a region not written before, while another was written with the old ones, would corrupt
+    that one (refused); rewriting a written region with new scales starts over (the next load)."""
     region = (dst.qdata.storage_offset(), tuple(dst.qdata.shape), tuple(dst.qdata.stride()))
     written = dst.scale_writes().regions
     same = new_scale.shape == dst.scale.shape and _all_equal([new_scale.contiguous(), dst.scale.contiguous()])

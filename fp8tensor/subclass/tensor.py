@@ -1,10 +1,5 @@
-"""``ScaledFp8Tensor``: fp8 data plus float32 row-wise scales, as a ``__torch_dispatch__`` wrapper subclass.
-
-This module holds the class, its op registry (``OP_TABLE`` filled with :func:`implements`) and the dispatcher.
-What each aten op does to the scale is in :mod:`fp8tensor.ops` (the non-GEMM op table entries); GEMMs are in
-:mod:`fp8tensor.gemm`; rounding is in :mod:`fp8tensor.quantize`; the FSDP2 all-gather payload is
-:mod:`fp8tensor.fsdp`.
-"""
+"""``ScaledFp8Tensor`` (fp8 data plus float32 scales, a ``__torch_dispatch__`` wrapper subclass), its op table
+(``OP_TABLE``, :func:`implements`) and dispatcher; docs/design.md ("One tensor class", "The op table")."""
 from __future__ import annotations
 
 import warnings
@@ -17,15 +12,7 @@ from ..numerics import fsdp_payload as _payload
 from ..numerics.quantize import E4M3, FLOAT8_DTYPES, amax_to_scale, cast_to_fp8, check_float8_dtype, quantize
 from ..core.settings import get_config
 
-__all__ = [
-    "ScaledFp8Tensor",
-    "dequantize",
-    "OP_TABLE",
-    "implements",
-    "validate_parts",
-    "make_scaled",
-    "rowwise_dims",
-]
+__all__ = ["ScaledFp8Tensor", "dequantize", "OP_TABLE", "implements", "validate_parts", "make_scaled", "rowwise_dims"]
 
 #: The op table: aten op overload -> ``handler(func, args, kwargs)``. Filled by :func:`implements` (in
 #: :mod:`fp8tensor.ops`, :mod:`fp8tensor.gemm`, :mod:`fp8tensor.collectives`).
@@ -158,6 +145,11 @@ def _is_dtensor(t: Any) -> bool:
     return cls is not False and isinstance(t, cls)
 
 
+def local_of(t: Any) -> Any:
+    """The local tensor of a DTensor (without autograd), else ``t`` itself."""
+    return compat.local_tensor(t) if _is_dtensor(t) else t
+
+
 def _is_local_tensor(t: Any) -> bool:
     """Whether ``t`` is a ``torch.distributed._local_tensor.LocalTensor`` (one tensor per simulated rank)."""
     cls = type(t)
@@ -170,13 +162,11 @@ def _is_local_tensor(t: Any) -> bool:
 def map_local(t: Any, fn):
     """Apply ``fn`` to a tensor, or to the local tensor of a DTensor, keeping mesh, placements, shape and stride.
 
-    fp8tensor never looks at placements: it works on the local shard. Without autograd and outside
-    ``torch.compile``, a result of the local tensor's shape and dtype is wrapped with ``t``'s own spec directly
-    (what ``DTensor.from_local(..., run_check=False, shape=t.shape, stride=t.stride())`` builds, minus autograd).
-    """
+    Without autograd and outside ``torch.compile``, a result of the local tensor's shape and dtype is wrapped with
+    ``t``'s own spec directly (``DTensor.from_local(..., run_check=False, shape=, stride=)`` minus autograd)."""
     cls = _dtensor_cls()
     if cls is False or not isinstance(t, cls):
-        return map_shard(t, fn) if _is_local_tensor(t) else fn(t)
+        return map_shard(t, fn)
     # (not in inference mode: from_local's view_as dequantizes there, a separate bug; keep from_local's result)
     direct = (not compat.is_compiling() and not (torch.is_grad_enabled() and t.requires_grad)
               and not torch.is_inference_mode_enabled())
@@ -193,10 +183,7 @@ def map_local(t: Any, fn):
 def map_shard(local: torch.Tensor, fn):
     """``fn(local)``; for a ``LocalTensor`` (simulated ranks) ``fn`` runs per rank, so that a subclass it builds
     ends up *inside* the ``LocalTensor``, as on real ranks."""
-    cls = compat.local_tensor_cls()
-    if cls is not None and isinstance(local, cls):
-        return compat.run_per_simulated_rank(fn)(local)
-    return fn(local)
+    return compat.run_per_simulated_rank(fn)(local) if _is_local_tensor(local) else fn(local)
 
 
 #: The error of reading a ScaledFp8Tensor's storage as one tensor's (safetensors, Hugging Face ``save_pretrained``).
@@ -217,27 +204,22 @@ class ScaledFp8Tensor(torch.Tensor):
 
     Attributes:
         qdata: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2`` tensor, the logical shape.
-        scale: float32 tensor with ``qdata.ndim`` dims, each dim either 1 (not scaled over) or ``qdata``'s size.
-            For :meth:`from_hp` of an ``(N, K)`` weight it is ``(N, 1)``; ``.t()`` makes it ``(1, N)``.
+        scale: float32 tensor with ``qdata.ndim`` dims, each dim either 1 (not scaled over) or ``qdata``'s size
+            (:meth:`from_hp` of an ``(N, K)`` weight: ``(N, 1)``; ``.t()`` makes it ``(1, N)``).
         orig_dtype: the high-precision dtype (``.dtype`` of this tensor; output dtype of its GEMMs).
-        fast_accum: whether GEMMs with this operand may use fp8 fast accumulation (``use_fast_accum`` of
-            ``torch._scaled_mm``). Default True (forward); fp8tensor's backward passes build operands with False.
+        fast_accum: whether its GEMMs may use fp8 fast accumulation (default True; backward operands use False).
         shares_scale: whether this is a view whose scales also scale elements outside it (a column slice of a
             row-scaled tensor); ``copy_`` into it refuses writes that would change those elements.
-        scaled_dims: tuple of bools, one per dim: True where there is one scale per index of that dim (the scale
-            has the data's size there), False where one scale is shared along it (size 1). The *declared* layout:
-            every op decides from it, never from sizes (a rank holding one row must send what the others send).
-            :meth:`from_hp` declares ``(True, ..., True, False)``. When not given it is read from the shapes: a dim
-            whose scale is not 1 is scaled; a dim of size 1 is scaled if another dim is unambiguously shared.
+        scaled_dims: one bool per dim, True where there is one scale per index (the scale has the data's size),
+            False where one scale is shared along it: the *declared* layout every op decides from (never the sizes).
+            :meth:`from_hp` declares ``(True, ..., True, False)``; when not given it is read from the shapes (a
+            dim whose scale is not 1 is scaled; a size-1 dim is scaled if another dim is unambiguously shared).
 
-    ``shape``, ``stride``, ``device`` and ``dtype`` are the logical ones. Out-of-place ops not in the op table run
-    on the dequantized tensor and return a plain tensor; in-place, ``out=`` and collective ones raise
-    ``NotImplementedError``. ``.to(float dtype)`` changes the logical dtype (data stays fp8);
-    ``.to(torch.float8_e4m3fn / float8_e5m2)`` raises ``TypeError`` (a plain fp8 tensor cannot hold the scale).
-    Views work under ``torch.inference_mode()`` on tensors created outside it.
-
-    The public constructor checks its arguments with :func:`validate_parts`, including the scale *values* (a
-    device sync on CUDA; skipped while tracing); op results are built unchecked (:func:`make_scaled`).
+    ``shape``, ``stride``, ``device`` and ``dtype`` are the logical ones. Ops outside the op table run dequantized
+    (out-of-place) or raise ``NotImplementedError`` (in-place, ``out=``, collectives); ``.to(float dtype)`` changes
+    the logical dtype, ``.to(fp8 dtype)`` raises ``TypeError``. The public constructor checks its arguments with
+    :func:`validate_parts` (scale values too: a device sync on CUDA, skipped while tracing); op results are built
+    unchecked (:func:`make_scaled`). Views work under ``torch.inference_mode()`` on tensors created outside it.
 
     Raises:
         TypeError: ``qdata`` is not an fp8 tensor, ``scale`` is not float32, or ``orig_dtype`` is not floating point.
@@ -285,28 +267,24 @@ class ScaledFp8Tensor(torch.Tensor):
                 ) -> "ScaledFp8Tensor":
         """Quantize ``t`` row-wise: one float32 scale per row, taken over the last dim.
 
-        ``scale = amax(|row|) / finfo(float8_dtype).max`` (dequantization multiplier, computed in float32),
-        ``qdata = saturate(t / scale)``. All-zero (and empty) rows get a finite scale and dequantize to exact
-        zeros. The result does not require grad.
+        ``scale = amax(|row|) / finfo(float8_dtype).max`` (the dequantization multiplier, in float32), ``qdata =
+        saturate(t / scale)``; all-zero (and empty) rows dequantize to exact zeros. The result does not require grad.
 
         Args:
             t: floating-point tensor with at least 2 dims (fp32, bf16, fp16, fp64), or a DTensor of one (each local
-                shard quantized; a DTensor of the same mesh, placements, shape and stride is returned), or a
-                ``LocalTensor`` (a LocalTensor of per-rank ScaledFp8Tensors).
+                shard quantized; same mesh, placements, shape and stride), or a ``LocalTensor`` (of per-rank results).
             float8_dtype: ``torch.float8_e4m3fn`` (default) or ``torch.float8_e5m2``.
             fast_accum: stored on the result; see the class docstring.
 
         Returns:
-            ScaledFp8Tensor with ``qdata`` of ``t``'s shape and ``scale`` of shape ``(*t.shape[:-1], 1)``;
-            ``scaled_dims == (True, ..., True, False)``. Scales follow :func:`fp8tensor.quantize.amax_to_scale`
-            (floor at float32's smallest normal; see :data:`fp8tensor.quantize.SCALE_FLOOR` for the tiny-row limit).
+            ScaledFp8Tensor with ``qdata`` of ``t``'s shape and ``scale`` ``(*t.shape[:-1], 1)``, ``scaled_dims ==
+            (True, ..., True, False)``; scales per :func:`fp8tensor.quantize.amax_to_scale` (``SCALE_FLOOR``).
 
         Raises:
             TypeError: ``t`` is not a tensor, is not floating point, is already fp8, or ``float8_dtype`` is
                 unsupported.
-            ValueError: ``t`` has fewer than 2 dims, or holds an inf or NaN (which would make its whole row NaN):
-                the message names the rows and their count. The check reads ``t`` once (a host sync on CUDA); it
-                is skipped while tracing, on meta and fake tensors and inside a CUDA-graph capture.
+            ValueError: ``t`` has fewer than 2 dims, or holds an inf or NaN (naming the rows; a host sync on CUDA,
+                skipped while tracing, on meta and fake tensors and inside a CUDA-graph capture).
         """
         op = "ScaledFp8Tensor.from_hp"
         check_float8_dtype(float8_dtype, op)
@@ -566,7 +544,7 @@ def fsdp_post_all_gather(all_gather_outputs, metadata, param_dtype, *, out=None)
         RuntimeError: ``out`` is not a ScaledFp8Tensor of the gathered shape.
     """
     if out is not None:
-        target = compat.local_tensor(out) if _is_dtensor(out) else out
+        target = local_of(out)
         if (
             metadata.mode == _payload.LOCAL
             and type(target) is ScaledFp8Tensor

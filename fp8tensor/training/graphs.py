@@ -1,11 +1,5 @@
-"""A training step's forward + loss + backward captured once as a CUDA graph and replayed (:func:`graph_step`).
-
-Small and tensor-parallel models spend much of a step waiting on the host launching kernels, hooks and collectives;
-a replayed graph removes that wait. The scheme is torchtitan's (``torchtitan/distributed/cudagraph.py``): warm-up calls
-on a side stream, capture on that stream into a graph memory pool, static inputs copied in before each replay, the
-optimizer step outside the graph. fp8tensor keeps no per-step Python state a replay would skip: its one cache is keyed
-by the capture (:mod:`fp8tensor.capture`) and what a graph reads at each replay is kept with the graph.
-"""
+"""A training step's forward + loss + backward captured once as a CUDA graph and replayed (:func:`graph_step`,
+torchtitan's scheme; docs/cuda_graphs.md). fp8tensor's one cache is keyed by the capture (:mod:`fp8tensor.capture`)."""
 from __future__ import annotations
 
 import operator
@@ -71,14 +65,11 @@ def _named_members(model: torch.nn.Module) -> dict:
 
 
 class GraphedStep:
-    """``fn(*args, **kwargs)`` (forward + loss + ``backward()``) captured as one CUDA graph; see :func:`graph_step`
-    (warm-up calls, then one capture, then replays; each call is one forward + backward on its inputs).
+    """``fn(*args, **kwargs)`` (forward + loss + ``backward()``) captured as one CUDA graph; see :func:`graph_step`.
 
     Attributes:
-        calls: number of calls so far (warm-up, capture and replays).
-        captured: whether the graph exists.
-        graph: the ``torch.cuda.CUDAGraph`` (None before capture and after :meth:`close`; not to be replayed after
-            :meth:`close`, which frees what it reads).
+        calls: number of calls so far (warm-up, capture and replays). captured: whether the graph exists.
+        graph: the ``torch.cuda.CUDAGraph`` (None before capture and after :meth:`close`).
         pool: the graph memory pool handle (shareable with other graphs through ``graph_step(..., pool=)``).
     """
 
@@ -325,10 +316,9 @@ def graph_step(fn: Callable[..., Any], parameters: Iterable[torch.Tensor], *, wa
                enabled: Optional[bool] = None) -> GraphedStep:
     """Turn ``fn(*inputs) -> loss`` (forward, loss and ``loss.backward()``) into a step captured as one CUDA graph.
 
-    The method is torchtitan's whole-step CUDA graph (``torchtitan/distributed/cudagraph.py``) on
-    ``torch.cuda.graph``: the first ``warmup_steps`` calls run ``fn`` eagerly on a side stream (compiling,
-    allocating), the next captures ``fn`` into a graph memory pool and replays it, later calls copy their tensor
-    inputs into the static inputs and replay. Each call is one real forward + backward::
+    The method is torchtitan's whole-step CUDA graph (``torchtitan/distributed/cudagraph.py``): ``warmup_steps``
+    eager calls on a side stream, then one capture into a graph memory pool, then replays on inputs copied into the
+    static ones. Each call is one real forward + backward (docs/cuda_graphs.md)::
 
         step = fp8tensor.graph_step(fwd_bwd, model)
         for x, y in batches:
@@ -337,24 +327,12 @@ def graph_step(fn: Callable[..., Any], parameters: Iterable[torch.Tensor], *, wa
             optimizer.step()
             optimizer.zero_grad(set_to_none=False)
 
-    Contract:
-        * static shapes: every call passes the same structure of arguments, tensors of the same shapes, dtypes and
-          devices, and the same non-tensor values (``ValueError`` otherwise; :meth:`GraphedStep.close` starts over);
-        * gradients are zeroed in place (``optimizer.zero_grad(set_to_none=False)``): the captured backward
-          accumulates into the gradient tensors of the capture (``None`` ones are created as zeros first), so several
-          calls before one optimizer step accumulate as in eager mode. A gradient set to ``None`` or replaced after
-          the capture raises ``RuntimeError`` at the next call;
-        * the returned value is owned by the graph (overwritten by the next replay): ``.item()`` / ``.clone()`` it;
-        * parameters are updated in place (optimizers, ``load_state_dict`` and ``copy_`` do). Parameters moved to
-          new memory after the capture (``model.to(...)``, ``p.data = ...``) raise ``RuntimeError`` at the next
-          call, before any replay. Given the model, its buffers too, and parameters, buffers or submodules replaced
-          in it (``load_state_dict(..., assign=True)``, ``module.weight = ...``, ``model.act = nn.ReLU()``) raise,
-          naming them (checked against a snapshot of storage addresses and member identities taken at capture);
-        * inside ``fn`` nothing synchronizes with the host (``.item()``, data-dependent shapes,
-          ``clip_grad_norm_(error_if_nonfinite=True)``); the optimizer step stays outside.
-
-    Costs: ``warmup_steps`` eager steps, one capture (about one eager step), and the graph's memory pool, which keeps
-    the step's activations and temporaries allocated between replays (about an eager step's peak).
+    Contract (docs/cuda_graphs.md, "Contract"): static input structure, shapes, dtypes, devices and non-tensor
+    values; gradients zeroed in place (``optimizer.zero_grad(set_to_none=False)``; the captured backward accumulates
+    into the gradient tensors of the capture); graph-owned outputs (``.item()`` / ``.clone()`` them); parameters
+    (and, given the model, buffers and members) updated in place, not moved or replaced; no host synchronization
+    inside ``fn``; the optimizer step outside. Costs: the warm-up steps, one capture and the graph's memory pool
+    (about an eager step's peak).
 
     Args:
         fn: the step: forward, loss, ``backward()``; returns anything (tensors in it are graph-owned after capture).

@@ -1,25 +1,8 @@
-"""Row-wise fp8 grouped GEMMs for mixture-of-experts weights: :func:`fp8_grouped_mm`.
-
-The op is ``torch._grouped_mm(a, b, offs)`` in its 2-D x 3-D form (e.g. torchtitan's ``GroupedExperts``): ``a``
-``(M, K)`` the routed tokens sorted by expert, ``b`` ``(E, K, N)`` the expert weights ``W`` ``(E, N, K)`` transposed,
-``offs`` int32 ``(E,)`` the cumulative group ends; ``out[rows of e] = a[rows of e] @ W[e]^T``, ``(M, N)``.
-
-Recipes (:mod:`fp8tensor.recipes`); every operand is scaled along its GEMM's contraction dim:
-
-* output: ``a`` per token (over ``K``), ``W`` per expert row (over ``K``): ``torch._scaled_grouped_mm`` 2-D x 3-D;
-* grad_input ``gy[e] @ W[e]``: ``gy`` per token (over ``N``), ``W`` per expert and input column (over ``N``; a
-  row-scaled fp8 weight is used as stored, its row scales folded into ``gy``): ``torch._scaled_grouped_mm`` 2-D x 3-D;
-* grad_weight ``gy[e]^T @ a[e]`` (``rowwise``): ``gy`` and ``a`` per feature over *the group's* tokens (one scale per
-  expert and column): ``torch._scaled_grouped_mm`` 2-D x 2-D over the token dim; ``rowwise_gw_hp``: high precision
-  (``torch._grouped_mm`` / per-group ``mm``).
-
-Any group sizes: the 2-D x 2-D kernel's groups must start at multiples of 16 tokens, so both operands are quantized
-into a padded token layout (an expert without tokens gets an exact zero gradient). Without
-``torch._scaled_grouped_mm`` (CPU, ``grouped_gemm_kernel=False``) a per-group loop over ``torch._scaled_mm`` computes
-the same numerics. Under ``torch.compile`` the master weight's ``__torch_function__`` runs :func:`fp8_grouped_mm` on
-fake tensors; offsets that cannot be read on the host are not validated, and without the fused kernel every expert
-runs on all rows, masked to its group. docs/moe.md ("Recipes and numerics", "Compiled") has the details.
-"""
+"""Row-wise fp8 grouped GEMMs for mixture-of-experts weights: :func:`fp8_grouped_mm`, the 2-D x 3-D
+``torch._grouped_mm(a, b, offs)`` (``a`` ``(M, K)`` tokens sorted by expert, ``b`` ``(E, K, N)`` the transposed expert
+weights ``(E, N, K)``, ``offs`` int32 ``(E,)`` cumulative group ends) with every operand scaled along its GEMM's
+contraction dim. Operand scalings, the padded token layout, the per-group CPU path and the compiled (masked) path are
+in docs/moe.md ("Recipes and numerics", "Compiled")."""
 from __future__ import annotations
 
 from typing import Optional
@@ -311,19 +294,16 @@ class _Fp8GroupedMM(torch.autograd.Function):
 def fp8_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, *, recipe="rowwise",
                    out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """fp8 ``torch._grouped_mm(a, b, offs=offs)`` for expert weights: row-wise scaled fp8 output, grad_input and
-    grad_weight GEMMs (see the module docstring for the scaling of each operand).
+    grad_weight GEMMs (operand scalings: docs/moe.md, "Recipes and numerics").
 
     Args:
         a: ``(M, K)`` high-precision tokens sorted by expert (plain tensor).
         b: ``(E, K, N)`` expert weights, the ``transpose(-2, -1)`` of ``(E, N, K)`` ones: a plain high-precision
-            tensor, an :class:`~fp8tensor.Fp8MasterWeight` or a :class:`ScaledFp8Tensor` (``from_hp`` of
-            ``(E, N, K)``, used as stored).
+            tensor, an :class:`~fp8tensor.Fp8MasterWeight` or a :class:`ScaledFp8Tensor` (used as stored).
         offs: int32 ``(E,)`` cumulative ends of the token groups (``torch.cumsum(tokens_per_expert, 0,
-            dtype=torch.int32)``), any sizes including 0; rows past ``offs[-1]`` belong to no expert (their outputs
-            and gradients are not computed).
+            dtype=torch.int32)``), any sizes including 0; rows past ``offs[-1]`` belong to no expert.
         recipe: ``"rowwise"``, ``"rowwise_gw_hp"`` or a :class:`Recipe`.
-        out_dtype: the output dtype (default: the promoted dtype of ``a`` and ``b``). On CUDA the fp8 GEMMs write
-            bf16, which is then cast.
+        out_dtype: the output dtype (default: the promoted dtype of ``a`` and ``b``; CUDA fp8 GEMMs write bf16).
 
     Returns:
         ``(M, N)`` tensor.
@@ -378,21 +358,11 @@ def _grouped_mm_fp8(func, args, kwargs):
 
 
 # ---------------------------------------------------------------------------------------------- modules
-def _grouped_funcs() -> frozenset:
-    funcs = {torch._grouped_mm}
-    try:
-        import torch.nn.functional as _F
-
-        if hasattr(_F, "grouped_mm"):
-            funcs.add(_F.grouped_mm)
-    except ImportError:  # pragma: no cover
-        pass
-    return frozenset(funcs)
-
-
-_GROUPED_FUNCS = _grouped_funcs()
-_CASTS = frozenset({torch.Tensor.to, torch.Tensor.bfloat16, torch.Tensor.half, torch.Tensor.float,
-                    torch.Tensor.type_as})
+_GROUPED_FUNCS = frozenset({torch._grouped_mm, getattr(torch.nn.functional, "grouped_mm", torch._grouped_mm)})
+#: Dtype casts of a master inside a grouped-experts forward, and the dtype of each fixed one.
+_CAST_DTYPES = ((torch.Tensor.bfloat16, torch.bfloat16), (torch.Tensor.half, torch.float16),
+                (torch.Tensor.float, torch.float32))
+_CASTS = frozenset({torch.Tensor.to, torch.Tensor.type_as, *(f for f, _ in _CAST_DTYPES)})
 
 
 def is_grouped_mm(func) -> bool:
@@ -433,12 +403,9 @@ class _CastMaster(torch.autograd.Function):
 
 def _cast_target(func, args, kwargs) -> Optional[torch.dtype]:
     """The dtype a cast call on a master converts to, when it only changes the (floating) dtype; else None."""
-    if func is torch.Tensor.bfloat16:
-        return torch.bfloat16
-    if func is torch.Tensor.half:
-        return torch.float16
-    if func is torch.Tensor.float:
-        return torch.float32
+    for f, dtype in _CAST_DTYPES:
+        if func is f:
+            return dtype
     if func is torch.Tensor.type_as:
         other = args[1] if len(args) > 1 else kwargs.get("other")
         return other.dtype if isinstance(other, torch.Tensor) and other.device == args[0].device else None

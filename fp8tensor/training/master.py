@@ -1,9 +1,5 @@
-"""``Fp8MasterWeight``: a high-precision master weight that is quantized to fp8 on use.
-
-It behaves as the plain tensor it wraps for optimizers, ``state_dict``, initialization and layout ops; ``F.linear``
-on it runs :func:`fp8tensor.linear.fp8_linear`, a bare ``mm`` / ``addmm`` runs an fp8 GEMM, and under FSDP2 it
-quantizes its local rows before the all-gather (payload in :mod:`fp8tensor.fsdp`).
-"""
+"""``Fp8MasterWeight``: a high-precision master weight that is quantized to fp8 on use (docs/design.md, "Training:
+master weights and the fp8 Linear function")."""
 from __future__ import annotations
 
 import collections
@@ -45,17 +41,13 @@ def keep_master_through(ops) -> None:
 class Fp8MasterWeight(torch.Tensor, QuantizeOnUse):
     """A high-precision master weight that is quantized to fp8 on use.
 
-    For everything except matmuls it behaves as the plain tensor ``_data`` it wraps (same shape, dtype and
-    device): optimizers (SGD, AdamW foreach/fused) update ``_data`` in place, ``torch.nn.init`` functions,
-    ``.to()``, gradient clipping and ``zero_grad`` work; gradients are plain tensors. Layout ops keep the
-    wrapper (so DTensor sharding and FSDP2 keep it as the local tensor); other ops return plain tensors.
-
-    ``F.linear(x, w)`` on a master weight runs :func:`fp8_linear` with the weight's recipe (three fp8 GEMMs);
-    ``torch._grouped_mm(x, w, offs=offs)`` / ``F.grouped_mm`` with 3-D expert weights ``w`` ``(E, K, N)`` (a master of
-    ``(E, N, K)``, transposed) runs :func:`fp8tensor.grouped.fp8_grouped_mm`. On a *DTensor* whose local tensor is a
-    master, ``F.linear`` decomposes above autograd: forward and grad_input run in fp8, grad_weight in high precision,
-    with a warning (a module converted with :func:`fp8tensor.convert_to_fp8` always runs :func:`fp8_linear`). With
-    FSDP2, the master quantizes its local rows before the all-gather, so the forward sees a :class:`ScaledFp8Tensor`.
+    For everything but matmuls it behaves as the plain tensor ``_data`` it wraps (same shape, dtype and device):
+    optimizers (SGD, AdamW foreach/fused), ``torch.nn.init``, ``.to()``, clipping and ``zero_grad`` work; gradients
+    are plain tensors; layout ops keep the wrapper (so DTensor and FSDP2 keep it as the local tensor). ``F.linear(x,
+    w)`` runs :func:`fp8_linear` with the weight's recipe; ``torch._grouped_mm`` / ``F.grouped_mm`` with 3-D expert
+    weights runs :func:`fp8tensor.grouped.fp8_grouped_mm`. On a *DTensor* of a master, ``F.linear`` decomposes above
+    autograd: grad_weight then runs in high precision, with a warning (converted modules always run
+    :func:`fp8_linear`). Under FSDP2 the master quantizes its local rows before the all-gather.
 
     Args:
         data: the high-precision tensor (fp32/bf16/fp16). Not copied.

@@ -1,19 +1,6 @@
-"""fp8 training recipes: which GEMM of an fp8 Linear runs in fp8, in which format, with which accumulation.
-
-Recipes (every GEMM operand is scaled along the GEMM's contraction dim, so scales factor out of the sum):
-
-=================  ===============================  ===============================  ===============================
-recipe             output ``y = x W^T``             grad_input ``gx = gy W``         grad_weight ``gW = gy^T x``
-=================  ===============================  ===============================  ===============================
-``rowwise``        e4m3; x per token (over K),       e4m3; gy per token (over N),     e4m3; gy^T per output feature
-                   W per output row (over K);        W per input column (over N,      (over tokens), x per input
-                   fast accumulation                 re-quantized from the master);   feature (over tokens);
-                                                     slow accumulation                slow accumulation
-``rowwise_gw_hp``  as ``rowwise``                   as ``rowwise``                   high precision (no fp8)
-=================  ===============================  ===============================  ===============================
-
-The autograd function that runs them is :mod:`fp8tensor.linear`; the master weight :mod:`fp8tensor.master`.
-"""
+"""fp8 training recipes: which GEMM of an fp8 Linear runs in fp8, in which format, with which accumulation (the
+table of ``rowwise`` / ``rowwise_gw_hp`` is in docs/recipes.md), and the size rule (docs/design.md, "Size-aware
+conversion"). The autograd function that runs them is :mod:`fp8tensor.linear`."""
 from __future__ import annotations
 
 import dataclasses
@@ -30,10 +17,8 @@ __all__ = ["Recipe", "Gemm", "Operand", "SCALINGS", "RECIPES", "get_recipe", "we
            "fp8_size_choice"]
 
 
-#: Operand scalings a recipe can name. ``"rowwise"``: one float32 scale per slice along the GEMM's contraction dim
-#: (per token, per output row, per feature over the tokens: each operand's outer dim); ``"hp"``: the GEMM runs in
-#: high precision. Tensor-wise scaling is not offered: on Hopper the row-wise ``torch._scaled_mm`` runs as fast as
-#: the tensor-wise one (docs/benchmarks.md) and is the more accurate of the two.
+#: Operand scalings a recipe can name: ``"rowwise"`` (one float32 scale per slice along the GEMM's contraction dim)
+#: or ``"hp"`` (high precision). No tensor-wise scaling: row-wise is as fast on Hopper and more accurate.
 SCALINGS = ("rowwise", "hp")
 
 
@@ -210,19 +195,11 @@ def get_recipe(recipe) -> Recipe:
 def fp8_size_rule(in_features: int, out_features: int) -> bool:
     """Whether a Linear of this size is expected to train faster in fp8 than in high precision (row-wise recipes).
 
-    Per token, the fp8 GEMMs save time in proportion to ``K * N`` (their FLOPs) while the quantizations that feed them
-    cost time in proportion to ``K + N`` (the bytes of ``x``, ``grad_out`` and the weight's rows they read and write);
-    both grow linearly with the number of tokens, so their ratio depends on the shape only. The rule converts a Linear
-    when ``K * N / (K + N) >= size_rule_min`` (a field of :class:`fp8tensor.Config`, default 640): ``2048 x 2048``
-    (1024), ``2048 <-> 5632`` (1502), ``1024 <-> 4096`` (819) and anything larger are converted; ``1024 x 1024``
-    (512), ``768 -> 3072`` (614) and small heads (``4096 -> 16``: 16) stay in high precision.
-
-    The default threshold is measured on H200 (``benchmarks/linear.py --size-rule``: one Linear's forward + backward captured
-    as a CUDA graph, and the end-to-end step in ``docs/benchmarks.md``): below 640 even ``rowwise_gw_hp`` (two fp8
-    GEMMs) is slower than bf16 at 8192 and 16384 tokens. It is looser than torchao's size-based filter for its
-    row-wise recipe (H100, its kernels: ``N <= 2048`` stays in high precision). For another GPU, calibrate it with
-    that script and set it with ``fp8tensor.set_config(size_rule_min=...)``. :func:`fp8_size_choice` adds the
-    middle tier (``rowwise_gw_hp``) on top of this rule.
+    Per token the fp8 GEMMs save time in proportion to ``K * N`` and their quantizations cost time in proportion to
+    ``K + N``, so the rule converts a Linear when ``K * N / (K + N) >= size_rule_min`` (:class:`fp8tensor.Config`,
+    default 640, measured on H200 with ``benchmarks/linear.py --size-rule``; docs/design.md, "Size-aware
+    conversion"): ``2048 x 2048`` (1024) and ``1024 <-> 4096`` (819) are converted, ``1024 x 1024`` (512) and
+    ``4096 -> 16`` (16) stay in high precision. :func:`fp8_size_choice` adds the middle tier on top of this rule.
 
     Args:
         in_features: ``K``, the Linear's input features.
@@ -241,12 +218,10 @@ def fp8_size_choice(in_features: int, out_features: int, recipe="rowwise") -> Op
     """The size-aware choice for one Linear: the recipe it is converted with, or None to keep it in high precision.
 
     * ``K * N / (K + N) < size_rule_min`` (:func:`fp8_size_rule` False): None;
-    * a recipe with an fp8 grad_weight (``rowwise``) and ``K * N / (K + N) < size_rule_fp8_grad_weight_min`` (both
-      :class:`fp8tensor.Config` fields; default 640 and 1024): ``rowwise_gw_hp`` — the output and grad_input GEMMs
-      in fp8, grad_weight in high precision (a custom :class:`~fp8tensor.recipes.Recipe` keeps its other fields:
-      fp8 format, fast accumulation). Measured on H200 (``benchmarks/linear.py --size-rule``, ``docs/benchmarks.md``): at these sizes the per-token
-      quantizations of ``x`` and ``grad_out`` that an fp8 grad_weight GEMM needs cost more than that GEMM saves,
-      while the other two GEMMs still pay for theirs. Numerically this is the more accurate recipe;
+    * a recipe with an fp8 grad_weight (``rowwise``) and ``K * N / (K + N) < size_rule_fp8_grad_weight_min``
+      (:class:`fp8tensor.Config`, default 1024): ``rowwise_gw_hp``, grad_weight in high precision (a custom
+      :class:`~fp8tensor.recipes.Recipe` keeps its other fields), whose skipped per-token quantizations cost more
+      than an fp8 grad_weight GEMM saves at these sizes (docs/design.md, "Size-aware conversion");
     * else ``recipe`` itself.
 
     Args:

@@ -267,3 +267,33 @@ def test_compiled_fsdp2_experts_match_eager_fsdp2(one_rank_gloo, param_dtype, ba
         rows = expert == e
         if rows.any():
             assert 1e-2 < _rel(res[1][2][e], g[rows].double().t() @ x[rows].double()) <= TWO + extra, e
+
+
+@pytest.mark.parametrize("param_dtype", [torch.bfloat16, None], ids=["bf16_mp", "float32"])
+def test_compiled_fsdp2_torchtitan_grouped_experts_match_eager_fsdp2(one_rank_gloo, param_dtype):
+    """torchtitan's ``GroupedExperts`` converted by ``fp8tensor.torchtitan`` under FSDP2 (1 gloo rank), compiled with
+    ``fullgraph=True``: output and gradients as the same FSDP2 model's eager step."""
+    pytest.importorskip("torchtitan")
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torchtitan.models.common.moe import GroupedExperts
+
+    from fp8tensor.torchtitan import convert_model_config
+
+    m = convert_model_config(GroupedExperts.Config(dim=K, hidden_dim=2 * K, num_experts=E), recipe="rowwise").build()
+    for p in m.parameters():
+        nn.init.normal_(p, std=0.1)
+    counts, x = torch.tensor([5, 0, 10, 7]), torch.randn(22, K)
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    eager, compiled = copy.deepcopy(m), copy.deepcopy(m)
+    fully_shard(eager, mp_policy=mp)
+    fully_shard(compiled, mp_policy=mp)
+    torch._dynamo.reset()
+    run = torch.compile(compiled, fullgraph=True, backend="aot_eager")
+    res = []
+    for mod, params in ((eager, eager), (run, compiled)):
+        xr = x.clone().requires_grad_()
+        out = mod(xr, counts)
+        out.float().pow(2).sum().backward()
+        res.append([out.detach(), xr.grad] + [p.grad.to_local().clone() for p in params.parameters()])
+    for c, e in zip(res[1], res[0]):
+        assert _rel(c, e) <= VS_EAGER

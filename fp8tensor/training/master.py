@@ -55,7 +55,8 @@ class Fp8MasterWeight(torch.Tensor, QuantizeOnUse):
     ``(E, N, K)``, transposed) runs :func:`fp8tensor.grouped.fp8_grouped_mm`. On a *DTensor* whose local tensor is a
     master, ``F.linear`` decomposes above autograd: forward and grad_input run in fp8, grad_weight in high precision,
     with a warning (a module converted with :func:`fp8tensor.convert_to_fp8` always runs :func:`fp8_linear`). With
-    FSDP2, the master quantizes its local rows before the all-gather, so the forward sees a :class:`ScaledFp8Tensor`.
+    FSDP2, the master quantizes its local rows before the all-gather, so the forward sees a :class:`ScaledFp8Tensor`
+    (for 3-D expert weights a :class:`GatheredExperts`, whose grouped GEMMs run ``fp8_grouped_mm``).
 
     Args:
         data: the high-precision tensor (fp32/bf16/fp16). Not copied.

@@ -547,7 +547,7 @@ def fsdp_post_all_gather(all_gather_outputs, metadata, param_dtype, *, out=None)
         target = local_of(out)
         if (
             metadata.mode == _payload.LOCAL
-            and type(target) is ScaledFp8Tensor
+            and isinstance(target, ScaledFp8Tensor)
             and target.qdata.data_ptr() == all_gather_outputs[0].data_ptr()
             and tuple(target.qdata.shape) == metadata.packed[0]
         ):

@@ -423,8 +423,9 @@ class Fp8GroupedMMMode(torch.overrides.TorchFunctionMode):
     weight or a ScaledFp8Tensor runs :func:`fp8_grouped_mm`, and a dtype cast of a master (``w.bfloat16()``) keeps
     it a master. Converted grouped-experts modules run their ``forward`` under it; everything else is unchanged.
     Inside ``torch.compile`` dynamo applies the casts but records ``torch._grouped_mm`` without calling the mode: a
-    master weight's own ``__torch_function__`` runs :func:`fp8_grouped_mm` there (see the module docstring), a
-    ScaledFp8Tensor's GEMM runs the op table's fp8 forward (below autograd).
+    master weight's own ``__torch_function__`` runs :func:`fp8_grouped_mm` there (see the module docstring), as does
+    the one of the weight FSDP2 all-gathers from it (``GatheredExperts``); another ScaledFp8Tensor's GEMM runs the op
+    table's fp8 forward (below autograd).
 
     Args:
         recipe: the recipe for ScaledFp8Tensor weights (a master uses its own).

@@ -47,7 +47,8 @@ class Fp8MasterWeight(torch.Tensor, QuantizeOnUse):
     w)`` runs :func:`fp8_linear` with the weight's recipe; ``torch._grouped_mm`` / ``F.grouped_mm`` with 3-D expert
     weights runs :func:`fp8tensor.grouped.fp8_grouped_mm`. On a *DTensor* of a master, ``F.linear`` decomposes above
     autograd: grad_weight then runs in high precision, with a warning (converted modules always run
-    :func:`fp8_linear`). Under FSDP2 the master quantizes its local rows before the all-gather.
+    :func:`fp8_linear`). Under FSDP2 the master quantizes its local rows before the all-gather (3-D expert
+    weights gather as a :class:`GatheredExperts`, whose grouped GEMMs run ``fp8_grouped_mm``).
 
     Args:
         data: the high-precision tensor (fp32/bf16/fp16). Not copied.
@@ -140,7 +141,10 @@ class Fp8MasterWeight(torch.Tensor, QuantizeOnUse):
         return _payload.master_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
-        return fsdp_post_all_gather(all_gather_outputs, metadata, param_dtype, out=out)
+        res = fsdp_post_all_gather(all_gather_outputs, metadata, param_dtype, out=out)
+        if res is not None and self.dim() == 3:  # expert weights: their grouped GEMMs stay fp8_grouped_mm
+            res = (GatheredExperts.of(res[0], self.recipe), res[1])
+        return res
 
     def __reduce_ex__(self, protocol):
         # Pickles as the plain high-precision tensor (a checkpoint never needs fp8tensor to load); a master that is
@@ -213,6 +217,54 @@ def _master_mm(func, args, kwargs):
             return torch.addmm(bias, (a.to_hp() if isinstance(a, ScaledFp8Tensor) else a),
                                (b.to_hp() if isinstance(b, ScaledFp8Tensor) else b), beta=beta, alpha=alpha)
     return fp8_mm(a, b, bias, op=str(func))
+
+
+class GatheredExperts(ScaledFp8Tensor):
+    """The 3-D expert weight FSDP2 all-gathers from an :class:`Fp8MasterWeight`: a :class:`ScaledFp8Tensor` (fp8
+    rows, one scale per expert row) whose ``torch._grouped_mm`` / ``F.grouped_mm`` runs
+    :func:`~fp8tensor.grouped.fp8_grouped_mm` with the master's recipe, forward and backward, as the master's own
+    does. Under ``torch.compile`` no mode sees that call (it is not an overridable function): AOTAutograd's trace
+    calls this ``__torch_function__``. Its op results that are ScaledFp8Tensors (views, casts) keep the type;
+    every other op runs as on a ScaledFp8Tensor."""
+
+    recipe: Recipe
+
+    @staticmethod
+    def of(t: ScaledFp8Tensor, recipe: Recipe) -> "GatheredExperts":
+        """``t``'s data and scales (no copy) as a GatheredExperts of ``recipe``."""
+        out = GatheredExperts(t.qdata, t.scale, t.orig_dtype, t.fast_accum, shares_scale=t.shares_scale,
+                              scale_writes=t._scale_writes, scaled_dims=t.scaled_dims, _trusted=True)
+        out.recipe = recipe
+        return out
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if is_grouped_mm(func):
+            call = fp8_weight_call(args, kwargs)
+            if call is not None and isinstance(call[1], GatheredExperts):
+                a, b, offs, out_dtype, _ = call
+                return fp8_grouped_mm(a, b, offs, recipe=b.recipe, out_dtype=out_dtype)
+        with compat.disable_torch_function_subclass():
+            return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        recipe = next((t.recipe for a in (*args, *(kwargs or {}).values())
+                       for t in (a if type(a) in (list, tuple) else (a,)) if isinstance(t, GatheredExperts)), None)
+        if recipe is None:
+            return out
+        return _map_tensors(out, lambda t: GatheredExperts.of(t, recipe) if type(t) is ScaledFp8Tensor else t)
+
+    def __tensor_flatten__(self):
+        names, ctx = super().__tensor_flatten__()
+        return names, (*ctx, self.recipe)
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):
+        t = ScaledFp8Tensor.__tensor_unflatten__(inner_tensors, ctx[:-1], outer_size, outer_stride)
+        return GatheredExperts.of(t, ctx[-1])
 
 
 # optimizers choose foreach / fused by each parameter's exact type: a master must not force the for-loop step

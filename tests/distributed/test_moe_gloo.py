@@ -109,7 +109,7 @@ def test_expert_weights_are_sharded_masters_gathered_in_fp8(run):
     for r in run:
         assert r["local_types"] == ["Fp8MasterWeight"], r
         assert "Shard(dim=0)" in r["placements"], r
-        assert r["seen"] == ["ScaledFp8Tensor"], r  # the forward sees the fp8 all-gathered weight
+        assert r["seen"] == ["GatheredExperts"], r  # the forward sees the fp8 all-gathered weight (a ScaledFp8Tensor)
 
 
 def test_output_and_input_gradient_match_float64(run):

@@ -199,17 +199,24 @@ def _is_gemm(name: str) -> bool:
     return low.startswith("nvjet") or any(s in low for s in ("gemm", "cutlass", "xmma"))
 
 
-def kernel_ms(prof) -> float:
-    """Milliseconds of GPU activity (kernels, memcpy, memset) in a profile; user annotations (e.g. inductor's
-    "## Call CompiledFxGraph ##" ranges on the GPU timeline) are not activity and would count kernels twice."""
+def device_activity(prof) -> dict:
+    """``{name: (µs, count)}`` of the GPU activity (kernels, memcpy, memset) in a profile; user annotations (e.g.
+    inductor's "## Call CompiledFxGraph ##" ranges on the GPU timeline) are not activity and would count kernels
+    twice, and CPU ops (which carry their kernels' device time when CPU activity is profiled) are left out."""
     from torch.autograd import DeviceType
 
-    total = 0.0
+    out: dict = {}
     for e in prof.events():
         if e.device_type != DeviceType.CUDA or getattr(e, "is_user_annotation", False) or e.name.startswith("##"):
             continue
-        total += e.self_device_time_total
-    return total / 1e3
+        us, n = out.get(e.name, (0.0, 0))
+        out[e.name] = (us + e.self_device_time_total, n + 1)
+    return out
+
+
+def kernel_ms(prof) -> float:
+    """Milliseconds of GPU activity per profile (:func:`device_activity`)."""
+    return sum(us for us, _ in device_activity(prof).values()) / 1e3
 
 
 def _alloc_stats() -> dict:
@@ -409,16 +416,13 @@ def run_variant(variant: str, args, mesh, device):
         gpu_ms = kernel_ms(prof) / 3
         if args.kernels:
             print(f"\n## {variant}: top GPU kernels (ms per step)")
-            ks = [e for e in ka if e.self_device_time_total > 0 and not e.key.startswith("##")]
-            ks.sort(key=lambda e: -e.self_device_time_total)
-            for e in ks[:70]:
-                print(f"{e.self_device_time_total / 3e3:9.3f} {e.count // 3:5d}  {e.key[:110]}")
-            gemm = [e for e in ks if _is_gemm(e.key)]
-            other = [e for e in ks if not _is_gemm(e.key)]
-            kernels = dict(gemm_ms=sum(e.self_device_time_total for e in gemm) / 3e3,
-                           other_ms=sum(e.self_device_time_total for e in other) / 3e3,
-                           launches=sum(e.count for e in ks) / 3,
-                           top=[(e.key, e.self_device_time_total / 3e3, e.count / 3) for e in other[:6]])
+            ks = sorted(device_activity(prof).items(), key=lambda kv: -kv[1][0])  # (name, (us, count))
+            for name, (us, n) in ks[:70]:
+                print(f"{us / 3e3:9.3f} {n // 3:5d}  {name[:110]}")
+            other = [(k, us, n) for k, (us, n) in ks if not _is_gemm(k)]
+            kernels = dict(gemm_ms=sum(us for k, (us, n) in ks if _is_gemm(k)) / 3e3,
+                           other_ms=sum(us for _, us, _ in other) / 3e3, launches=sum(n for _, (_, n) in ks) / 3,
+                           top=[(k, us / 3e3, n / 3) for k, us, n in other[:6]])
         if args.profile:
             print(f"\n## {variant}: top host ops (3 steps), wall {ms:.2f} ms, GPU {gpu_ms:.2f} ms per step")
             print(ka.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=80))

@@ -297,3 +297,41 @@ def test_compiled_fsdp2_torchtitan_grouped_experts_match_eager_fsdp2(one_rank_gl
         res.append([out.detach(), xr.grad] + [p.grad.to_local().clone() for p in params.parameters()])
     for c, e in zip(res[1], res[0]):
         assert _rel(c, e) <= VS_EAGER
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["plain", "fsdp2"])
+def test_compiled_inductor_gw_hp_bf16_experts_match_float64(one_rank_gloo, fsdp):
+    """``recipe="rowwise_gw_hp"`` experts with bf16 operands, compiled with inductor (a token count, 47, whose bf16
+    rows are not 16-byte multiples): the high-precision grad_weight GEMM (``torch._grouped_mm(gy.t(), x)``) must get
+    operands in the row-major layouts eager gives it; inductor laid ``gy.t()`` out as a fresh ``(N, M)`` buffer
+    ("strides should be multiple of 16 bytes"). Under FSDP2 (bf16 mixed precision) this runs since the gathered
+    weight became a ``GatheredExperts`` (before, PyTorch's own derivative of ``_grouped_mm`` ran)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    seed = 1234
+    print("seed", seed)
+    torch.manual_seed(seed)
+    block = RoutedExperts(cast=not fsdp)
+    fp8tensor.convert_to_fp8(block, recipe="rowwise_gw_hp")
+    w = block.w._data.detach().clone()
+    if fsdp:
+        fully_shard(block, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    torch._dynamo.reset()
+    run = torch.compile(block, fullgraph=True, backend="inductor")
+    x, expert, g = _inputs(SIZES[0])
+    xr = x.clone().requires_grad_()
+    # (an AOTAutograd cache entry compiled before a change of fp8tensor's backward would be reused: compile afresh)
+    with torch._inductor.config.patch(force_disable_caches=True):
+        y = run(xr, expert)
+        y.backward(g.to(y.dtype))
+    gw = block.w.grad.full_tensor() if fsdp else block.w.grad
+    xb, wb, gb = (t.bfloat16().double() for t in (x, w, g))
+    wt = wb[expert]
+    assert _rel(y, torch.einsum("mk,mnk->mn", xb, wt)) <= TWO + BF16
+    assert _rel(xr.grad, torch.einsum("mn,mnk->mk", gb, wt)) <= TWO + BF16
+    for e in range(E):
+        rows = expert == e
+        if rows.any():  # high-precision grad_weight: bf16 rounding only
+            assert _rel(gw[e], gb[rows].t() @ xb[rows]) <= 2 * BF16, e
+        else:
+            assert torch.count_nonzero(gw[e]) == 0

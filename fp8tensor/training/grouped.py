@@ -170,7 +170,9 @@ def _grouped_hp_weight_grad(gy: torch.Tensor, x: torch.Tensor, offs: torch.Tenso
     """``out[e] = gy[group e]^T @ x[group e]`` ``(E, N, K)`` in high precision (``torch._grouped_mm`` for bf16, else
     a per-group ``mm`` in the operands' dtype)."""
     if gy.dtype == torch.bfloat16 and x.dtype == torch.bfloat16 and E > 0 and gy.shape[0] > 0:
-        return torch._grouped_mm(gy.t(), x, offs=offs)
+        # row-major operands, as in eager (traced, inductor would lay gy.t() out as its own (N, M) buffer, whose
+        # rows are not 16-byte multiples for most token counts: "strides should be multiple of 16 bytes")
+        return torch._grouped_mm(compat.one_buffer(gy).t(), compat.one_buffer(x), offs=offs)
     if _traced(offs):  # masked, as grouped_2d2d
         return torch.matmul(gy.t() * _group_masks(offs, gy.shape[0], gy.dtype)[:, None, :], x)
     out = gy.new_zeros(E, gy.shape[1], x.shape[1])

@@ -349,6 +349,7 @@ def one_buffer(x: torch.Tensor) -> torch.Tensor:
     ``prims.inductor_force_stride_order`` at ``x``'s strides; ``x`` itself where that op is not registered, i.e.
     inductor is not loaded). Inductor requires each user-defined kernel's input at its exact strides and writes an
     unrealized (fused) input out once *per kernel* otherwise; realized once here, every kernel reads the same buffer.
+    Also pins ``x``'s layout for an op that needs it as traced (a row-major ``_grouped_mm`` operand).
     Not traced (:func:`is_traced`): ``x`` itself."""
     if not is_traced(x):
         return x

@@ -79,9 +79,9 @@ if _HAS_TRITON:
 
     @triton.jit
     def _quantize_rows(x_ptr, q_ptr, scale_ptr, offs_m, M, K, FMAX: tl.constexpr, EPS: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-        # Rows offs_m of a row-major (M, K) tensor: one pass for the row amax, one (mostly from L2) to divide,
-        # saturate, cast and store.
+                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, c_ptr, HAS_C: tl.constexpr):
+        # Rows offs_m of a row-major (M, K) tensor (HAS_C: times the float32 column multipliers c, in float32):
+        # one pass for the row amax, one (mostly from L2) to divide, saturate, cast and store.
         mmask = offs_m < M
         rows = offs_m.to(tl.int64)[:, None] * K
         acc = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -89,6 +89,8 @@ if _HAS_TRITON:
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mask = mmask[:, None] & (offs_k[None, :] < K)
             x = tl.load(x_ptr + rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+            if HAS_C:
+                x = x * tl.load(c_ptr + offs_k, mask=offs_k < K, other=0.0)[None, :]
             a = tl.abs(x)
             a = tl.where(a != a, float("inf"), a)  # NaN -> inf: the row's scale becomes inf, output non-finite
             acc = tl.maximum(acc, tl.max(a, axis=1))
@@ -98,17 +100,19 @@ if _HAS_TRITON:
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mask = mmask[:, None] & (offs_k[None, :] < K)
             x = tl.load(x_ptr + rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+            if HAS_C:
+                x = x * tl.load(c_ptr + offs_k, mask=offs_k < K, other=0.0)[None, :]
             y = tl.div_rn(x, scale[:, None])
             y = tl.clamp(y, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
             tl.store(q_ptr + rows + offs_k[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _row_quant_kernel(x_ptr, q_ptr, scale_ptr, M, K, FMAX: tl.constexpr, EPS: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _row_quant_kernel(x_ptr, c_ptr, q_ptr, scale_ptr, M, K, FMAX: tl.constexpr, EPS: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HAS_C: tl.constexpr):
         # BLOCK_M rows per program; the bits of the eager CUDA ops: x / scale as an IEEE division (div_rn; Triton's
         # plain '/' on float32 is approximate, eager CUDA divides tensor by tensor exactly).
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        _quantize_rows(x_ptr, q_ptr, scale_ptr, offs_m, M, K, FMAX, EPS, BLOCK_M, BLOCK_K)
+        _quantize_rows(x_ptr, q_ptr, scale_ptr, offs_m, M, K, FMAX, EPS, BLOCK_M, BLOCK_K, c_ptr, HAS_C)
 
     @triton.jit
     def _row_quant_group_kernel(table_ptr, N_T: tl.constexpr, FMAX: tl.constexpr, EPS: tl.constexpr,
@@ -131,7 +135,7 @@ if _HAS_TRITON:
             x_ptr = tl.multiple_of(x_ptr, 16)
             q_ptr = tl.multiple_of(q_ptr, 16)
         offs_m = (pid - first) * BLOCK_M + tl.arange(0, BLOCK_M)
-        _quantize_rows(x_ptr, q_ptr, scale_ptr, offs_m, M, K, FMAX, EPS, BLOCK_M, BLOCK_K)
+        _quantize_rows(x_ptr, q_ptr, scale_ptr, offs_m, M, K, FMAX, EPS, BLOCK_M, BLOCK_K, x_ptr, False)
 
     @triton.jit
     def _transpose_kernel(src_ptr, dst_ptr, M, N, stride_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -317,28 +321,34 @@ def eager_launch_ok(x: torch.Tensor) -> bool:
     )
 
 
-def quantize_last_dim(x: torch.Tensor, float8_dtype: torch.dtype, scale_floor: float, *, checked: bool = False
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_last_dim(x: torch.Tensor, float8_dtype: torch.dtype, scale_floor: float, *, checked: bool = False,
+                      col_scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Row-wise quantization along the last dim in one Triton kernel (eager CUDA; see :func:`row_kernel_available`).
 
     ``scale = max(amax / fmax, scale_floor)``. The bits of the eager ``quantize_rowwise(x, -1, float8_dtype)`` (a
     NaN row gets an infinite instead of a NaN scale: non-finite either way), reading ``x`` twice instead of ~7
-    passes. Returns ``(qdata, scale)``: ``qdata`` of ``x``'s shape in ``float8_dtype``, ``scale`` float32
-    ``(*x.shape[:-1], 1)``.
+    passes. ``col_scale``: a contiguous float32 tensor of ``K`` elements on ``x``'s device; the kernel quantizes
+    ``x.float() * col_scale`` (the bits of those ops), without writing that product out. Returns ``(qdata, scale)``:
+    ``qdata`` of ``x``'s shape in ``float8_dtype``, ``scale`` float32 ``(*x.shape[:-1], 1)``.
 
     Raises:
-        ValueError: ``x`` is not a tensor the kernel takes (check :func:`row_kernel_available` first).
+        ValueError: ``x`` is not a tensor the kernel takes (check :func:`row_kernel_available` first), or
+            ``col_scale`` is not as above.
     """
     if not checked and not row_kernel_available(x):  # checked=True: the caller just asked row_kernel_available
         raise ValueError("fp8tensor quantize_last_dim: needs a contiguous fp32/bf16/fp16 CUDA tensor in eager mode")
     K = x.shape[-1]
     M = x.numel() // K
+    if col_scale is not None and not (col_scale.dtype == torch.float32 and col_scale.numel() == K
+                                      and col_scale.is_contiguous() and col_scale.device == x.device):
+        raise ValueError(f"fp8tensor quantize_last_dim: col_scale must be {K} contiguous float32 values on {x.device}")
     q = torch.empty(x.shape, dtype=float8_dtype, device=x.device)
     scale = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
     c = ROW_CONFIG
     _launcher(_row_quant_kernel)(
-        (triton.cdiv(M, c["block_m"]),), (x, q, scale, M, K),
-        dict(FMAX=torch.finfo(float8_dtype).max, EPS=scale_floor, BLOCK_M=c["block_m"], BLOCK_K=c["block_k"]),
+        (triton.cdiv(M, c["block_m"]),), (x, x if col_scale is None else col_scale, q, scale, M, K),
+        dict(FMAX=torch.finfo(float8_dtype).max, EPS=scale_floor, BLOCK_M=c["block_m"], BLOCK_K=c["block_k"],
+             HAS_C=col_scale is not None),
         c["warps"], x.device)
     return q, scale
 

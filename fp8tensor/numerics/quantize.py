@@ -91,8 +91,8 @@ def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, float8_dtype: torch.dtype)
     return torch.clamp(y, min=-fmax, max=fmax).to(float8_dtype)
 
 
-def quantize(x: torch.Tensor, dim: int = -1, float8_dtype: torch.dtype = E4M3, *, gemm_layout: bool = False
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(x: torch.Tensor, dim: int = -1, float8_dtype: torch.dtype = E4M3, *, gemm_layout: bool = False,
+             col_scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The quantization entry point: ``(qdata, scale)`` of ``x`` with one scale per slice reduced over ``dim``.
 
     Which code runs (the values follow the scale convention of this module in every case):
@@ -105,10 +105,20 @@ def quantize(x: torch.Tensor, dim: int = -1, float8_dtype: torch.dtype = E4M3, *
        row-wise Triton kernel (same bits as the ops).
     3. Otherwise (CPU, ``torch.compile``, other layouts): :func:`rowwise_scale` and :func:`cast_to_fp8`.
 
+    ``col_scale`` (a float32 ``(1, K)`` tensor, ``x`` 2-D ``(M, K)``, ``dim`` its last): quantizes
+    ``x.float() * col_scale`` — an fp8 weight's row scales folded into the other GEMM operand, ``(x diag(c)) @ B8``
+    — in the row-wise kernel without writing the float32 product out (case 2), else as those ops.
+
     Raises:
         TypeError: ``float8_dtype`` is not one of the supported fp8 formats.
     """
     check_float8_dtype(float8_dtype, "quantize_rowwise")
+    if col_scale is not None:
+        if (x.dim() == 2 and dim in (-1, 1) and x.is_cuda and kernels.row_kernel_available(x)
+                and kernels.eager_launch_ok(col_scale) and col_scale.is_contiguous()):
+            return kernels.quantize_last_dim(x, float8_dtype, SCALE_FLOOR, checked=True,
+                                             col_scale=col_scale.reshape(-1))
+        x = x.to(torch.float32) * col_scale
     if x.is_cuda:
         if gemm_layout and x.dim() == 2 and not _inductor_quantizes(x):
             if dim % 2 == 0 and kernels.kernel_available(x):

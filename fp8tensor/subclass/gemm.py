@@ -223,16 +223,18 @@ def fp8_mm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None
                 a = make_scaled(a.qdata, a.scale.new_ones(a.shape[0], 1), a.orig_dtype, a.fast_accum, (True, False))
             else:
                 a = a.to_hp(torch.float32)
+    fold = None
     if isinstance(b, ScaledFp8Tensor):
         if b.scale.shape[0] != 1:  # scaled along K
             if b.scale.shape[1] == 1 and not isinstance(a, ScaledFp8Tensor):
-                # B = diag(s) B8  =>  A @ B = (A diag(s)) @ B8: fold into A.
-                a = a.to(torch.float32) * b.scale.reshape(1, -1)
+                # B = diag(s) B8  =>  A @ B = (A diag(s)) @ B8: fold into A (as A is quantized: quantize's col_scale).
+                fold = b.scale.reshape(1, -1)
                 b = make_scaled(b.qdata, b.scale.new_ones(1, b.shape[1]), b.orig_dtype, b.fast_accum, (False, True))
             else:
                 b = b.to_hp(torch.float32)
 
-    a8, sa = (a.qdata, a.scale) if isinstance(a, ScaledFp8Tensor) else quantize(a, 1, float8_dtype, gemm_layout=True)
+    a8, sa = ((a.qdata, a.scale) if isinstance(a, ScaledFp8Tensor)
+              else quantize(a, 1, float8_dtype, gemm_layout=True, col_scale=fold))
     b8, sb = (b.qdata, b.scale) if isinstance(b, ScaledFp8Tensor) else quantize(b, 0, float8_dtype, gemm_layout=True)
     if isinstance(bias, ScaledFp8Tensor):
         bias = bias.to_hp()

@@ -158,6 +158,31 @@ def test_quantize_columns_after_matches_dim0_t():
             assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_row_kernel_with_folded_column_scales_matches_the_ops(dtype):
+    """The row-wise kernel with ``col_scale`` (grad_out times the weight's row scales, as grad_input's GEMM folds
+    them) gives the bits of the plain ops on ``x.float() * col_scale``, including NaN / inf / zero rows and columns
+    whose multiplier is zero."""
+    from fp8tensor.numerics import kernels
+    from fp8tensor.quantize import SCALE_FLOOR, cast_to_fp8, rowwise_scale
+
+    x = (torch.randn(333, 4100, device=DEV) * torch.logspace(-3, 3, 333, device=DEV)[:, None]).to(dtype)
+    x[5] = 0.0
+    x[9, 17] = float("nan")
+    x[11, 3] = float("inf")
+    c = torch.rand(1, 4100, device=DEV) * 3
+    c[0, 100] = 0.0
+    q, s = kernels.quantize_last_dim(x, torch.float8_e4m3fn, SCALE_FLOOR, col_scale=c.reshape(-1))
+    xf = x.float() * c
+    rs = rowwise_scale(xf, -1, torch.float8_e4m3fn)
+    rq = cast_to_fp8(xf, rs, torch.float8_e4m3fn)
+    finite = torch.isfinite(rs).reshape(-1)  # a NaN / inf row: non-finite either way (inf scale here, NaN there)
+    assert torch.equal(q[finite].view(torch.uint8), rq[finite].view(torch.uint8))
+    assert torch.equal(s[finite], rs[finite]) and not torch.isfinite(s[~finite]).any()
+    with pytest.raises(ValueError, match="col_scale"):
+        kernels.quantize_last_dim(x, torch.float8_e4m3fn, SCALE_FLOOR, col_scale=c.reshape(-1)[:-1])
+
+
 @pytest.mark.parametrize("weights", ["master", "fp8"])
 def test_compiled_backward_weight_ops_in_backward_and_not_saved(weights):
     """Compiled (inductor, CUDA): the backward's weight operand — the fp8 weight's transposed copy or the master's

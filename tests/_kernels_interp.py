@@ -1,0 +1,61 @@
+"""Run the dim-0 kernels (column amax, transposing cast) and the row-wise kernel with folded column scales
+under Triton's interpreter (CPU) and compare with the plain ops.
+
+Invoked by tests/test_quantize.py in a subprocess with TRITON_INTERPRET=1 (read when the kernels are defined). The
+interpreter's float -> fp8 cast is not the GPU's (tests/_group_cols_interp.py), so fp8 values are compared within one
+e4m3 step where the plain result is not a power of two; scales and layouts exactly."""
+import sys
+
+import torch
+import triton
+
+from fp8tensor import kernels
+from fp8tensor.quantize import SCALE_FLOOR, cast_to_fp8, rowwise_scale
+
+from _group_cols_interp import _close
+
+
+def _same_fp8(a, b):
+    a, b = a.float(), b.float()
+    bad = _close(a, b)
+    assert bad.numel() == 0, (bad[:5].tolist(), a[tuple(bad[:5].t())].tolist(), b[tuple(bad[:5].t())].tolist())
+    assert float((a != b).float().mean()) < 0.05  # nearly all values agree exactly
+
+
+def main():
+    torch.manual_seed(int(sys.argv[1]))
+    # dim 0: M not a multiple of the blocks, several partial chunks, a row stride wider than K
+    M, K = 1000, 70
+    base = torch.randn(M, K + 6) * torch.logspace(-2, 2, K + 6)
+    x = base[:, :K]
+    x[:, 5] = 0.0  # an all-zero column: the floor scale
+    amax = torch.zeros(K)
+    kernels._col_amax_kernel[(triton.cdiv(K, 32), triton.cdiv(M, 128))](x, amax, M, K, x.stride(0), CHUNK_M=128,
+                                                                       BLOCK_M=64, BLOCK_K=32)
+    assert torch.equal(amax, x.abs().amax(0))
+    q = torch.empty(K, M, dtype=torch.float8_e4m3fn)
+    s = torch.empty(K, 1)
+    kernels._cast_t_kernel[(triton.cdiv(M, 64), triton.cdiv(K, 32))](
+        x, amax, q, s, M, K, x.stride(0), FMAX=448.0, EPS=SCALE_FLOOR, BLOCK_M=64, BLOCK_K=32)
+    rs = rowwise_scale(x.t(), -1, torch.float8_e4m3fn)
+    assert torch.equal(s, rs), (s - rs).abs().max()
+    _same_fp8(q, cast_to_fp8(x.t(), rs, torch.float8_e4m3fn))
+    # rows times column multipliers (grad_input's folded weight scales)
+    M, K = 37, 300
+    x = torch.randn(M, K) * torch.logspace(-3, 3, M)[:, None]
+    x[4] = 0.0
+    c = torch.rand(K) * 3
+    c[10] = 0.0
+    q = torch.empty(M, K, dtype=torch.float8_e4m3fn)
+    s = torch.empty(M, 1)
+    kernels._row_quant_kernel[(triton.cdiv(M, 4),)](x, c, q, s, M, K, FMAX=448.0, EPS=SCALE_FLOOR, BLOCK_M=4,
+                                                    BLOCK_K=128, HAS_C=True)
+    xf = x * c
+    rs = rowwise_scale(xf, -1, torch.float8_e4m3fn)
+    assert torch.equal(s, rs), (s - rs).abs().max()
+    _same_fp8(q, cast_to_fp8(xf, rs, torch.float8_e4m3fn))
+    print("ok")
+
+
+if __name__ == "__main__":
+    main()

@@ -26,7 +26,6 @@ STATE = {
     "core/capture.py:_local": "a weak reference to this thread's graph_step capture in progress",
     "subclass/tensor.py:OP_TABLE": "the op table, filled by registrations at import",
     "subclass/tensor.py:_WARNED_OPS": "op names already warned about (warnings only; at most one per aten op)",
-    "subclass/tensor.py:_DTENSOR": "the DTensor class once imported",
     "training/master.py:_PRESERVE": "ops whose results stay masters, registered at import (keep_master_through)",
     "numerics/kernels.py:_LAUNCHERS": "one launcher per Triton kernel of the package",
     "numerics/kernels.py:_TABLES": "device copies of kernel argument tables keyed by device, stream and their whole "

@@ -52,10 +52,8 @@ def _wanted(module_filter_fn: Optional[FilterFn], mod: nn.Module, fqn: str, op: 
 
 
 def _select(module: nn.Module, module_filter_fn: Optional[FilterFn], op: str, ties: bool = False):
-    """``(linears, skipped, redirects, experts)`` to convert, checked before anything changes: the selected Linears
-    ``[(fqn, lin)]`` (those with a forward of their own split off into ``skipped``, see :func:`_drop_custom_forwards`;
-    with ``ties``, :func:`_check_ties`) and grouped-experts modules ``[(fqn, module, [3-D parameter names])]``, none
-    of their weights unsharded by FSDP2."""
+    """``(linears [(fqn, lin)], skipped, redirects, experts [(fqn, module, [3-D parameter names])])`` to convert,
+    checked before anything changes."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"{op}: expected an nn.Module, got {type(module).__name__}")
     if module_filter_fn is not None and not callable(module_filter_fn):
@@ -81,10 +79,8 @@ def _select(module: nn.Module, module_filter_fn: Optional[FilterFn], op: str, ti
 
 
 def _drop_custom_forwards(chosen, op: str):
-    """Split off Linears whose own ``forward`` conversion would silently replace (a LoRA Linear, an instance forward
-    that never calls the Linear's): ``(keep, skipped, redirects)``; ``redirects[fqn]`` points a framework's
-    instance-level wrapper at the fp8 forward once converted. Raises ``RuntimeError`` (nothing changed yet) when an
-    instance-level forward holds the Linear's bound forward where it cannot be redirected."""
+    """``(keep, skipped, redirects)``: Linears whose own ``forward`` conversion would replace are skipped; raises
+    ``RuntimeError`` (nothing changed yet) where an instance forward cannot be redirected."""
     keep, skipped, redirects, blocked = [], [], {}, []
     for fqn, lin in chosen:
         name = fqn or "<root>"
@@ -124,10 +120,8 @@ def _check_ties(root: nn.Module, chosen, op: str) -> None:
 
 
 def _adopt_parameter(root: nn.Module, old: nn.Parameter, new: nn.Parameter) -> None:
-    """Make every holder of the plain Parameter ``old`` hold the master ``new`` (tied weights stay one Parameter):
-    ``torch.utils.swap_tensors(old, new)`` turns ``old`` itself into the master; where torch refuses (a weak or C++
-    reference), ``new`` is set in every module of ``root`` holding ``old``. A non-Linear holder (a tied embedding)
-    gets the plain state-dict hook."""
+    """Make every holder of ``old`` hold the master ``new`` (``swap_tensors``, else set in every module of ``root``);
+    a non-Linear holder (a tied embedding) gets the plain state-dict hook."""
     for k, v in old.__dict__.items():  # attributes users and frameworks set on the Parameter (no_weight_decay, ...)
         new.__dict__.setdefault(k, v)
     try:

@@ -16,8 +16,7 @@ from ..distributed.fsdp_state import refresh_fsdp_param
 from ..training.grouped import Fp8GroupedMMMode
 from ..training.linear import fp8_linear
 from ..training.master import Fp8MasterWeight
-from ..numerics.quantize import E4M3
-from ..numerics.quantize import FLOAT8_DTYPES
+from ..numerics.quantize import E4M3, FLOAT8_DTYPES
 from ..subclass.tensor import ScaledFp8Tensor, _is_dtensor, local_of, map_local, map_shard
 
 __all__ = ["fp8_linear_forward", "Fp8LinearMixin", "Fp8Linear", "Fp8GroupedExpertsMixin", "converted_class",
@@ -106,12 +105,9 @@ _LINEAR_FORWARDS = (nn.Linear.forward, fp8_linear_forward)
 
 
 class _Redirect:
-    """Where a ``forward`` set on Linear ``lin``'s instance (e.g. torchtitan's ``Module.parallelize`` closure) holds
-    ``lin``'s own bound forward, and the edits that point each such reference at the fp8 forward. The scan follows
-    closure cells, defaults, partials, lists, tuples, dicts, bound methods and attributes of callable wrappers (not
-    modules or tensors) up to depth 8; cells, defaults, lists, dicts and attributes are edited in place, partials and
-    plain tuples rebuilt in their parent, anything else (a named tuple) is ``blocked``. Nothing is edited before
-    :meth:`apply`. A user's own forward (``F.linear(x, lin.weight) * 2``) holds no bound method and is not touched."""
+    """Where a ``forward`` set on ``lin``'s instance (torchtitan's ``Module.parallelize`` closure) holds ``lin``'s bound
+    forward (through cells, defaults, partials, containers, bound methods, wrapper attributes; depth 8), and the edits
+    that point it at the fp8 forward (done by :meth:`apply`); what cannot be edited (a named tuple) is ``blocked``."""
 
     def __init__(self, lin: nn.Module):
         self.lin = lin
@@ -315,10 +311,7 @@ def uses_grouped_mm(cls: type) -> bool:
 
 
 def _grouped_experts_forward(self, *args, **kwargs):
-    """``forward`` of converted grouped-experts modules: the module's own forward under
-    :class:`~fp8tensor.grouped.Fp8GroupedMMMode`, so its ``torch._grouped_mm`` calls with the converted expert weights
-    run :func:`~fp8tensor.grouped.fp8_grouped_mm` (also when the weight is the fp8 weight FSDP2 all-gathered).
-    Compiles with ``fullgraph=True`` (docs/moe.md, "Compiled")."""
+    """``forward`` of converted grouped-experts modules: the module's own under :class:`Fp8GroupedMMMode`."""
     with Fp8GroupedMMMode(self.fp8_recipe):
         return type(self)._fp8_base.forward(self, *args, **kwargs)
 

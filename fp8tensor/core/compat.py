@@ -143,19 +143,35 @@ def register_foreach_type(cls: type) -> None:
             types.append(cls)
 
 
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local tensor without ``to_local``'s autograd Function (the attribute ``_local_tensor``)."""
-    return t._local_tensor
+def _getter(attr: str, doc: str):
+    """A function reading the private attribute ``attr`` of its argument (``doc``: its docstring)."""
+    def get(obj):
+        return getattr(obj, attr)
+    get.__doc__ = doc
+    return get
 
 
-def set_local_tensor(t: torch.Tensor, local: torch.Tensor) -> None:
-    """Swap a DTensor's local tensor in place (same shape, dtype and device)."""
-    t._local_tensor = local
+def _setter(attr: str, doc: str):
+    """A function writing the private attribute ``attr`` of its first argument (``doc``: its docstring)."""
+    def set_(obj, value) -> None:
+        setattr(obj, attr, value)
+    set_.__doc__ = doc
+    return set_
 
 
-def dtensor_spec(t: torch.Tensor):
-    """A DTensor's ``DTensorSpec`` (mesh, placements, global shape and stride): the attribute ``_spec``."""
-    return t._spec
+# Private attributes of DTensor, FSDP2's FSDPParamGroup / FSDPParam, nn.Module and OpOverload.
+local_tensor = _getter("_local_tensor", "A DTensor's local tensor without ``to_local``'s autograd Function.")
+set_local_tensor = _setter("_local_tensor", "Swap a DTensor's local tensor in place (same shape, dtype and device).")
+dtensor_spec = _getter("_spec", "A DTensor's ``DTensorSpec`` (mesh, placements, global shape and stride).")
+fsdp_params_of = _getter("fsdp_params", "The ``FSDPParam`` s of a parameter group.")
+fsdp_sharded_local = _getter("_sharded_local_tensor", "The sharded local tensor of an ``FSDPParam``.")
+fsdp_flat_shard = _getter("_sharded_param_data",
+                          "The flat copy FSDP2 keeps of a shard (the default all-gather path's input).")
+fsdp_set_flat_shard = _setter("_sharded_param_data", "Replace the flat copy FSDP2 keeps of a shard.")
+parameters_dict = _getter("_parameters", "``module``'s own live parameter dict (name -> Parameter or None).")
+buffers_dict = _getter("_buffers", "``module``'s own live buffer dict (name -> tensor or None).")
+children_dict = _getter("_modules", "``module``'s own live child-module dict (name -> Module or None).")
+op_schema = _getter("_schema", "The ``torch._C.FunctionSchema`` of an ``OpOverload`` (no public accessor).")
 
 
 def dispatch_modes_active() -> bool:
@@ -206,16 +222,6 @@ def fsdp_param_groups(state) -> list:
     return groups
 
 
-def fsdp_params_of(group) -> list:
-    """The ``FSDPParam`` s of a parameter group."""
-    return group.fsdp_params
-
-
-def fsdp_sharded_local(fp) -> torch.Tensor:
-    """The sharded local tensor of an ``FSDPParam`` (the local tensor of its sharded DTensor parameter)."""
-    return fp._sharded_local_tensor
-
-
 def fsdp_param_name(fp) -> str:
     """A readable name of an ``FSDPParam``'s parameter (its FQN where FSDP2 recorded it)."""
     return getattr(fp, "_param_fqn", None) or fp._module_info.param_name
@@ -235,16 +241,6 @@ def fsdp_state_name(fp) -> str:
 def fsdp_unsharded_param(fp):
     """FSDP2's unsharded parameter of an ``FSDPParam`` if one exists, else None."""
     return getattr(fp, "_unsharded_param", None)
-
-
-def fsdp_flat_shard(fp) -> torch.Tensor:
-    """The flat copy FSDP2 keeps of a shard (``_sharded_param_data``: the default all-gather path's input)."""
-    return fp._sharded_param_data
-
-
-def fsdp_set_flat_shard(fp, t: torch.Tensor) -> None:
-    """Replace the flat copy FSDP2 keeps of a shard (see :func:`fsdp_flat_shard`)."""
-    fp._sharded_param_data = t
 
 
 def fsdp_reset_extension(fp) -> None:
@@ -298,21 +294,6 @@ def run_per_simulated_rank(fn):
     return maybe_run_for_local_tensor(fn)
 
 
-def parameters_dict(module: torch.nn.Module) -> dict:
-    """``module``'s own live parameter dict (``Module._parameters``: name -> Parameter or None)."""
-    return module._parameters
-
-
-def buffers_dict(module: torch.nn.Module) -> dict:
-    """``module``'s own buffer dict (``Module._buffers``: name -> tensor or None, the live dict)."""
-    return module._buffers
-
-
-def children_dict(module: torch.nn.Module) -> dict:
-    """``module``'s own child-module dict (``Module._modules``: name -> Module or None, the live dict)."""
-    return module._modules
-
-
 def preserve_version_counter(t: torch.Tensor):
     """Context manager: writes into ``t`` leave its version counter as it was."""
     return torch.autograd._unsafe_preserve_version_counter(t)
@@ -321,11 +302,6 @@ def preserve_version_counter(t: torch.Tensor):
 def c10d_functional_ops():
     """The ``torch.ops._c10d_functional`` namespace (the functional collectives DTensor issues)."""
     return torch.ops._c10d_functional
-
-
-def op_schema(func):
-    """The ``torch._C.FunctionSchema`` of an ``OpOverload`` (``func._schema``; no public accessor)."""
-    return func._schema
 
 
 def is_parameter_marked(t: torch.Tensor) -> bool:
@@ -345,12 +321,9 @@ def local_tensor_shards(t) -> dict:
 
 
 def one_buffer(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as one buffer that several Triton kernels of a traced ``triton_op`` can read (inductor's
-    ``prims.inductor_force_stride_order`` at ``x``'s strides; ``x`` itself where that op is not registered, i.e.
-    inductor is not loaded). Inductor requires each user-defined kernel's input at its exact strides and writes an
-    unrealized (fused) input out once *per kernel* otherwise; realized once here, every kernel reads the same buffer.
-    Also pins ``x``'s layout for an op that needs it as traced (a row-major ``_grouped_mm`` operand).
-    Not traced (:func:`is_traced`): ``x`` itself."""
+    """Traced, ``x`` realized once at its strides (``prims.inductor_force_stride_order``, where inductor registered
+    it), so that several kernels of a ``triton_op`` read one buffer instead of one fused copy each, and a layout an op
+    needs (a row-major ``_grouped_mm`` operand) stays pinned. Not traced (:func:`is_traced`): ``x`` itself."""
     if not is_traced(x):
         return x
     op = getattr(torch.ops.prims, "inductor_force_stride_order", None)
@@ -358,9 +331,8 @@ def one_buffer(x: torch.Tensor) -> torch.Tensor:
 
 
 def is_traced(x: torch.Tensor) -> bool:
-    """Whether ``x`` is being traced into a graph: dynamo is tracing (:func:`is_compiling`), or ``x`` is a fake or
-    functional tensor, as in code that AOTAutograd runs to trace a graph (a subclass's ``__torch_dispatch__``, a
-    ``triton_op``'s body), where ``torch.compiler.is_compiling()`` is False."""
+    """Whether dynamo is tracing or ``x`` is a fake / functional tensor (AOTAutograd's trace, where
+    ``torch.compiler.is_compiling()`` is False)."""
     from torch._subclasses.functional_tensor import FunctionalTensor
 
     return is_compiling() or isinstance(x, (FakeTensor, FunctionalTensor))

@@ -106,11 +106,8 @@ def get_config() -> Config:
 
 
 def scope_token():
-    """The :func:`config` blocks in force in this thread, as an opaque token for :func:`swap_scope` (None outside any
-    block). The fp8 Linear takes it in forward and runs its backward under it: autograd runs CUDA backwards in its
-    own device threads, which a thread-local block would not reach. The token holds the blocks' settings, not their
-    scopes: a scope may be entered again while the token is in force (activation checkpointing re-runs a forward
-    inside the backward)."""
+    """This thread's :func:`config` blocks as an opaque token for :func:`swap_scope` (None outside any): the fp8
+    Linear's backward runs under its forward's (autograd's device threads). It holds settings, not scopes."""
     block = getattr(_local, "block", None)
     return None if block is None else (block, tuple((None, changes) for _, changes in getattr(_local, "stack", ())))
 
@@ -151,13 +148,8 @@ def set_config(**changes) -> Config:
 
 
 class _Scope:
-    """What :func:`config` returns: a context manager whose settings hold inside its ``with`` block.
-
-    ``fp8tensor.config(...)`` without ``with`` would silently change nothing, so each scope is recorded (weakly) in
-    its thread until entered, and the thread's next :func:`get_config` / :func:`set_config` (or :func:`config`, once
-    an earlier scope died unentered) raises ``RuntimeError``. Entered scopes are kept in order; leaving one removes
-    it wherever it is (generators may end blocks in any order) and the settings are recomputed. A block left from
-    another thread changes nothing in either thread."""
+    """What :func:`config` returns: a context manager whose settings hold inside its ``with`` block. Recorded weakly
+    until entered (never entered: the thread's next settings call raises); leaving one removes it wherever it is."""
 
     __slots__ = ("changes", "__weakref__")
 
@@ -217,8 +209,7 @@ def config(**changes) -> _Scope:
 
 
 def _raise_pending() -> None:
-    """Raise: a :func:`config` scope of this thread was made and not entered (reported once: the record is
-    cleared)."""
+    """Raise: a :func:`config` scope of this thread was made and not entered (reported once)."""
     scopes = [repr(s) for s in (r() for r in _local.pending) if s is not None]
     _local.pending.clear()
     which = f" ({', '.join(scopes)}, not entered yet)" if scopes else ""

@@ -53,8 +53,7 @@ def _like(t: ScaledFp8Tensor, qbytes: torch.Tensor, scale: torch.Tensor, dims=No
 
 # --------------------------------------------------------------------------------------------- functional
 def _serial(t: ScaledFp8Tensor) -> bool:
-    """Whether ``t``'s collectives run one at a time, each waited on before the next: on the CPU (gloo), where two
-    in flight on one group can corrupt the heap (``docs/pytorch_issues.md`` item 3). NCCL leaves both in flight."""
+    """Whether ``t``'s collectives are waited on one by one: on the CPU (gloo; docs/pytorch_issues.md item 3)."""
     return t.qdata.device.type == "cpu"
 
 
@@ -68,9 +67,8 @@ def _data_and_scale(t: ScaledFp8Tensor, func, scale: torch.Tensor, *rest) -> tup
 
 @implements(_dist_op("_c10d_functional.all_gather_into_tensor.default"))
 def _all_gather_data_and_scales(func, args, kwargs):
-    """Concatenate every rank's data and scales along dim 0. A scale shared along dim 0 is gathered compactly, then
-    repeated over each rank's rows; it (and a one-row tensor's) is waited on at once, so no op reads a scale in
-    flight. Per-row or not is the declared ``scaled_dims``, never the local size."""
+    """Concatenate every rank's data and scales along dim 0; a scale shared along dim 0 (per ``scaled_dims``) is
+    gathered compactly, waited on and repeated over each rank's rows."""
     b = _bind(func, args, kwargs)
     t, group_size, group = b["input"], b["group_size"], b["group_name"]
     rows = t.shape[0]
@@ -97,8 +95,7 @@ def _wait_data_and_scale(func, args, kwargs):
 
 @implements(_dist_op("_c10d_functional.all_to_all_single.default"))
 def _all_to_all_data_and_scales(func, args, kwargs):
-    """Split along dim 0 and exchange; the scale is made full-size on dim 0 first so it splits with the rows. On
-    the CPU (gloo) each exchange is waited on before the next is issued (:func:`_serial`)."""
+    """Split along dim 0 and exchange; the scale is made full-size on dim 0 first so it splits with the rows."""
     b = _bind(func, args, kwargs)
     t, out_splits, in_splits, group = b["input"], b["output_split_sizes"], b["input_split_sizes"], b["group_name"]
     s = t.scale
@@ -143,9 +140,8 @@ def _contiguous_scale(t: ScaledFp8Tensor) -> torch.Tensor:
 
 @implements(_dist_op("c10d.scatter_.default"))
 def _scatter_data_and_scales(func, args, kwargs):
-    """``distribute_tensor`` with a Shard placement: scatter each shard's fp8 bytes and scale from the source rank
-    into the output in place (each shard's scale expanded to the output's layout); the data scatter is waited on,
-    the scale scatter's Work returned.
+    """``distribute_tensor`` with Shard: scatter the fp8 bytes (waited on) and the scales (expanded to the output's
+    layout; its Work returned) from the source rank into the output in place.
 
     Raises:
         NotImplementedError: several output tensors, or ScaledFp8Tensors mixed with other tensors.
@@ -184,8 +180,7 @@ def _scatter_data_and_scales(func, args, kwargs):
 
 @implements(_dist_op("c10d.broadcast_.default"))
 def _broadcast_data_and_scale(func, args, kwargs):
-    """``distribute_tensor`` with Replicate: broadcast the fp8 bytes (waited on) and the scale (its Work returned)
-    from the source, in place.
+    """``distribute_tensor`` with Replicate: broadcast bytes (waited on) and scale (Work returned) in place.
 
     Raises:
         NotImplementedError: more than one tensor in the list, or ScaledFp8Tensors mixed with other tensors.
@@ -211,10 +206,8 @@ def _broadcast_data_and_scale(func, args, kwargs):
 # --------------------------------------------------------------------------------------------- padding
 @implements([aten.constant_pad_nd.default, aten.pad.default])
 def _pad_data_with_zeros_scale_with_ones(func, args, kwargs):
-    """Zero-padding (DTensor pads uneven shards): fp8 zeros in the data; the scale padded with ones (or cropped) on
-    the dims where it is full-size (a zero dequantizes to zero with any scale). A non-zero value or a non-constant
-    mode dequantizes. (``aten.pad`` reaches the table inside DTensor's dispatch on torch 2.14: dequantizing there
-    broke empty shards' all-gathers.)"""
+    """Zero-padding (DTensor's uneven shards): fp8 zeros, the scale padded with ones where scaled; other values or
+    modes dequantize. (``aten.pad`` reaches the table inside DTensor's dispatch on torch 2.14.)"""
     b = _bind(func, args, kwargs)
     t, pad = b["self"], list(b["pad"])
     value = b.get("value", 0)
@@ -223,7 +216,6 @@ def _pad_data_with_zeros_scale_with_ones(func, args, kwargs):
     spad = []
     for i in range(len(pad) // 2):
         d = t.dim() - 1 - i
-        # the declared layout, not the size: a one-row shard's per-row [1, 1] scale is padded like the others
         spad += pad[2 * i : 2 * i + 2] if t.scaled_dims[d] else [0, 0]
     q = aten.constant_pad_nd.default(t.qdata.view(torch.uint8), pad, 0)
     s = aten.constant_pad_nd.default(t.scale, spad, 1.0) if any(spad) else t.scale

@@ -38,11 +38,8 @@ def _gather_payload(qdata: torch.Tensor, scale: torch.Tensor, dim: int, mesh: De
 
 
 class _Fp8SequenceAllGather(torch.autograd.Function):
-    """``Shard(d)`` high-precision DTensor -> ``Replicate`` DTensor of a per-token ScaledFp8Tensor.
-
-    Backward: the high-precision gradient redistributed to the input's placement (as the high-precision gather's
-    backward does), in the input's dtype.
-    """
+    """``Shard(d)`` high-precision DTensor -> ``Replicate`` DTensor of a per-token ScaledFp8Tensor; the backward
+    redistributes the gradient to the input's placement and dtype."""
 
     @staticmethod
     def forward(ctx, x: DTensor, float8_dtype: torch.dtype):

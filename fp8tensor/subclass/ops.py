@@ -15,12 +15,8 @@ aten = torch.ops.aten
 
 
 def _wrap(qdata: torch.Tensor, scale: torch.Tensor, like: ScaledFp8Tensor, shares_scale: bool = False, dims=None):
-    """A view of ``like``: ``shares_scale`` marks a view whose scales also scale data outside it (a column slice of a
-    row-scaled tensor), which ``copy_`` guards; views keeping ``like``'s scale share its write bookkeeping.
-    ``dims``: the view's ``scaled_dims`` (default ``like``'s).
-
-    Under ``torch.inference_mode`` a view of a tensor created outside it is built outside it too (autograd makes it
-    a view of a normal tensor, which an inference tensor cannot be)."""
+    """A view of ``like`` with ``scaled_dims`` ``dims`` (default ``like``'s); ``shares_scale``: its scales also scale
+    data outside it (``copy_`` guards it). Under ``inference_mode`` it is built outside it, as ``like`` was."""
     shares = shares_scale or like.shares_scale
     writes = like.scale_writes() if shares and scale is like.scale else None
     dims = like.scaled_dims if dims is None else dims
@@ -36,8 +32,7 @@ def _wrap(qdata: torch.Tensor, scale: torch.Tensor, like: ScaledFp8Tensor, share
     return out
 
 
-#: Attribute of a view that shares scales with elements outside it (``shares_scale``): ``(qdata, scale,
-#: scaled_dims)`` of the tensor it was cut from, where :func:`_write_scale_groups` re-quantizes what a write touches.
+#: Attribute of a ``shares_scale`` view: ``(qdata, scale, scaled_dims)`` of the tensor it was cut from.
 _ROOT = "_fp8tensor_scale_root"
 #: Attribute of a view whose scale is a copy of its base's (made by ``view`` / ``reshape``): ``copy_`` into it raises.
 _SCALE_COPY = "_fp8tensor_scale_copy"
@@ -62,8 +57,7 @@ def _clone_both(func, args, kwargs):
 
 @implements([aten._to_copy.default])
 def _to_copy_move_scale(func, args, kwargs):
-    """Device moves move data and scale; a float dtype changes the logical dtype (data stays fp8); other dtypes
-    dequantize. An fp8 dtype raises ``TypeError`` (a plain fp8 tensor cannot hold the scale)."""
+    """Moves data and scale; a float dtype changes the logical dtype, others dequantize, fp8 raises ``TypeError``."""
     t = args[0]
     kwargs = dict(kwargs)
     dtype = kwargs.pop("dtype", None)
@@ -83,15 +77,13 @@ def _to_copy_move_scale(func, args, kwargs):
 
 @implements([aten.dequantize.self])
 def _dequantize_float32(func, args, kwargs):
-    """``t.dequantize()``: the plain float32 tensor ``qdata * scale`` (what ``aten.dequantize`` returns for
-    PyTorch's quantized tensors); no warning, whatever ``unknown_ops`` says."""
+    """``t.dequantize()``: the plain float32 ``qdata * scale``, with no ``unknown_ops`` warning."""
     return args[0].to_hp(torch.float32)
 
 
 @implements([aten.copy_.default])
 def _copy_into_data_and_scale(func, args, kwargs):
-    """``dst.copy_(src)``: from a ScaledFp8Tensor copy data and scale; from a high-precision tensor, quantize
-    ``src`` with ``dst``'s scale layout. Into a plain tensor: write ``src``'s dequantized values."""
+    """``dst.copy_(src)``: data and scale, or ``src`` quantized in ``dst``'s layout (plain ``dst``: dequantized)."""
     dst, src = args[0], args[1]
     if not isinstance(dst, ScaledFp8Tensor):
         dst.copy_(src.to_hp(dst.dtype))
@@ -128,8 +120,7 @@ def _copy_into_data_and_scale(func, args, kwargs):
 
 @implements([aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default])
 def _fill_as_copy(func, args, kwargs):
-    """``t.fill_(v)`` / ``t.zero_()`` (also ``t[i, j] = v``): a ``copy_`` of the value (the groups a partial view
-    touches are re-quantized, :func:`_write_scale_groups`)."""
+    """``t.fill_(v)`` / ``t.zero_()`` (also ``t[i, j] = v``): a ``copy_`` of the value."""
     dst = args[0]
     value = 0.0 if func is aten.zero_.default else args[1]
     if isinstance(value, ScaledFp8Tensor):
@@ -139,10 +130,8 @@ def _fill_as_copy(func, args, kwargs):
 
 
 def _write_scale_groups(dst: ScaledFp8Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)`` for a view ``dst`` whose scales also scale elements outside it (an element, a column
-    slice): each touched scale group (row) of the tensor it was cut from is dequantized, written and re-quantized;
-    untouched groups keep their bytes and scales. Raises ``NotImplementedError`` (nothing written) when the view's
-    origin is unknown (rebuilt by ``torch.compile``, a deep copy or a pickle)."""
+    """``dst.copy_(src)`` into a view sharing scales outside it: the touched scale groups of its root tensor are
+    re-quantized, the others untouched. ``NotImplementedError`` when the root is unknown (compiled, copied)."""
     root = dst.__dict__.get(_ROOT)
     if root is None:
         raise NotImplementedError(
@@ -171,10 +160,8 @@ def _write_scale_groups(dst: ScaledFp8Tensor, src: torch.Tensor) -> None:
 
 
 def _shared_scale_write_ok(dst: ScaledFp8Tensor, new_scale: torch.Tensor) -> bool:
-    """Whether ``copy_`` may write ``new_scale`` into a view ``dst`` sharing its scales with sibling views (DCP loads
-    column chunks of a row-scaled weight): ``scale_writes`` records the regions written since the values last
-    changed; new values for a region not written before, while another was written with the old ones, would corrupt
-    that one (refused); rewriting a written region with new scales starts over (the next load)."""
+    """Whether ``copy_`` may write ``new_scale`` into ``dst``, whose scales sibling views share (DCP loads of column
+    chunks): not when another region was already written with the old scales (rewriting a region starts over)."""
     region = (dst.qdata.storage_offset(), tuple(dst.qdata.shape), tuple(dst.qdata.stride()))
     written = dst.scale_writes().regions
     same = new_scale.shape == dst.scale.shape and _all_equal([new_scale.contiguous(), dst.scale.contiguous()])
@@ -197,8 +184,7 @@ _LIKE = (aten.empty_like.default, aten.zeros_like.default)
 
 @implements([*_LIKE, aten.new_zeros.default, aten.new_empty.default, aten.new_ones.default])
 def _new_with_unit_scale(func, args, kwargs):
-    """``*_like(t)`` / ``t.new_*(size)`` with unit scales: ``t``'s layout if the ndim matches, else one shared scale.
-    Another dtype makes a plain tensor."""
+    """``*_like(t)`` / ``t.new_*(size)``: unit scales in ``t``'s layout (another ndim: shared; another dtype: plain)."""
     t = args[0]
     size = list(t.shape if func in _LIKE else args[1])
     kwargs = dict(kwargs)
@@ -219,8 +205,7 @@ def _new_with_unit_scale(func, args, kwargs):
 
 # --------------------------------------------------------------------------------------------- layout: permutations
 def t_view(t: ScaledFp8Tensor) -> ScaledFp8Tensor:
-    """``t.t()`` of a 2-D ScaledFp8Tensor without the dispatcher round trip: the op table's ``aten.t`` entry, called
-    directly by the eager fp8 Linear (no autograd recording; the caller makes sure none is wanted)."""
+    """``t.t()`` of a 2-D ScaledFp8Tensor without the dispatcher (no autograd recording): the ``aten.t`` entry."""
     return _wrap(t.qdata.t(), t.scale.t(), t, dims=t.scaled_dims[::-1])
 
 
@@ -292,13 +277,9 @@ def _view_groups(old: Sequence[int], new: Sequence[int]):
 
 
 def _view_scale(scale: torch.Tensor, old: Sequence[int], new: Sequence[int], dims: Sequence[bool]):
-    """The scale and ``scaled_dims`` of a ``view(new)`` of data of shape ``old`` declared ``dims``.
-
-    The same shape keeps scale and layout (an empty ``[0, 7]`` tensor keeps its ``[0, 1]`` scale). Otherwise, per
-    run of dims that reshape into each other: a run scaled on a dim of size > 1 is reshaped with the data
-    (materialized where it mixes shared and scaled dims) and scaled on every new dim; a run shared on all its dims
-    stays shared; a run of size-1 dims keeps its flag.
-    """
+    """The scale and ``scaled_dims`` of a ``view(new)`` of data of shape ``old`` declared ``dims``: per run of dims
+    that reshape into each other, scaled (reshaped with the data, materialized if mixed) if any dim of size > 1 is
+    scaled, else shared; a run of size-1 dims keeps its flag; the same shape keeps everything."""
     old, new = list(old), list(new)
     if old == new:
         return scale, tuple(dims)
@@ -403,8 +384,7 @@ def _all_equal(scales) -> bool:
 
 @implements([aten.cat.default])
 def _cat_scales(func, args, kwargs):
-    """Concatenate data; scales are concatenated along ``dim`` when scaled there, shared when equal, and
-    otherwise expanded along ``dim`` so that every element keeps its exact scale (bit-exact, more memory)."""
+    """Concatenate data; scales concatenated when scaled along ``dim``, shared when equal, else expanded (bit-exact)."""
     tensors = list(args[0])
     dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
     fp8 = [t for t in tensors if isinstance(t, ScaledFp8Tensor)]

@@ -2,6 +2,7 @@
 (``OP_TABLE``, :func:`implements`) and dispatcher; docs/design.md ("One tensor class", "The op table")."""
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any, Callable, Optional, Sequence
 
@@ -30,11 +31,8 @@ def implements(ops: Sequence) -> Callable:
         for op in ops:
             prev = OP_TABLE.get(op)
             if prev is not None:
-                raise RuntimeError(
-                    f"ScaledFp8Tensor op table: {op} already has a handler "
-                    f"({prev.__module__}.{prev.__qualname__}); refusing to register "
-                    f"{fn.__module__}.{fn.__qualname__}"
-                )
+                raise RuntimeError(f"ScaledFp8Tensor op table: {op} already has a handler ({prev.__module__}."
+                                   f"{prev.__qualname__}); refusing to register {fn.__module__}.{fn.__qualname__}")
             OP_TABLE[op] = fn
         return fn
 
@@ -59,16 +57,14 @@ _IMPLICIT = compat.COMPOSITE_IMPLICIT
 
 
 def _dispatch(cls, func, types, args=(), kwargs=None):
-    """``__torch_dispatch__``: the op table. Other ops: composite ones are decomposed (as the dispatcher does above
-    autograd); out-of-place ones run dequantized (``unknown_ops`` setting); in-place / ``out=`` writes into a
-    ScaledFp8Tensor and collectives raise ``NotImplementedError`` naming the op."""
+    """``__torch_dispatch__``: the op table, else composite ops decomposed, out-of-place ops dequantized; in-place /
+    ``out=`` writes and collectives raise ``NotImplementedError`` naming the op."""
     kwargs = kwargs or {}
     handler = OP_TABLE.get(func)
     if handler is not None:
         return handler(func, args, kwargs)
     if func.has_kernel_for_dispatch_key(_IMPLICIT):
-        # composite ops (chunk, narrow, pad, ...) reach us only below autograd (DTensor's local ops): decompose them
-        # so the table sees their parts instead of dequantizing
+        # composite ops (chunk, narrow, ...) reach us only below autograd (DTensor's local ops): the table sees parts
         out = func.decompose(*args, **kwargs)
         if out is not NotImplemented:
             return out
@@ -107,8 +103,8 @@ def _unknown_op(name: str) -> None:
 
 
 class _ScaleWrites:
-    """Regions of a shared scale written by ``copy_`` since its values last changed (``ops._shared_scale_write_ok``),
-    shared by every view of that scale. Any two compare equal, so it never splits a compiled graph's guards."""
+    """Regions of a shared scale written by ``copy_`` since its values last changed (``ops._shared_scale_write_ok``);
+    any two compare equal (no compiled-graph guard on it)."""
 
     __slots__ = ("regions",)
 
@@ -125,19 +121,14 @@ class _ScaleWrites:
         return f"_ScaleWrites({len(self.regions)} regions)"
 
 
-_DTENSOR = None  # torch.distributed.tensor.DTensor once imported (False: not available in this build)
-
-
+@functools.lru_cache(maxsize=None)
 def _dtensor_cls():
-    global _DTENSOR
-    if _DTENSOR is None:
-        try:  # imported lazily: torch.distributed may be unavailable on some builds
-            from torch.distributed.tensor import DTensor
-
-            _DTENSOR = DTensor
-        except Exception:  # pragma: no cover - builds without distributed
-            _DTENSOR = False
-    return _DTENSOR
+    """``torch.distributed.tensor.DTensor``, imported on first use; False on builds without distributed."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except Exception:  # pragma: no cover - builds without distributed
+        return False
+    return DTensor
 
 
 def _is_dtensor(t: Any) -> bool:
@@ -181,8 +172,7 @@ def map_local(t: Any, fn):
 
 
 def map_shard(local: torch.Tensor, fn):
-    """``fn(local)``; for a ``LocalTensor`` (simulated ranks) ``fn`` runs per rank, so that a subclass it builds
-    ends up *inside* the ``LocalTensor``, as on real ranks."""
+    """``fn(local)``, per simulated rank for a ``LocalTensor`` (a subclass it builds ends up inside it)."""
     return compat.run_per_simulated_rank(fn)(local) if _is_local_tensor(local) else fn(local)
 
 
@@ -413,8 +403,7 @@ class ScaledFp8Tensor(torch.Tensor):
 
 # ---------------------------------------------------------------------------------------------- layout and checks
 def quantize_like(x: torch.Tensor, scaled_dims, float8_dtype: torch.dtype) -> tuple:
-    """``(qdata, scale)`` of ``x`` in the layout ``scaled_dims`` declares: the amax is reduced over the dims that share
-    a scale (an empty reduction: amax 0, as an all-zero row), in ``float8_dtype``."""
+    """``(qdata, scale)`` of ``x`` in ``float8_dtype`` with the layout ``scaled_dims`` (empty reductions: amax 0)."""
     dims = [d for d in range(x.ndim) if not scaled_dims[d]]
     if not dims:
         amax = x.abs()
@@ -465,18 +454,14 @@ def _check_layout(qdata, scale, orig_dtype, scaled_dims, op: str) -> tuple:
     if not isinstance(orig_dtype, torch.dtype) or not orig_dtype.is_floating_point or orig_dtype in FLOAT8_DTYPES:
         raise TypeError(f"{op}: orig_dtype must be a high-precision float dtype, got {orig_dtype}")
     if scale.ndim != qdata.ndim or any(s != 1 and s != d for s, d in zip(scale.shape, qdata.shape)):
-        raise ValueError(
-            f"{op}: scale of shape {tuple(scale.shape)} does not broadcast per-dim to qdata of "
-            f"shape {tuple(qdata.shape)} (each scale dim must be 1 or the data's size)"
-        )
+        raise ValueError(f"{op}: scale of shape {tuple(scale.shape)} does not broadcast per-dim to qdata of shape "
+                         f"{tuple(qdata.shape)} (each scale dim must be 1 or the data's size)")
     if scaled_dims is None:
         return _shape_dims(qdata.shape, scale.shape)
     dims = tuple(bool(b) for b in scaled_dims)
     if len(dims) != qdata.ndim or any((s != d) if b else (s != 1) for b, s, d in zip(dims, scale.shape, qdata.shape)):
-        raise ValueError(
-            f"{op}: scaled_dims {dims} does not match scale {tuple(scale.shape)} and qdata {tuple(qdata.shape)} "
-            "(a scaled dim needs the data's size in the scale, a shared one size 1)"
-        )
+        raise ValueError(f"{op}: scaled_dims {dims} does not match scale {tuple(scale.shape)} and qdata "
+                         f"{tuple(qdata.shape)} (a scaled dim needs the data's size in the scale, a shared one size 1)")
     return dims
 
 
@@ -495,26 +480,23 @@ def validate_parts(qdata, scale, orig_dtype, scaled_dims=None, op: str = "Scaled
         bad = ~(torch.isfinite(scale) & (scale > 0))
         if bool(bad.any()):
             idx = tuple(int(i) for i in bad.nonzero()[0])
-            raise ValueError(
-                f"{op}: scale must be finite and positive (it multiplies the fp8 data), got {float(scale[idx])} "
-                f"at index {idx} ({int(bad.sum())} bad of {scale.numel()})"
-            )
+            raise ValueError(f"{op}: scale must be finite and positive (it multiplies the fp8 data), got "
+                             f"{float(scale[idx])} at index {idx} ({int(bad.sum())} bad of {scale.numel()})")
     return dims
 
 
 def make_scaled(qdata: torch.Tensor, scale: torch.Tensor, orig_dtype: torch.dtype, fast_accum: bool = True,
                 scaled_dims: Optional[Sequence[bool]] = None, *, requires_grad: bool = False,
                 shares_scale: bool = False, scale_writes: Optional[_ScaleWrites] = None) -> "ScaledFp8Tensor":
-    """A ScaledFp8Tensor from trusted parts (op results, collectives, flatten/unflatten): no checks, no value reads.
-    ``scaled_dims`` None reads it from the shapes. Goes through the class (how ``torch.compile`` traces it)."""
+    """A ScaledFp8Tensor from trusted parts (op results, collectives, unflatten): no checks; ``scaled_dims`` None reads
+    it from the shapes."""
     return ScaledFp8Tensor(qdata, scale, orig_dtype, fast_accum, requires_grad, shares_scale=shares_scale,
                            scale_writes=scale_writes, scaled_dims=scaled_dims, _trusted=True)
 
 
 def _rebuild_scaled_fp8(qdata, scale, orig_dtype, fast_accum, requires_grad, is_param=False, float8_dtype=None,
                         shares_scale=False, scaled_dims=None):
-    """Unpickling hook (a safe global for ``weights_only`` loads). Checks types and shapes, not scale values: a
-    checkpoint may hold rows with non-finite scales."""
+    """Unpickling hook (a ``weights_only`` safe global); checks types and shapes, not the (maybe non-finite) scales."""
     if float8_dtype is not None and qdata.dtype != float8_dtype:
         qdata = qdata.view(float8_dtype)
     dims = _check_layout(qdata, scale, orig_dtype, scaled_dims, "ScaledFp8Tensor (unpickling)")
@@ -526,39 +508,25 @@ def _rebuild_scaled_fp8(qdata, scale, orig_dtype, fast_accum, requires_grad, is_
 
 @torch.no_grad()
 def fsdp_post_all_gather(all_gather_outputs, metadata, param_dtype, *, out=None):
-    """``fsdp_post_all_gather`` of ScaledFp8Tensor and ``Fp8MasterWeight``: build (or refill) the unsharded
-    :class:`ScaledFp8Tensor` from the payload of :mod:`fp8tensor.fsdp`.
-
-    Args:
-        all_gather_outputs: ``(data,)`` or ``(data, scale)``; ``data`` is ``(world * padded_rows, *rest)`` uint8.
-        metadata: what ``fsdp_pre_all_gather`` returned.
-        param_dtype: logical dtype of the result (``MixedPrecisionPolicy.param_dtype`` or the master dtype).
-        out: on iterations after the first, the unsharded parameter built the first time (a ScaledFp8Tensor, or
-            a DTensor of one with tensor parallelism); it is refilled in place and ``None`` is returned.
-
-    Returns:
-        First call: ``(ScaledFp8Tensor of shape (rows, *rest), inner_tensors)``; FSDP2 frees and re-allocates
-        ``inner_tensors`` between iterations. With ``out``: ``None``.
+    """``fsdp_post_all_gather`` of ScaledFp8Tensor and ``Fp8MasterWeight`` (payload of :mod:`fp8tensor.fsdp`:
+    ``all_gather_outputs`` ``(data,)`` or ``(data, scale)``, ``data`` ``(world * padded_rows, *rest)`` uint8).
+    First call: ``(ScaledFp8Tensor (rows, *rest) of param_dtype, inner_tensors)``; later calls refill ``out`` (the
+    tensor built the first time, or a DTensor of it) in place and return None.
 
     Raises:
         RuntimeError: ``out`` is not a ScaledFp8Tensor of the gathered shape.
     """
     if out is not None:
         target = local_of(out)
-        if (
-            metadata.mode == _payload.LOCAL
-            and isinstance(target, ScaledFp8Tensor)
-            and target.qdata.data_ptr() == all_gather_outputs[0].data_ptr()
-            and tuple(target.qdata.shape) == metadata.packed[0]
-        ):
-            # 1-rank payload: the unsharded tensor's data and scales already view the buffer FSDP2 refilled
-            return None
+        if (metadata.mode == _payload.LOCAL and isinstance(target, ScaledFp8Tensor)
+                and target.qdata.data_ptr() == all_gather_outputs[0].data_ptr()
+                and tuple(target.qdata.shape) == metadata.packed[0]):
+            return None  # 1-rank payload: data and scales already view the buffer FSDP2 refilled
         qdata, scale = _payload.gathered(all_gather_outputs, metadata)
         if not isinstance(target, ScaledFp8Tensor) or tuple(target.shape) != tuple(qdata.shape):
-            raise RuntimeError(
-                f"fp8tensor fsdp_post_all_gather: out= must be the ScaledFp8Tensor of shape {tuple(qdata.shape)} "
-                f"built on the first all-gather, got {type(target).__name__} of shape {tuple(target.shape)}"
-            )
+            raise RuntimeError(f"fp8tensor fsdp_post_all_gather: out= must be the ScaledFp8Tensor of shape "
+                               f"{tuple(qdata.shape)} built on the first all-gather, got {type(target).__name__} of "
+                               f"shape {tuple(target.shape)}")
         _payload.refill(target.qdata, target.scale, qdata, scale)
         return None
     qdata, scale, inner = _payload.unsharded_buffers(all_gather_outputs, metadata)

@@ -79,9 +79,7 @@ def _rows_to_16(a: torch.Tensor, scale: torch.Tensor):
 
 
 def _traced(offs: torch.Tensor) -> bool:
-    """Whether ``offs`` has no values the host can read now: dynamo is tracing, or ``offs`` is the fake / functional
-    tensor of dynamo's fake propagation or AOTAutograd's trace (where torch 2.11's ``is_compiling()`` is False).
-    The GEMMs then use their masked formulation and the offsets are not validated (no ``.tolist()`` / ``bool()``)."""
+    """Whether the host cannot read ``offs`` now (traced, or a fake / functional tensor): the masked GEMMs then."""
     return compat.is_compiling() or type(offs) is not torch.Tensor
 
 
@@ -187,9 +185,8 @@ def _grouped_hp_weight_grad(gy: torch.Tensor, x: torch.Tensor, offs: torch.Tenso
 
 # ---------------------------------------------------------------------------------------------- weights
 def _weight_parts(b: torch.Tensor):
-    """``(W, fp8)`` for the ``(E, K, N)`` operand ``b``: ``fp8`` is ``(qdata (E, N, K) contiguous, scale (E, N))``
-    for a ScaledFp8Tensor with one scale per expert row (``from_hp`` of ``(E, N, K)``, transposed), else None and
-    ``W`` the high-precision ``(E, N, K)`` weight."""
+    """``(W, fp8)`` of the ``(E, K, N)`` operand ``b``: ``(None, (qdata (E, N, K), scale (E, N)))`` for one scale per
+    expert row, else ``(high-precision (E, N, K) weight, None)``."""
     if isinstance(b, ScaledFp8Tensor):
         E, K, N = b.shape
         if tuple(b.scale.shape) == (E, 1, N):
@@ -373,10 +370,8 @@ def is_grouped_mm(func) -> bool:
 
 
 def fp8_weight_call(args, kwargs, recipe=None) -> Optional[tuple]:
-    """``(a, b, offs, out_dtype, recipe)`` when a ``torch._grouped_mm`` call with these arguments should run
-    :func:`fp8_grouped_mm`: 2-D tokens (a plain tensor) and 3-D expert weights that are a master weight or a
-    ScaledFp8Tensor, no bias; else None. ``recipe``: the recipe to use when ``b`` is not a master (a master's own
-    recipe wins)."""
+    """``(a, b, offs, out_dtype, recipe)`` when this ``torch._grouped_mm`` call should run :func:`fp8_grouped_mm`
+    (plain 2-D tokens, 3-D master or ScaledFp8Tensor weights, no bias; a master's recipe wins), else None."""
     a, b, offs, bias, out_dtype = grouped_mm_args(args, kwargs)
     if bias is not None or offs is None or not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
         return None

@@ -158,8 +158,7 @@ _GEMMS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
 
 
 def _unwrap(a, masters: list):
-    """``a`` with every :class:`Fp8MasterWeight` (also inside lists / tuples) replaced by its ``_data``; the masters
-    found are appended to ``masters``."""
+    """``a`` with every master (also in lists / tuples) replaced by its ``_data``, appended to ``masters``."""
     if isinstance(a, Fp8MasterWeight):
         masters.append(a)
         return a._data
@@ -169,9 +168,7 @@ def _unwrap(a, masters: list):
 
 
 def _bump_written_versions(func, args, kwargs) -> None:
-    """Bump the version counter of the data of every master that the in-place / ``out=`` op ``func`` wrote: below
-    autograd the dispatcher does not (e.g. a DTensor running an optimizer step on its local master), and the FSDP2
-    pre-all-gather's kept results key on ``_data._version``."""
+    """Bump the version of the data of every master ``func`` wrote (the FSDP2 payload's kept results key on it)."""
     for v in written_args(func, args, kwargs):
         if isinstance(v, Fp8MasterWeight):
             torch.autograd.graph.increment_version(v._data)  # one tensor per call: the form every torch takes
@@ -195,9 +192,7 @@ _PARTIAL_RECIPE = (
 
 
 def _master_mm(func, args, kwargs):
-    """A bare ``mm``/``addmm`` on a master weight (``F.linear`` on a DTensor of a master, ``torch.mm``, ``@``):
-    the master quantized along the contraction dim. Output and grad_input run in fp8, grad_weight (no master
-    involved) in high precision; with gradients enabled this warns (:data:`_PARTIAL_RECIPE`)."""
+    """A bare ``mm``/``addmm`` on a master (quantized along the contraction dim); warns with gradients enabled."""
     if torch.is_grad_enabled():  # a forward that records autograd (the backward's own mm runs without grad mode)
         warnings.warn(_PARTIAL_RECIPE, stacklevel=2)
     if func is torch.ops.aten.addmm.default:
@@ -220,12 +215,9 @@ def _master_mm(func, args, kwargs):
 
 
 class GatheredExperts(ScaledFp8Tensor):
-    """The 3-D expert weight FSDP2 all-gathers from an :class:`Fp8MasterWeight`: a :class:`ScaledFp8Tensor` (fp8
-    rows, one scale per expert row) whose ``torch._grouped_mm`` / ``F.grouped_mm`` runs
-    :func:`~fp8tensor.grouped.fp8_grouped_mm` with the master's recipe, forward and backward, as the master's own
-    does. Under ``torch.compile`` no mode sees that call (it is not an overridable function): AOTAutograd's trace
-    calls this ``__torch_function__``. Its op results that are ScaledFp8Tensors (views, casts) keep the type;
-    every other op runs as on a ScaledFp8Tensor."""
+    """The 3-D expert weight FSDP2 all-gathers from an :class:`Fp8MasterWeight`: a :class:`ScaledFp8Tensor` (one scale
+    per expert row) whose ``torch._grouped_mm`` runs :func:`~fp8tensor.grouped.fp8_grouped_mm` with the master's
+    recipe (also under ``torch.compile``, where no mode sees that call); its ScaledFp8Tensor op results keep the type."""
 
     recipe: Recipe
 

@@ -37,6 +37,17 @@ def _selected(config: Any, fqn: str, filter_fqns: list[str], cls: type, dims: tu
             and not any(f in fqn for f in filter_fqns))
 
 
+def _build(module, base: type, config, dims: tuple, keep: str) -> None:
+    """``base.__init__(module, config)`` then :func:`convert_to_fp8`; ``ValueError`` unless ``dims`` are multiples
+    of 16 (``keep``: the config to use instead)."""
+    if any(getattr(config, d) % 16 for d in dims):
+        raise ValueError(
+            f"{type(module).__name__}: {' and '.join(dims)} must be multiples of 16 (fp8 GEMMs), got "
+            f"{', '.join(str(getattr(config, d)) for d in dims)}; keep {keep}")
+    base.__init__(module, config)
+    convert_to_fp8(module, recipe=config.recipe, size_rule=False)
+
+
 if _IMPORT_ERROR is None:
 
     class Fp8TensorLinear(Fp8LinearMixin, Linear):
@@ -62,12 +73,7 @@ if _IMPORT_ERROR is None:
             """fp8tensor recipe: ``"rowwise"`` (3 fp8 GEMMs) or ``"rowwise_gw_hp"`` (grad_weight high precision)."""
 
         def __init__(self, config: Config):
-            if config.in_features % 16 or config.out_features % 16:
-                raise ValueError(
-                    f"Fp8TensorLinear: in_features and out_features must be multiples of 16 (fp8 GEMMs), got "
-                    f"{config.in_features} -> {config.out_features}; keep this Linear a Linear.Config")
-            Linear.__init__(self, config)
-            convert_to_fp8(self, recipe=config.recipe, size_rule=False)
+            _build(self, Linear, config, ("in_features", "out_features"), "this Linear a Linear.Config")
 
     class Fp8TensorGroupedExperts(Fp8GroupedExpertsMixin, GroupedExperts):
         """torchtitan ``GroupedExperts`` trained in fp8 by fp8tensor (built from
@@ -90,12 +96,7 @@ if _IMPORT_ERROR is None:
             """fp8tensor recipe: ``"rowwise"`` (3 fp8 GEMMs) or ``"rowwise_gw_hp"`` (grad_weight high precision)."""
 
         def __init__(self, config: Config):
-            if config.dim % 16 or config.hidden_dim % 16:
-                raise ValueError(
-                    f"Fp8TensorGroupedExperts: dim and hidden_dim must be multiples of 16 (fp8 GEMMs), got "
-                    f"{config.dim} and {config.hidden_dim}; keep these experts a GroupedExperts.Config")
-            GroupedExperts.__init__(self, config)
-            convert_to_fp8(self, recipe=config.recipe, size_rule=False)
+            _build(self, GroupedExperts, config, ("dim", "hidden_dim"), "these experts a GroupedExperts.Config")
 
     class Fp8TensorConverter(QuantizationConverter):
         """Swap every selected ``Linear.Config`` of a torchtitan model config for :class:`Fp8TensorLinear.Config`.

@@ -22,14 +22,22 @@ __all__ = ["SCALE_SUFFIX", "plain_state_dict", "load_safetensors", "state_dict_h
 SCALE_SUFFIX = "_scale"
 
 
-def _split(key: str, t: ScaledFp8Tensor, out: dict, op: str) -> None:
-    """``out[key]`` = the fp8 data, ``out[key + "_scale"]`` = the row scales of ``t`` (plain, contiguous)."""
+def _split(key: str, t, out: dict, op: str) -> bool:
+    """If ``t`` is a ScaledFp8Tensor: ``out[key]`` = its fp8 data, ``out[key + "_scale"]`` = its row scales, True;
+    else False. A DTensor of one raises ``NotImplementedError``, another scale layout ``ValueError``."""
+    if _is_dtensor(t) and isinstance(local_of(t), ScaledFp8Tensor):
+        raise NotImplementedError(
+            f"{op}: {key!r} is a DTensor of fp8 shards (a tensor-parallel weight); the plain layout holds whole "
+            "tensors. Save sharded fp8 models with torch.distributed.checkpoint (Distributed Checkpoint)")
+    if not isinstance(t, ScaledFp8Tensor):
+        return False
     if t.scale.shape[-1] != 1 or t.dim() < 2:
         raise ValueError(
             f"{op}: {key!r} is a ScaledFp8Tensor with scale of shape {tuple(t.scale.shape)} for data of shape "
             f"{tuple(t.shape)}; the plain checkpoint layout holds one scale per row (scale shape (..., N, 1))")
     out[key] = t.qdata.contiguous()
     out[key + SCALE_SUFFIX] = t.scale.contiguous()
+    return True
 
 
 def plain_state_dict(state_dict: Mapping[str, object]) -> dict:
@@ -51,15 +59,9 @@ def plain_state_dict(state_dict: Mapping[str, object]) -> dict:
     op = "fp8tensor.plain_state_dict"
     out: dict = {}
     for key, v in state_dict.items():
-        if isinstance(v, ScaledFp8Tensor):
-            if key + SCALE_SUFFIX in state_dict:
-                raise ValueError(f"{op}: {key!r} is fp8 but {key + SCALE_SUFFIX!r} is already in the state dict")
-            _split(key, v.detach() if v.requires_grad else v, out, op)
-        elif _is_dtensor(v) and isinstance(local_of(v), ScaledFp8Tensor):
-            raise NotImplementedError(
-                f"{op}: {key!r} is a DTensor of fp8 shards (a tensor-parallel weight); the plain layout holds whole "
-                "tensors. Save sharded fp8 models with torch.distributed.checkpoint (Distributed Checkpoint)")
-        else:
+        if isinstance(v, ScaledFp8Tensor) and key + SCALE_SUFFIX in state_dict:
+            raise ValueError(f"{op}: {key!r} is fp8 but {key + SCALE_SUFFIX!r} is already in the state dict")
+        if not _split(key, v, out, op):
             out[key] = v
     return out
 
@@ -119,12 +121,7 @@ def state_dict_hook(module, state_dict, prefix, local_metadata):
     if refusal is not None:
         raise ValueError(f"{op}: {refusal}")
     for name in compat.parameters_dict(module):
-        key = prefix + name
-        v = state_dict.get(key)
-        if isinstance(v, ScaledFp8Tensor):
-            _split(key, v.detach() if v.requires_grad else v, state_dict, op)
-        elif _is_dtensor(v) and isinstance(local_of(v), ScaledFp8Tensor):
-            plain_state_dict({key: v})  # raises naming the remedy
+        _split(prefix + name, state_dict.get(prefix + name), state_dict, op)
 
 
 def load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,

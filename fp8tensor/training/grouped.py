@@ -64,8 +64,22 @@ def _fused_ok(*mats) -> bool:
 
 
 def _mm_dtype(t: torch.Tensor, out_dtype: torch.dtype) -> torch.dtype:
-    # row-wise scaled GEMMs on CUDA write bf16 (fp32 out is rejected for row-wise scales); CPU writes any float
-    return torch.bfloat16 if t.is_cuda else out_dtype
+    return torch.bfloat16 if t.is_cuda else out_dtype  # (CUDA's row-wise scaled GEMMs write bf16 only)
+
+
+def _as(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # (no no-op ``.to``: torch 2.11's dynamo zeroes the grad of a Function returning one, docs/pytorch_issues.md)
+    return out if out.dtype == dtype else out.to(dtype)
+
+
+def _groups(ends: torch.Tensor, n: int):
+    """``(e, start, end)`` of every non-empty group ``e`` of cumulative ``ends`` (read on the host), clipped to ``n``."""
+    start = 0
+    for e, end in enumerate(ends.tolist()):
+        end = min(end, n)
+        if end > start:
+            yield e, start, end
+        start = max(start, end)
 
 
 def _rows_to_16(a: torch.Tensor, scale: torch.Tensor):
@@ -108,24 +122,18 @@ def grouped_2d3d(aq, a_scale, bq, b_scale, offs, out_dtype, *, fast_accum: bool)
     M, K = aq.shape
     E, _, N = bq.shape
     if _fused_ok(aq, bq) and K % 16 == 0 and N % 16 == 0 and M > 0:
-        out = torch._scaled_grouped_mm(aq, bq, a_scale, b_scale, offs=offs, out_dtype=torch.bfloat16,
-                                       use_fast_accum=fast_accum)
-        return out if out.dtype == out_dtype else out.to(out_dtype)
+        return _as(torch._scaled_grouped_mm(aq, bq, a_scale, b_scale, offs=offs, out_dtype=torch.bfloat16,
+                                            use_fast_accum=fast_accum), out_dtype)
     if _traced(offs):  # no per-group host loop: every expert's GEMM on all rows, masked (E times the flops)
         a = aq.float() * a_scale[:, None]
-        out = (torch.matmul(a, bq.float() * b_scale[:, None, :]) * _group_masks(offs, M)[:, :, None]).sum(0)
-        # (no no-op ``.to``: torch 2.11's dynamo zeroes the grad of a Function returning one, docs/pytorch_issues.md)
-        return out if out.dtype == out_dtype else out.to(out_dtype)
+        return _as((torch.matmul(a, bq.float() * b_scale[:, None, :]) * _group_masks(offs, M)[:, :, None]).sum(0),
+                   out_dtype)
     out = torch.zeros(M, N, dtype=out_dtype, device=aq.device)
-    start = 0
-    for e, end in enumerate(offs.tolist()):
-        end = min(end, M)
-        if end > start:
-            a, sa = _rows_to_16(aq[start:end], a_scale[start:end, None])
-            y = torch._scaled_mm(a, bq[e], sa, b_scale[e][None, :],
-                                 out_dtype=_mm_dtype(aq, out_dtype), use_fast_accum=fast_accum)
-            out[start:end] = y[: end - start]
-        start = max(start, end)
+    for e, start, end in _groups(offs, M):
+        a, sa = _rows_to_16(aq[start:end], a_scale[start:end, None])
+        y = torch._scaled_mm(a, bq[e], sa, b_scale[e][None, :], out_dtype=_mm_dtype(aq, out_dtype),
+                             use_fast_accum=fast_accum)
+        out[start:end] = y[: end - start]
     return out
 
 
@@ -145,22 +153,18 @@ def grouped_2d2d(aq_t, a_scale, bq_t, b_scale, pad_ends, out_dtype, *, fast_accu
     K = bq_t.shape[0]
     E = pad_ends.numel()
     if _fused_ok(aq_t, bq_t) and K % 16 == 0 and N % 16 == 0 and E > 0:
-        out = torch._scaled_grouped_mm(aq_t, bq_t.t(), a_scale.reshape(-1), b_scale.reshape(-1), offs=pad_ends,
-                                       out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
-        return out if out.dtype == out_dtype else out.to(out_dtype)
+        return _as(torch._scaled_grouped_mm(aq_t, bq_t.t(), a_scale.reshape(-1), b_scale.reshape(-1),
+                                            offs=pad_ends, out_dtype=torch.bfloat16, use_fast_accum=fast_accum),
+                   out_dtype)
     if _traced(pad_ends):  # each expert's GEMM over all (padded) tokens, the others masked out
         a = aq_t.float() * _group_masks(pad_ends, M_pad)[:, None, :]
-        out = torch.matmul(a, bq_t.float().t()) * a_scale[:, :, None] * b_scale[:, None, :]
-        return out if out.dtype == out_dtype else out.to(out_dtype)
+        return _as(torch.matmul(a, bq_t.float().t()) * a_scale[:, :, None] * b_scale[:, None, :], out_dtype)
     out = torch.zeros(E, N, K, dtype=out_dtype, device=aq_t.device)
-    start = 0
-    for e, end in enumerate(pad_ends.tolist()):
-        if end > start:
-            a = aq_t[:, start:end].contiguous()
-            b = bq_t[:, start:end].contiguous().t()
-            out[e] = torch._scaled_mm(a, b, a_scale[e][:, None], b_scale[e][None, :],
-                                      out_dtype=_mm_dtype(aq_t, out_dtype), use_fast_accum=fast_accum)
-        start = max(start, end)
+    for e, start, end in _groups(pad_ends, M_pad):
+        a = aq_t[:, start:end].contiguous()
+        b = bq_t[:, start:end].contiguous().t()
+        out[e] = torch._scaled_mm(a, b, a_scale[e][:, None], b_scale[e][None, :],
+                                  out_dtype=_mm_dtype(aq_t, out_dtype), use_fast_accum=fast_accum)
     return out
 
 
@@ -174,12 +178,8 @@ def _grouped_hp_weight_grad(gy: torch.Tensor, x: torch.Tensor, offs: torch.Tenso
     if _traced(offs):  # masked, as grouped_2d2d
         return torch.matmul(gy.t() * _group_masks(offs, gy.shape[0], gy.dtype)[:, None, :], x)
     out = gy.new_zeros(E, gy.shape[1], x.shape[1])
-    start = 0
-    for e, end in enumerate(offs.tolist()):
-        end = min(end, gy.shape[0])
-        if end > start:
-            out[e] = gy[start:end].t() @ x[start:end]
-        start = max(start, end)
+    for e, start, end in _groups(offs, gy.shape[0]):
+        out[e] = gy[start:end].t() @ x[start:end]
     return out
 
 

@@ -67,11 +67,9 @@ def plain_state_dict(state_dict: Mapping[str, object]) -> dict:
 
 
 def load_safetensors(module: torch.nn.Module, path, *, strict: bool = True):
-    """Load a safetensors checkpoint (one file, or every ``*.safetensors`` file of a directory such as a Hugging Face
-    ``save_pretrained`` output) into ``module`` with ``module.load_state_dict(..., strict=strict)``. All files are
-    read (onto the CPU) first, so an fp8 entry and its ``_scale`` may lie in different shards; a
-    :func:`fp8tensor.quantize_weights` model takes plain-layout fp8 entries bit for bit. Warns when high-precision
-    entries have another dtype than the model's.
+    """Load a safetensors checkpoint (one file, or every ``*.safetensors`` file of a directory) into ``module`` with
+    ``module.load_state_dict(..., strict=strict)``, all files read first (an fp8 entry and its ``_scale`` may lie in
+    different shards). Warns when high-precision entries have another dtype than the model's.
 
     Args:
         module: the model (e.g. built from its config, then ``fp8tensor.quantize_weights(model)``).
@@ -166,11 +164,9 @@ def set_hf_quantization_config(module: torch.nn.Module) -> Optional[object]:
     clearly (docs/serving.md, "``from_pretrained``"). Called by :func:`fp8tensor.quantize_weights`; a no-op (None)
     unless ``module`` is a ``transformers.PreTrainedModel`` (transformers is never imported here).
 
-    When every fp8 weight is a 2-D ``float8_e4m3fn`` Linear weight: ``module.config`` becomes a copy (shared by its
-    submodules) with ``quantization_config = transformers.FbgemmFp8Config(modules_to_not_convert=[names of the
-    nn.Linear modules whose weight is not fp8])``. Otherwise (e5m2 weights, fp8 expert weights, an fp8 Linear among
-    ``_keep_in_fp32_modules``): every fp8 module refuses ``state_dict()`` in the plain layout (``ValueError`` naming
-    the remedy: ``fp8tensor.plain_state_dict`` + safetensors, read back with ``fp8tensor.load_safetensors``).
+    When every fp8 weight is a 2-D ``float8_e4m3fn`` Linear weight: ``module.config`` becomes a copy with
+    ``quantization_config = transformers.FbgemmFp8Config(modules_to_not_convert=[high-precision Linears])``.
+    Otherwise every fp8 module refuses ``state_dict()`` in the plain layout (``ValueError`` naming the remedy).
 
     Returns:
         The quantization config set, or None.

@@ -173,28 +173,22 @@ def convert_to_fp8(
 ) -> nn.Module:
     """Convert every ``nn.Linear`` of ``module`` (in place) to fp8 training with high-precision master weights.
 
-    Each selected Linear's weight becomes an :class:`~fp8tensor.master.Fp8MasterWeight` (quantized on use; the
-    optimizer updates the high-precision values) and its ``forward`` :func:`~fp8tensor.fp8_linear` with ``recipe``
-    (its class becomes ``Fp8C(Fp8LinearMixin, C)``: ``nn.Linear`` -> :class:`Fp8Linear`). Callable before or after
-    ``parallelize_module``, torchtitan's TP and ``fully_shard``. ``state_dict()`` holds plain high-precision tensors.
-    A plain weight Parameter becomes its master in place (``torch.utils.swap_tensors``; where torch refuses, the
-    master is set in every module of ``module`` holding it), so tied weights stay one Parameter with one gradient and
-    one optimizer state; DTensor weights keep their Parameter object.
-
-    Grouped-experts modules (whose class calls ``torch._grouped_mm`` / ``F.grouped_mm``, e.g. torchtitan's
-    ``GroupedExperts``, with 3-D parameters ``(E, out_features, in_features)``) are converted alike: each 3-D
-    parameter (inner dims multiples of 16) becomes a master and ``forward`` runs under
-    :class:`~fp8tensor.grouped.Fp8GroupedMMMode` (docs/moe.md). ``module_filter_fn`` is asked about them too.
+    Each selected Linear's weight becomes an :class:`~fp8tensor.master.Fp8MasterWeight` (quantized on use) and its
+    class ``Fp8C(Fp8LinearMixin, C)`` (``nn.Linear`` -> :class:`Fp8Linear`), whose ``forward`` is
+    :func:`~fp8tensor.fp8_linear` with ``recipe``. Callable before or after ``parallelize_module``, torchtitan's TP
+    and ``fully_shard``; ``state_dict()`` holds plain high-precision tensors. A plain weight Parameter becomes its
+    master in place (``torch.utils.swap_tensors``, else set in every holder), so tied weights stay one Parameter.
+    Grouped-experts modules (whose class calls ``torch._grouped_mm`` / ``F.grouped_mm``; 3-D parameters
+    ``(E, out_features, in_features)``, inner dims multiples of 16) are converted alike, their ``forward`` run under
+    :class:`~fp8tensor.grouped.Fp8GroupedMMMode` (docs/moe.md).
 
     A ``forward`` a framework set on the instance around the Linear's bound forward (torchtitan's
-    ``Module.parallelize``) is kept and pointed at the fp8 forward (:class:`~fp8tensor.modules._Redirect`). Left in
-    high precision, with a warning, and listed in ``module.fp8_skipped``: Linears with ``in_features`` or
-    ``out_features`` not a multiple of 16, with a ``forward`` of their own (a subclass's, or one set on the instance
-    that never calls the Linear's forward, e.g. LoRA) or a parametrized weight, and with ``size_rule`` those too small
-    for fp8 (``"fqn (K->N, size rule)"``); mid-sized ``rowwise`` Linears it gives ``rowwise_gw_hp`` are listed in
-    ``module.fp8_grad_weight_hp`` (``"fqn (K->N)"``). Converting again switches the recipe; a Linear whose weight is
-    already a master gets the fp8 forward. The model gets a forward pre-hook that makes ``torch.export`` of a
-    tensor-parallel fp8 model raise ``NotImplementedError`` naming the remedy (docs/serving.md).
+    ``Module.parallelize``) is pointed at the fp8 forward (:class:`~fp8tensor.modules._Redirect`). Left in high
+    precision, with a warning, and listed in ``module.fp8_skipped``: Linears with a dim not a multiple of 16, a
+    ``forward`` of their own (a subclass's, or an instance one that never calls the Linear's, e.g. LoRA) or a
+    parametrized weight, and with ``size_rule`` those too small (``"fqn (K->N, size rule)"``); mid-sized ``rowwise``
+    Linears it gives ``rowwise_gw_hp`` are listed in ``module.fp8_grad_weight_hp``. Converting again switches the
+    recipe. ``torch.export`` of a tensor-parallel fp8 model raises ``NotImplementedError`` (docs/serving.md).
 
     Args:
         module: the model.
@@ -205,12 +199,9 @@ def convert_to_fp8(
         size_rule: True: the size-aware choice :func:`fp8_size_choice` (applied after ``module_filter_fn``); False:
             every selected Linear with ``recipe``; None (default): ``fp8tensor.get_config().size_rule`` (False).
         fp8_all_gather: True: each weight becomes an :class:`Fp8MasterWeight`, which FSDP2 all-gathers in fp8 with
-            its row scales (``K + 4`` bytes per row instead of ``2 K``). False: a plain Parameter all-gathered in its
-            ``param_dtype``, quantized on use (less host time, a little more GPU time). None (default):
-            :func:`fp8tensor.distributed.fsdp_state.fp8_all_gather_default` (False on one host over NCCL; it warns
-            before ``init_process_group`` in a one-host torchrun job; docs/fsdp.md). Stored as
-            ``module.fp8_all_gather`` on each Linear. Expert weights always become masters; a Linear whose weight
-            is already a master keeps it (with a warning when False was asked for).
+            its row scales. False: a plain Parameter all-gathered in its ``param_dtype``, quantized on use. None
+            (default): :func:`fp8tensor.distributed.fsdp_state.fp8_all_gather_default` (docs/fsdp.md). Stored as
+            ``module.fp8_all_gather``. Expert weights and existing masters stay masters (a warning if False).
 
     Returns:
         ``module`` itself.
@@ -220,9 +211,8 @@ def convert_to_fp8(
             nor a :class:`Recipe`, or ``size_rule`` or ``fp8_all_gather`` is not None or a bool.
         ValueError: unknown recipe.
         RuntimeError: ``module_filter_fn`` raised, a Linear is currently unsharded by FSDP2, a Linear that is not
-            converted shares its weight with one that is, or a forward set on a Linear instance holds the Linear's
-            bound forward where it cannot be redirected (e.g. in a named tuple; convert before parallelizing). The
-            model is left unchanged.
+            converted shares its weight with one that is, or an instance forward holds the Linear's bound forward
+            where it cannot be redirected (a named tuple). The model is left unchanged.
     """
     op = "convert_to_fp8"
     r = get_recipe(recipe)
@@ -312,14 +302,12 @@ def quantize_weights(
     ScaledFp8Tensors with per-expert row scales ``[E, out, 1]`` (their grouped GEMMs then run in fp8, the input
     gradient through scale folding).
 
-    For inference and frozen (e.g. LoRA base) weights: ``weight = ScaledFp8Tensor.from_hp(weight)`` with
-    ``requires_grad=False``; the Linear's ``forward`` becomes :func:`~fp8tensor.fp8_linear`, so gradients still
-    flow to the input, in fp8, through scale folding. Works before or after ``parallelize_module`` or torchtitan's
-    TP (each shard quantized on its own; framework forward wrappers redirected as in :func:`convert_to_fp8`).
-    Linears sharing one weight share one fp8 copy; a tied non-Linear (an embedding) keeps the high-precision
-    Parameter. Linears with a ``forward`` of their own are left unchanged, with a warning. A Hugging Face
-    ``PreTrainedModel`` also gets ``config.quantization_config`` (:func:`fp8tensor.checkpoint.
-    set_hf_quantization_config`); the model gets the ``torch.export`` pre-hook of :func:`convert_to_fp8`.
+    For inference and frozen (e.g. LoRA base) weights: ``weight = ScaledFp8Tensor.from_hp(weight)``, not requiring
+    grad; the Linear's ``forward`` becomes :func:`~fp8tensor.fp8_linear` (input gradients in fp8). Works before or
+    after ``parallelize_module`` or torchtitan's TP (per shard; forward wrappers redirected as in
+    :func:`convert_to_fp8`). Linears sharing one weight share one fp8 copy; a tied embedding stays high precision;
+    Linears with a ``forward`` of their own are left unchanged, with a warning. A Hugging Face ``PreTrainedModel``
+    gets ``config.quantization_config`` (:func:`fp8tensor.checkpoint.set_hf_quantization_config`).
 
     Args:
         module: the model.

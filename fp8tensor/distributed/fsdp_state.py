@@ -20,14 +20,9 @@ def fp8_all_gather_default() -> bool:
     """Whether FSDP2 all-gathers trained weights in fp8 (True) or in its ``param_dtype`` (False) when
     :func:`fp8tensor.convert_to_fp8` is not told (``fp8_all_gather=None``).
 
-    False when ``torch.distributed`` is initialized with an NCCL default group whose ranks all run on this host;
-    True otherwise (several hosts, another backend, or no process group yet). Ranks per host, in this order:
-    torchrun's ``LOCAL_WORLD_SIZE``; Open MPI's ``OMPI_COMM_WORLD_LOCAL_SIZE`` or MPICH's ``MPI_LOCALNRANKS``
-    (``mpirun``); Slurm's node count of the step or job (``SLURM_STEP_NUM_NODES`` / ``SLURM_NNODES``, one host iff
-    1; ``srun`` without torchrun); else a guess: a world no larger than this host's GPU count.
-
-    Why (docs/fsdp.md, measured on H200): within one host the bytes the fp8 payload saves are worth less than the
-    host time of FSDP2's extension hooks; across hosts the link is the bottleneck and the fp8 payload halves it.
+    False when ``torch.distributed`` is initialized with an NCCL default group whose ranks all run on this host
+    (read from torchrun's, Open MPI's, MPICH's or Slurm's environment, else guessed from the GPU count); True
+    otherwise. Why: docs/fsdp.md (measured on H200).
     """
     import os
 
@@ -87,16 +82,12 @@ def refresh_fsdp_param(param: torch.Tensor, module: Optional[torch.nn.Module] = 
     if fp is None:
         return False
     if not compat.fsdp_is_sharded(fp):
-        raise RuntimeError(
-            f"fp8tensor: cannot convert FSDP2 parameter {compat.fsdp_param_name(fp)!r} while it is "
-            f"unsharded ({compat.fsdp_state_name(fp)}); call model.reshard() (or convert before the first forward)"
-        )
-    # FSDP2's reset_sharded_param (run at lazy init and after load_state_dict) compares storages of a plain
-    # ``_sharded_param_data`` with the local tensor, which a wrapper subclass has none of: give it the subclass.
-    # The extension path never reads ``_sharded_param_data`` otherwise (it is the default path's all-gather input).
+        raise RuntimeError(f"fp8tensor: cannot convert FSDP2 parameter {compat.fsdp_param_name(fp)!r} while it is "
+                           f"unsharded ({compat.fsdp_state_name(fp)}); call model.reshard() (or convert before the "
+                           "first forward)")
+    # FSDP2's reset_sharded_param compares the flat shard's storage with the local tensor's: give it the subclass
     local = compat.fsdp_sharded_local(fp)
     compat.fsdp_set_flat_shard(fp, local.view(-1) if isinstance(local, Fp8MasterWeight) else local)
-    # Buffers sized and typed for the previous all-gather inputs: rebuilt on the next all-gather.
     compat.fsdp_reset_extension(fp)
     return True
 

@@ -88,10 +88,9 @@ def _why_not_fp8(x: torch.Tensor) -> Optional[tuple[type, str]]:
 def fp8_sequence_all_gather(x: DTensor, *, float8_dtype: torch.dtype = E4M3) -> DTensor:
     """All-gather a sequence-sharded activation in fp8 with one scale per token.
 
-    Each rank quantizes its local rows over the last dim (:func:`fp8tensor.quantize.quantize_rowwise`), then the fp8
-    data (as uint8) and float32 scales are all-gathered along the sharded dim: the scales :func:`fp8tensor.fp8_linear`
-    would compute after a high-precision gather, so forward GEMMs are bit-identical. Differentiable: the gradient is
-    the output's, redistributed to ``x``'s placement (as for ``x.redistribute(placements=[Replicate()])``).
+    Each rank quantizes its rows over the last dim (:func:`fp8tensor.quantize.quantize_rowwise`); fp8 data (as uint8)
+    and float32 scales are all-gathered along the sharded dim, so forward GEMMs are bit-identical to a
+    high-precision gather's. Differentiable: the gradient is redistributed to ``x``'s placement.
 
     Args:
         x: DTensor ``(..., hidden)`` of a high-precision floating dtype on a 1-D (TP) mesh, placements
@@ -132,10 +131,8 @@ class Fp8PrepareModuleInput(PrepareModuleInput):
             "attention.wq": ColwiseParallel(), ...
         }
 
-    Each such input (positional or keyword, ``d`` not the last dim) is gathered with
-    :func:`fp8_sequence_all_gather`; other inputs are prepared as ``PrepareModuleInput`` does, and one that cannot be
-    gathered per token falls back to the high-precision gather with a warning. Consumers must be fp8 Linears (other
-    ops see dequantized values).
+    Each such input is gathered with :func:`fp8_sequence_all_gather` (one that cannot be: in high precision, with a
+    warning); other inputs as ``PrepareModuleInput`` does. Consumers must be fp8 Linears.
 
     Args (keyword-only): those of ``PrepareModuleInput`` (``input_layouts``, ``desired_input_layouts``,
         ``input_kwarg_layouts``, ``desired_input_kwarg_layouts``, ``use_local_output``) and ``float8_dtype``
@@ -188,10 +185,8 @@ def fp8_sequence_parallel_plan(plan: dict[str, ParallelStyle], *, float8_dtype: 
                                ) -> dict[str, ParallelStyle]:
     """Copy of a ``parallelize_module`` plan with fp8 sequence-parallel gathers.
 
-    Every ``PrepareModuleInput`` entry (exact type, or the input half of a ``PrepareModuleInputOutput``) with at
-    least one ``Shard(d) -> Replicate()`` input becomes an :class:`Fp8PrepareModuleInput` with the same layouts;
-    other entries are kept (the same objects); ``plan`` is not modified. Use:
-    ``parallelize_module(block, tp_mesh, fp8_sequence_parallel_plan(block_plan))``.
+    Every ``PrepareModuleInput`` entry (or input half of a ``PrepareModuleInputOutput``) with a ``Shard(d) ->
+    Replicate()`` input becomes an :class:`Fp8PrepareModuleInput` with the same layouts; ``plan`` is not modified.
 
     Args:
         plan: dict from module FQN (or pattern) to ``ParallelStyle``.

@@ -206,10 +206,8 @@ class ScaledFp8Tensor(torch.Tensor):
             dim whose scale is not 1 is scaled; a size-1 dim is scaled if another dim is unambiguously shared).
 
     ``shape``, ``stride``, ``device`` and ``dtype`` are the logical ones. Ops outside the op table run dequantized
-    (out-of-place) or raise ``NotImplementedError`` (in-place, ``out=``, collectives); ``.to(float dtype)`` changes
-    the logical dtype, ``.to(fp8 dtype)`` raises ``TypeError``. The public constructor checks its arguments with
-    :func:`validate_parts` (scale values too: a device sync on CUDA, skipped while tracing); op results are built
-    unchecked (:func:`make_scaled`). Views work under ``torch.inference_mode()`` on tensors created outside it.
+    (out-of-place) or raise ``NotImplementedError`` (in-place, ``out=``, collectives); ``.to(fp8 dtype)`` raises
+    ``TypeError``. The public constructor checks its arguments (:func:`validate_parts`); op results do not.
 
     Raises:
         TypeError: ``qdata`` is not an fp8 tensor, ``scale`` is not float32, or ``orig_dtype`` is not floating point.
@@ -257,8 +255,8 @@ class ScaledFp8Tensor(torch.Tensor):
                 ) -> "ScaledFp8Tensor":
         """Quantize ``t`` row-wise: one float32 scale per row, taken over the last dim.
 
-        ``scale = amax(|row|) / finfo(float8_dtype).max`` (the dequantization multiplier, in float32), ``qdata =
-        saturate(t / scale)``; all-zero (and empty) rows dequantize to exact zeros. The result does not require grad.
+        ``scale = amax(|row|) / finfo(float8_dtype).max`` (float32), ``qdata = saturate(t / scale)``; all-zero rows
+        dequantize to exact zeros. The result does not require grad.
 
         Args:
             t: floating-point tensor with at least 2 dims (fp32, bf16, fp16, fp64), or a DTensor of one (each local

@@ -15,8 +15,7 @@ __all__ = ["GraphedStep", "graph_step"]
 
 
 class _Value:
-    """A non-tensor input leaf, compared between calls by value where that is well defined (numbers, strings, None,
-    ...; NaN equals NaN) and by identity otherwise (arrays, arbitrary objects)."""
+    """A non-tensor input leaf, compared by value where well defined (NaN equals NaN), else by identity."""
 
     __slots__ = ("v",)
 
@@ -42,8 +41,7 @@ class _Value:
 
 
 def _storage_ptrs(t: torch.Tensor) -> tuple:
-    """The addresses of the storages behind ``t``: its own, or those of the inner tensors of a wrapper subclass
-    (DTensor, ScaledFp8Tensor, Fp8MasterWeight: through ``__tensor_flatten__``)."""
+    """The storage addresses behind ``t``, through ``__tensor_flatten__`` for wrapper subclasses."""
     if hasattr(type(t), "__tensor_flatten__"):
         names, _ = t.__tensor_flatten__()
         inner = (getattr(t, n) for n in names)  # (torch >= 2.13 DTensor also lists its device_mesh: not a tensor)
@@ -185,8 +183,7 @@ class GraphedStep:
         return out
 
     def _prepare_grads(self) -> None:
-        # Gradients must exist before the capture, so each replay adds to them in place; one None at capture would
-        # be *assigned* a tensor of the graph's pool, overwritten by each replay.
+        # gradients must exist before the capture: one None then would be assigned a tensor of the graph's pool
         with torch.no_grad():
             for p in self._had_grad:
                 if p.grad is None:
@@ -260,9 +257,7 @@ class GraphedStep:
         return out
 
     def _record_memory(self) -> None:
-        """The snapshot the graph reads from and writes to: each parameter's gradient tensor and storage addresses
-        and, with the model given, its buffers' too, and for each of its modules the identities of its own
-        parameters, buffers and children."""
+        """Snapshot what the graph reads and writes: gradients, storages, and (model given) buffers and members."""
         self._watched = [(p, p.grad) for p in self.parameters if p.grad is not None]
         tensors = list(self.parameters)
         self._tree, self._names = [], {}
@@ -316,9 +311,8 @@ def graph_step(fn: Callable[..., Any], parameters: Iterable[torch.Tensor], *, wa
                enabled: Optional[bool] = None) -> GraphedStep:
     """Turn ``fn(*inputs) -> loss`` (forward, loss and ``loss.backward()``) into a step captured as one CUDA graph.
 
-    The method is torchtitan's whole-step CUDA graph (``torchtitan/distributed/cudagraph.py``): ``warmup_steps``
-    eager calls on a side stream, then one capture into a graph memory pool, then replays on inputs copied into the
-    static ones. Each call is one real forward + backward (docs/cuda_graphs.md)::
+    Method: torchtitan's whole-step CUDA graph (``torchtitan/distributed/cudagraph.py``): ``warmup_steps`` eager
+    calls on a side stream, one capture into a graph memory pool, then replays on copied inputs (docs/cuda_graphs.md)::
 
         step = fp8tensor.graph_step(fwd_bwd, model)
         for x, y in batches:
@@ -328,22 +322,18 @@ def graph_step(fn: Callable[..., Any], parameters: Iterable[torch.Tensor], *, wa
             optimizer.zero_grad(set_to_none=False)
 
     Contract (docs/cuda_graphs.md, "Contract"): static input structure, shapes, dtypes, devices and non-tensor
-    values; gradients zeroed in place (``optimizer.zero_grad(set_to_none=False)``; the captured backward accumulates
-    into the gradient tensors of the capture); graph-owned outputs (``.item()`` / ``.clone()`` them); parameters
-    (and, given the model, buffers and members) updated in place, not moved or replaced; no host synchronization
-    inside ``fn``; the optimizer step outside. Costs: the warm-up steps, one capture and the graph's memory pool
-    (about an eager step's peak).
+    values; gradients zeroed in place (``optimizer.zero_grad(set_to_none=False)``); graph-owned outputs; parameters
+    (given the model, buffers and members too) updated in place, not moved or replaced; no host synchronization
+    inside ``fn``; the optimizer step outside.
 
     Args:
         fn: the step: forward, loss, ``backward()``; returns anything (tensors in it are graph-owned after capture).
-        parameters: the model (an ``nn.Module``: parameters re-read at :meth:`GraphedStep.close`, replacements and
-            moved buffers detected) or the parameters whose gradients ``fn`` computes: gradients are prepared for the
-            capture and checked before each replay; also decides whether capture is possible.
+        parameters: the model (an ``nn.Module``: re-read at :meth:`GraphedStep.close`, replaced members and moved
+            buffers detected) or the parameters whose gradients ``fn`` computes (prepared and checked at replays).
         warmup_steps: eager calls before the capture (>= 1; compiled blocks need one per compile).
         pool: a graph memory pool handle (``torch.cuda.graph_pool_handle()`` or another step's ``.pool``) to share.
-        enabled: ``None`` (default): capture on CUDA; where capture cannot work (no CUDA, CPU inputs or parameters)
-            run eagerly with a ``RuntimeWarning``, under the same contract (changed inputs and gradients set to
-            ``None`` raise as they would on a GPU); ``True``: raise there instead; ``False``: always eager, no checks.
+        enabled: ``None`` (default): capture on CUDA, else run eagerly under the same contract with a
+            ``RuntimeWarning``; ``True``: raise where capture cannot work; ``False``: always eager, no checks.
 
     Returns:
         A :class:`GraphedStep`, called like ``fn``.
@@ -352,8 +342,7 @@ def graph_step(fn: Callable[..., Any], parameters: Iterable[torch.Tensor], *, wa
         TypeError / ValueError: bad arguments (``fn`` not callable, ``parameters`` not a model or tensors,
             ``warmup_steps`` < 1, ``enabled`` not None / bool, ``pool`` not a pool handle) at construction, or
             changed inputs at a call.
-        RuntimeError: the capture failed (the message names the usual causes); after the capture, gradients were
-            set to ``None`` or replaced, parameters (or buffers) moved, or members replaced in their modules; or
-            ``enabled=True`` where capture is impossible.
+        RuntimeError: the capture failed; after it, gradients were set to ``None`` or replaced, parameters (or
+            buffers) moved, or members replaced; or ``enabled=True`` where capture is impossible.
     """
     return GraphedStep(fn, parameters, warmup_steps=warmup_steps, pool=pool, enabled=enabled)

@@ -41,14 +41,11 @@ def keep_master_through(ops) -> None:
 class Fp8MasterWeight(torch.Tensor, QuantizeOnUse):
     """A high-precision master weight that is quantized to fp8 on use.
 
-    For everything but matmuls it behaves as the plain tensor ``_data`` it wraps (same shape, dtype and device):
-    optimizers (SGD, AdamW foreach/fused), ``torch.nn.init``, ``.to()``, clipping and ``zero_grad`` work; gradients
-    are plain tensors; layout ops keep the wrapper (so DTensor and FSDP2 keep it as the local tensor). ``F.linear(x,
-    w)`` runs :func:`fp8_linear` with the weight's recipe; ``torch._grouped_mm`` / ``F.grouped_mm`` with 3-D expert
-    weights runs :func:`fp8tensor.grouped.fp8_grouped_mm`. On a *DTensor* of a master, ``F.linear`` decomposes above
-    autograd: grad_weight then runs in high precision, with a warning (converted modules always run
-    :func:`fp8_linear`). Under FSDP2 the master quantizes its local rows before the all-gather (3-D expert
-    weights gather as a :class:`GatheredExperts`, whose grouped GEMMs run ``fp8_grouped_mm``).
+    For everything but matmuls it behaves as the plain tensor ``_data`` it wraps (optimizers, init, ``.to()``;
+    gradients are plain tensors; layout ops keep the wrapper). ``F.linear(x, w)`` runs :func:`fp8_linear` with its
+    recipe, ``torch._grouped_mm`` with 3-D expert weights :func:`fp8tensor.grouped.fp8_grouped_mm`; a bare matmul
+    (``F.linear`` on a DTensor of a master) runs grad_weight in high precision, with a warning. Under FSDP2 the
+    master quantizes its local rows before the all-gather.
 
     Args:
         data: the high-precision tensor (fp32/bf16/fp16). Not copied.

@@ -195,11 +195,9 @@ def get_recipe(recipe) -> Recipe:
 def fp8_size_rule(in_features: int, out_features: int) -> bool:
     """Whether a Linear of this size is expected to train faster in fp8 than in high precision (row-wise recipes).
 
-    Per token the fp8 GEMMs save time in proportion to ``K * N`` and their quantizations cost time in proportion to
-    ``K + N``, so the rule converts a Linear when ``K * N / (K + N) >= size_rule_min`` (:class:`fp8tensor.Config`,
-    default 640, measured on H200 with ``benchmarks/linear.py --size-rule``; docs/design.md, "Size-aware
-    conversion"): ``2048 x 2048`` (1024) and ``1024 <-> 4096`` (819) are converted, ``1024 x 1024`` (512) and
-    ``4096 -> 16`` (16) stay in high precision. :func:`fp8_size_choice` adds the middle tier on top of this rule.
+    fp8 saves time in proportion to ``K * N`` and quantizing costs in proportion to ``K + N``, so the rule converts
+    a Linear when ``K * N / (K + N) >= size_rule_min`` (:class:`fp8tensor.Config`, default 640, measured on H200
+    with ``benchmarks/linear.py --size-rule``; docs/design.md, "Size-aware conversion").
 
     Args:
         in_features: ``K``, the Linear's input features.
@@ -218,10 +216,8 @@ def fp8_size_choice(in_features: int, out_features: int, recipe="rowwise") -> Op
     """The size-aware choice for one Linear: the recipe it is converted with, or None to keep it in high precision.
 
     * ``K * N / (K + N) < size_rule_min`` (:func:`fp8_size_rule` False): None;
-    * a recipe with an fp8 grad_weight (``rowwise``) and ``K * N / (K + N) < size_rule_fp8_grad_weight_min``
-      (:class:`fp8tensor.Config`, default 1024): ``rowwise_gw_hp``, grad_weight in high precision (a custom
-      :class:`~fp8tensor.recipes.Recipe` keeps its other fields), whose skipped per-token quantizations cost more
-      than an fp8 grad_weight GEMM saves at these sizes (docs/design.md, "Size-aware conversion");
+    * a recipe with an fp8 grad_weight and ``K * N / (K + N) < size_rule_fp8_grad_weight_min`` (default 1024): the
+      recipe with grad_weight in high precision, named ``rowwise_gw_hp`` (docs/design.md, "Size-aware conversion");
     * else ``recipe`` itself.
 
     Args:

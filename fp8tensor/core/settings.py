@@ -186,16 +186,13 @@ def config(**changes) -> _Scope:
         with fp8tensor.config(gemm_backend="emulated") as cfg:   # cfg: the Config in force inside
             model(x)
 
-    For process-wide settings use :func:`set_config`. The result must be entered (``with``) before the thread's next
-    fp8tensor operation. Enter blocks around the call of a compiled model, not inside the compiled function: the
-    settings are read when a graph is traced, and a block inside ``torch.compile(fullgraph=True)`` does not trace
-    (without ``fullgraph`` it is a graph break, and the block applies to the code after it).
+    The result must be entered (``with``) before the thread's next fp8tensor operation. Enter blocks around the
+    call of a compiled model: settings are read when a graph is traced.
 
     Raises:
         TypeError: an unknown field. ValueError: an unknown value (both when called, before any ``with``).
-        RuntimeError: the result was not used with ``with``: raised by the thread's next fp8tensor operation (or
-            :func:`set_config`), or by this call when an earlier ``config(...)`` result of the thread was dropped
-            without being entered.
+        RuntimeError: the result (or an earlier one) was not used with ``with``: raised by the thread's next
+            fp8tensor operation.
     """
     pending = getattr(_local, "pending", None)
     if pending is None:

@@ -27,8 +27,8 @@ FUSED, PADDED, LOCAL = "fused", "padded", "local"
 
 
 class pre_all_gather_hook:
-    """Descriptor for a subclass's ``fsdp_pre_all_gather`` whose ``inspect.signature`` is built once: FSDP2 asks for
-    it before every pre-all-gather, several µs per call on a bound method. While tracing, a plain bound method."""
+    """Descriptor for ``fsdp_pre_all_gather`` whose ``inspect.signature`` (asked by FSDP2 on every call) is built
+    once; a plain bound method while tracing."""
 
     def __init__(self, fn):
         self.fn, self.__doc__ = fn, fn.__doc__
@@ -65,8 +65,7 @@ def _align16(nbytes: int) -> int:
 
 @functools.lru_cache(maxsize=256)
 def _packed_layout(shapes: tuple) -> tuple:
-    """``(total bytes, [(region start, region bytes, scale offset in the region)])`` of the packed payloads of
-    ``(qdata shape, scale shape)`` pairs; each region: fp8 bytes, float32 scales, each padded to 16 bytes."""
+    """``(total bytes, [(start, bytes, scale offset)])`` of packed ``(qdata shape, scale shape)`` regions."""
     out, o = [], 0
     for qshape, sshape in shapes:
         off = _align16(math.prod(qshape))
@@ -84,8 +83,7 @@ def packed_views(buf: torch.Tensor, qshape, sshape, float8_dtype: torch.dtype):
 
 
 def _packed_quantize(datas: list, float8_dtype: torch.dtype) -> list:
-    """``[(qdata, scale, payload)]``: each weight of ``datas`` quantized row-wise into its region of one new packed
-    buffer (one row-kernel launch on CUDA, else weight by weight: the same bytes)."""
+    """``[(qdata, scale, payload)]``: each of ``datas`` quantized row-wise into its region of one packed buffer."""
     shapes = tuple((tuple(d.shape), (*d.shape[:-1], 1)) for d in datas)
     total, regions = _packed_layout(shapes)
     flat = torch.empty(total, dtype=torch.uint8, device=datas[0].device)
@@ -132,7 +130,7 @@ def _pad_rows(t: torch.Tensor, rows: int, fill) -> torch.Tensor:
 
 def all_gather_inputs(qdata: torch.Tensor, scale: torch.Tensor, mesh, outer_size, fast_accum: bool,
                       packed: Optional[torch.Tensor] = None):
-    """Pad the local fp8 rows and row scales and choose how they travel (see the module docstring).
+    """Pad the local fp8 rows and row scales and choose how they travel (docs/fsdp.md).
 
     Args:
         qdata: ``(r, *rest)`` fp8 local rows (``r`` may be 0). scale: ``(r, *srest)`` float32 scales of those rows.
@@ -199,8 +197,7 @@ def fsdp_group(local):
 
 
 def _drop_flat_copy(local) -> None:
-    """Free the flat copy FSDP2 keeps of a ScaledFp8Tensor shard (``_sharded_param_data``): used only by FSDP2's
-    default all-gather, and 5x the fp8 shard (one scale per element). The shard itself takes its place."""
+    """Replace FSDP2's flat copy of a ScaledFp8Tensor shard (5x its size, unused here) by the shard itself."""
     ref = _FSDP_PARAM_OF.get(local)
     fp = ref() if ref is not None else None
     if fp is None:
@@ -217,8 +214,7 @@ _PENDING = "_fp8tensor_pending"  # master attribute: (data, version, key, result
 
 
 def _group_members(master, float8_dtype) -> tuple[list, list]:
-    """The master weights (``master`` first) and their data to quantize together: its FSDP2 group members of its
-    class, fp8 format, dtype and device."""
+    """The masters (``master`` first) and data to quantize together: its FSDP2 group's alike members."""
     data = master._data
     try:
         _, locals_ = fsdp_group(master)
@@ -238,8 +234,7 @@ def _group_members(master, float8_dtype) -> tuple[list, list]:
 
 
 def _quantized_rows(master, float8_dtype, local: bool):
-    """``(qdata, scale, payload)`` of ``master``'s rows (``payload``: the packed 1-rank buffer, else None), from its
-    group's launch (kept from an earlier call, or made now; while tracing, this weight alone)."""
+    """``(qdata, scale, 1-rank payload or None)`` of ``master``'s rows, from its group's launch (kept or made now)."""
     if compat.is_compiling():
         masters, datas = [master], [master._data]
     else:
@@ -260,10 +255,8 @@ def _quantized_rows(master, float8_dtype, local: bool):
 
 @torch.no_grad()
 def master_pre_all_gather(master, mesh, outer_size, outer_stride, module, mp_policy):
-    """``Fp8MasterWeight.fsdp_pre_all_gather``: quantize the local master rows row-wise, return fp8 data + scales.
-
-    Each rank quantizes its own rows as :meth:`ScaledFp8Tensor.from_hp` (the recipe's fp8 format) from the master
-    dtype (not ``mp_policy.param_dtype``), with its FSDP2 parameter group in one launch.
+    """``Fp8MasterWeight.fsdp_pre_all_gather``: the local master rows quantized row-wise (as ``from_hp``, the
+    recipe's format, from the master dtype) with its FSDP2 parameter group in one launch.
 
     Args:
         master: the local ``Fp8MasterWeight`` shard ``(r, *rest)``. mesh: FSDP2's 1-D shard mesh. outer_size /

@@ -35,10 +35,9 @@ def padded_offsets(offs: torch.Tensor, M: int, align: int = ALIGN):
         align: the group alignment.
 
     Returns:
-        ``(M_pad, pad_ends, pad_starts)``: ``M_pad`` a Python int (``round_up(M + (2 * align - 1) * E, align) +
-        align``: room for every group rounded up to ``align``, at least ``align``, plus one spare block),
-        ``pad_ends`` int32 ``(E,)`` the padded cumulative ends (each group's size rounded up to ``align``; an empty
-        group gets ``align`` zero columns, so the GEMM itself writes its zero result), ``pad_starts`` int32 ``(E,)``.
+        ``(M_pad, pad_ends, pad_starts)``: ``M_pad`` a Python int (room for every group rounded up to ``align``, at
+        least ``align``, plus one spare block), ``pad_ends`` / ``pad_starts`` int32 ``(E,)`` the padded cumulative
+        ends / starts (an empty group gets ``align`` zero columns).
     """
     E = offs.numel()
     ends = offs.to(torch.int64)
@@ -52,8 +51,7 @@ def padded_offsets(offs: torch.Tensor, M: int, align: int = ALIGN):
 
 # ---------------------------------------------------------------------------------------------- quantization
 def _quantize_rows(x: torch.Tensor, float8_dtype: torch.dtype = E4M3):
-    """``x`` ``(..., C)`` quantized per row over the last dim: ``(q, scale)``, ``q`` contiguous, ``scale``
-    ``(..., 1)`` (empty rows: the floor scale)."""
+    """``(q, scale (..., 1))`` of ``x`` ``(..., C)`` quantized per row, ``q`` contiguous."""
     return quantize(x.contiguous(), -1, float8_dtype)
 
 
@@ -83,8 +81,7 @@ def _groups(ends: torch.Tensor, n: int):
 
 
 def _rows_to_16(a: torch.Tensor, scale: torch.Tensor):
-    """``a`` (fp8 rows) and its row scales padded with zero rows (unit scales) to a multiple of 16 rows on CUDA, where
-    cuBLAS's fp8 GEMM needs it; unchanged elsewhere."""
+    """On CUDA, ``a`` (fp8 rows) and its row scales padded to a multiple of 16 rows (cuBLAS needs it)."""
     pad = -a.shape[0] % 16
     if not a.is_cuda or pad == 0:
         return a, scale
@@ -114,10 +111,8 @@ def grouped_2d3d(aq, a_scale, bq, b_scale, offs, out_dtype, *, fast_accum: bool)
         offs: int32 ``(E,)`` cumulative group ends.
 
     Returns:
-        ``(M, N)`` of ``out_dtype`` (rows past ``offs[-1]``: zeros on the per-group path, unwritten by the fused
-        kernel as by ``torch._grouped_mm``). ``torch._scaled_grouped_mm`` where it runs (``grouped_gemm_kernel`` of
-        :class:`fp8tensor.Config`; ``K`` and ``N`` multiples of 16), else a per-group loop over ``torch._scaled_mm``
-        (traced: one masked batched GEMM in float32).
+        ``(M, N)`` of ``out_dtype`` (rows past ``offs[-1]`` unspecified). ``torch._scaled_grouped_mm`` where it runs
+        (``Config.grouped_gemm_kernel``), else a per-group ``torch._scaled_mm`` loop (traced: one masked GEMM).
     """
     M, K = aq.shape
     E, _, N = bq.shape
@@ -169,8 +164,7 @@ def grouped_2d2d(aq_t, a_scale, bq_t, b_scale, pad_ends, out_dtype, *, fast_accu
 
 
 def _grouped_hp_weight_grad(gy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, E: int) -> torch.Tensor:
-    """``out[e] = gy[group e]^T @ x[group e]`` ``(E, N, K)`` in high precision (``torch._grouped_mm`` for bf16, else
-    a per-group ``mm`` in the operands' dtype)."""
+    """``out[e] = gy[group e]^T @ x[group e]`` ``(E, N, K)`` in high precision."""
     if gy.dtype == torch.bfloat16 and x.dtype == torch.bfloat16 and E > 0 and gy.shape[0] > 0:
         # row-major operands, as in eager (traced, inductor would lay gy.t() out as its own (N, M) buffer, whose
         # rows are not 16-byte multiples for most token counts: "strides should be multiple of 16 bytes")
@@ -227,8 +221,7 @@ def _check(a, b, offs, op: str) -> None:
 
 
 class _Fp8GroupedMM(torch.autograd.Function):
-    """``torch._grouped_mm(a, b, offs)`` (2-D x 3-D) with fp8 GEMMs per the recipe. Saves ``a`` when the weights
-    need a gradient, ``b`` when ``a`` does, and ``offs``."""
+    """``torch._grouped_mm(a, b, offs)`` (2-D x 3-D) with fp8 GEMMs per the recipe."""
 
     @staticmethod
     def forward(ctx, a, b, offs, recipe: Recipe, out_dtype):
@@ -328,8 +321,7 @@ def fp8_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, *, reci
 
 
 def grouped_mm_args(args, kwargs):
-    """``(a, b, offs, bias, out_dtype)`` of a call of ``torch._grouped_mm`` / ``F.grouped_mm`` /
-    ``aten._grouped_mm`` (positional or keyword arguments)."""
+    """``(a, b, offs, bias, out_dtype)`` of a ``torch._grouped_mm`` / ``F.grouped_mm`` / ``aten._grouped_mm`` call."""
     names = ("mat_a", "mat_b", "offs", "bias", "out_dtype")
     vals = dict(zip(names, args))
     for k, v in kwargs.items():
@@ -340,8 +332,7 @@ def grouped_mm_args(args, kwargs):
 # ---------------------------------------------------------------------------------------------- op table
 @implements([torch.ops.aten._grouped_mm.default])
 def _grouped_mm_fp8(func, args, kwargs):
-    """``aten._grouped_mm`` with a :class:`ScaledFp8Tensor` operand below autograd (an unconverted module): 2-D x 3-D
-    with row-scaled expert weights runs the fp8 forward GEMM; other forms run dequantized."""
+    """``aten._grouped_mm`` with a :class:`ScaledFp8Tensor` operand: 2-D x 3-D row-scaled in fp8, else dequantized."""
     a, b, offs, bias, out_dtype = grouped_mm_args(args, kwargs)
     if (not isinstance(a, ScaledFp8Tensor) and isinstance(b, ScaledFp8Tensor) and a.dim() == 2 and b.dim() == 3
             and bias is None and offs is not None):
@@ -385,8 +376,7 @@ def fp8_weight_call(args, kwargs, recipe=None) -> Optional[tuple]:
 
 
 class _CastMaster(torch.autograd.Function):
-    """``master.to(dtype)`` as a master of ``dtype`` (its gradient cast back), so that ``w.bfloat16()`` of a master
-    inside a converted grouped-experts module still reaches the grouped GEMM as a master."""
+    """``master.to(dtype)`` as a master of ``dtype`` (its gradient cast back)."""
 
     @staticmethod
     def forward(ctx, m, dtype):
@@ -416,13 +406,9 @@ def _cast_target(func, args, kwargs) -> Optional[torch.dtype]:
 
 
 class Fp8GroupedMMMode(torch.overrides.TorchFunctionMode):
-    """While active, ``torch._grouped_mm`` / ``F.grouped_mm`` of 2-D tokens with 3-D expert weights that are a master
-    weight or a ScaledFp8Tensor runs :func:`fp8_grouped_mm`, and a dtype cast of a master (``w.bfloat16()``) keeps
-    it a master. Converted grouped-experts modules run their ``forward`` under it; everything else is unchanged.
-    Inside ``torch.compile`` dynamo applies the casts but records ``torch._grouped_mm`` without calling the mode: a
-    master weight's own ``__torch_function__`` runs :func:`fp8_grouped_mm` there (see the module docstring), as does
-    the one of the weight FSDP2 all-gathers from it (``GatheredExperts``); another ScaledFp8Tensor's GEMM runs the op
-    table's fp8 forward (below autograd).
+    """While active, ``torch._grouped_mm`` / ``F.grouped_mm`` of 2-D tokens with 3-D master or ScaledFp8Tensor expert
+    weights runs :func:`fp8_grouped_mm`, and a dtype cast of a master (``w.bfloat16()``) keeps it a master.
+    Converted grouped-experts modules run their ``forward`` under it (compiled, the weights' own hooks do it).
 
     Args:
         recipe: the recipe for ScaledFp8Tensor weights (a master uses its own).

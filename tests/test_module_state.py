@@ -39,7 +39,6 @@ STATE = {
     "numerics/fsdp_payload.py:_GROUP_OF": "FSDP2 group of a sharded tensor, keyed weakly by the tensor",
     "numerics/fsdp_payload.py:_FSDP_PARAM_OF": "FSDP2 parameter of a sharded tensor, keyed weakly by the tensor",
     "conversion/modules.py:_CONVERTED": "the converted class of each (mixin, module class) pair, made once",
-    "conversion/modules.py:_GROUPED_SOURCE": "whether a module class's source calls grouped_mm, per class",
 }
 
 _MUTABLE_CALLS = {"dict", "set", "list", "bytearray", "OrderedDict", "defaultdict", "deque", "local",

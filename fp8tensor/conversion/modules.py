@@ -283,9 +283,7 @@ def quantize_expert_weight(lt: torch.Tensor, float8_dtype: torch.dtype) -> Scale
 
 
 # ---------------------------------------------------------------------------------------------- grouped experts
-_GROUPED_SOURCE: dict = {}
-
-
+@functools.lru_cache(maxsize=None)
 def uses_grouped_mm(cls: type) -> bool:
     """Whether module class ``cls`` (or a base class below ``nn.Module``) calls ``torch._grouped_mm`` /
     ``F.grouped_mm`` in its source: a grouped-experts module (e.g. torchtitan's ``GroupedExperts``), whose 3-D
@@ -293,21 +291,15 @@ def uses_grouped_mm(cls: type) -> bool:
     source is not available)."""
     import inspect
 
-    hit = _GROUPED_SOURCE.get(cls)
-    if hit is None:
-        hit = False
-        for c in cls.__mro__:
-            if c in (nn.Module, object) or issubclass(nn.Module, c):
-                continue
-            try:
-                src = inspect.getsource(c)
-            except (OSError, TypeError):
-                continue
-            if "grouped_mm" in src:
-                hit = True
-                break
-        _GROUPED_SOURCE[cls] = hit
-    return hit
+    for c in cls.__mro__:
+        if c in (nn.Module, object) or issubclass(nn.Module, c):
+            continue
+        try:
+            if "grouped_mm" in inspect.getsource(c):
+                return True
+        except (OSError, TypeError):
+            continue
+    return False
 
 
 def _grouped_experts_forward(self, *args, **kwargs):

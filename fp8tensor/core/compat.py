@@ -33,9 +33,16 @@ DATA_SETTER = torch._C.TensorBase.data.__set__
 DATA_GETTER = torch._C.TensorBase.data.__get__
 
 
-def parse_to(*args, **kwargs):
-    """``(device, dtype, non_blocking, memory_format)`` of ``Tensor.to``'s arguments (after ``self``)."""
-    return torch._C._nn._parse_to(*args, **kwargs)
+#: ``parse_to(*args, **kwargs)``: ``(device, dtype, non_blocking, memory_format)`` of ``Tensor.to``'s arguments.
+parse_to = torch._C._nn._parse_to
+#: ``is_functorch_wrapped(t)``: whether ``t`` is a ``torch.func`` (vmap / grad) wrapper (a plain tensor to Python).
+is_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+#: ``functorch_active()``: whether a ``torch.func`` transform (grad, vmap, ...) is active.
+functorch_active = torch._C._are_functorch_transforms_active
+#: Context manager: subclasses' ``__torch_function__`` is skipped inside (plain tensor behaviour).
+disable_torch_function_subclass = torch._C.DisableTorchFunctionSubclass
+#: ``preserve_version_counter(t)``: context manager; writes into ``t`` leave its version counter as it was.
+preserve_version_counter = torch.autograd._unsafe_preserve_version_counter
 
 
 def is_exporting() -> bool:
@@ -63,11 +70,6 @@ def prepend_forward_pre_hook(module: torch.nn.Module, hook):
     hooks.clear()
     hooks.update(items)
     return handle
-
-
-def is_functorch_wrapped(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a ``torch.func`` (vmap / grad) wrapper, which looks like a plain tensor from Python."""
-    return torch._C._functorch.is_functorch_wrapped_tensor(t)
 
 
 def raw_cuda_stream(device_index: int) -> int:
@@ -115,11 +117,6 @@ def forward_ad_active() -> bool:
     """Whether a forward-mode AD level is open (``torch.autograd.forward_ad.dual_level``)."""
     import torch.autograd.forward_ad as fwd
     return fwd._current_level >= 0
-
-
-def disable_torch_function_subclass():
-    """Context manager: subclasses' ``__torch_function__`` is skipped inside (plain tensor behaviour)."""
-    return torch._C.DisableTorchFunctionSubclass()
 
 
 def _version(v: str) -> tuple:
@@ -182,11 +179,6 @@ def dispatch_modes_active() -> bool:
 def function_modes_active() -> bool:
     """Whether any ``TorchFunctionMode`` is active."""
     return torch._C._len_torch_function_stack() > 0
-
-
-def functorch_active() -> bool:
-    """Whether a ``torch.func`` transform (grad, vmap, ...) is active."""
-    return torch._C._are_functorch_transforms_active()
 
 
 # ------------------------------------------------------------------------------------------------ FSDP2 internals
@@ -292,11 +284,6 @@ def run_per_simulated_rank(fn):
     """``fn`` wrapped to run once per simulated rank on a ``LocalTensor`` (``maybe_run_for_local_tensor``)."""
     from torch.distributed._local_tensor import maybe_run_for_local_tensor
     return maybe_run_for_local_tensor(fn)
-
-
-def preserve_version_counter(t: torch.Tensor):
-    """Context manager: writes into ``t`` leave its version counter as it was."""
-    return torch.autograd._unsafe_preserve_version_counter(t)
 
 
 def c10d_functional_ops():

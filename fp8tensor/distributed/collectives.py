@@ -131,6 +131,15 @@ def _check_fp8_list(op: str, tensors) -> bool:
     return n > 0
 
 
+def _bytes_in_place(t: ScaledFp8Tensor, run) -> None:
+    """``run(q)`` (a c10d op writing ``q``, ``t``'s fp8 bytes or a contiguous copy of them; its Work waited on), then
+    ``q`` copied back into ``t`` where it is a copy."""
+    q = t.qdata.view(torch.uint8) if t.qdata.is_contiguous() else _bytes(t.qdata)
+    compat.wait_work(run(q))
+    if q.data_ptr() != t.qdata.data_ptr():
+        t.qdata.copy_(q.view(t.qdata.dtype))
+
+
 def _contiguous_scale(t: ScaledFp8Tensor) -> torch.Tensor:
     """The scale of ``t``, replaced by a private contiguous copy first if it is a non-contiguous view."""
     if not t.scale.is_contiguous():
@@ -165,15 +174,11 @@ def _scatter_data_and_scales(func, args, kwargs):
             raise ValueError(
                 f"ScaledFp8Tensor {op}: shard {i}'s scale {tuple(src.scale.shape)} does not fit the output's scale "
                 f"layout {tuple(out.scale.shape)} (a scale can be expanded, never compacted)")
-    q_out = out.qdata.view(torch.uint8) if out.qdata.is_contiguous() else torch.empty_like(out.qdata, dtype=torch.uint8)
     s_out = _contiguous_scale(out)
     q_in = [[_bytes(src.qdata) for src in srcs]] if ins else []
     s_in = [[src.scale.expand(s_out.shape).contiguous() for src in srcs]] if ins else []
     rest = (b["process_group"], b["root_rank"], b["async_op"], b["timeout"])
-    _, work = func([q_out], q_in, *rest)
-    compat.wait_work(work)
-    if q_out.data_ptr() != out.qdata.data_ptr():
-        out.qdata.copy_(q_out.view(out.qdata.dtype))
+    _bytes_in_place(out, lambda q: func([q], q_in, *rest)[1])
     _, work = func([s_out], s_in, *rest)
     return [out], work
 
@@ -194,11 +199,7 @@ def _broadcast_data_and_scale(func, args, kwargs):
         raise NotImplementedError(f"ScaledFp8Tensor: {op} supports one tensor per call, got {len(tensors)}")
     t = tensors[0]
     rest = (b["process_group"], b["root_rank"], b["root_tensor"], b["async_op"], b["timeout"])
-    q = t.qdata.view(torch.uint8) if t.qdata.is_contiguous() else _bytes(t.qdata)
-    _, work = func([q], *rest)
-    compat.wait_work(work)
-    if q.data_ptr() != t.qdata.data_ptr():
-        t.qdata.copy_(q.view(t.qdata.dtype))
+    _bytes_in_place(t, lambda q: func([q], *rest)[1])
     _, work = func([_contiguous_scale(t)], *rest)
     return [t], work
 

@@ -162,29 +162,21 @@ def scaled_mm(a8: torch.Tensor, sa: torch.Tensor, b8: torch.Tensor, sb: torch.Te
         if Np != N:
             sb = torch.cat([sb, sb.new_ones(1, Np - N)], dim=1)
 
+    fused_bias = (name == "rowwise" and bias is not None and bias.dim() == 1
+                  and bias.dtype == out_dtype == torch.bfloat16)
     if name == "rowwise":
-        fused_bias = bias is not None and bias.dim() == 1 and bias.dtype == out_dtype == torch.bfloat16
-        b_arg = None
-        if fused_bias:
-            b_arg = bias if Np == N else torch.cat([bias, bias.new_zeros(Np - N)])
+        b_arg = None if not fused_bias else bias if Np == N else torch.cat([bias, bias.new_zeros(Np - N)])
         out = torch._scaled_mm(a8, b8, scale_a=sa, scale_b=sb, bias=b_arg, out_dtype=out_dtype,
                                use_fast_accum=use_fast_accum)
-        if Np != N:
-            out = out[:, :N]
-        if bias is not None and not fused_bias:
-            out = (out.to(torch.float32) + bias.to(torch.float32)).to(out_dtype)
-        return out
-
-    # tensorwise: unit scales, float32 output, then the row/column scale fix-up.
-    one = torch.ones((), dtype=torch.float32, device=a8.device)
-    out = torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.float32, use_fast_accum=use_fast_accum)
+    else:  # tensorwise: unit scales, float32 output, then the row/column scale fix-up
+        one = torch.ones((), dtype=torch.float32, device=a8.device)
+        out = torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.float32,
+                               use_fast_accum=use_fast_accum) * sa * sb
     if Np != N:
         out = out[:, :N]
-        sb = sb[:, :N]
-    out = out * sa * sb
-    if bias is not None:
-        out = out + bias.to(torch.float32)
-    return out.to(out_dtype)
+    if bias is not None and not fused_bias:
+        out = out.to(torch.float32) + bias.to(torch.float32)
+    return out if out.dtype == out_dtype else out.to(out_dtype)  # (no no-op .to: docs/pytorch_issues.md)
 
 
 # ---------------------------------------------------------------------------------------------- operands

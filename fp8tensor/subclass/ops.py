@@ -209,24 +209,17 @@ def t_view(t: ScaledFp8Tensor) -> ScaledFp8Tensor:
     return _wrap(t.qdata.t(), t.scale.t(), t, dims=t.scaled_dims[::-1])
 
 
-@implements([aten.t.default])
-def _t_scale(func, args, kwargs):
-    return t_view(args[0])
-
-
-@implements([aten.transpose.int])
-def _transpose_scale(func, args, kwargs):
-    t, d0, d1 = args[0], _norm_dim(args[1], args[0].dim()), _norm_dim(args[2], args[0].dim())
-    dims = list(t.scaled_dims)
-    dims[d0], dims[d1] = dims[d1], dims[d0]
-    return _wrap(t.qdata.transpose(d0, d1), t.scale.transpose(d0, d1), t, dims=tuple(dims))
-
-
-@implements([aten.permute.default])
+@implements([aten.t.default, aten.transpose.int, aten.permute.default])
 def _permute_scale(func, args, kwargs):
-    t, dims = args[0], args[1]
-    new = tuple(t.scaled_dims[_norm_dim(d, t.dim())] for d in dims)
-    return _wrap(t.qdata.permute(dims), t.scale.permute(dims), t, dims=new)
+    t = args[0]
+    perm = list(range(t.dim()))
+    if func is aten.permute.default:
+        perm = [_norm_dim(d, t.dim()) for d in args[1]]
+    elif t.dim() > 1:  # t(): dims 0 and 1; transpose: the two given
+        d0, d1 = (0, 1) if func is aten.t.default else (_norm_dim(args[1], t.dim()), _norm_dim(args[2], t.dim()))
+        perm[d0], perm[d1] = perm[d1], perm[d0]
+    q = func(t.qdata, *args[1:])  # (torch's own argument checks)
+    return _wrap(q, t.scale.permute(perm), t, dims=tuple(t.scaled_dims[d] for d in perm))
 
 
 @implements([aten.unsqueeze.default])

@@ -225,9 +225,7 @@ class ScaledFp8Tensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, qdata: torch.Tensor, scale: torch.Tensor, orig_dtype: torch.dtype, fast_accum: bool = True,
-                requires_grad: bool = False, *, shares_scale: bool = False,
-                scale_writes: Optional[_ScaleWrites] = None, scaled_dims: Optional[Sequence[bool]] = None,
-                _trusted: bool = False):
+                requires_grad: bool = False, **kwargs):  # (keywords: those of __init__)
         return torch.Tensor._make_wrapper_subclass(
             cls, qdata.shape, strides=qdata.stride(), storage_offset=qdata.storage_offset(), dtype=orig_dtype,
             device=qdata.device, layout=qdata.layout, requires_grad=requires_grad,

@@ -191,12 +191,11 @@ class GraphedStep:
 
     def _can_capture(self, leaves) -> bool:
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)] + self.parameters
-        why = None
         if not torch.cuda.is_available():
             why = "CUDA is not available"
         elif any(t.device.type != "cuda" for t in tensors):
             why = "an input or parameter is not on a CUDA device"
-        if why is None:
+        else:
             return True
         if self.enabled:
             raise RuntimeError(f"graph_step: cannot capture a CUDA graph: {why} (pass enabled=None to run eagerly)")

@@ -53,13 +53,9 @@ if _IMPORT_ERROR is None:
     class Fp8TensorLinear(Fp8LinearMixin, Linear):
         """torchtitan ``Linear`` trained in fp8 by fp8tensor (built from :class:`Fp8TensorLinear.Config`).
 
-        ``weight``: ``(out_features, in_features)`` of the model dtype (a DTensor after torchtitan's TP / FSDP2):
-        by :func:`fp8tensor.convert_to_fp8`'s rule when the model is built, an :class:`~fp8tensor.Fp8MasterWeight`
-        that FSDP2 all-gathers in fp8 (several hosts, a backend other than NCCL, or built before
-        ``init_process_group``), else a plain Parameter all-gathered in bf16 (one host over NCCL);
-        ``forward(input)``: ``(*, in_features)`` -> ``(*, out_features)`` through :func:`fp8tensor.fp8_linear` with
-        ``config.recipe``. ``state_dict()`` holds the plain high-precision weight (DCP checkpoints load into a
-        non-converted model).
+        ``weight``: ``(out_features, in_features)`` of the model dtype, converted by :func:`fp8tensor.convert_to_fp8`
+        when built (its ``fp8_all_gather`` rule); ``forward(input)``: ``(*, in_features)`` -> ``(*, out_features)``
+        through :func:`fp8tensor.fp8_linear` with ``config.recipe``. ``state_dict()`` holds the plain weight.
 
         Raises:
             ValueError: ``in_features`` or ``out_features`` not a multiple of 16; unknown ``recipe``.

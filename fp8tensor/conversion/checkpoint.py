@@ -124,10 +124,9 @@ def state_dict_hook(module, state_dict, prefix, local_metadata):
 
 def load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                              error_msgs):
-    """``Module.register_load_state_dict_pre_hook`` of fp8 modules (:func:`fp8tensor.quantize_weights` and
-    :func:`fp8tensor.convert_to_fp8`): a plain-layout entry (``name`` fp8, ``name + "_scale"`` float32 row scales)
-    is merged before loading: into a ScaledFp8Tensor for a weight stored in fp8 (bit for bit), into the dequantized
-    ``q * scale`` in the weight's dtype for a high-precision (master) weight. The subclass form loads unchanged.
+    """``Module.register_load_state_dict_pre_hook`` of fp8 modules: a plain-layout entry (``name`` fp8, ``name +
+    "_scale"`` float32 row scales) is merged before loading, into a ScaledFp8Tensor for an fp8 weight (bit for bit),
+    into ``q * scale`` in the weight's dtype for a high-precision (master) weight.
 
     Raises:
         TypeError / ValueError: the scale entry is not float32 or does not match the data's shape (naming the key);
@@ -159,10 +158,8 @@ def load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict,
 
 
 def set_hf_quantization_config(module: torch.nn.Module) -> Optional[object]:
-    """Describe the fp8 weights of a Hugging Face transformers model in its ``config.quantization_config``, so that a
-    plain-layout ``save_pretrained`` writes a ``config.json`` that ``from_pretrained`` reads correctly or refuses
-    clearly (docs/serving.md, "``from_pretrained``"). Called by :func:`fp8tensor.quantize_weights`; a no-op (None)
-    unless ``module`` is a ``transformers.PreTrainedModel`` (transformers is never imported here).
+    """Describe the fp8 weights of a Hugging Face ``PreTrainedModel`` in its ``config.quantization_config`` (docs/
+    serving.md, "``from_pretrained``"); a no-op (None) for other modules (transformers is never imported here).
 
     When every fp8 weight is a 2-D ``float8_e4m3fn`` Linear weight: ``module.config`` becomes a copy with
     ``quantization_config = transformers.FbgemmFp8Config(modules_to_not_convert=[high-precision Linears])``.

@@ -21,8 +21,7 @@ def tp_fp8_module(m: nn.Module) -> bool:
 
 def refuse_tp_export(module: nn.Module, args):
     """The forward pre-hook: under ``torch.export``, raise ``NotImplementedError``
-    (:func:`fp8tensor.linear.tp_export_message`) when ``module`` or a submodule is a tensor-parallel fp8 module, before
-    any parallel style's hook fails in DTensor's own way; otherwise do nothing."""
+    (:func:`fp8tensor.linear.tp_export_message`) when ``module`` or a submodule is a tensor-parallel fp8 module."""
     if not compat.is_exporting():
         return
     for name, m in module.named_modules():
@@ -32,17 +31,14 @@ def refuse_tp_export(module: nn.Module, args):
 
 
 def add_tp_export_hook(lin: nn.Module) -> None:
-    """Once per Linear whose weight is a DTensor (a plain Linear keeps its hook-free fast path):
-    :func:`refuse_tp_export` first among its pre-hooks. Called at conversion and by
-    :meth:`fp8tensor.modules.Fp8LinearMixin.register_parameter`."""
+    """Once per Linear whose weight is a DTensor: :func:`refuse_tp_export` first among its pre-hooks."""
     if _is_dtensor(compat.parameters_dict(lin).get("weight")) and not getattr(lin, "_fp8_tp_export_hook", False):
         compat.prepend_forward_pre_hook(lin, refuse_tp_export)
         lin._fp8_tp_export_hook = True
 
 
 def add_model_export_hook(module: nn.Module) -> None:
-    """Once per converted model: :func:`refuse_tp_export` first among the model's own pre-hooks, so that exporting a
-    model parallelized before or after the conversion fails with fp8tensor's error before any parallel style's hook."""
+    """Once per converted model: :func:`refuse_tp_export` first among the model's own pre-hooks."""
     if not getattr(module, "_fp8_model_export_hook", False):
         compat.prepend_forward_pre_hook(module, refuse_tp_export)
         module._fp8_model_export_hook = True

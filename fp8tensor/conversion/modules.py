@@ -35,12 +35,9 @@ def fp8_linear_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
 class Fp8LinearMixin:
     """Marks a converted Linear and gives it :func:`fp8_linear_forward` as ``forward``.
 
-    ``convert_to_fp8`` / ``quantize_weights`` change a selected module's class ``C`` (``nn.Linear``, a subclass of
-    it that keeps ``nn.Linear.forward``, or FSDP2's ``FSDPLinear``) to a subclass ``Fp8C(Fp8LinearMixin, C)``, one
-    per original class. Changing the class rather than setting ``forward`` on each instance keeps
-    ``isinstance(m, C)`` and lets ``torch.compile`` share one graph between layers (a per-instance ``forward`` is
-    guarded by object identity, which recompiles once per Linear and soon hits dynamo's recompile limit).
-    Pickles name the original class, so a converted model loads in a process that never converted anything.
+    ``convert_to_fp8`` / ``quantize_weights`` change a selected module's class ``C`` to ``Fp8C(Fp8LinearMixin, C)``,
+    one per class: ``isinstance(m, C)`` holds and ``torch.compile`` shares one graph between layers (a per-instance
+    ``forward`` recompiles per Linear). Pickles name the original class.
     """
 
     forward = fp8_linear_forward
@@ -50,9 +47,8 @@ class Fp8LinearMixin:
         return (_new_converted, (type(self)._fp8_base,), self.__getstate__())
 
     def register_parameter(self, name: str, param) -> None:
-        """``nn.Module.register_parameter`` (also what ``setattr`` of a Parameter calls); a DTensor ``weight`` (a
-        ``parallelize_module`` after the conversion) gets the ``torch.export`` check first among the forward
-        pre-hooks, before those the parallel style registers next (:func:`fp8tensor.export.add_tp_export_hook`)."""
+        """``nn.Module.register_parameter``; a DTensor ``weight`` (``parallelize_module`` after the conversion) gets
+        the ``torch.export`` check first among the forward pre-hooks (:func:`fp8tensor.export.add_tp_export_hook`)."""
         super().register_parameter(name, param)
         if name == "weight":
             add_tp_export_hook(self)
@@ -88,9 +84,8 @@ def _new_converted(base: type, mixin: type = None):
 
 
 def own_forward(lin: nn.Module) -> Optional[str]:
-    """Why ``lin`` cannot be converted without changing what it computes: a class forward of its own that
-    conversion would drop, or a parametrized weight (e.g. weight norm) that has no single tensor to swap. None when
-    it can. (A forward set on the instance is judged by :func:`instance_forward`.)"""
+    """Why ``lin`` cannot be converted without changing what it computes (a class forward of its own, a
+    parametrized weight), or None."""
     from torch.nn.utils import parametrize
 
     if parametrize.is_parametrized(lin, "weight"):
@@ -251,10 +246,8 @@ def rewrap_after_load(module, incompatible_keys):
 
 
 def add_fp8_checkpoint_hooks(mod: nn.Module, float8_dtype: torch.dtype = E4M3) -> None:
-    """Once per module: the state-dict hooks of :mod:`fp8tensor.checkpoint` (``state_dict()`` in the plain layout
-    under ``fp8tensor.config(state_dict_fp8="plain")``; loading accepts the plain layout), and a post-hook that
-    stores a weight again in fp8 (``float8_dtype``) after ``load_state_dict(..., assign=True)`` of a high-precision
-    checkpoint replaced it."""
+    """Once per module: the state-dict hooks of :mod:`fp8tensor.checkpoint` and :func:`requantize_after_load` (in
+    ``float8_dtype``)."""
     if not getattr(mod, "_fp8_checkpoint_hooks", False):
         compat.register_state_dict_hook(mod, _checkpoint.state_dict_hook)
         mod.register_load_state_dict_pre_hook(_checkpoint.load_state_dict_pre_hook)
@@ -264,9 +257,8 @@ def add_fp8_checkpoint_hooks(mod: nn.Module, float8_dtype: torch.dtype = E4M3) -
 
 
 def requantize_after_load(module, incompatible_keys):
-    """After ``load_state_dict(assign=True)`` put a plain high-precision tensor where :func:`quantize_weights` stored
-    fp8 (a Linear's ``weight``, a grouped-experts module's expert weights), store it in fp8 again (row-wise, as
-    ``quantize_weights`` does)."""
+    """After ``load_state_dict(assign=True)`` put a high-precision tensor where :func:`quantize_weights` stored fp8,
+    store it in fp8 again (row-wise)."""
     dt = getattr(module, "_fp8_float8_dtype", E4M3)
     for name in getattr(module, "fp8_expert_params", None) or ("weight",):
         w = compat.parameters_dict(module).get(name)
@@ -285,10 +277,8 @@ def quantize_expert_weight(lt: torch.Tensor, float8_dtype: torch.dtype) -> Scale
 # ---------------------------------------------------------------------------------------------- grouped experts
 @functools.lru_cache(maxsize=None)
 def uses_grouped_mm(cls: type) -> bool:
-    """Whether module class ``cls`` (or a base class below ``nn.Module``) calls ``torch._grouped_mm`` /
-    ``F.grouped_mm`` in its source: a grouped-experts module (e.g. torchtitan's ``GroupedExperts``), whose 3-D
-    parameters ``(E, out, in)`` :func:`convert_to_fp8` converts. Read with ``inspect.getsource`` (False when the
-    source is not available)."""
+    """Whether module class ``cls`` (or a base below ``nn.Module``) names ``grouped_mm`` in its source (a
+    grouped-experts module, e.g. torchtitan's ``GroupedExperts``); False when the source is not available."""
     import inspect
 
     for c in cls.__mro__:
@@ -309,9 +299,8 @@ def _grouped_experts_forward(self, *args, **kwargs):
 
 
 class Fp8GroupedExpertsMixin:
-    """Marks a converted grouped-experts module ``C`` (class ``Fp8C(Fp8GroupedExpertsMixin, C)``, one per class):
-    its forward is ``C.forward`` under :class:`~fp8tensor.grouped.Fp8GroupedMMMode`; ``fp8_expert_params`` names its
-    converted 3-D parameters. Pickles name the original class."""
+    """Marks a converted grouped-experts module ``C`` (class ``Fp8C(Fp8GroupedExpertsMixin, C)``): ``C.forward`` under
+    :class:`~fp8tensor.grouped.Fp8GroupedMMMode`; ``fp8_expert_params`` names its converted 3-D parameters."""
 
     forward = _grouped_experts_forward
     _fp8_base: type = nn.Module

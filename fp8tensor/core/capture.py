@@ -1,9 +1,5 @@
-"""Which CUDA-graph capture (if any) the current stream is in, and what a capture's graph must keep alive.
-
-A cache that served a tensor computed before a capture would bake it into the graph, so fp8tensor's one such cache
-(an FSDP2 group-quantization launch's kept results) keys entries with :func:`capture_token`. Host buffers a graph's
-copy nodes read at every replay are handed by :func:`keep_for_replays` to the :class:`Capture` that
-:class:`fp8tensor.graphs.GraphedStep` keeps with its graph (:func:`begin_capture` before each capture)."""
+"""Which CUDA-graph capture (if any) the current stream is in (:func:`capture_token`, the key of fp8tensor's one
+cache), and what a capture's graph must keep alive (:func:`keep_for_replays`, held by :class:`Capture`)."""
 from __future__ import annotations
 
 import threading
@@ -19,9 +15,8 @@ _local = threading.local()  # .active: weak reference to this thread's Capture i
 
 
 class Capture:
-    """One capture of :class:`fp8tensor.graphs.GraphedStep`: its generation number, the stream it records (None: the
-    stream current when an object is kept), and the objects its graph reads at every replay (the pinned host buffers
-    of its host-to-device copy nodes), alive exactly as long as this object, which the step keeps with its graph."""
+    """One capture of :class:`fp8tensor.graphs.GraphedStep`: its generation number, the stream it records, and the
+    objects its graph reads at every replay (pinned host buffers), kept alive with it."""
 
     __slots__ = ("generation", "stream", "kept", "__weakref__")
 
@@ -47,10 +42,8 @@ def end_capture(c: Capture) -> None:
 
 
 def keep_for_replays(obj) -> bool:
-    """Keep ``obj`` alive as long as the graph being captured: True when this thread is inside a
-    :func:`begin_capture` capture and the current stream is the one it records (and is capturing); False otherwise
-    (a capture made with ``torch.cuda.graph`` directly, another thread's or another stream's: the caller keeps
-    ``obj`` itself)."""
+    """Keep ``obj`` alive as long as the graph being captured: True inside this thread's :func:`begin_capture`
+    capture on its stream; False otherwise (the caller keeps ``obj`` itself)."""
     active = getattr(_local, "active", None)
     c = active() if active is not None else None
     if c is None or not torch.cuda.is_current_stream_capturing():

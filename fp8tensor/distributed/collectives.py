@@ -1,8 +1,6 @@
 """Collectives of :class:`~fp8tensor.tensor.ScaledFp8Tensor` (DTensor's sharding, redistribution and
-``distribute_tensor``): the fp8 data (as ``uint8``: gloo has no fp8 type) and the float32 scales move as two
-collectives of the same kind, nothing dequantized or reduced; a scale is expanded only where the collective would
-merge different per-rank scales (docs/tp.md, "What is communicated"). Reductions of fp8 data raise
-``NotImplementedError``. Also the ops whose results stay master weights. Registered on import."""
+``distribute_tensor``): fp8 data (as ``uint8``) and float32 scales move as two collectives of the same kind (docs/tp.md,
+"What is communicated"); reductions raise ``NotImplementedError``. Also the ops whose results stay master weights."""
 from __future__ import annotations
 
 import importlib

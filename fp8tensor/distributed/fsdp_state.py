@@ -45,10 +45,8 @@ def fp8_all_gather_default() -> bool:
 
 
 def rule_changes_after_init() -> bool:
-    """Whether :func:`fp8_all_gather_default` answers True only because no process group exists yet, in a job whose
-    launcher says all its ranks run on this host (torchrun's ``WORLD_SIZE == LOCAL_WORLD_SIZE``, both > 1): after
-    ``init_process_group("nccl")`` the rule would answer False. :func:`fp8tensor.convert_to_fp8` warns then. Never
-    on a machine without CUDA (its process group will be gloo, where the rule answers True as well)."""
+    """Whether :func:`fp8_all_gather_default` answers True only because no process group exists yet in a CUDA job
+    whose ranks all run on this host (torchrun's ``WORLD_SIZE == LOCAL_WORLD_SIZE > 1``)."""
     import os
 
     import torch.distributed as dist
@@ -68,9 +66,8 @@ def find_fsdp_param(param: torch.Tensor, module: Optional[torch.nn.Module] = Non
 
 
 def refresh_fsdp_param(param: torch.Tensor, module: Optional[torch.nn.Module] = None) -> bool:
-    """Make FSDP2 pick up a swapped local tensor of ``param`` (``param._local_tensor = new`` after ``fully_shard``):
-    re-pad the sharded data of the ``FSDPParam`` owning it (under ``module``, or any live state), re-initialize its
-    all-gather extension and drop the buffers typed for the old local tensor. Other parameters are left alone.
+    """Make FSDP2 pick up a swapped local tensor of ``param`` (after ``fully_shard``): the ``FSDPParam`` owning it
+    (under ``module``, or any live state) re-reads its all-gather extension and drops buffers typed for the old one.
 
     Returns:
         True if an FSDP2 parameter was refreshed.
@@ -93,8 +90,7 @@ def refresh_fsdp_param(param: torch.Tensor, module: Optional[torch.nn.Module] = 
 
 
 def check_fsdp_sharded(params, op: str) -> None:
-    """Raise before a conversion if any of ``params`` is an FSDP2 parameter currently held *unsharded* (its module
-    attribute is then FSDP2's unsharded parameter, not the sharded one: a swap would be lost at the next reshard).
+    """Raise before a conversion if any of ``params`` is an FSDP2 parameter held *unsharded* (a swap would be lost).
 
     Raises:
         RuntimeError: naming ``op`` and the parameter; call ``model.reshard()`` first. Nothing is changed.

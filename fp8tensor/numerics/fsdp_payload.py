@@ -1,8 +1,6 @@
-"""FSDP2's fp8 all-gather: row-wise fp8 data plus row scales travel instead of high-precision weights (FSDP2 shards
-by whole rows, so a shard's row scales are the global ones: bit-exact, ``K + 4`` bytes per row instead of ``2 K``).
-The hooks follow FSDP2's all-gather extension protocol; the ``fused`` / ``padded`` / ``local`` modes and the
-one-launch quantization of a parameter group are in docs/fsdp.md ("How the bytes travel"). FSDP2's private state is
-reached through :mod:`fp8tensor.core.compat` only."""
+"""FSDP2's fp8 all-gather: row-wise fp8 data plus row scales travel instead of high-precision weights (bit-exact:
+FSDP2 shards whole rows). The ``fused`` / ``padded`` / ``local`` modes and the one-launch quantization of a parameter
+group: docs/fsdp.md ("How the bytes travel")."""
 from __future__ import annotations
 
 import functools
@@ -155,8 +153,7 @@ def all_gather_inputs(qdata: torch.Tensor, scale: torch.Tensor, mesh, outer_size
 
 
 def gather_scales(out: torch.Tensor, scale: torch.Tensor, group) -> None:
-    """The extra all-gather of the ``padded`` mode: ``out = cat(scale of every rank)`` over FSDP2's group (issued
-    in the same order on every rank; with NCCL it only enqueues)."""
+    """The extra all-gather of the ``padded`` mode: ``out = cat(scale of every rank)`` over FSDP2's group."""
     import torch.distributed as dist
 
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -183,8 +180,7 @@ def fsdp_params(module: Optional[torch.nn.Module] = None) -> list:
 
 
 def fsdp_group(local):
-    """``(FSDPParamGroup, its sharded local tensors)`` holding the sharded local tensor ``local``, or ``(None, [])``.
-    Looked up once per tensor (a scan of the live FSDP2 states) and cached weakly."""
+    """``(FSDPParamGroup, its sharded local tensors)`` holding ``local``, or ``(None, [])`` (cached weakly)."""
     ref = _GROUP_OF.get(local)
     group = ref() if ref is not None else None
     if group is None:
@@ -281,8 +277,7 @@ def master_pre_all_gather(master, mesh, outer_size, outer_stride, module, mp_pol
 
 @torch.no_grad()
 def scaled_pre_all_gather(local, mesh, outer_size):
-    """``ScaledFp8Tensor.fsdp_pre_all_gather``: gather the stored fp8 rows of ``local`` and their scales unchanged
-    (a scale not per row is expanded to one per row; FSDP2's flat copy of the shard is dropped first).
+    """``ScaledFp8Tensor.fsdp_pre_all_gather``: gather the stored fp8 rows of ``local`` and their (per-row) scales.
 
     Returns ``(all_gather_inputs, metadata)``. Raises ``NotImplementedError``: fewer than 2 dims.
     """
@@ -308,8 +303,7 @@ def gathered(all_gather_outputs, metadata) -> tuple[torch.Tensor, torch.Tensor]:
 
 @torch.no_grad()
 def refill(dst_qdata: torch.Tensor, dst_scale: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> None:
-    """Copy gathered ``qdata`` / ``scale`` into the unsharded tensor's own (rounds after the first), without bumping
-    version counters (as FSDP2 does): the forward may have saved them, and the re-gather writes the same values."""
+    """Copy gathered ``qdata`` / ``scale`` into the unsharded tensor's own, version counters untouched (as FSDP2)."""
     for dst, src in ((dst_qdata, qdata), (dst_scale, scale)):
         if dst.data_ptr() != src.data_ptr():
             with compat.preserve_version_counter(dst):
@@ -318,11 +312,8 @@ def refill(dst_qdata: torch.Tensor, dst_scale: torch.Tensor, qdata: torch.Tensor
 
 @torch.no_grad()
 def unsharded_buffers(all_gather_outputs, metadata, copy_scale: bool = True):
-    """First ``fsdp_post_all_gather``: ``(qdata, scale, inner_tensors)`` of the unsharded tensor.
-
-    ``inner_tensors`` are the buffers FSDP2 frees on reshard and re-allocates before the next ``out=`` call; in the
-    ``padded`` mode the scales are copied into such a buffer of their own (unless ``copy_scale`` is False; ``local``:
-    data and scales both view the one gathered buffer)."""
+    """First ``fsdp_post_all_gather``: ``(qdata, scale, inner_tensors)`` of the unsharded tensor; ``inner_tensors``:
+    the buffers FSDP2 frees on reshard (``padded`` mode: the scales copied into one, unless ``copy_scale`` is False)."""
     meta: _Meta = metadata
     data_u8 = all_gather_outputs[0]
     if meta.mode == LOCAL:

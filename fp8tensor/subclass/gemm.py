@@ -1,7 +1,5 @@
-"""fp8 GEMM engine: operand preparation (on-the-fly quantization, scale folding) and the backends ``"rowwise"``,
-``"tensorwise"``, ``"emulated"`` and ``"auto"`` (docs/design.md, "GEMMs and scale folding"), with
-``torch._scaled_mm``'s layout, padding and dtype constraints handled in :func:`scaled_mm`. Registers the ``aten.mm`` /
-``aten.addmm`` op table entries of :class:`~fp8tensor.tensor.ScaledFp8Tensor`."""
+"""fp8 GEMM engine: operand preparation (on-the-fly quantization, scale folding), the backends (docs/design.md,
+"GEMMs and scale folding") and the ``aten.mm`` / ``aten.addmm`` op table entries of ``ScaledFp8Tensor``."""
 from __future__ import annotations
 
 import functools
@@ -106,8 +104,7 @@ def scaled_mm(a8: torch.Tensor, sa: torch.Tensor, b8: torch.Tensor, sb: torch.Te
     Args:
         a8: ``(M, K)`` float8 tensor (any layout; made row-major if needed).
         sa: ``(M, 1)`` float32 row scales of ``a8``.
-        b8: ``(K, N)`` float8 tensor (any layout; made column-major if needed, a padded column-major stride
-            is kept as is).
+        b8: ``(K, N)`` float8 tensor (any layout; made column-major if needed).
         sb: ``(1, N)`` float32 column scales of ``b8``.
         out_dtype: output dtype (float32, bfloat16 or float16).
         bias: optional ``(N,)`` tensor, added exactly once in ``out_dtype`` precision or better.

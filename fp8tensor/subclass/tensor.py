@@ -151,10 +151,8 @@ def _is_local_tensor(t: Any) -> bool:
 
 
 def map_local(t: Any, fn):
-    """Apply ``fn`` to a tensor, or to the local tensor of a DTensor, keeping mesh, placements, shape and stride.
-
-    Without autograd and outside ``torch.compile``, a result of the local tensor's shape and dtype is wrapped with
-    ``t``'s own spec directly (``DTensor.from_local(..., run_check=False, shape=, stride=)`` minus autograd)."""
+    """Apply ``fn`` to a tensor, or to the local tensor of a DTensor, keeping mesh, placements, shape and stride
+    (without autograd, outside ``torch.compile``: wrapped with ``t``'s own spec directly)."""
     cls = _dtensor_cls()
     if cls is False or not isinstance(t, cls):
         return map_shard(t, fn)
@@ -257,8 +255,8 @@ class ScaledFp8Tensor(torch.Tensor):
         dequantize to exact zeros. The result does not require grad.
 
         Args:
-            t: floating-point tensor with at least 2 dims (fp32, bf16, fp16, fp64), or a DTensor of one (each local
-                shard quantized; same mesh, placements, shape and stride), or a ``LocalTensor`` (of per-rank results).
+            t: floating-point tensor with at least 2 dims (fp32, bf16, fp16, fp64), or a DTensor / ``LocalTensor``
+                of one (each local shard quantized; same mesh, placements, shape and stride).
             float8_dtype: ``torch.float8_e4m3fn`` (default) or ``torch.float8_e5m2``.
             fast_accum: stored on the result; see the class docstring.
 
@@ -269,8 +267,8 @@ class ScaledFp8Tensor(torch.Tensor):
         Raises:
             TypeError: ``t`` is not a tensor, is not floating point, is already fp8, or ``float8_dtype`` is
                 unsupported.
-            ValueError: ``t`` has fewer than 2 dims, or holds an inf or NaN (naming the rows; a host sync on CUDA,
-                skipped while tracing, on meta and fake tensors and inside a CUDA-graph capture).
+            ValueError: ``t`` has fewer than 2 dims, or holds an inf or NaN (naming the rows; not checked while
+                tracing or capturing).
         """
         op = "ScaledFp8Tensor.from_hp"
         check_float8_dtype(float8_dtype, op)
@@ -279,7 +277,6 @@ class ScaledFp8Tensor(torch.Tensor):
         if isinstance(t, ScaledFp8Tensor):
             raise TypeError(f"{op}: input is already a ScaledFp8Tensor; call .to_hp() first to re-quantize")
         if _is_dtensor(t) or _is_local_tensor(t):
-            # per local shard / per simulated rank (a LocalTensor *of* ScaledFp8Tensors, as DTensor shards nest)
             return map_local(t, lambda lt: cls.from_hp(lt, float8_dtype, fast_accum=fast_accum))
         if t.dtype in FLOAT8_DTYPES or not t.dtype.is_floating_point:
             raise TypeError(f"{op}: expected a high-precision floating-point tensor, got dtype {t.dtype}")
@@ -300,8 +297,7 @@ class ScaledFp8Tensor(torch.Tensor):
                            shares_scale=self.shares_scale, scale_writes=self._scale_writes)
 
     def scale_writes(self) -> _ScaleWrites:
-        """The write bookkeeping of this tensor's scale (created on first use; shared with the views that share
-        the scale)."""
+        """The write bookkeeping of this tensor's scale (created on first use; shared by its views)."""
         if self._scale_writes is None:
             self._scale_writes = _ScaleWrites()
         return self._scale_writes
@@ -325,8 +321,7 @@ class ScaledFp8Tensor(torch.Tensor):
     __torch_dispatch__ = classmethod(_dispatch)
 
     def storage(self):
-        """Raises ``RuntimeError``: the values live in two tensors (``qdata``, ``scale``), not one storage.
-        (safetensors and Hugging Face ``save_pretrained`` read ``storage()``; the message names the plain layout.)"""
+        """Raises ``RuntimeError`` naming the plain layout: the values live in two tensors, not one storage."""
         raise RuntimeError(_NO_STORAGE)
 
     __torch_function__ = compat.DISABLED_TORCH_FUNCTION
@@ -338,8 +333,8 @@ class ScaledFp8Tensor(torch.Tensor):
 
     @data.setter
     def data(self, new: torch.Tensor) -> None:
-        """``t.data = new``: ``t`` takes ``new``'s values and shape. A ScaledFp8Tensor is taken as it is (its fp8
-        data and scales); a high-precision tensor is quantized into ``t``'s scale layout (fp8 format, scaled dims).
+        """``t.data = new``: ``t`` takes ``new``'s values and shape (a high-precision ``new`` quantized in ``t``'s
+        layout).
 
         Raises:
             TypeError: ``new`` is not a floating-point tensor, or is a plain fp8 tensor (no scales to read it by)."""
@@ -412,9 +407,8 @@ def quantize_like(x: torch.Tensor, scaled_dims, float8_dtype: torch.dtype) -> tu
 
 
 def check_finite_rows(t: torch.Tensor, what: str) -> None:
-    """Raise ``ValueError`` (starting with ``what``) naming the rows of plain ``t`` (all dims but the last) that
-    hold an inf or NaN. Reads ``t`` once (a host sync on CUDA); skipped for empty, meta or fake tensors, while
-    tracing and inside a CUDA-graph capture."""
+    """Raise ``ValueError`` (starting with ``what``) naming the rows of plain ``t`` that hold an inf or NaN (a host
+    sync on CUDA; skipped for empty, meta or fake tensors, while tracing and capturing)."""
     if (t.numel() == 0 or t.ndim < 1 or t.device.type == "meta" or compat.is_fake(t) or compat.is_compiling()
             or compat.is_functorch_wrapped(t) or (t.is_cuda and torch.cuda.is_current_stream_capturing())):
         return
@@ -462,10 +456,8 @@ def _check_layout(qdata, scale, orig_dtype, scaled_dims, op: str) -> tuple:
 
 
 def validate_parts(qdata, scale, orig_dtype, scaled_dims=None, op: str = "ScaledFp8Tensor") -> tuple:
-    """All checks of the public :class:`ScaledFp8Tensor` constructor; returns the ``scaled_dims`` to use.
-
-    Types, dims and shapes (see the class docstring), and every scale finite and positive (one reduction: a device
-    sync on CUDA; skipped while tracing and on meta / fake tensors). Op results use :func:`make_scaled` instead.
+    """All checks of the public :class:`ScaledFp8Tensor` constructor (types, shapes, every scale finite and positive:
+    a device sync on CUDA, skipped while tracing); returns the ``scaled_dims`` to use.
 
     Raises:
         TypeError / ValueError: naming ``op``, what was expected and what was given (the first bad scale, its index).

@@ -1,8 +1,6 @@
 """Row-wise fp8 grouped GEMMs for mixture-of-experts weights: :func:`fp8_grouped_mm`, the 2-D x 3-D
-``torch._grouped_mm(a, b, offs)`` (``a`` ``(M, K)`` tokens sorted by expert, ``b`` ``(E, K, N)`` the transposed expert
-weights ``(E, N, K)``, ``offs`` int32 ``(E,)`` cumulative group ends) with every operand scaled along its GEMM's
-contraction dim. Operand scalings, the padded token layout, the per-group CPU path and the compiled (masked) path are
-in docs/moe.md ("Recipes and numerics", "Compiled")."""
+``torch._grouped_mm(a, b, offs)`` with every operand scaled along its GEMM's contraction dim (docs/moe.md, "Recipes
+and numerics", "Compiled")."""
 from __future__ import annotations
 
 from typing import Optional
@@ -71,7 +69,7 @@ def _as(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _groups(ends: torch.Tensor, n: int):
-    """``(e, start, end)`` of every non-empty group ``e`` of cumulative ``ends`` (read on the host), clipped to ``n``."""
+    """``(e, start, end)`` of every non-empty group ``e`` of cumulative ``ends`` (read on the host), within ``n``."""
     start = 0
     for e, end in enumerate(ends.tolist()):
         end = min(end, n)

@@ -1,6 +1,5 @@
-"""fp8 training recipes: which GEMM of an fp8 Linear runs in fp8, in which format, with which accumulation (the
-table of ``rowwise`` / ``rowwise_gw_hp`` is in docs/recipes.md), and the size rule (docs/design.md, "Size-aware
-conversion"). The autograd function that runs them is :mod:`fp8tensor.linear`."""
+"""fp8 training recipes: which GEMM of an fp8 Linear runs in fp8, in which format, with which accumulation
+(docs/recipes.md), and the size rule (docs/design.md, "Size-aware conversion")."""
 from __future__ import annotations
 
 import dataclasses
@@ -54,10 +53,8 @@ class Gemm:
     ``x`` for grad_weight).
 
     Attributes:
-        a, b: :class:`Operand` s (a string is read as ``Operand(that scaling)``: ``Gemm("hp", "hp")``). Both
-            ``"rowwise"`` (an fp8 GEMM) or both ``"hp"``. The activation side is e4m3:
-            ``torch._scaled_mm`` takes e5m2 on one side only, and fp8tensor puts it on the weight side (which is
-            also the format FSDP2's fp8 all-gather sends).
+        a, b: :class:`Operand` s (a string is read as ``Operand(that scaling)``), both ``"rowwise"`` or both
+            ``"hp"``; ``a`` is e4m3 (``torch._scaled_mm`` takes e5m2 on one side only: the weight side).
         fast_accum: fp8 fast accumulation (``torch._scaled_mm(use_fast_accum=True)``).
 
     Raises:
@@ -97,8 +94,8 @@ _HP = Operand("hp")
 
 @dataclass(frozen=True)
 class Recipe:
-    """An fp8 training recipe: what each of the fp8 Linear's three GEMMs does, as data (a new recipe is a new value:
-    :data:`RECIPES` names the built-in ones). Stored on each converted Linear (``module.fp8_recipe``) at conversion.
+    """An fp8 training recipe: what each of the fp8 Linear's three GEMMs does, as data (:data:`RECIPES`: the named
+    ones). Stored on each converted Linear (``module.fp8_recipe``).
 
     Attributes:
         name: a label (``"rowwise"``, ``"rowwise_gw_hp"``, or your own).

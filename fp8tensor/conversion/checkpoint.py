@@ -1,6 +1,5 @@
-"""The plain fp8 checkpoint layout (safetensors, Hugging Face ``fbgemm_fp8``): each :class:`ScaledFp8Tensor` entry
-``name`` stored as ``name`` (fp8 data) and ``name + "_scale"`` (float32 per-row dequantization multipliers, ``(N, 1)``
-or ``(E, N, 1)``); ``Config.state_dict_fp8`` picks the form ``state_dict()`` writes (docs/serving.md, "Checkpoints")."""
+"""The plain fp8 checkpoint layout (safetensors, Hugging Face ``fbgemm_fp8``): a :class:`ScaledFp8Tensor` entry
+``name`` as ``name`` (fp8 data) and ``name + "_scale"`` (float32 row scales; docs/serving.md, "Checkpoints")."""
 from __future__ import annotations
 
 import copy
@@ -42,14 +41,11 @@ def _split(key: str, t, out: dict, op: str) -> bool:
 
 def plain_state_dict(state_dict: Mapping[str, object]) -> dict:
     """A copy of ``state_dict`` in the plain fp8 checkpoint layout: every :class:`ScaledFp8Tensor` entry ``name``
-    becomes ``name`` (its fp8 data) and ``name + "_scale"`` (float32 row scales); other entries are kept (no data is
-    copied for contiguous tensors).
+    becomes ``name`` (its fp8 data) and ``name + "_scale"`` (float32 row scales); other entries are kept. The new
+    dict is ready for ``safetensors.torch.save_file`` or ``save_pretrained(state_dict=...)``.
 
     Args:
         state_dict: a ``Module.state_dict()`` (or any mapping of names to tensors).
-
-    Returns:
-        A new dict, ready for ``safetensors.torch.save_file`` or ``save_pretrained(state_dict=...)``.
 
     Raises:
         ValueError: an fp8 entry is not scaled per row, or a ``name + "_scale"`` key already exists.
@@ -69,15 +65,13 @@ def plain_state_dict(state_dict: Mapping[str, object]) -> dict:
 def load_safetensors(module: torch.nn.Module, path, *, strict: bool = True):
     """Load a safetensors checkpoint (one file, or every ``*.safetensors`` file of a directory) into ``module`` with
     ``module.load_state_dict(..., strict=strict)``, all files read first (an fp8 entry and its ``_scale`` may lie in
-    different shards). Warns when high-precision entries have another dtype than the model's.
+    different shards); returns its ``(missing_keys, unexpected_keys)``. Warns when high-precision entries have another
+    dtype than the model's.
 
     Args:
         module: the model (e.g. built from its config, then ``fp8tensor.quantize_weights(model)``).
         path: a ``.safetensors`` file or a directory holding them.
         strict: as in ``Module.load_state_dict``.
-
-    Returns:
-        ``load_state_dict``'s ``(missing_keys, unexpected_keys)``.
 
     Raises:
         ImportError: safetensors is not installed. FileNotFoundError: no ``.safetensors`` file at ``path``.
@@ -109,9 +103,8 @@ def load_safetensors(module: torch.nn.Module, path, *, strict: bool = True):
 
 
 def state_dict_hook(module, state_dict, prefix, local_metadata):
-    """``Module._register_state_dict_hook`` of modules whose weights :func:`fp8tensor.quantize_weights` stored in
-    fp8: with ``fp8tensor.Config.state_dict_fp8 == "plain"`` their ScaledFp8Tensor entries are written in the plain
-    layout (:func:`plain_state_dict`); with ``"subclass"`` (default) nothing changes."""
+    """State-dict hook of :func:`fp8tensor.quantize_weights` modules: under ``Config.state_dict_fp8 == "plain"``
+    their ScaledFp8Tensor entries are written in the plain layout (:func:`plain_state_dict`)."""
     if get_config().state_dict_fp8 != "plain":
         return
     op = "fp8tensor state_dict (state_dict_fp8='plain')"
@@ -159,14 +152,11 @@ def load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict,
 
 def set_hf_quantization_config(module: torch.nn.Module) -> Optional[object]:
     """Describe the fp8 weights of a Hugging Face ``PreTrainedModel`` in its ``config.quantization_config`` (docs/
-    serving.md, "``from_pretrained``"); a no-op (None) for other modules (transformers is never imported here).
+    serving.md, "``from_pretrained``"); returns the quantization config set, or None (a no-op for other modules).
 
     When every fp8 weight is a 2-D ``float8_e4m3fn`` Linear weight: ``module.config`` becomes a copy with
     ``quantization_config = transformers.FbgemmFp8Config(modules_to_not_convert=[high-precision Linears])``.
     Otherwise every fp8 module refuses ``state_dict()`` in the plain layout (``ValueError`` naming the remedy).
-
-    Returns:
-        The quantization config set, or None.
     """
     tf = sys.modules.get("transformers")
     pretrained = getattr(tf, "PreTrainedModel", None) if tf is not None else None

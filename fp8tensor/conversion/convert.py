@@ -171,7 +171,8 @@ def convert_to_fp8(
     module: nn.Module, *, recipe="rowwise", module_filter_fn: Optional[FilterFn] = None,
     size_rule: Optional[bool] = None, fp8_all_gather: Optional[bool] = None,
 ) -> nn.Module:
-    """Convert every ``nn.Linear`` of ``module`` (in place) to fp8 training with high-precision master weights.
+    """Convert every ``nn.Linear`` of ``module`` (in place; returns ``module``) to fp8 training with high-precision
+    master weights.
 
     Each selected Linear's weight becomes an :class:`~fp8tensor.master.Fp8MasterWeight` (quantized on use) and its
     class ``Fp8C(Fp8LinearMixin, C)`` (``nn.Linear`` -> :class:`Fp8Linear`), whose ``forward`` is
@@ -202,9 +203,6 @@ def convert_to_fp8(
             its row scales. False: a plain Parameter all-gathered in its ``param_dtype``, quantized on use. None
             (default): :func:`fp8tensor.distributed.fsdp_state.fp8_all_gather_default` (docs/fsdp.md). Stored as
             ``module.fp8_all_gather``. Expert weights and existing masters stay masters (a warning if False).
-
-    Returns:
-        ``module`` itself.
 
     Raises:
         TypeError: ``module`` is not an ``nn.Module``, the filter is not callable, the recipe is neither a name
@@ -297,7 +295,8 @@ def convert_to_fp8(
 def quantize_weights(
     module: nn.Module, *, module_filter_fn: Optional[FilterFn] = None, float8_dtype: torch.dtype = E4M3
 ) -> nn.Module:
-    """Store the weight of every ``nn.Linear`` of ``module`` (in place) as a row-wise :class:`ScaledFp8Tensor`, and
+    """Store the weight of every ``nn.Linear`` of ``module`` (in place; returns ``module``) as a row-wise
+    :class:`ScaledFp8Tensor`, and
     the 3-D weights ``[E, out, in]`` of every grouped-experts module (as :func:`convert_to_fp8` selects them) as
     ScaledFp8Tensors with per-expert row scales ``[E, out, 1]`` (their grouped GEMMs then run in fp8, the input
     gradient through scale folding).
@@ -313,9 +312,6 @@ def quantize_weights(
         module: the model.
         module_filter_fn: ``fn(linear, fqn) -> bool`` selecting Linears.
         float8_dtype: ``torch.float8_e4m3fn`` (default) or ``torch.float8_e5m2``.
-
-    Returns:
-        ``module`` itself.
 
     Raises:
         TypeError: not an ``nn.Module``, filter not callable, or unsupported ``float8_dtype``.

@@ -1,9 +1,5 @@
-"""Every use of a private PyTorch API by fp8tensor, in one place, gated by the torch version where it differs.
-
-fp8tensor supports torch 2.11 to 2.14. The rest of the package reaches private torch state only through the
-functions here, so a torch upgrade that moves one of them breaks (or is fixed) in this module alone;
-``tests/test_compat.py`` checks each of them against the installed torch.
-"""
+"""Every use of a private PyTorch API by fp8tensor (torch 2.11 to 2.14), in one place, gated by the torch version
+where it differs; ``tests/test_compat.py`` checks each of them against the installed torch."""
 from __future__ import annotations
 
 import torch

@@ -1,7 +1,6 @@
 """The knobs of fp8tensor: :class:`Config`, read with :func:`get_config`, set process-wide with :func:`set_config`,
-scoped to a ``with`` block of the current thread with :func:`config`. Knobs are read when an op runs or is traced
-(a compiled graph keeps what was in force at tracing). The fp8 Linear's backward runs under its forward's blocks
-(docs/design.md, "Settings and tracing state"); other backwards (grouped GEMMs) see their own thread's settings."""
+scoped to a ``with`` block of the current thread with :func:`config`; read when an op runs or is traced (docs/design.md,
+"Settings and tracing state")."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,12 +10,11 @@ import weakref
 __all__ = ["Config", "config", "get_config", "set_config", "GEMM_BACKENDS", "UNKNOWN_OPS",
            "COMPILED_QUANTIZATION", "STATE_DICT_FP8"]  # public as fp8tensor.*
 
-#: GEMM backends (see :mod:`fp8tensor.gemm`): ``auto`` picks row-wise ``torch._scaled_mm`` where the device supports
-#: it, else tensor-wise with the row scales applied to the output, else an emulation in high precision.
+#: GEMM backends (see :mod:`fp8tensor.gemm`): ``auto`` picks row-wise ``torch._scaled_mm`` where supported, else
+#: tensor-wise, else an emulation in high precision.
 GEMM_BACKENDS = ("auto", "rowwise", "tensorwise", "emulated")
-#: What an op without an fp8 implementation does on a ``ScaledFp8Tensor`` (out-of-place ops only; in-place ops,
-#: ``out=`` and collectives always raise): ``warn`` runs it on the dequantized tensors and warns once per op,
-#: ``raise`` raises ``NotImplementedError``, ``allow`` runs it dequantized silently.
+#: What an out-of-place op without an fp8 implementation does on a ``ScaledFp8Tensor``: ``warn`` runs it dequantized
+#: and warns once per op, ``raise`` raises ``NotImplementedError``, ``allow`` runs it dequantized silently.
 UNKNOWN_OPS = ("warn", "raise", "allow")
 #: How compiled graphs quantize the grad_weight GEMMs' token-dim operands (see :attr:`Config.compiled_quantization`).
 COMPILED_QUANTIZATION = ("kernels", "inductor")
@@ -86,13 +84,11 @@ class Config:
 
 
 _global = Config()
-_local = threading.local()  # .block: (overrides of the innermost block, the global settings they were merged with,
-#                              the merged settings) or None
+_local = threading.local()  # .block: (overrides, the global settings they were merged with, merged) or None
 
 
 def get_config() -> Config:
-    """The settings in force in this thread: the fields named by the enclosing :func:`config` blocks, the
-    process-wide settings (:func:`set_config`, also when changed inside a block) for the others."""
+    """The settings in force in this thread: the enclosing :func:`config` blocks' fields over the process-wide ones."""
     if getattr(_local, "pending", None):
         _raise_pending()
     block = getattr(_local, "block", None)
@@ -113,8 +109,8 @@ def scope_token():
 
 
 def swap_scope(token):
-    """Make ``token`` (from :func:`scope_token`, or what an earlier call returned) this thread's :func:`config`
-    blocks; returns the thread's previous state, which restores it exactly."""
+    """Make ``token`` (from :func:`scope_token` or this function) this thread's :func:`config` blocks; returns the
+    previous state."""
     prev = (getattr(_local, "block", None), tuple(getattr(_local, "stack", None) or ()))
     _local.block, stack = (None, ()) if token is None else token
     _local.stack = list(stack)

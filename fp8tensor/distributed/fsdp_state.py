@@ -68,9 +68,7 @@ def find_fsdp_param(param: torch.Tensor, module: Optional[torch.nn.Module] = Non
 def refresh_fsdp_param(param: torch.Tensor, module: Optional[torch.nn.Module] = None) -> bool:
     """Make FSDP2 pick up a swapped local tensor of ``param`` (after ``fully_shard``): the ``FSDPParam`` owning it
     (under ``module``, or any live state) re-reads its all-gather extension and drops buffers typed for the old one.
-
-    Returns:
-        True if an FSDP2 parameter was refreshed.
+    True if an FSDP2 parameter was refreshed.
 
     Raises:
         RuntimeError: the parameter is currently unsharded: reshard first.

@@ -1,6 +1,5 @@
-"""fp8 communication for sequence parallelism: the activation all-gathered in fp8 with per-token scales (the GEMMs'
-own, so forward GEMMs are bit-identical; ``hidden + 4`` bytes per token instead of ``2 * hidden``), after TorchAO's
-``PrepareFloat8ModuleInput`` with per-token instead of per-tensor scales. docs/sp_fp8.md."""
+"""fp8 communication for sequence parallelism: the activation all-gathered in fp8 with per-token scales, after
+TorchAO's ``PrepareFloat8ModuleInput`` with per-token instead of per-tensor scales (docs/sp_fp8.md)."""
 from __future__ import annotations
 
 import warnings
@@ -29,8 +28,7 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
 
 
 def _gather_payload(qdata: torch.Tensor, scale: torch.Tensor, dim: int, mesh: DeviceMesh):
-    """All-gather fp8 ``qdata`` (as uint8) and float32 ``scale`` along ``dim`` over the 1-D ``mesh``, both issued
-    before either is waited on (a function of its own: tests check what goes over the wire)."""
+    """All-gather fp8 ``qdata`` (as uint8) and float32 ``scale`` along ``dim`` over the 1-D ``mesh``."""
     group = (mesh, 0)
     q = _all_gather(qdata.contiguous().view(torch.uint8), dim, group)
     s = _all_gather(scale.contiguous(), dim, group)
@@ -94,13 +92,12 @@ def fp8_sequence_all_gather(x: DTensor, *, float8_dtype: torch.dtype = E4M3) -> 
 
     Args:
         x: DTensor ``(..., hidden)`` of a high-precision floating dtype on a 1-D (TP) mesh, placements
-            ``(Shard(d),)`` with ``d`` not the last dim (typically ``Shard(1)`` of ``(batch, seq, hidden)``), evenly
-            sharded.
+            ``(Shard(d),)`` with ``d`` not the last dim, evenly sharded.
         float8_dtype: ``torch.float8_e4m3fn`` (default) or ``torch.float8_e5m2``.
 
     Returns:
-        DTensor of ``x``'s global shape and dtype, placements ``(Replicate(),)``, whose local tensor is a
-        :class:`~fp8tensor.ScaledFp8Tensor` with ``scale`` ``(..., 1)`` (one per token), for fp8 Linears.
+        DTensor of ``x``'s global shape and dtype, placements ``(Replicate(),)``, of a
+        :class:`~fp8tensor.ScaledFp8Tensor` with ``scale`` ``(..., 1)``.
 
     Raises:
         TypeError: ``x`` is not a DTensor, not high-precision floating point, or already fp8; unsupported
@@ -121,17 +118,8 @@ def _is_sp_gather(input_layout: Optional[Placement], desired_layout: Optional[Pl
 
 
 class Fp8PrepareModuleInput(PrepareModuleInput):
-    """``PrepareModuleInput`` whose ``Shard(d) -> Replicate()`` input gathers move fp8 data and per-token scales.
-
-    For the modules whose inputs feed column-parallel fp8 Linears under sequence parallelism, e.g.::
-
-        plan = {
-            "attention": Fp8PrepareModuleInput(input_layouts=(Shard(1), None),
-                                               desired_input_layouts=(Replicate(), None)),
-            "attention.wq": ColwiseParallel(), ...
-        }
-
-    Each such input is gathered with :func:`fp8_sequence_all_gather` (one that cannot be: in high precision, with a
+    """``PrepareModuleInput`` whose ``Shard(d) -> Replicate()`` input gathers move fp8 data and per-token scales, for
+    modules whose inputs feed column-parallel fp8 Linears under sequence parallelism (docs/sp_fp8.md). Each such input is gathered with :func:`fp8_sequence_all_gather` (one that cannot be: in high precision, with a
     warning); other inputs as ``PrepareModuleInput`` does. Consumers must be fp8 Linears.
 
     Args (keyword-only): those of ``PrepareModuleInput`` (``input_layouts``, ``desired_input_layouts``,
@@ -183,7 +171,7 @@ def _has_sp_gather(style: PrepareModuleInput) -> bool:
 
 def fp8_sequence_parallel_plan(plan: dict[str, ParallelStyle], *, float8_dtype: torch.dtype = E4M3
                                ) -> dict[str, ParallelStyle]:
-    """Copy of a ``parallelize_module`` plan with fp8 sequence-parallel gathers.
+    """Copy of a ``parallelize_module`` plan (same keys, same order) with fp8 sequence-parallel gathers.
 
     Every ``PrepareModuleInput`` entry (or input half of a ``PrepareModuleInputOutput``) with a ``Shard(d) ->
     Replicate()`` input becomes an :class:`Fp8PrepareModuleInput` with the same layouts; ``plan`` is not modified.
@@ -191,9 +179,6 @@ def fp8_sequence_parallel_plan(plan: dict[str, ParallelStyle], *, float8_dtype: 
     Args:
         plan: dict from module FQN (or pattern) to ``ParallelStyle``.
         float8_dtype: ``torch.float8_e4m3fn`` (default) or ``torch.float8_e5m2``.
-
-    Returns:
-        A new dict with the same keys, in the same order.
 
     Raises:
         TypeError: ``plan`` is not a dict, or unsupported ``float8_dtype``.

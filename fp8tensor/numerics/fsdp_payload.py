@@ -128,15 +128,13 @@ def _pad_rows(t: torch.Tensor, rows: int, fill) -> torch.Tensor:
 
 def all_gather_inputs(qdata: torch.Tensor, scale: torch.Tensor, mesh, outer_size, fast_accum: bool,
                       packed: Optional[torch.Tensor] = None):
-    """Pad the local fp8 rows and row scales and choose how they travel (docs/fsdp.md).
+    """Pad the local fp8 rows and row scales and choose how they travel (docs/fsdp.md): ``(all_gather_inputs,
+    metadata)`` as FSDP2 expects them from ``fsdp_pre_all_gather``.
 
     Args:
         qdata: ``(r, *rest)`` fp8 local rows (``r`` may be 0). scale: ``(r, *srest)`` float32 scales of those rows.
         mesh: FSDP2's 1-D shard mesh. outer_size: the unsharded size. fast_accum: carried to the unsharded tensor.
         packed: on a 1-rank mesh, the packed payload ``qdata`` and ``scale`` already view; built here when None.
-
-    Returns:
-        ``(all_gather_inputs, metadata)`` as FSDP2 expects them from ``fsdp_pre_all_gather``.
     """
     world_size, rows = mesh.size(), int(outer_size[0])
     if world_size == 1:
@@ -252,14 +250,12 @@ def _quantized_rows(master, float8_dtype, local: bool):
 @torch.no_grad()
 def master_pre_all_gather(master, mesh, outer_size, outer_stride, module, mp_policy):
     """``Fp8MasterWeight.fsdp_pre_all_gather``: the local master rows quantized row-wise (as ``from_hp``, the
-    recipe's format, from the master dtype) with its FSDP2 parameter group in one launch.
+    recipe's format, from the master dtype) with its FSDP2 parameter group in one launch; returns
+    ``(all_gather_inputs, metadata)`` (see :func:`all_gather_inputs`).
 
     Args:
         master: the local ``Fp8MasterWeight`` shard ``(r, *rest)``. mesh: FSDP2's 1-D shard mesh. outer_size /
             outer_stride: the unsharded size and stride. module, mp_policy: unused (FSDP2's signature).
-
-    Returns:
-        ``(all_gather_inputs, metadata)`` (see :func:`all_gather_inputs`).
 
     Raises:
         NotImplementedError: the weight has fewer than 2 dims.

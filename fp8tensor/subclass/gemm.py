@@ -99,7 +99,7 @@ def choose_backend(device: torch.device, a_dtype: torch.dtype, b_dtype: torch.dt
 def scaled_mm(a8: torch.Tensor, sa: torch.Tensor, b8: torch.Tensor, sb: torch.Tensor, out_dtype: torch.dtype,
               bias: Optional[torch.Tensor] = None, use_fast_accum: bool = False, backend: Optional[str] = None
               ) -> torch.Tensor:
-    """``(a8 * sa) @ (b8 * sb) + bias`` with fp8 operands, on the chosen backend.
+    """``(a8 * sa) @ (b8 * sb) + bias`` with fp8 operands, on the chosen backend: ``(M, N)`` of ``out_dtype``.
 
     Args:
         a8: ``(M, K)`` float8 tensor (any layout; made row-major if needed).
@@ -110,9 +110,6 @@ def scaled_mm(a8: torch.Tensor, sa: torch.Tensor, b8: torch.Tensor, sb: torch.Te
         bias: optional ``(N,)`` tensor, added exactly once in ``out_dtype`` precision or better.
         use_fast_accum: fp8 fast accumulation on CUDA (``torch._scaled_mm(use_fast_accum=...)``).
         backend: ``"auto"``, ``"rowwise"``, ``"tensorwise"``, ``"emulated"``; None reads :func:`get_gemm_backend`.
-
-    Returns:
-        ``(M, N)`` tensor of ``out_dtype``.
     """
     M, K = a8.shape
     N = b8.shape[1]

@@ -186,9 +186,8 @@ _NO_STORAGE = (
 
 
 class ScaledFp8Tensor(torch.Tensor):
-    """A tensor stored as fp8 data with float32 scales; it reads as the high-precision tensor it encodes.
-
-    Logical value: ``qdata.float() * scale`` (the scale is the *dequantization multiplier*).
+    """A tensor stored as fp8 data with float32 scales; it reads as the high-precision tensor it encodes, ``qdata.float()
+    * scale`` (the scale is the *dequantization multiplier*).
 
     Attributes:
         qdata: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2`` tensor, the logical shape.
@@ -196,12 +195,10 @@ class ScaledFp8Tensor(torch.Tensor):
             (:meth:`from_hp` of an ``(N, K)`` weight: ``(N, 1)``; ``.t()`` makes it ``(1, N)``).
         orig_dtype: the high-precision dtype (``.dtype`` of this tensor; output dtype of its GEMMs).
         fast_accum: whether its GEMMs may use fp8 fast accumulation (default True; backward operands use False).
-        shares_scale: whether this is a view whose scales also scale elements outside it (a column slice of a
-            row-scaled tensor); ``copy_`` into it refuses writes that would change those elements.
+        shares_scale: whether this is a view whose scales also scale elements outside it (``copy_`` guards them).
         scaled_dims: one bool per dim, True where there is one scale per index (the scale has the data's size),
-            False where one scale is shared along it: the *declared* layout every op decides from (never the sizes).
-            :meth:`from_hp` declares ``(True, ..., True, False)``; when not given it is read from the shapes (a
-            dim whose scale is not 1 is scaled; a size-1 dim is scaled if another dim is unambiguously shared).
+            False where one scale is shared along it: the *declared* layout every op decides from; when not given it
+            is read from the shapes (a size-1 dim is scaled if another dim is unambiguously shared).
 
     ``shape``, ``stride``, ``device`` and ``dtype`` are the logical ones. Ops outside the op table run dequantized
     (out-of-place) or raise ``NotImplementedError`` (in-place, ``out=``, collectives); ``.to(fp8 dtype)`` raises
@@ -210,8 +207,7 @@ class ScaledFp8Tensor(torch.Tensor):
     Raises:
         TypeError: ``qdata`` is not an fp8 tensor, ``scale`` is not float32, or ``orig_dtype`` is not floating point.
         ValueError: ``scale`` does not have ``qdata``'s ndim, a scale dim is neither 1 nor ``qdata``'s size, a scale
-            is negative, zero, NaN or infinite, or ``scaled_dims`` does not match the shapes (the message names the
-            op, the first bad value and its index).
+            is not finite and positive, or ``scaled_dims`` does not match the shapes.
     """
 
     qdata: torch.Tensor

@@ -1,5 +1,5 @@
 """A training step's forward + loss + backward captured once as a CUDA graph and replayed (:func:`graph_step`,
-torchtitan's scheme; docs/cuda_graphs.md). fp8tensor's one cache is keyed by the capture (:mod:`fp8tensor.capture`)."""
+torchtitan's scheme; docs/cuda_graphs.md)."""
 from __future__ import annotations
 
 import operator
@@ -50,7 +50,7 @@ def _storage_ptrs(t: torch.Tensor) -> tuple:
 
 
 def _members(m: torch.nn.Module) -> tuple:
-    """``m``'s own parameters, buffers and child modules (the objects, in order; None entries included)."""
+    """``m``'s own parameters, buffers and child modules (None entries included)."""
     return (tuple(compat.parameters_dict(m).values()), tuple(compat.buffers_dict(m).values()),
             tuple(compat.children_dict(m).values()))
 
@@ -64,12 +64,8 @@ def _named_members(model: torch.nn.Module) -> dict:
 
 class GraphedStep:
     """``fn(*args, **kwargs)`` (forward + loss + ``backward()``) captured as one CUDA graph; see :func:`graph_step`.
-
-    Attributes:
-        calls: number of calls so far (warm-up, capture and replays). captured: whether the graph exists.
-        graph: the ``torch.cuda.CUDAGraph`` (None before capture and after :meth:`close`).
-        pool: the graph memory pool handle (shareable with other graphs through ``graph_step(..., pool=)``).
-    """
+    Attributes: ``calls`` (so far), ``captured``, ``graph`` (the ``torch.cuda.CUDAGraph`` or None), ``pool`` (the graph
+    memory pool handle, shareable through ``graph_step(..., pool=)``)."""
 
     def __init__(self, fn: Callable[..., Any], parameters: Iterable[torch.Tensor], *, warmup_steps: int = 3,
                  pool=None, enabled: Optional[bool] = None):
@@ -122,9 +118,8 @@ class GraphedStep:
         return self.graph is not None
 
     def close(self) -> None:
-        """Release the graph, its memory pool (unless shared with another live graph) and the static inputs and
-        outputs. The next call starts again with warm-up calls (e.g. after changing the batch shape, or after the
-        parameters moved: parameters that their modules replaced since the capture are replaced here too)."""
+        """Release the graph, its memory pool (unless shared) and the static inputs and outputs, and re-read the
+        model's parameters; the next call starts again with warm-up calls (e.g. after changing the batch shape)."""
         if self.graph is not None and torch.cuda.is_available():
             torch.cuda.synchronize()
         if self._module is not None:
@@ -308,7 +303,8 @@ class GraphedStep:
 
 def graph_step(fn: Callable[..., Any], parameters: Iterable[torch.Tensor], *, warmup_steps: int = 3, pool=None,
                enabled: Optional[bool] = None) -> GraphedStep:
-    """Turn ``fn(*inputs) -> loss`` (forward, loss and ``loss.backward()``) into a step captured as one CUDA graph.
+    """Turn ``fn(*inputs) -> loss`` (forward, loss and ``loss.backward()``) into a step captured as one CUDA graph: a
+    :class:`GraphedStep`, called like ``fn``.
 
     Method: torchtitan's whole-step CUDA graph (``torchtitan/distributed/cudagraph.py``): ``warmup_steps`` eager
     calls on a side stream, one capture into a graph memory pool, then replays on copied inputs (docs/cuda_graphs.md)::
@@ -333,9 +329,6 @@ def graph_step(fn: Callable[..., Any], parameters: Iterable[torch.Tensor], *, wa
         pool: a graph memory pool handle (``torch.cuda.graph_pool_handle()`` or another step's ``.pool``) to share.
         enabled: ``None`` (default): capture on CUDA, else run eagerly under the same contract with a
             ``RuntimeWarning``; ``True``: raise where capture cannot work; ``False``: always eager, no checks.
-
-    Returns:
-        A :class:`GraphedStep`, called like ``fn``.
 
     Raises:
         TypeError / ValueError: bad arguments (``fn`` not callable, ``parameters`` not a model or tensors,

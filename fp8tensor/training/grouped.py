@@ -18,19 +18,14 @@ from ..subclass.tensor import ScaledFp8Tensor, implements
 __all__ = ["fp8_grouped_mm", "Fp8GroupedMMMode", "quantize_group_cols", "quantize_expert_cols", "padded_offsets",
            "grouped_2d3d", "grouped_2d2d", "ALIGN"]
 
-#: Token alignment of the groups of the fp8 2-D x 2-D grouped GEMM (``torch._scaled_grouped_mm`` on CUDA reads each
-#: group of the token dim from a 16-byte aligned address).
+#: Token alignment of the groups of the fp8 2-D x 2-D grouped GEMM (16-byte aligned groups on CUDA).
 ALIGN = 16
 
 
 # ---------------------------------------------------------------------------------------------- offsets
 def padded_offsets(offs: torch.Tensor, M: int, align: int = ALIGN):
-    """The padded token layout of the 2-D x 2-D grouped GEMM, without a host sync.
-
-    Args:
-        offs: int32 ``(E,)`` cumulative group ends (non-decreasing, ``offs[-1] <= M``).
-        M: the number of token rows.
-        align: the group alignment.
+    """The padded token layout of the 2-D x 2-D grouped GEMM, without a host sync, for int32 ``(E,)`` cumulative group
+    ends ``offs`` (non-decreasing, ``offs[-1] <= M``) of ``M`` token rows and the group alignment ``align``.
 
     Returns:
         ``(M_pad, pad_ends, pad_starts)``: ``M_pad`` a Python int (room for every group rounded up to ``align``, at
@@ -164,8 +159,7 @@ def grouped_2d2d(aq_t, a_scale, bq_t, b_scale, pad_ends, out_dtype, *, fast_accu
 def _grouped_hp_weight_grad(gy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, E: int) -> torch.Tensor:
     """``out[e] = gy[group e]^T @ x[group e]`` ``(E, N, K)`` in high precision."""
     if gy.dtype == torch.bfloat16 and x.dtype == torch.bfloat16 and E > 0 and gy.shape[0] > 0:
-        # row-major operands, as in eager (traced, inductor would lay gy.t() out as its own (N, M) buffer, whose
-        # rows are not 16-byte multiples for most token counts: "strides should be multiple of 16 bytes")
+        # row-major operands, as in eager (traced, inductor's own (N, M) layout of gy.t() breaks 16-byte strides)
         return torch._grouped_mm(compat.one_buffer(gy).t(), compat.one_buffer(x), offs=offs)
     if _traced(offs):  # masked, as grouped_2d2d
         return torch.matmul(gy.t() * _group_masks(offs, gy.shape[0], gy.dtype)[:, None, :], x)
@@ -283,8 +277,8 @@ class _Fp8GroupedMM(torch.autograd.Function):
 
 def fp8_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, *, recipe="rowwise",
                    out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """fp8 ``torch._grouped_mm(a, b, offs=offs)`` for expert weights: row-wise scaled fp8 output, grad_input and
-    grad_weight GEMMs (operand scalings: docs/moe.md, "Recipes and numerics").
+    """fp8 ``torch._grouped_mm(a, b, offs=offs)`` ``(M, N)`` for expert weights: row-wise scaled fp8 output,
+    grad_input and grad_weight GEMMs (operand scalings: docs/moe.md, "Recipes and numerics").
 
     Args:
         a: ``(M, K)`` high-precision tokens sorted by expert (plain tensor).
@@ -294,9 +288,6 @@ def fp8_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, *, reci
             dtype=torch.int32)``), any sizes including 0; rows past ``offs[-1]`` belong to no expert.
         recipe: ``"rowwise"``, ``"rowwise_gw_hp"`` or a :class:`Recipe`.
         out_dtype: the output dtype (default: the promoted dtype of ``a`` and ``b``; CUDA fp8 GEMMs write bf16).
-
-    Returns:
-        ``(M, N)`` tensor.
 
     Raises:
         ValueError: wrong ranks or shapes, unknown recipe, ``offs`` with another number of groups than experts, or

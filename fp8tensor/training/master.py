@@ -32,9 +32,8 @@ _PRESERVE = {
 
 
 def keep_master_through(ops) -> None:
-    """Add aten / collective op overloads whose results stay :class:`Fp8MasterWeight` when their input is one
-    (layout-preserving ops such as padding or the collectives DTensor uses to redistribute a master). Other ops on
-    a master return plain tensors."""
+    """Add op overloads whose results stay :class:`Fp8MasterWeight` when their input is one (layout-preserving ops,
+    DTensor's collectives); other ops on a master return plain tensors."""
     _PRESERVE.update(ops)
 
 
@@ -144,8 +143,7 @@ class Fp8MasterWeight(torch.Tensor, QuantizeOnUse):
         return res
 
     def __reduce_ex__(self, protocol):
-        # Pickles as the plain high-precision tensor (a checkpoint never needs fp8tensor to load); a master that is
-        # a module's Parameter pickles as a plain Parameter with its requires_grad, as nn.Linear's weight does.
+        # pickles as the plain high-precision tensor (or Parameter): a checkpoint never needs fp8tensor to load
         if compat.is_parameter_marked(self):
             return (compat.rebuild_parameter(), (self._data, self.requires_grad, collections.OrderedDict()))
         return self._data.__reduce_ex__(protocol)
@@ -192,10 +190,7 @@ def _master_mm(func, args, kwargs):
     """A bare ``mm``/``addmm`` on a master (quantized along the contraction dim); warns with gradients enabled."""
     if torch.is_grad_enabled():  # a forward that records autograd (the backward's own mm runs without grad mode)
         warnings.warn(_PARTIAL_RECIPE, stacklevel=2)
-    if func is torch.ops.aten.addmm.default:
-        bias, a, b = args[0], args[1], args[2]
-    else:
-        bias, a, b = None, args[0], args[1]
+    bias, a, b = args[:3] if func is torch.ops.aten.addmm.default else (None, *args[:2])
     if isinstance(a, Fp8MasterWeight):
         a = _quantize_local(a._data, 1, True)
     if isinstance(b, Fp8MasterWeight):

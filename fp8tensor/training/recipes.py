@@ -17,7 +17,7 @@ __all__ = ["Recipe", "Gemm", "Operand", "SCALINGS", "RECIPES", "get_recipe", "we
 
 
 #: Operand scalings a recipe can name: ``"rowwise"`` (one float32 scale per slice along the GEMM's contraction dim)
-#: or ``"hp"`` (high precision). No tensor-wise scaling: row-wise is as fast on Hopper and more accurate.
+#: or ``"hp"`` (high precision).
 SCALINGS = ("rowwise", "hp")
 
 
@@ -48,9 +48,8 @@ class Operand:
 
 @dataclass(frozen=True)
 class Gemm:
-    """One of the fp8 Linear's three GEMMs ``a @ b``: ``a`` is the activation side (``x`` for the output,
-    ``grad_out`` for grad_input, ``grad_out^T`` for grad_weight), ``b`` the weight side (``W^T``, ``W``, and the saved
-    ``x`` for grad_weight).
+    """One of the fp8 Linear's three GEMMs ``a @ b``: ``a`` the activation side (``x``, ``grad_out``, ``grad_out^T``),
+    ``b`` the weight side (``W^T``, ``W``, and the saved ``x`` for grad_weight).
 
     Attributes:
         a, b: :class:`Operand` s (a string is read as ``Operand(that scaling)``), both ``"rowwise"`` or both
@@ -149,8 +148,8 @@ class Recipe:
 
 
 def weight_format(recipe, float8_dtype: torch.dtype) -> "Recipe":
-    """``recipe`` (a :class:`Recipe` or a name in :data:`RECIPES`) with every fp8 weight side (and the saved input of
-    an fp8 grad_weight) in ``float8_dtype`` (``torch.float8_e4m3fn`` or ``torch.float8_e5m2``).
+    """``recipe`` (a :class:`Recipe` or a name) with every fp8 weight side (and the saved input of an fp8 grad_weight)
+    in ``float8_dtype`` (``torch.float8_e4m3fn`` or ``torch.float8_e5m2``).
 
     Raises:
         ValueError: unknown recipe name, or ``float8_dtype`` not an fp8 format.
@@ -164,8 +163,7 @@ def weight_format(recipe, float8_dtype: torch.dtype) -> "Recipe":
                                grad_weight=b(recipe.grad_weight))
 
 
-#: The named recipes (read-only: a name means the same recipe everywhere in the process; pass a :class:`Recipe`
-#: itself for any other).
+#: The named recipes (read-only; pass a :class:`Recipe` itself for any other).
 RECIPES = types.MappingProxyType({
     "rowwise": Recipe("rowwise"),
     "rowwise_gw_hp": Recipe("rowwise_gw_hp", grad_weight=Gemm(_HP, _HP)),
@@ -190,18 +188,15 @@ def get_recipe(recipe) -> Recipe:
 
 # ---------------------------------------------------------------------------------------------- the size rule
 def fp8_size_rule(in_features: int, out_features: int) -> bool:
-    """Whether a Linear of this size is expected to train faster in fp8 than in high precision (row-wise recipes).
+    """Whether a Linear of this size is expected to train faster in fp8 than in high precision (row-wise recipes):
+    True to convert, False to keep it in high precision.
 
     fp8 saves time in proportion to ``K * N`` and quantizing costs in proportion to ``K + N``, so the rule converts
     a Linear when ``K * N / (K + N) >= size_rule_min`` (:class:`fp8tensor.Config`, default 640, measured on H200
     with ``benchmarks/linear.py --size-rule``; docs/design.md, "Size-aware conversion").
 
     Args:
-        in_features: ``K``, the Linear's input features.
-        out_features: ``N``, its output features.
-
-    Returns:
-        True to convert, False to keep the Linear in high precision.
+        in_features: ``K``, the Linear's input features; out_features: ``N``, its output features.
     """
     K, N = int(in_features), int(out_features)
     if K <= 0 or N <= 0:
@@ -210,7 +205,8 @@ def fp8_size_rule(in_features: int, out_features: int) -> bool:
 
 
 def fp8_size_choice(in_features: int, out_features: int, recipe="rowwise") -> Optional[Recipe]:
-    """The size-aware choice for one Linear: the recipe it is converted with, or None to keep it in high precision.
+    """The size-aware choice for one Linear: the :class:`Recipe` it is converted with, or None to keep it in high
+    precision.
 
     * ``K * N / (K + N) < size_rule_min`` (:func:`fp8_size_rule` False): None;
     * a recipe with an fp8 grad_weight and ``K * N / (K + N) < size_rule_fp8_grad_weight_min`` (default 1024): the
@@ -221,9 +217,6 @@ def fp8_size_choice(in_features: int, out_features: int, recipe="rowwise") -> Op
         in_features: ``K``; out_features: ``N``.
         recipe: the requested recipe (name or :class:`~fp8tensor.recipes.Recipe`).
 
-    Returns:
-        A :class:`~fp8tensor.recipes.Recipe` or None.
-
     Raises:
         ValueError: unknown recipe.
     """
@@ -233,7 +226,6 @@ def fp8_size_choice(in_features: int, out_features: int, recipe="rowwise") -> Op
     K, N = int(in_features), int(out_features)
     if r.grad_weight_fp8 and K * N < get_config().size_rule_fp8_grad_weight_min * (K + N):
         hp = get_recipe("rowwise_gw_hp")
-        # the requested recipe with its grad_weight GEMM in high precision (its other fields kept)
         mid = dataclasses.replace(r, name=hp.name, grad_weight=Gemm(_HP, _HP))
         return hp if mid == hp else mid
     return r

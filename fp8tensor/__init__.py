@@ -1,22 +1,12 @@
 """fp8tensor: row-wise scaled fp8 matmuls as a tensor subclass that lives inside DTensor and FSDP2.
 
-Public API:
-
-* :class:`ScaledFp8Tensor` — fp8 data + float32 row-wise scales; ``ScaledFp8Tensor.from_hp(w)``.
-* :func:`convert_to_fp8` — training: high-precision master weights quantized on use (recipes
-  ``"rowwise"`` and ``"rowwise_gw_hp"``).
-* :func:`quantize_weights` — inference / frozen weights stored in fp8.
-* :func:`fp8_linear` — the functional form of an fp8 Linear.
-* :func:`plain_state_dict` / :func:`load_safetensors` — fp8 weights as plain ``weight`` + ``weight_scale`` tensors
-  (safetensors, Hugging Face; inside ``with fp8tensor.config(state_dict_fp8="plain"):`` ``state_dict()`` writes them),
-  see ``docs/serving.md``. ``torch.export`` of fp8 models works as for any model (``docs/serving.md``).
-* :func:`fp8_grouped_mm` — fp8 ``torch._grouped_mm`` for mixture-of-experts weights (``docs/moe.md``); master
-  weights and ScaledFp8Tensors of 3-D expert weights route ``torch._grouped_mm`` to it.
-* :func:`set_gemm_backend` / :func:`gemm_backend` — GEMM backend choice.
-* :func:`config` / :func:`set_config` / :func:`get_config` — the library's settings (:class:`Config`).
-* :func:`graph_step` — a training step's forward + backward captured as one CUDA graph (no host waits).
-* :class:`Fp8PrepareModuleInput` / :func:`fp8_sequence_parallel_plan` — fp8 all-gather of sequence-parallel
-  activations (per-token scales), see ``docs/sp_fp8.md``.
+Public API: :class:`ScaledFp8Tensor` (fp8 data + float32 row-wise scales, ``ScaledFp8Tensor.from_hp(w)``);
+:func:`convert_to_fp8` (training with high-precision master weights quantized on use); :func:`quantize_weights`
+(inference / frozen weights stored in fp8); :func:`fp8_linear`; :func:`plain_state_dict` / :func:`load_safetensors`
+(the plain ``weight`` + ``weight_scale`` layout, docs/serving.md); :func:`fp8_grouped_mm` (mixture-of-experts,
+docs/moe.md); :func:`set_gemm_backend` / :func:`gemm_backend`; :func:`config` / :func:`set_config` /
+:func:`get_config` (:class:`Config`); :func:`graph_step` (a training step as one CUDA graph);
+:class:`Fp8PrepareModuleInput` / :func:`fp8_sequence_parallel_plan` (fp8 sequence-parallel all-gather, docs/sp_fp8.md).
 """
 from .core.settings import Config, config, get_config, set_config
 from .numerics.quantize import E4M3, E5M2, quantize_rowwise
@@ -38,9 +28,8 @@ _REGISTERING = (ops, fsdp_state, collectives)
 
 
 def _alias_modules() -> None:
-    """``fp8tensor.<module>`` names each module by its flat name too (``fp8tensor.quantize``, ``fp8tensor.linear``,
-    ...: the layout before the layer folders), so imports, monkeypatches and pickles that name them keep working;
-    ``fp8tensor.fsdp`` is ``fp8tensor.numerics.fsdp_payload``."""
+    """Each module also as ``fp8tensor.<flat name>`` (the layout before the layer folders: imports and pickles name
+    it); ``fp8tensor.fsdp`` is ``fp8tensor.numerics.fsdp_payload``."""
     import importlib
     import pkgutil
     import sys

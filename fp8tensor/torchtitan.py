@@ -72,13 +72,10 @@ if _IMPORT_ERROR is None:
             _build(self, Linear, config, ("in_features", "out_features"), "this Linear a Linear.Config")
 
     class Fp8TensorGroupedExperts(Fp8GroupedExpertsMixin, GroupedExperts):
-        """torchtitan ``GroupedExperts`` trained in fp8 by fp8tensor (built from
-        :class:`Fp8TensorGroupedExperts.Config`).
-
-        ``w1_EFD`` / ``w3_EFD`` ``(E, hidden_dim, dim)`` and ``w2_EDF`` ``(E, dim, hidden_dim)`` are
-        :class:`~fp8tensor.Fp8MasterWeight` s (DTensors of them after expert parallelism / FSDP2); ``forward`` is
-        ``GroupedExperts.forward`` under :class:`~fp8tensor.grouped.Fp8GroupedMMMode`, so each ``torch._grouped_mm``
-        runs the fp8 grouped GEMMs of ``config.recipe``. ``state_dict()`` holds the plain high-precision weights.
+        """torchtitan ``GroupedExperts`` trained in fp8 by fp8tensor (built from its ``Config``): ``w1_EFD`` /
+        ``w3_EFD`` ``(E, hidden_dim, dim)`` and ``w2_EDF`` ``(E, dim, hidden_dim)`` are
+        :class:`~fp8tensor.Fp8MasterWeight` s, each ``torch._grouped_mm`` of ``forward`` runs the fp8 grouped GEMMs
+        of ``config.recipe``; ``state_dict()`` holds the plain weights.
 
         Raises:
             ValueError: ``dim`` or ``hidden_dim`` not a multiple of 16; unknown ``recipe``.
@@ -97,10 +94,9 @@ if _IMPORT_ERROR is None:
     class Fp8TensorConverter(QuantizationConverter):
         """Swap every selected ``Linear.Config`` of a torchtitan model config for :class:`Fp8TensorLinear.Config`.
 
-        Selected: plain ``Linear.Config`` nodes with ``in_features`` and ``out_features`` multiples of 16 whose
-        FQN contains none of ``filter_fqns`` (substring match, as torchao's float8 converter), and plain
-        ``GroupedExperts.Config`` nodes (MoE experts) with ``dim`` and ``hidden_dim`` multiples of 16, which become
-        :class:`Fp8TensorGroupedExperts.Config`.
+        Selected: plain ``Linear.Config`` nodes with dims multiples of 16 whose FQN contains none of ``filter_fqns``
+        (as torchao's float8 converter), and plain ``GroupedExperts.Config`` nodes with dims multiples of 16 (which
+        become :class:`Fp8TensorGroupedExperts.Config`).
 
         Raises:
             ValueError: unknown ``recipe`` (when the converter is built).
@@ -115,9 +111,8 @@ if _IMPORT_ERROR is None:
             """Linears whose FQN contains one of these strings stay in high precision (e.g. ``["lm_head"]``)."""
 
             size_rule: bool = False
-            """The size-aware choice (:func:`fp8tensor.recipes.fp8_size_choice`, as ``convert_to_fp8(...,
-            size_rule=True)``): Linears too small for fp8 stay in high precision, mid-sized ``rowwise`` ones get
-            ``rowwise_gw_hp``."""
+            """The size-aware choice (:func:`fp8tensor.recipes.fp8_size_choice`), as ``convert_to_fp8(...,
+            size_rule=True)``."""
 
         def __init__(self, config: Config):
             get_recipe(config.recipe)  # ValueError naming the known recipes

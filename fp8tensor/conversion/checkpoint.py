@@ -49,8 +49,7 @@ def plain_state_dict(state_dict: Mapping[str, object]) -> dict:
 
     Raises:
         ValueError: an fp8 entry is not scaled per row, or a ``name + "_scale"`` key already exists.
-        NotImplementedError: an entry is a DTensor whose local tensor is a ScaledFp8Tensor (tensor-parallel
-            weights: save them with Distributed Checkpoint, ``torch.distributed.checkpoint``).
+        NotImplementedError: an entry is a DTensor of a ScaledFp8Tensor (use ``torch.distributed.checkpoint``).
     """
     op = "fp8tensor.plain_state_dict"
     out: dict = {}
@@ -69,7 +68,7 @@ def load_safetensors(module: torch.nn.Module, path, *, strict: bool = True):
     dtype than the model's.
 
     Args:
-        module: the model (e.g. built from its config, then ``fp8tensor.quantize_weights(model)``).
+        module: the model (e.g. a ``fp8tensor.quantize_weights`` model).
         path: a ``.safetensors`` file or a directory holding them.
         strict: as in ``Module.load_state_dict``.
 
@@ -122,8 +121,8 @@ def load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict,
     into ``q * scale`` in the weight's dtype for a high-precision (master) weight.
 
     Raises:
-        TypeError / ValueError: the scale entry is not float32 or does not match the data's shape (naming the key);
-            a plain fp8 entry without its scale for a weight that is not plain fp8 itself (its values are unknown).
+        TypeError / ValueError: the scale entry is not float32 or does not match the data's shape, or a plain fp8
+            entry lacks its scale (naming the key).
     """
     for name, p in compat.parameters_dict(module).items():
         key = prefix + name

@@ -179,9 +179,8 @@ def convert_to_fp8(
     :func:`~fp8tensor.fp8_linear` with ``recipe``. Callable before or after ``parallelize_module``, torchtitan's TP
     and ``fully_shard``; ``state_dict()`` holds plain high-precision tensors. A plain weight Parameter becomes its
     master in place (``torch.utils.swap_tensors``, else set in every holder), so tied weights stay one Parameter.
-    Grouped-experts modules (whose class calls ``torch._grouped_mm`` / ``F.grouped_mm``; 3-D parameters
-    ``(E, out_features, in_features)``, inner dims multiples of 16) are converted alike, their ``forward`` run under
-    :class:`~fp8tensor.grouped.Fp8GroupedMMMode` (docs/moe.md).
+    Grouped-experts modules (calling ``torch._grouped_mm``; 3-D parameters ``(E, out_features, in_features)``, inner
+    dims multiples of 16) are converted alike (docs/moe.md).
 
     A ``forward`` a framework set on the instance around the Linear's bound forward (torchtitan's
     ``Module.parallelize``) is pointed at the fp8 forward (:class:`~fp8tensor.modules._Redirect`). Left in high
@@ -193,10 +192,8 @@ def convert_to_fp8(
 
     Args:
         module: the model.
-        recipe: ``"rowwise"`` (all three GEMMs in fp8), ``"rowwise_gw_hp"`` (grad_weight in high precision) or a
-            :class:`~fp8tensor.Recipe`.
-        module_filter_fn: ``fn(module, fqn) -> bool``; only Linears and grouped-experts modules for which it returns
-            True are converted.
+        recipe: ``"rowwise"`` (all three GEMMs in fp8), ``"rowwise_gw_hp"`` or a :class:`~fp8tensor.Recipe`.
+        module_filter_fn: ``fn(module, fqn) -> bool`` selecting Linears and grouped-experts modules.
         size_rule: True: the size-aware choice :func:`fp8_size_choice` (applied after ``module_filter_fn``); False:
             every selected Linear with ``recipe``; None (default): ``fp8tensor.get_config().size_rule`` (False).
         fp8_all_gather: True: each weight becomes an :class:`Fp8MasterWeight`, which FSDP2 all-gathers in fp8 with
@@ -209,8 +206,8 @@ def convert_to_fp8(
             nor a :class:`Recipe`, or ``size_rule`` or ``fp8_all_gather`` is not None or a bool.
         ValueError: unknown recipe.
         RuntimeError: ``module_filter_fn`` raised, a Linear is currently unsharded by FSDP2, a Linear that is not
-            converted shares its weight with one that is, or an instance forward holds the Linear's bound forward
-            where it cannot be redirected (a named tuple). The model is left unchanged.
+            converted shares its weight with one that is, or an instance forward cannot be redirected. The model is
+            left unchanged.
     """
     op = "convert_to_fp8"
     r = get_recipe(recipe)
@@ -315,10 +312,9 @@ def quantize_weights(
 
     Raises:
         TypeError: not an ``nn.Module``, filter not callable, or unsupported ``float8_dtype``.
-        ValueError: a selected weight holds an inf or NaN (the message names the parameter and its rows; on a
-            DTensor, the rows of the local shard): its rows would quantize to all NaN. The model is left unchanged.
-        RuntimeError: ``module_filter_fn`` raised, or a forward wrapper cannot be redirected (as in
-            :func:`convert_to_fp8`); the model is left unchanged.
+        ValueError: a selected weight holds an inf or NaN (naming the parameter and its rows). The model is left
+            unchanged.
+        RuntimeError: as :func:`convert_to_fp8`; the model is left unchanged.
     """
     op = "quantize_weights"
     check_float8_dtype(float8_dtype, op)

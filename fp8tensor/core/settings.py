@@ -26,22 +26,20 @@ STATE_DICT_FP8 = ("subclass", "plain")
 class Config:
     """fp8tensor's settings (immutable; change them with :func:`set_config` or :func:`config`).
 
-    Every field but ``gemm_backend`` (where several backends run), ``weight_only_decode`` and the ``size_rule*``
-    fields leaves the numbers unchanged: the others choose between code paths computing the same bits (to measure
-    one against the other, or to rule a fast path out while looking for a problem).
+    Every field but ``gemm_backend``, ``weight_only_decode`` and the ``size_rule*`` fields chooses between code paths
+    computing the same bits (to measure one against the other, or to rule a fast path out).
 
     Attributes:
         gemm_backend: one of :data:`GEMM_BACKENDS` (default ``"auto"``).
         unknown_ops: one of :data:`UNKNOWN_OPS` (default ``"warn"``): what an out-of-place op without an fp8
             implementation does (it runs on the dequantized tensors; ``"raise"`` proves a path stays in fp8).
         weight_only_decode: (default True) with autograd off, a decode-sized input (up to 32 tokens, bf16 / fp16,
-            CUDA with Triton) of a per-row fp8 weight (``quantize_weights``) is multiplied in its own precision by
-            the fp8 weight read once (:func:`fp8tensor.quantize.weight_only_mm`) instead of quantized to e4m3: faster
-            where the weight's bytes bound the step, and without activation rounding (so its outputs differ from
-            the exported program's by that rounding). False: the same GEMM as training and ``torch.export``.
+            CUDA with Triton) of a per-row fp8 weight is multiplied in its own precision by the fp8 weight
+            (:func:`fp8tensor.quantize.weight_only_mm`) instead of quantized to e4m3 (faster, no activation
+            rounding). False: the same GEMM as training and ``torch.export``.
         compiled_quantization: one of :data:`COMPILED_QUANTIZATION` (default ``"kernels"``): how a compiled graph
-            quantizes the token-dim operands of the grad_weight GEMMs: fp8tensor's Triton kernels, or plain torch ops
-            that inductor generates and may fuse into their producers. Same math; read when a graph is traced.
+            quantizes the token-dim operands of the grad_weight GEMMs: fp8tensor's Triton kernels, or torch ops that
+            inductor may fuse into their producers.
         grouped_gemm_kernel: (default True) fp8 grouped GEMMs (MoE) run ``torch._scaled_grouped_mm`` where it exists
             (CUDA, e4m3, dims multiples of 16); False: the per-group ``torch._scaled_mm`` loop (the CPU path).
         size_rule: (default False) whether :func:`fp8tensor.convert_to_fp8` applies the size-aware choice
@@ -52,10 +50,9 @@ class Config:
             ``[size_rule_min, size_rule_fp8_grad_weight_min)`` gets ``rowwise_gw_hp``. A positive number; at most
             ``size_rule_min`` turns this middle tier off.
         state_dict_fp8: one of :data:`STATE_DICT_FP8` (default ``"subclass"``): what ``state_dict()`` of a
-            :func:`fp8tensor.quantize_weights` model holds per fp8 weight: the :class:`ScaledFp8Tensor` (``torch.save``,
-            DCP, FSDP2), or ``"plain"`` ``weight`` (fp8) + ``weight_scale`` (float32 ``(out_features, 1)``), the
-            safetensors / Hugging Face layout (:mod:`fp8tensor.checkpoint`). Loading accepts both;
-            ``convert_to_fp8`` models save plain high-precision weights either way.
+            :func:`fp8tensor.quantize_weights` model holds per fp8 weight: the :class:`ScaledFp8Tensor`, or
+            ``"plain"`` ``weight`` (fp8) + ``weight_scale`` (float32 ``(out_features, 1)``), the safetensors / Hugging
+            Face layout (:mod:`fp8tensor.checkpoint`). Loading accepts both.
     """
 
     gemm_backend: str = "auto"
@@ -176,8 +173,7 @@ class _Scope:
 
 
 def config(**changes) -> _Scope:
-    """Scope changed settings (fields of :class:`Config`) to a ``with`` block in the current thread; the fields it
-    does not name follow the process-wide settings. Blocks nest (the inner one wins for the fields both name)::
+    """Scope changed settings (fields of :class:`Config`) to a ``with`` block in the current thread; blocks nest::
 
         with fp8tensor.config(gemm_backend="emulated") as cfg:   # cfg: the Config in force inside
             model(x)

@@ -257,8 +257,8 @@ class ScaledFp8Tensor(torch.Tensor):
             fast_accum: stored on the result; see the class docstring.
 
         Returns:
-            ScaledFp8Tensor with ``qdata`` of ``t``'s shape and ``scale`` ``(*t.shape[:-1], 1)``, ``scaled_dims ==
-            (True, ..., True, False)``; scales per :func:`fp8tensor.quantize.amax_to_scale` (``SCALE_FLOOR``).
+            ScaledFp8Tensor with ``qdata`` of ``t``'s shape and ``scale`` ``(*t.shape[:-1], 1)`` (per
+            :func:`fp8tensor.quantize.amax_to_scale`), ``scaled_dims == (True, ..., True, False)``.
 
         Raises:
             TypeError: ``t`` is not a tensor, is not floating point, is already fp8, or ``float8_dtype`` is
@@ -520,11 +520,8 @@ def fsdp_post_all_gather(all_gather_outputs, metadata, param_dtype, *, out=None)
 
 
 def dequantize(t: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """Dequantize a ScaledFp8Tensor (or a DTensor whose local tensor is one); other tensors pass through.
-
-    Returns a tensor of the same kind (DTensor stays a DTensor, with the same placements) in ``dtype``
-    (default: the original high-precision dtype).
-    """
+    """Dequantize a ScaledFp8Tensor (or a DTensor of one; placements kept) into ``dtype`` (default: its original
+    high-precision dtype); other tensors pass through."""
     return map_local(t, lambda lt: lt.to_hp(dtype) if isinstance(lt, ScaledFp8Tensor)
                      else lt if dtype is None else lt.to(dtype))
 

@@ -322,7 +322,7 @@ def graph_step(fn: Callable[..., Any], parameters: Iterable[torch.Tensor], *, wa
     inside ``fn``; the optimizer step outside.
 
     Args:
-        fn: the step: forward, loss, ``backward()``; returns anything (tensors in it are graph-owned after capture).
+        fn: the step: forward, loss, ``backward()``; returns anything (graph-owned after capture).
         parameters: the model (an ``nn.Module``: re-read at :meth:`GraphedStep.close`, replaced members and moved
             buffers detected) or the parameters whose gradients ``fn`` computes (prepared and checked at replays).
         warmup_steps: eager calls before the capture (>= 1; compiled blocks need one per compile).
@@ -331,9 +331,7 @@ def graph_step(fn: Callable[..., Any], parameters: Iterable[torch.Tensor], *, wa
             ``RuntimeWarning``; ``True``: raise where capture cannot work; ``False``: always eager, no checks.
 
     Raises:
-        TypeError / ValueError: bad arguments (``fn`` not callable, ``parameters`` not a model or tensors,
-            ``warmup_steps`` < 1, ``enabled`` not None / bool, ``pool`` not a pool handle) at construction, or
-            changed inputs at a call.
+        TypeError / ValueError: bad arguments at construction, or changed inputs at a call.
         RuntimeError: the capture failed; after it, gradients were set to ``None`` or replaced, parameters (or
             buffers) moved, or members replaced; or ``enabled=True`` where capture is impossible.
     """

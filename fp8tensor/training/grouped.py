@@ -126,16 +126,14 @@ def grouped_2d3d(aq, a_scale, bq, b_scale, offs, out_dtype, *, fast_accum: bool)
 
 
 def grouped_2d2d(aq_t, a_scale, bq_t, b_scale, pad_ends, out_dtype, *, fast_accum: bool) -> torch.Tensor:
-    """``out[e] = (aq_t * a_scale[e])[:, group e] @ ((bq_t * b_scale[e])[:, group e])^T``, contracting each group's
-    (padded) token range.
+    """``out[e] = (aq_t * a_scale[e])[:, group e] @ ((bq_t * b_scale[e])[:, group e])^T`` (padded token groups).
 
     Args:
         aq_t: ``(N, M_pad)`` row-major fp8; a_scale: float32 ``(E, N)``.
         bq_t: ``(K, M_pad)`` row-major fp8; b_scale: float32 ``(E, K)``.
         pad_ends: int32 ``(E,)`` cumulative group ends in the padded layout (multiples of 16 for the fused kernel).
 
-    Returns:
-        ``(E, N, K)`` of ``out_dtype``; an expert with no tokens (all-zero columns) gets zeros.
+    Returns ``(E, N, K)`` of ``out_dtype`` (zeros for an expert without tokens).
     """
     N, M_pad = aq_t.shape
     K = bq_t.shape[0]
@@ -284,16 +282,15 @@ def fp8_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, *, reci
         a: ``(M, K)`` high-precision tokens sorted by expert (plain tensor).
         b: ``(E, K, N)`` expert weights, the ``transpose(-2, -1)`` of ``(E, N, K)`` ones: a plain high-precision
             tensor, an :class:`~fp8tensor.Fp8MasterWeight` or a :class:`ScaledFp8Tensor` (used as stored).
-        offs: int32 ``(E,)`` cumulative ends of the token groups (``torch.cumsum(tokens_per_expert, 0,
-            dtype=torch.int32)``), any sizes including 0; rows past ``offs[-1]`` belong to no expert.
+        offs: int32 ``(E,)`` cumulative ends of the token groups (any sizes including 0; rows past ``offs[-1]``
+            belong to no expert).
         recipe: ``"rowwise"``, ``"rowwise_gw_hp"`` or a :class:`Recipe`.
         out_dtype: the output dtype (default: the promoted dtype of ``a`` and ``b``; CUDA fp8 GEMMs write bf16).
 
     Raises:
         ValueError: wrong ranks or shapes, unknown recipe, ``offs`` with another number of groups than experts, or
-            (on CPU, where it costs no device sync) decreasing offsets or offsets outside ``[0, M]``.
-        TypeError: ``offs`` not int32, an fp8 or non-float input, an ``out_dtype`` that is not a high-precision
-            floating-point dtype.
+            (on CPU) decreasing offsets or offsets outside ``[0, M]``.
+        TypeError: ``offs`` not int32, an fp8 or non-float input or ``out_dtype``.
         RuntimeError: operands on different devices.
         NotImplementedError: double backward.
     """

@@ -57,8 +57,7 @@ if _IMPORT_ERROR is None:
         when built (its ``fp8_all_gather`` rule); ``forward(input)``: ``(*, in_features)`` -> ``(*, out_features)``
         through :func:`fp8tensor.fp8_linear` with ``config.recipe``. ``state_dict()`` holds the plain weight.
 
-        Raises:
-            ValueError: ``in_features`` or ``out_features`` not a multiple of 16; unknown ``recipe``.
+        Raises ``ValueError``: ``in_features`` or ``out_features`` not a multiple of 16; unknown ``recipe``.
         """
 
         _fp8_base = Linear
@@ -77,8 +76,7 @@ if _IMPORT_ERROR is None:
         :class:`~fp8tensor.Fp8MasterWeight` s, each ``torch._grouped_mm`` of ``forward`` runs the fp8 grouped GEMMs
         of ``config.recipe``; ``state_dict()`` holds the plain weights.
 
-        Raises:
-            ValueError: ``dim`` or ``hidden_dim`` not a multiple of 16; unknown ``recipe``.
+        Raises ``ValueError``: ``dim`` or ``hidden_dim`` not a multiple of 16; unknown ``recipe``.
         """
 
         _fp8_base = GroupedExperts
@@ -98,8 +96,7 @@ if _IMPORT_ERROR is None:
         (as torchao's float8 converter), and plain ``GroupedExperts.Config`` nodes with dims multiples of 16 (which
         become :class:`Fp8TensorGroupedExperts.Config`).
 
-        Raises:
-            ValueError: unknown ``recipe`` (when the converter is built).
+        Raises ``ValueError``: unknown ``recipe`` (when the converter is built).
         """
 
         @dataclass(kw_only=True, slots=True)

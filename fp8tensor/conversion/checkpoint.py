@@ -44,12 +44,10 @@ def plain_state_dict(state_dict: Mapping[str, object]) -> dict:
     becomes ``name`` (its fp8 data) and ``name + "_scale"`` (float32 row scales); other entries are kept. The new
     dict is ready for ``safetensors.torch.save_file`` or ``save_pretrained(state_dict=...)``.
 
-    Args:
-        state_dict: a ``Module.state_dict()`` (or any mapping of names to tensors).
+    ``state_dict``: a ``Module.state_dict()`` (or any mapping of names to tensors).
 
-    Raises:
-        ValueError: an fp8 entry is not scaled per row, or a ``name + "_scale"`` key already exists.
-        NotImplementedError: an entry is a DTensor of a ScaledFp8Tensor (use ``torch.distributed.checkpoint``).
+    Raises ``ValueError`` (an fp8 entry is not scaled per row, or a ``name + "_scale"`` key already exists) or
+    ``NotImplementedError`` (an entry is a DTensor of a ScaledFp8Tensor: use ``torch.distributed.checkpoint``).
     """
     op = "fp8tensor.plain_state_dict"
     out: dict = {}
@@ -67,14 +65,11 @@ def load_safetensors(module: torch.nn.Module, path, *, strict: bool = True):
     different shards); returns its ``(missing_keys, unexpected_keys)``. Warns when high-precision entries have another
     dtype than the model's.
 
-    Args:
-        module: the model (e.g. a ``fp8tensor.quantize_weights`` model).
-        path: a ``.safetensors`` file or a directory holding them.
-        strict: as in ``Module.load_state_dict``.
+    Args: ``module`` (e.g. a ``fp8tensor.quantize_weights`` model), ``path`` (a ``.safetensors`` file or a directory
+    holding them), ``strict`` (as in ``Module.load_state_dict``).
 
-    Raises:
-        ImportError: safetensors is not installed. FileNotFoundError: no ``.safetensors`` file at ``path``.
-        RuntimeError / ValueError: what ``load_state_dict`` and the load hook raise (missing keys, shapes).
+    Raises ``ImportError`` (no safetensors), ``FileNotFoundError`` (no ``.safetensors`` file at ``path``), and what
+    ``load_state_dict`` and the load hook raise (``RuntimeError`` / ``ValueError``: missing keys, shapes).
     """
     import pathlib
 
@@ -120,9 +115,8 @@ def load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict,
     "_scale"`` float32 row scales) is merged before loading, into a ScaledFp8Tensor for an fp8 weight (bit for bit),
     into ``q * scale`` in the weight's dtype for a high-precision (master) weight.
 
-    Raises:
-        TypeError / ValueError: the scale entry is not float32 or does not match the data's shape, or a plain fp8
-            entry lacks its scale (naming the key).
+    Raises ``TypeError`` / ``ValueError`` (naming the key): the scale entry is not float32 or does not match the
+    data's shape, or a plain fp8 entry lacks its scale.
     """
     for name, p in compat.parameters_dict(module).items():
         key = prefix + name

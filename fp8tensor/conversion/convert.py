@@ -305,16 +305,13 @@ def quantize_weights(
     Linears with a ``forward`` of their own are left unchanged, with a warning. A Hugging Face ``PreTrainedModel``
     gets ``config.quantization_config`` (:func:`fp8tensor.checkpoint.set_hf_quantization_config`).
 
-    Args:
-        module: the model.
-        module_filter_fn: ``fn(linear, fqn) -> bool`` selecting Linears.
-        float8_dtype: ``torch.float8_e4m3fn`` (default) or ``torch.float8_e5m2``.
+    Args: ``module``, ``module_filter_fn`` (``fn(module, fqn) -> bool``), ``float8_dtype`` (``torch.float8_e4m3fn``,
+    default, or ``torch.float8_e5m2``).
 
-    Raises:
+    Raises (the model left unchanged):
         TypeError: not an ``nn.Module``, filter not callable, or unsupported ``float8_dtype``.
-        ValueError: a selected weight holds an inf or NaN (naming the parameter and its rows). The model is left
-            unchanged.
-        RuntimeError: as :func:`convert_to_fp8`; the model is left unchanged.
+        ValueError: a selected weight holds an inf or NaN (naming the parameter and its rows).
+        RuntimeError: as :func:`convert_to_fp8`.
     """
     op = "quantize_weights"
     check_float8_dtype(float8_dtype, op)

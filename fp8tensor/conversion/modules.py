@@ -211,11 +211,8 @@ def install_fp8_forward(lin: nn.Linear, cls: type, redirect: Optional[_Redirect]
 
 
 def swap_local(param: torch.Tensor, fn) -> Optional[nn.Parameter]:
-    """Swap the (local) tensor of ``param`` for ``fn(local)``.
-
-    DTensor parameters are updated in place (same Parameter object, same placements; FSDP2's bookkeeping is
-    refreshed); plain parameters return a new Parameter to set on the module.
-    """
+    """Swap the (local) tensor of ``param`` for ``fn(local)``: DTensor parameters in place (FSDP2's bookkeeping
+    refreshed; None returned), plain ones as a new Parameter returned to set on the module."""
     if _is_dtensor(param):
         compat.set_local_tensor(param, map_shard(compat.local_tensor(param), fn))
         refresh_fsdp_param(param)

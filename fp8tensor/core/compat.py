@@ -54,11 +54,8 @@ def is_compiling() -> bool:
 
 
 def prepend_forward_pre_hook(module: torch.nn.Module, hook):
-    """Register ``hook`` as the first forward pre-hook of ``module`` (before the hooks registered earlier, such as a
-    parallel style's input hook) and return its ``RemovableHandle``.
-
-    ``prepend=True`` reorders with ``move_to_end``, leaving the insertion order behind, and torch 2.11's dynamo then
-    fails creating a guard (it guards on one order, traces the other); here the same dict is re-filled in order."""
+    """Register ``hook`` as the first forward pre-hook of ``module`` and return its ``RemovableHandle``. (Not
+    ``prepend=True``: its ``move_to_end`` order fails torch 2.11's dynamo guards; the dict is re-filled in order.)"""
     handle = module.register_forward_pre_hook(hook)
     hooks = module._forward_pre_hooks
     items = list(hooks.items())

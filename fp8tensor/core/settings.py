@@ -127,11 +127,10 @@ def _apply_stack() -> None:
 
 
 def set_config(**changes) -> Config:
-    """Change the process-wide settings (fields of :class:`Config`); returns the new process-wide settings. Inside a
-    :func:`config` block the fields the block names keep the block's values until it ends.
+    """Change the process-wide settings (fields of :class:`Config`); returns them. Fields a :func:`config` block
+    names keep the block's values inside it.
 
-    Raises:
-        TypeError: an unknown field. ValueError: an unknown value.
+    Raises ``TypeError`` (an unknown field) or ``ValueError`` (an unknown value).
     """
     global _global
     if getattr(_local, "pending", None):
@@ -183,8 +182,7 @@ def config(**changes) -> _Scope:
 
     Raises:
         TypeError: an unknown field. ValueError: an unknown value (both when called, before any ``with``).
-        RuntimeError: the result (or an earlier one) was not used with ``with``: raised by the thread's next
-            fp8tensor operation.
+        RuntimeError: the result (or an earlier one) was not used with ``with`` (at the thread's next operation).
     """
     pending = getattr(_local, "pending", None)
     if pending is None:

@@ -147,8 +147,7 @@ def _contiguous_scale(t: ScaledFp8Tensor) -> torch.Tensor:
 
 @implements(_dist_op("c10d.scatter_.default"))
 def _scatter_data_and_scales(func, args, kwargs):
-    """``distribute_tensor`` with Shard: scatter the fp8 bytes (waited on) and the scales (expanded to the output's
-    layout; its Work returned) from the source rank into the output in place.
+    """``distribute_tensor`` with Shard: scatter the fp8 bytes and the scales from the source rank in place.
 
     Raises:
         NotImplementedError: several output tensors, or ScaledFp8Tensors mixed with other tensors.
@@ -183,11 +182,8 @@ def _scatter_data_and_scales(func, args, kwargs):
 
 @implements(_dist_op("c10d.broadcast_.default"))
 def _broadcast_data_and_scale(func, args, kwargs):
-    """``distribute_tensor`` with Replicate: broadcast bytes (waited on) and scale (Work returned) in place.
-
-    Raises:
-        NotImplementedError: more than one tensor in the list, or ScaledFp8Tensors mixed with other tensors.
-    """
+    """``distribute_tensor`` with Replicate: broadcast bytes and scale in place. Raises ``NotImplementedError``: more
+    than one tensor in the list, or ScaledFp8Tensors mixed with other tensors."""
     b = _bind(func, args, kwargs)
     tensors = list(b["tensors"])
     op = "c10d.broadcast_"

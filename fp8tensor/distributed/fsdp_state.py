@@ -68,10 +68,7 @@ def find_fsdp_param(param: torch.Tensor, module: Optional[torch.nn.Module] = Non
 def refresh_fsdp_param(param: torch.Tensor, module: Optional[torch.nn.Module] = None) -> bool:
     """Make FSDP2 pick up a swapped local tensor of ``param`` (after ``fully_shard``): the ``FSDPParam`` owning it
     (under ``module``, or any live state) re-reads its all-gather extension and drops buffers typed for the old one.
-    True if an FSDP2 parameter was refreshed.
-
-    Raises:
-        RuntimeError: the parameter is currently unsharded: reshard first.
+    True if an FSDP2 parameter was refreshed. Raises ``RuntimeError``: the parameter is currently unsharded.
     """
     fp = find_fsdp_param(param, module) if _is_dtensor(param) else None
     if fp is None:
@@ -88,11 +85,8 @@ def refresh_fsdp_param(param: torch.Tensor, module: Optional[torch.nn.Module] = 
 
 
 def check_fsdp_sharded(params, op: str) -> None:
-    """Raise before a conversion if any of ``params`` is an FSDP2 parameter held *unsharded* (a swap would be lost).
-
-    Raises:
-        RuntimeError: naming ``op`` and the parameter; call ``model.reshard()`` first. Nothing is changed.
-    """
+    """Raise ``RuntimeError`` (naming ``op`` and the parameter; nothing changed) before a conversion if any of
+    ``params`` is an FSDP2 parameter held *unsharded* (a swap would be lost)."""
     params = [p for p in params if isinstance(p, torch.Tensor)]
     if not params:
         return

@@ -100,10 +100,9 @@ def fp8_sequence_all_gather(x: DTensor, *, float8_dtype: torch.dtype = E4M3) -> 
         :class:`~fp8tensor.ScaledFp8Tensor` with ``scale`` ``(..., 1)``.
 
     Raises:
-        TypeError: ``x`` is not a DTensor, not high-precision floating point, or already fp8; unsupported
-            ``float8_dtype``.
-        ValueError: ``x`` has fewer than 2 dims, is not ``(Shard(d),)`` on a 1-D mesh, is sharded on its last
-            dim, or its shards are uneven.
+        TypeError: ``x`` is not a high-precision floating-point DTensor; unsupported ``float8_dtype``.
+        ValueError: ``x`` has fewer than 2 dims, is not ``(Shard(d),)`` on a 1-D mesh (``d`` not the last), or its
+            shards are uneven.
     """
     op = "fp8_sequence_all_gather"
     check_float8_dtype(float8_dtype, op)
@@ -119,16 +118,13 @@ def _is_sp_gather(input_layout: Optional[Placement], desired_layout: Optional[Pl
 
 class Fp8PrepareModuleInput(PrepareModuleInput):
     """``PrepareModuleInput`` whose ``Shard(d) -> Replicate()`` input gathers move fp8 data and per-token scales, for
-    modules whose inputs feed column-parallel fp8 Linears under sequence parallelism (docs/sp_fp8.md). Each such input is gathered with :func:`fp8_sequence_all_gather` (one that cannot be: in high precision, with a
-    warning); other inputs as ``PrepareModuleInput`` does. Consumers must be fp8 Linears.
+    modules whose inputs feed column-parallel fp8 Linears under sequence parallelism (docs/sp_fp8.md). Each such
+    input is gathered with :func:`fp8_sequence_all_gather` (one that cannot be: in high precision, with a warning);
+    other inputs as ``PrepareModuleInput`` does. Consumers must be fp8 Linears.
 
-    Args (keyword-only): those of ``PrepareModuleInput`` (``input_layouts``, ``desired_input_layouts``,
-        ``input_kwarg_layouts``, ``desired_input_kwarg_layouts``, ``use_local_output``) and ``float8_dtype``
-        (``torch.float8_e4m3fn``, default, or ``torch.float8_e5m2``).
-
-    Raises:
-        TypeError: unsupported ``float8_dtype``.
-        AssertionError: inconsistent layouts (raised by ``PrepareModuleInput``).
+    Args (keyword-only): those of ``PrepareModuleInput`` and ``float8_dtype`` (``torch.float8_e4m3fn``, default, or
+    ``torch.float8_e5m2``). Raises ``TypeError`` (unsupported ``float8_dtype``) or ``PrepareModuleInput``'s
+    ``AssertionError`` (inconsistent layouts).
     """
 
     def __init__(self, *, input_layouts=None, desired_input_layouts=None, input_kwarg_layouts: Optional[dict] = None,
@@ -176,12 +172,8 @@ def fp8_sequence_parallel_plan(plan: dict[str, ParallelStyle], *, float8_dtype: 
     Every ``PrepareModuleInput`` entry (or input half of a ``PrepareModuleInputOutput``) with a ``Shard(d) ->
     Replicate()`` input becomes an :class:`Fp8PrepareModuleInput` with the same layouts; ``plan`` is not modified.
 
-    Args:
-        plan: dict from module FQN (or pattern) to ``ParallelStyle``.
-        float8_dtype: ``torch.float8_e4m3fn`` (default) or ``torch.float8_e5m2``.
-
-    Raises:
-        TypeError: ``plan`` is not a dict, or unsupported ``float8_dtype``.
+    ``plan``: dict from module FQN (or pattern) to ``ParallelStyle``; ``float8_dtype``: ``torch.float8_e4m3fn``
+    (default) or ``torch.float8_e5m2``. Raises ``TypeError``: ``plan`` is not a dict, or unsupported ``float8_dtype``.
     """
     op = "fp8_sequence_parallel_plan"
     check_float8_dtype(float8_dtype, op)

@@ -253,12 +253,8 @@ def master_pre_all_gather(master, mesh, outer_size, outer_stride, module, mp_pol
     recipe's format, from the master dtype) with its FSDP2 parameter group in one launch; returns
     ``(all_gather_inputs, metadata)`` (see :func:`all_gather_inputs`).
 
-    Args:
-        master: the local ``Fp8MasterWeight`` shard ``(r, *rest)``. mesh: FSDP2's 1-D shard mesh. outer_size /
-            outer_stride: the unsharded size and stride. module, mp_policy: unused (FSDP2's signature).
-
-    Raises:
-        NotImplementedError: the weight has fewer than 2 dims.
+    ``master``: the local ``Fp8MasterWeight`` shard ``(r, *rest)``; the other arguments are FSDP2's. Raises
+    ``NotImplementedError``: the weight has fewer than 2 dims.
     """
     data = master._data
     check_rowwise_input(data, "Fp8MasterWeight.fsdp_pre_all_gather")
@@ -288,12 +284,8 @@ def scaled_pre_all_gather(local, mesh, outer_size):
 
 # ------------------------------------------------------------------------------------------- after the gather
 def gathered(all_gather_outputs, metadata) -> tuple[torch.Tensor, torch.Tensor]:
-    """The unsharded ``(qdata, scale)``, views of the all-gather outputs (padding rows dropped).
-
-    Args:
-        all_gather_outputs: ``(data,)`` or ``(data, scale)``; ``data`` is ``(world * padded_rows, *rest)`` uint8.
-        metadata: what ``fsdp_pre_all_gather`` returned.
-    """
+    """The unsharded ``(qdata, scale)``, views of the all-gather outputs (``(data,)`` or ``(data, scale)``, ``data``
+    ``(world * padded_rows, *rest)`` uint8) without the padding rows."""
     return unsharded_buffers(all_gather_outputs, metadata, copy_scale=False)[:2]
 
 

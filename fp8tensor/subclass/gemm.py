@@ -29,11 +29,7 @@ def _check_backend(name: str) -> str:
 
 def set_gemm_backend(name: str) -> None:
     """Set the process-wide GEMM backend: ``"auto"`` (default), ``"rowwise"``, ``"tensorwise"`` or ``"emulated"``
-    (the same as ``fp8tensor.set_config(gemm_backend=name)``).
-
-    Raises:
-        ValueError: unknown backend name.
-    """
+    (``fp8tensor.set_config(gemm_backend=name)``). Raises ``ValueError``: unknown backend name."""
     set_config(gemm_backend=_check_backend(name))
 
 
@@ -43,12 +39,8 @@ def get_gemm_backend() -> str:
 
 
 def gemm_backend(name: str):
-    """Context manager choosing the GEMM backend in this thread (``fp8tensor.config(gemm_backend=name)``; read when
-    an fp8 GEMM is traced or run).
-
-    Raises:
-        ValueError: unknown backend name.
-    """
+    """Context manager choosing the GEMM backend in this thread (``fp8tensor.config(gemm_backend=name)``). Raises
+    ``ValueError``: unknown backend name."""
     return config(gemm_backend=_check_backend(name))
 
 
@@ -75,8 +67,7 @@ def _cpu_scaled_mm_works(a_dtype: torch.dtype, b_dtype: torch.dtype, rowwise: bo
 @functools.lru_cache(maxsize=None)
 def choose_backend(device: torch.device, a_dtype: torch.dtype, b_dtype: torch.dtype, out_dtype: torch.dtype,
                    backend: str = "auto") -> str:
-    """Resolve ``backend`` (``"auto"`` or a name) into one that can run this GEMM on this device and dtypes
-    (falling back to ``"emulated"`` at worst rather than failing inside cuBLAS); cached."""
+    """Resolve ``backend`` (``"auto"`` or a name) into one that can run this GEMM on this device and dtypes."""
     if device.type == "cuda":
         if torch.cuda.get_device_capability(device) < (8, 9) or (a_dtype == E5M2 and b_dtype == E5M2):
             return "emulated"
@@ -178,12 +169,11 @@ def fp8_mm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None
            float8_dtype: torch.dtype = E4M3, checked: bool = False) -> torch.Tensor:
     """``a @ b (+ bias)`` where ``a`` ``(M, K)`` and/or ``b`` ``(K, N)`` is a ScaledFp8Tensor.
 
-    A high-precision operand is quantized row-wise along K (``float8_dtype``); an fp8 operand scaled on K is folded
-    (module docstring). Output dtype: the promoted high-precision dtype; fast accumulation iff every ScaledFp8Tensor
-    operand has ``fast_accum=True``. ``checked=True`` skips the argument checks (callers that built the operands).
+    A high-precision operand is quantized row-wise along K (``float8_dtype``); an fp8 operand scaled on K is folded.
+    Output: the promoted high-precision dtype; fast accumulation iff every ScaledFp8Tensor operand has it.
+    ``checked=True`` skips the argument checks.
 
-    Raises:
-        RuntimeError: operands not 2-D, inner dims differ, devices differ (message names ``op``).
+    Raises ``RuntimeError`` naming ``op``: operands not 2-D, inner dims differ, devices differ.
     """
     if not checked:
         if a.dim() != 2 or b.dim() != 2:

@@ -21,11 +21,8 @@ OP_TABLE: dict = {}
 
 
 def implements(ops: Sequence) -> Callable:
-    """Register ``fn(func, args, kwargs)`` as the handler of each aten op overload in ``ops``.
-
-    Raises:
-        RuntimeError: an op already has a handler (each op has exactly one, registered once).
-    """
+    """Register ``fn(func, args, kwargs)`` as the handler of each aten op overload in ``ops``; ``RuntimeError`` if an
+    op already has one."""
 
     def deco(fn):
         for op in ops:
@@ -186,8 +183,8 @@ _NO_STORAGE = (
 
 
 class ScaledFp8Tensor(torch.Tensor):
-    """A tensor stored as fp8 data with float32 scales; it reads as the high-precision tensor it encodes, ``qdata.float()
-    * scale`` (the scale is the *dequantization multiplier*).
+    """A tensor stored as fp8 data with float32 scales; it reads as the high-precision tensor it encodes,
+    ``qdata.float() * scale`` (the scale is the *dequantization multiplier*).
 
     Attributes:
         qdata: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2`` tensor, the logical shape.
@@ -253,16 +250,14 @@ class ScaledFp8Tensor(torch.Tensor):
         Args:
             t: floating-point tensor with at least 2 dims (fp32, bf16, fp16, fp64), or a DTensor / ``LocalTensor``
                 of one (each local shard quantized; same mesh, placements, shape and stride).
-            float8_dtype: ``torch.float8_e4m3fn`` (default) or ``torch.float8_e5m2``.
-            fast_accum: stored on the result; see the class docstring.
+            float8_dtype: ``torch.float8_e4m3fn`` (default) or ``torch.float8_e5m2``; fast_accum: stored on the result.
 
         Returns:
             ScaledFp8Tensor with ``qdata`` of ``t``'s shape and ``scale`` ``(*t.shape[:-1], 1)`` (per
             :func:`fp8tensor.quantize.amax_to_scale`), ``scaled_dims == (True, ..., True, False)``.
 
         Raises:
-            TypeError: ``t`` is not a tensor, is not floating point, is already fp8, or ``float8_dtype`` is
-                unsupported.
+            TypeError: ``t`` is not a floating-point tensor, is already fp8, or ``float8_dtype`` is unsupported.
             ValueError: ``t`` has fewer than 2 dims, or holds an inf or NaN (naming the rows; not checked while
                 tracing or capturing).
         """
@@ -330,10 +325,7 @@ class ScaledFp8Tensor(torch.Tensor):
     @data.setter
     def data(self, new: torch.Tensor) -> None:
         """``t.data = new``: ``t`` takes ``new``'s values and shape (a high-precision ``new`` quantized in ``t``'s
-        layout).
-
-        Raises:
-            TypeError: ``new`` is not a floating-point tensor, or is a plain fp8 tensor (no scales to read it by)."""
+        layout). Raises ``TypeError``: ``new`` is not a floating-point tensor, or is a plain fp8 tensor."""
         if not isinstance(new, ScaledFp8Tensor):
             if not isinstance(new, torch.Tensor) or not new.dtype.is_floating_point or new.dtype in FLOAT8_DTYPES:
                 raise TypeError(
@@ -358,11 +350,8 @@ class ScaledFp8Tensor(torch.Tensor):
     @_payload.pre_all_gather_hook
     @torch.no_grad()
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        """FSDP2 hook: all-gather the fp8 rows and their scales as stored (see :mod:`fp8tensor.fsdp`).
-
-        Raises:
-            NotImplementedError: the tensor has fewer than 2 dims.
-        """
+        """FSDP2 hook: all-gather the fp8 rows and their scales as stored (:mod:`fp8tensor.fsdp`);
+        ``NotImplementedError`` for fewer than 2 dims."""
         return _payload.scaled_pre_all_gather(self, mesh, outer_size)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
@@ -455,8 +444,7 @@ def validate_parts(qdata, scale, orig_dtype, scaled_dims=None, op: str = "Scaled
     """All checks of the public :class:`ScaledFp8Tensor` constructor (types, shapes, every scale finite and positive:
     a device sync on CUDA, skipped while tracing); returns the ``scaled_dims`` to use.
 
-    Raises:
-        TypeError / ValueError: naming ``op``, what was expected and what was given (the first bad scale, its index).
+    Raises ``TypeError`` / ``ValueError`` naming ``op``, what was expected and what was given.
     """
     dims = _check_layout(qdata, scale, orig_dtype, scaled_dims, op)
     if (scale.numel() and type(scale) is torch.Tensor and not scale.is_meta and not compat.is_compiling()
@@ -497,8 +485,7 @@ def fsdp_post_all_gather(all_gather_outputs, metadata, param_dtype, *, out=None)
     First call: ``(ScaledFp8Tensor (rows, *rest) of param_dtype, inner_tensors)``; later calls refill ``out`` (the
     tensor built the first time, or a DTensor of it) in place and return None.
 
-    Raises:
-        RuntimeError: ``out`` is not a ScaledFp8Tensor of the gathered shape.
+    Raises ``RuntimeError``: ``out`` is not a ScaledFp8Tensor of the gathered shape.
     """
     if out is not None:
         target = local_of(out)

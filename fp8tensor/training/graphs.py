@@ -312,19 +312,16 @@ def graph_step(fn: Callable[..., Any], parameters: Iterable[torch.Tensor], *, wa
         step = fp8tensor.graph_step(fwd_bwd, model)
         for x, y in batches:
             loss = step(x, y)                     # graph-owned: read or clone it before the next call
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)   # or inside fwd_bwd
             optimizer.step()
             optimizer.zero_grad(set_to_none=False)
 
-    Contract (docs/cuda_graphs.md, "Contract"): static input structure, shapes, dtypes, devices and non-tensor
-    values; gradients zeroed in place (``optimizer.zero_grad(set_to_none=False)``); graph-owned outputs; parameters
-    (given the model, buffers and members too) updated in place, not moved or replaced; no host synchronization
-    inside ``fn``; the optimizer step outside.
+    Contract (docs/cuda_graphs.md, "Contract"): static inputs (structure, shapes, dtypes, devices, values);
+    gradients zeroed in place; graph-owned outputs; parameters updated in place; no host synchronization in ``fn``.
 
     Args:
         fn: the step: forward, loss, ``backward()``; returns anything (graph-owned after capture).
-        parameters: the model (an ``nn.Module``: re-read at :meth:`GraphedStep.close`, replaced members and moved
-            buffers detected) or the parameters whose gradients ``fn`` computes (prepared and checked at replays).
+        parameters: the model (``nn.Module``: replaced members and moved buffers detected) or the parameters whose
+            gradients ``fn`` computes.
         warmup_steps: eager calls before the capture (>= 1; compiled blocks need one per compile).
         pool: a graph memory pool handle (``torch.cuda.graph_pool_handle()`` or another step's ``.pool``) to share.
         enabled: ``None`` (default): capture on CUDA, else run eagerly under the same contract with a

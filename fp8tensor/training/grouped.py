@@ -98,10 +98,8 @@ def _group_masks(ends: torch.Tensor, n: int, dtype: torch.dtype = torch.float32)
 def grouped_2d3d(aq, a_scale, bq, b_scale, offs, out_dtype, *, fast_accum: bool) -> torch.Tensor:
     """``out[rows of e] = (aq * a_scale)[rows of e] @ (bq[e] * b_scale[e])``.
 
-    Args:
-        aq: ``(M, K)`` row-major fp8; a_scale: float32 ``(M,)``.
-        bq: ``(E, K, N)`` fp8, column-major per expert (``stride(-2) == 1``); b_scale: float32 ``(E, N)``.
-        offs: int32 ``(E,)`` cumulative group ends.
+    Args: ``aq`` ``(M, K)`` row-major fp8 and float32 ``a_scale`` ``(M,)``; ``bq`` ``(E, K, N)`` fp8, column-major
+    per expert, and float32 ``b_scale`` ``(E, N)``; ``offs`` int32 ``(E,)`` cumulative group ends.
 
     Returns:
         ``(M, N)`` of ``out_dtype`` (rows past ``offs[-1]`` unspecified). ``torch._scaled_grouped_mm`` where it runs
@@ -129,8 +127,7 @@ def grouped_2d2d(aq_t, a_scale, bq_t, b_scale, pad_ends, out_dtype, *, fast_accu
     """``out[e] = (aq_t * a_scale[e])[:, group e] @ ((bq_t * b_scale[e])[:, group e])^T`` (padded token groups).
 
     Args:
-        aq_t: ``(N, M_pad)`` row-major fp8; a_scale: float32 ``(E, N)``.
-        bq_t: ``(K, M_pad)`` row-major fp8; b_scale: float32 ``(E, K)``.
+        aq_t, bq_t: ``(N, M_pad)``, ``(K, M_pad)`` row-major fp8; a_scale, b_scale: float32 ``(E, N)``, ``(E, K)``.
         pad_ends: int32 ``(E,)`` cumulative group ends in the padded layout (multiples of 16 for the fused kernel).
 
     Returns ``(E, N, K)`` of ``out_dtype`` (zeros for an expert without tokens).
@@ -394,11 +391,8 @@ def _cast_target(func, args, kwargs) -> Optional[torch.dtype]:
 class Fp8GroupedMMMode(torch.overrides.TorchFunctionMode):
     """While active, ``torch._grouped_mm`` / ``F.grouped_mm`` of 2-D tokens with 3-D master or ScaledFp8Tensor expert
     weights runs :func:`fp8_grouped_mm`, and a dtype cast of a master (``w.bfloat16()``) keeps it a master.
-    Converted grouped-experts modules run their ``forward`` under it (compiled, the weights' own hooks do it).
-
-    Args:
-        recipe: the recipe for ScaledFp8Tensor weights (a master uses its own).
-    """
+    Converted grouped-experts modules run their ``forward`` under it. ``recipe``: the recipe of ScaledFp8Tensor
+    weights (a master uses its own)."""
 
     def __init__(self, recipe="rowwise"):
         super().__init__()

@@ -46,12 +46,8 @@ class Fp8MasterWeight(torch.Tensor, QuantizeOnUse):
     (``F.linear`` on a DTensor of a master) runs grad_weight in high precision, with a warning. Under FSDP2 the
     master quantizes its local rows before the all-gather.
 
-    Args:
-        data: the high-precision tensor (fp32/bf16/fp16). Not copied.
-        recipe: recipe name or :class:`Recipe`.
-
-    Raises:
-        TypeError: ``data`` is not a floating-point tensor, or is fp8.
+    Args: ``data``, the high-precision tensor (fp32/bf16/fp16; not copied), and ``recipe`` (a name or
+    :class:`Recipe`). Raises ``TypeError``: ``data`` is not a floating-point tensor, or is fp8.
     """
 
     _data: torch.Tensor
@@ -209,7 +205,7 @@ def _master_mm(func, args, kwargs):
 class GatheredExperts(ScaledFp8Tensor):
     """The 3-D expert weight FSDP2 all-gathers from an :class:`Fp8MasterWeight`: a :class:`ScaledFp8Tensor` (one scale
     per expert row) whose ``torch._grouped_mm`` runs :func:`~fp8tensor.grouped.fp8_grouped_mm` with the master's
-    recipe (also under ``torch.compile``, where no mode sees that call); its ScaledFp8Tensor op results keep the type."""
+    recipe (also under ``torch.compile``, where no mode sees that call); its ScaledFp8Tensor results keep the type."""
 
     recipe: Recipe
 

@@ -23,15 +23,9 @@ SCALINGS = ("rowwise", "hp")
 
 @dataclass(frozen=True)
 class Operand:
-    """How one GEMM operand is prepared.
-
-    Attributes:
-        scaling: one of :data:`SCALINGS`.
-        float8_dtype: ``torch.float8_e4m3fn`` (default) or ``torch.float8_e5m2`` (ignored for ``"hp"``).
-
-    Raises:
-        ValueError: unknown scaling (``"tensorwise"`` included, with the reason) or a non-fp8 ``float8_dtype``.
-    """
+    """How one GEMM operand is prepared: ``scaling`` (one of :data:`SCALINGS`) and ``float8_dtype``
+    (``torch.float8_e4m3fn``, default, or ``torch.float8_e5m2``; ignored for ``"hp"``). Raises ``ValueError``: unknown
+    scaling (``"tensorwise"`` included, with the reason) or a non-fp8 ``float8_dtype``."""
 
     scaling: str = "rowwise"
     float8_dtype: torch.dtype = E4M3
@@ -56,9 +50,8 @@ class Gemm:
             ``"hp"``; ``a`` is e4m3 (``torch._scaled_mm`` takes e5m2 on one side only: the weight side).
         fast_accum: fp8 fast accumulation (``torch._scaled_mm(use_fast_accum=True)``).
 
-    Raises:
-        TypeError: ``a`` or ``b`` neither an :class:`Operand` nor a string.
-        ValueError: mixed scalings, an unknown scaling, or an e5m2 activation side.
+    Raises ``TypeError`` (``a`` or ``b`` neither an :class:`Operand` nor a string) or ``ValueError`` (mixed
+    scalings, an unknown scaling, an e5m2 activation side).
     """
 
     a: Operand = Operand()
@@ -102,10 +95,8 @@ class Recipe:
         grad_input: :class:`Gemm` of ``grad_x = grad_out @ W`` (default fp8, slow accumulation).
         grad_weight: :class:`Gemm` of ``grad_W = grad_out^T @ x`` (default fp8, slow accumulation).
 
-    Raises:
-        TypeError: ``name`` is not a string, or a GEMM is not a :class:`Gemm`.
-        ValueError: the weight side of the output and grad_input GEMMs differ in fp8 format (both quantize the one
-            weight, which FSDP2 may gather in fp8 in that format).
+    Raises ``TypeError`` (``name`` not a string, a GEMM not a :class:`Gemm`) or ``ValueError`` (the weight sides of
+    the output and grad_input GEMMs differ in fp8 format).
     """
 
     name: str
@@ -149,11 +140,8 @@ class Recipe:
 
 def weight_format(recipe, float8_dtype: torch.dtype) -> "Recipe":
     """``recipe`` (a :class:`Recipe` or a name) with every fp8 weight side (and the saved input of an fp8 grad_weight)
-    in ``float8_dtype`` (``torch.float8_e4m3fn`` or ``torch.float8_e5m2``).
-
-    Raises:
-        ValueError: unknown recipe name, or ``float8_dtype`` not an fp8 format.
-    """
+    in ``float8_dtype`` (``torch.float8_e4m3fn`` or ``torch.float8_e5m2``). Raises ``ValueError``: unknown recipe
+    name, or ``float8_dtype`` not an fp8 format."""
     recipe = get_recipe(recipe)
     Operand("rowwise", float8_dtype)  # (validates the format even where no GEMM of the recipe is fp8)
 
@@ -171,12 +159,8 @@ RECIPES = types.MappingProxyType({
 
 
 def get_recipe(recipe) -> Recipe:
-    """Look up a recipe by name (or pass a :class:`Recipe` through).
-
-    Raises:
-        TypeError: neither a name nor a :class:`Recipe`.
-        ValueError: unknown recipe name.
-    """
+    """Look up a recipe by name (or pass a :class:`Recipe` through). Raises ``TypeError`` (neither a name nor a
+    :class:`Recipe`) or ``ValueError`` (unknown name)."""
     if isinstance(recipe, Recipe):
         return recipe
     if not isinstance(recipe, str):
@@ -208,17 +192,10 @@ def fp8_size_choice(in_features: int, out_features: int, recipe="rowwise") -> Op
     """The size-aware choice for one Linear: the :class:`Recipe` it is converted with, or None to keep it in high
     precision.
 
-    * ``K * N / (K + N) < size_rule_min`` (:func:`fp8_size_rule` False): None;
-    * a recipe with an fp8 grad_weight and ``K * N / (K + N) < size_rule_fp8_grad_weight_min`` (default 1024): the
-      recipe with grad_weight in high precision, named ``rowwise_gw_hp`` (docs/design.md, "Size-aware conversion");
-    * else ``recipe`` itself.
-
-    Args:
-        in_features: ``K``; out_features: ``N``.
-        recipe: the requested recipe (name or :class:`~fp8tensor.recipes.Recipe`).
-
-    Raises:
-        ValueError: unknown recipe.
+    None if :func:`fp8_size_rule` says so; for a recipe with an fp8 grad_weight and ``K * N / (K + N) <
+    size_rule_fp8_grad_weight_min`` (default 1024), that recipe with grad_weight in high precision, named
+    ``rowwise_gw_hp`` (docs/design.md, "Size-aware conversion"); else ``recipe`` (a name or :class:`Recipe`) itself.
+    Raises ``ValueError``: unknown recipe.
     """
     r = get_recipe(recipe)
     if not fp8_size_rule(in_features, out_features):

@@ -37,13 +37,12 @@ def _selected(config: Any, fqn: str, filter_fqns: list[str], cls: type, dims: tu
             and not any(f in fqn for f in filter_fqns))
 
 
-def _build(module, base: type, config, dims: tuple, keep: str) -> None:
+def _build(module, base: type, config, dims: tuple, got: str, keep: str) -> None:
     """``base.__init__(module, config)`` then :func:`convert_to_fp8`; ``ValueError`` unless ``dims`` are multiples
-    of 16 (``keep``: the config to use instead)."""
+    of 16 (``got``: their values, ``keep``: the config to use instead)."""
     if any(getattr(config, d) % 16 for d in dims):
-        raise ValueError(
-            f"{type(module).__name__}: {' and '.join(dims)} must be multiples of 16 (fp8 GEMMs), got "
-            f"{', '.join(str(getattr(config, d)) for d in dims)}; keep {keep}")
+        raise ValueError(f"{type(module).__name__}: {' and '.join(dims)} must be multiples of 16 (fp8 GEMMs), got "
+                         f"{got}; keep {keep}")
     base.__init__(module, config)
     convert_to_fp8(module, recipe=config.recipe, size_rule=False)
 
@@ -68,7 +67,8 @@ if _IMPORT_ERROR is None:
             """fp8tensor recipe: ``"rowwise"`` (3 fp8 GEMMs) or ``"rowwise_gw_hp"`` (grad_weight high precision)."""
 
         def __init__(self, config: Config):
-            _build(self, Linear, config, ("in_features", "out_features"), "this Linear a Linear.Config")
+            _build(self, Linear, config, ("in_features", "out_features"),
+                   f"{config.in_features} -> {config.out_features}", "this Linear a Linear.Config")
 
     class Fp8TensorGroupedExperts(Fp8GroupedExpertsMixin, GroupedExperts):
         """torchtitan ``GroupedExperts`` trained in fp8 by fp8tensor (built from its ``Config``): ``w1_EFD`` /
@@ -87,7 +87,8 @@ if _IMPORT_ERROR is None:
             """fp8tensor recipe: ``"rowwise"`` (3 fp8 GEMMs) or ``"rowwise_gw_hp"`` (grad_weight high precision)."""
 
         def __init__(self, config: Config):
-            _build(self, GroupedExperts, config, ("dim", "hidden_dim"), "these experts a GroupedExperts.Config")
+            _build(self, GroupedExperts, config, ("dim", "hidden_dim"), f"{config.dim} and {config.hidden_dim}",
+                   "these experts a GroupedExperts.Config")
 
     class Fp8TensorConverter(QuantizationConverter):
         """Swap every selected ``Linear.Config`` of a torchtitan model config for :class:`Fp8TensorLinear.Config`.

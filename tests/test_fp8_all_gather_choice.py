@@ -163,3 +163,36 @@ def test_no_warning_before_init_without_cuda(monkeypatch):
         warnings.simplefilter("error")
         m = fp8tensor.convert_to_fp8(_model())
     assert all(isinstance(lin.weight, Fp8MasterWeight) for lin in m)
+
+
+@pytest.mark.parametrize("asked", [None, False, True])
+def test_large_weights_take_the_fp8_all_gather_under_the_rules_bf16(monkeypatch, asked):
+    """Where the rule picks the bf16 all-gather (one host), a weight of at least ``fp8_all_gather_min_numel``
+    elements is still all-gathered in fp8 (the choice stored per Linear); an explicit True or False applies to every
+    Linear. Both Linears then train against float64 within the fp8 bound."""
+    from conftest import E4M3_GEMM_BOUND, rel_err
+
+    monkeypatch.setattr(fsdp_state, "fp8_all_gather_default", lambda: False)
+    monkeypatch.setattr(fp8tensor.conversion.convert, "fp8_all_gather_default", lambda: False)
+    m = _model()  # 32 -> 64 and 64 -> 32: 2048 elements each
+    big = nn.Linear(32, 256, bias=False)  # 8192 elements
+    m.append(big)
+    ref = [lin.weight.detach().double().clone() for lin in m]
+    with fp8tensor.config(fp8_all_gather_min_numel=8192):
+        fp8tensor.convert_to_fp8(m, fp8_all_gather=asked)
+    expected = [asked is True, asked is True, asked is not False]
+    assert [isinstance(lin.weight, Fp8MasterWeight) for lin in m] == expected
+    assert [lin.fp8_all_gather for lin in m] == expected
+    x = torch.randn(16, 32, dtype=torch.float64)
+    y = m(x.float())
+    out = x
+    for w in ref:
+        out = out @ w.t()
+    assert rel_err(y, out) <= 3 * E4M3_GEMM_BOUND
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True, "big"])
+def test_fp8_all_gather_min_numel_must_be_a_positive_integer(bad):
+    with pytest.raises(ValueError, match="fp8_all_gather_min_numel"):
+        with fp8tensor.config(fp8_all_gather_min_numel=bad):
+            pass  # pragma: no cover

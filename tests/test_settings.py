@@ -60,13 +60,14 @@ def test_set_config_process_wide():
 def test_defaults():
     assert dataclasses.asdict(fp8tensor.Config()) == dict(
         gemm_backend="auto", unknown_ops="warn", weight_only_decode=True, compiled_quantization="kernels", grouped_gemm_kernel=True, size_rule=False, size_rule_min=640,
-        size_rule_fp8_grad_weight_min=1024, state_dict_fp8="subclass")
+        size_rule_fp8_grad_weight_min=1024, fp8_all_gather_min_numel=2**27, state_dict_fp8="subclass")
 
 
 def test_every_knob_scopes():
     base = fp8tensor.get_config()
     changes = dict(weight_only_decode=False, compiled_quantization="inductor",
-                   grouped_gemm_kernel=False, size_rule=True, size_rule_min=1000.5, state_dict_fp8="plain")
+                   grouped_gemm_kernel=False, size_rule=True, size_rule_min=1000.5, fp8_all_gather_min_numel=4096,
+                   state_dict_fp8="plain")
     with fp8tensor.config(**changes) as c:
         assert {k: getattr(fp8tensor.get_config(), k) for k in changes} == changes and c == fp8tensor.get_config()
         with fp8tensor.config(compiled_quantization="kernels"):

@@ -198,8 +198,9 @@ def convert_to_fp8(
             every selected Linear with ``recipe``; None (default): ``fp8tensor.get_config().size_rule`` (False).
         fp8_all_gather: True: each weight becomes an :class:`Fp8MasterWeight`, which FSDP2 all-gathers in fp8 with
             its row scales. False: a plain Parameter all-gathered in its ``param_dtype``, quantized on use. None
-            (default): :func:`fp8tensor.distributed.fsdp_state.fp8_all_gather_default` (docs/fsdp.md). Stored as
-            ``module.fp8_all_gather``. Expert weights and existing masters stay masters (a warning if False).
+            (default): :func:`fp8tensor.distributed.fsdp_state.fp8_all_gather_default` (False on one host over NCCL,
+            except for weights of at least ``get_config().fp8_all_gather_min_numel`` elements; docs/fsdp.md). Stored
+            as ``module.fp8_all_gather``. Expert weights and existing masters stay masters (a warning if False).
 
     Raises:
         TypeError: ``module`` is not an ``nn.Module``, the filter is not callable, the recipe is neither a name
@@ -216,9 +217,11 @@ def convert_to_fp8(
             raise TypeError(f"convert_to_fp8: {name} must be None, True or False, got {value!r}")
     asked_plain = fp8_all_gather is False  # (re-converting a master with the rule's False keeps it silently)
     early = False  # the rule chose the fp8 all-gather only because no process group exists yet (one-host job)
+    big = None  # the rule's bf16 all-gather: weights of at least this many elements are all-gathered in fp8 still
     if fp8_all_gather is None:
         fp8_all_gather = fp8_all_gather_default()
         early = fp8_all_gather and rule_changes_after_init()
+        big = None if fp8_all_gather else get_config().fp8_all_gather_min_numel
     use_size_rule = get_config().size_rule if size_rule is None else size_rule
     chosen, skipped, redirects, experts = _select(module, module_filter_fn, op, ties=True)
     classes = {fqn: fp8_class(type(lin)) for fqn, lin in chosen}  # before any change: a failure leaves no trace
@@ -247,7 +250,7 @@ def convert_to_fp8(
         elif lr is None:
             skipped.append(label + ", size rule)")
             continue
-        elif fp8_all_gather:
+        elif fp8_all_gather or (big is not None and lin.in_features * lin.out_features >= big):
             new = swap_local(w, lambda lt, lr=lr: Fp8MasterWeight(lt, lr))
             if new is not None:  # a plain Parameter: every holder of it gets the master (tied weights)
                 _adopt_parameter(module, w, new)
@@ -259,7 +262,7 @@ def convert_to_fp8(
             lin.register_load_state_dict_post_hook(rewrap_after_load)
             lin._fp8_hooks = True
         lin.fp8_recipe = lr
-        lin.fp8_all_gather = fp8_all_gather or isinstance(local, Fp8MasterWeight)
+        lin.fp8_all_gather = fp8_all_gather or isinstance(local_of(lin.weight), Fp8MasterWeight)
         install_fp8_forward(lin, classes[fqn], redirects[fqn])
         add_tp_export_hook(lin)
     _convert_experts(module, experts, r, skipped)

@@ -49,6 +49,9 @@ class Config:
         size_rule_fp8_grad_weight_min: (default 1024) a ``rowwise`` Linear whose ``K * N / (K + N)`` lies in
             ``[size_rule_min, size_rule_fp8_grad_weight_min)`` gets ``rowwise_gw_hp``. A positive number; at most
             ``size_rule_min`` turns this middle tier off.
+        fp8_all_gather_min_numel: (default 2**27) where :func:`fp8tensor.convert_to_fp8`'s ``fp8_all_gather=None``
+            rule picks the bf16 all-gather (one host), a weight of at least this many elements is still all-gathered
+            in fp8 (it saves more GPU time than the hooks cost the host; docs/fsdp.md). A positive integer.
         state_dict_fp8: one of :data:`STATE_DICT_FP8` (default ``"subclass"``): what ``state_dict()`` of a
             :func:`fp8tensor.quantize_weights` model holds per fp8 weight: the :class:`ScaledFp8Tensor`, or
             ``"plain"`` ``weight`` (fp8) + ``weight_scale`` (float32 ``(out_features, 1)``), the safetensors / Hugging
@@ -63,6 +66,7 @@ class Config:
     size_rule: bool = False
     size_rule_min: float = 640
     size_rule_fp8_grad_weight_min: float = 1024
+    fp8_all_gather_min_numel: int = 2**27
     state_dict_fp8: str = "subclass"
 
     def __post_init__(self):
@@ -78,6 +82,9 @@ class Config:
             m = getattr(self, name)
             if type(m) not in (int, float) or not (0 < m < float("inf")):
                 raise ValueError(f"fp8tensor.config: {name} must be a positive finite number, got {m!r}")
+        n = self.fp8_all_gather_min_numel
+        if type(n) is not int or n < 1:
+            raise ValueError(f"fp8tensor.config: fp8_all_gather_min_numel must be a positive integer, got {n!r}")
 
 
 _global = Config()

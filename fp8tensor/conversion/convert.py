@@ -234,8 +234,7 @@ def convert_to_fp8(
         label = f"{fqn or '<root>'} ({lin.in_features}->{lin.out_features}"
         lr = fp8_size_choice(lin.in_features, lin.out_features, r) if use_size_rule else r
         if isinstance(local, Fp8MasterWeight):
-            # Converted before (only the recipe may change), or a master swapped in by hand: the module's forward
-            # becomes fp8_linear too (a bare F.linear on a DTensor master runs grad_weight in high precision).
+            # converted before (only the recipe may change), or a master swapped in by hand: gets the fp8 forward
             if lr is None:  # (the size rule does not undo a conversion: said in the warning below)
                 stay_fp8.append(label + ")")
                 lr = r

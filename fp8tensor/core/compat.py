@@ -133,10 +133,10 @@ def register_foreach_type(cls: type) -> None:
             types.append(cls)
 
 
-def _getter(attr: str, doc: str):
-    """A function reading the private attribute ``attr`` of its argument (``doc``: its docstring)."""
+def _getter(attr: str, doc: str, *default):
+    """A function reading the private attribute ``attr`` (or ``default``) of its argument (``doc``: its docstring)."""
     def get(obj):
-        return getattr(obj, attr)
+        return getattr(obj, attr, *default)
     get.__doc__ = doc
     return get
 
@@ -157,10 +157,12 @@ fsdp_params_of = _getter("fsdp_params", "The ``FSDPParam`` s of a parameter grou
 fsdp_sharded_local = _getter("_sharded_local_tensor", "The sharded local tensor of an ``FSDPParam``.")
 fsdp_flat_shard = _getter("_sharded_param_data",
                           "The flat copy FSDP2 keeps of a shard (the default all-gather path's input).")
+fsdp_unsharded_param = _getter("_unsharded_param", "FSDP2's unsharded parameter of an ``FSDPParam``, or None.", None)
 fsdp_set_flat_shard = _setter("_sharded_param_data", "Replace the flat copy FSDP2 keeps of a shard.")
 parameters_dict = _getter("_parameters", "``module``'s own live parameter dict (name -> Parameter or None).")
 buffers_dict = _getter("_buffers", "``module``'s own live buffer dict (name -> tensor or None).")
 children_dict = _getter("_modules", "``module``'s own live child-module dict (name -> Module or None).")
+is_parameter_marked = _getter("_is_param", "Whether ``nn.Parameter(t)`` marked the tensor subclass ``t``.", False)
 op_schema = _getter("_schema", "The ``torch._C.FunctionSchema`` of an ``OpOverload`` (no public accessor).")
 
 
@@ -223,11 +225,6 @@ def fsdp_state_name(fp) -> str:
     return fp.sharded_state.name
 
 
-def fsdp_unsharded_param(fp):
-    """FSDP2's unsharded parameter of an ``FSDPParam`` if one exists, else None."""
-    return getattr(fp, "_unsharded_param", None)
-
-
 def fsdp_reset_extension(fp) -> None:
     """Make an ``FSDPParam`` re-read its local tensor's all-gather extension and drop what was sized and typed for the
     previous one (all-gather outputs, unsharded parameter, mixed-precision dtypes)."""
@@ -282,11 +279,6 @@ def run_per_simulated_rank(fn):
 def c10d_functional_ops():
     """The ``torch.ops._c10d_functional`` namespace (the functional collectives DTensor issues)."""
     return torch.ops._c10d_functional
-
-
-def is_parameter_marked(t: torch.Tensor) -> bool:
-    """Whether ``nn.Parameter(t)`` marked the tensor subclass ``t`` (its private ``_is_param``)."""
-    return bool(getattr(t, "_is_param", False))
 
 
 def mark_parameter(t: torch.Tensor) -> None:

@@ -147,8 +147,8 @@ def set_config(**changes) -> Config:
 
 
 class _Scope:
-    """What :func:`config` returns: a context manager whose settings hold inside its ``with`` block. Recorded weakly
-    until entered (never entered: the thread's next settings call raises); leaving one removes it wherever it is."""
+    """What :func:`config` returns: a context manager whose settings hold inside its ``with`` block (recorded weakly
+    until entered)."""
 
     __slots__ = ("changes", "__weakref__")
 

@@ -314,7 +314,7 @@ def _view_scale_with_data(func, args, kwargs):
 
 @implements([aten.view_as.default])
 def _view_as_scale_with_data(func, args, kwargs):
-    """``t.view(other.shape)`` (``view_as`` arrives undecomposed under ``torch.inference_mode``)."""
+    """``t.view(other.shape)`` (undecomposed under ``torch.inference_mode``)."""
     return _view_scale_with_data(aten.view.default, (args[0], list(args[1].shape)), {})
 
 

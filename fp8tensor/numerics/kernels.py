@@ -1,15 +1,10 @@
 """Fused quantization kernels: quantize along dim 0 and write the transposed fp8 layout in one go.
 
-The gradient GEMMs contract over the *outer* dims of the row-major activations, gradients and weights, and
-``torch._scaled_mm`` wants A row-major and B column-major with scales on their outer dims: these operands are
-quantized along dim 0 and stored transposed. As eager or compiled ops that is a strided reduction plus a transposing
-copy (~196 µs for 16384×4096 bf16 on H200, several times the memory-bound time). Here: (1) column amax, a 2-D grid
-of ``[CHUNK_M, BLOCK_K]`` slabs combined with ``atomic_max``; (2) cast, ``[BLOCK_M, BLOCK_K]`` tiles divided by the
-column scale, saturated and stored transposed. Other kernels quantize along the last dim (one or many tensors per
-launch), transpose fp8, quantize per token group, and multiply small-M activations by fp8 weights (decode).
-
-Only :mod:`fp8tensor.core` is imported: the scale floor is passed in by :mod:`fp8tensor.quantize`, which decides
-when a kernel runs and registers the dim-0 kernels as the ``triton_op`` ``fp8tensor::quantize_dim0_t``.
+The gradient GEMMs contract over the outer dims of row-major activations, gradients and weights; ``torch._scaled_mm``
+wants A row-major and B column-major, so these operands are quantized along dim 0 and stored transposed: (1) column
+amax over ``[CHUNK_M, BLOCK_K]`` slabs combined with ``atomic_max``; (2) cast of ``[BLOCK_M, BLOCK_K]`` tiles, stored
+transposed. Also: row-wise (one or many tensors per launch), fp8 transpose, per-group columns, the decode GEMM.
+Imports only :mod:`fp8tensor.core`; :mod:`fp8tensor.quantize` decides when a kernel runs.
 """
 from __future__ import annotations
 
@@ -224,12 +219,8 @@ _INT32 = (-(2**31), 2**31)
 
 
 class _Launcher:
-    """Eager launches of one ``@triton.jit`` kernel with less host work than ``kernel[grid](...)``.
-
-    ``kernel[grid](...)`` costs tens of µs of Python per launch. Here the first launch of each *argument class* goes
-    through Triton's JIT; later ones call the compiled kernel's entry point as Triton's ``run`` does. The class is a
-    superset of what Triton specializes on (per tensor its dtype and 16-byte alignment; per integer whether it is 1,
-    a multiple of 16, within int32; constexprs by value; device, warps, stages), so the cached kernel is Triton's."""
+    """Eager launches of one ``@triton.jit`` kernel: the first launch of each argument class (a superset of what
+    Triton specializes on) goes through Triton's JIT, later ones call the compiled kernel's ``run`` directly."""
 
     __slots__ = ("fn", "names", "is_constexpr", "defaults", "cache")
 
@@ -325,11 +316,10 @@ def quantize_last_dim(x: torch.Tensor, float8_dtype: torch.dtype, scale_floor: f
                       col_scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Row-wise quantization along the last dim in one Triton kernel (eager CUDA; see :func:`row_kernel_available`).
 
-    ``scale = max(amax / fmax, scale_floor)``. The bits of the eager ``quantize_rowwise(x, -1, float8_dtype)`` (a
-    NaN row gets an infinite instead of a NaN scale: non-finite either way), reading ``x`` twice instead of ~7
-    passes. ``col_scale``: a contiguous float32 tensor of ``K`` elements on ``x``'s device; the kernel quantizes
-    ``x.float() * col_scale`` (the bits of those ops), without writing that product out. Returns ``(qdata, scale)``:
-    ``qdata`` of ``x``'s shape in ``float8_dtype``, ``scale`` float32 ``(*x.shape[:-1], 1)``.
+    ``scale = max(amax / fmax, scale_floor)``: the bits of the eager ``quantize_rowwise(x, -1, float8_dtype)`` (a NaN
+    row gets an infinite scale), reading ``x`` twice. ``col_scale`` (``K`` contiguous float32 values on ``x``'s
+    device): quantizes ``x.float() * col_scale`` instead. Returns ``qdata`` (``x``'s shape, ``float8_dtype``) and
+    ``scale`` (float32 ``(*x.shape[:-1], 1)``).
 
     Raises:
         ValueError: ``x`` is not a tensor the kernel takes (check :func:`row_kernel_available` first), or
@@ -479,10 +469,8 @@ def launch_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype, scale_floor: float
     ``float8_dtype`` holding ``x.T`` quantized row-wise, ``scale`` ``(K, 1)`` float32.
     ``scale_floor``: the smallest scale, ``max(amax / fmax, floor)``. Tiles from :data:`CONFIG` (read at each call).
 
-    ``traced=True``: the body of the ``triton_op`` ``fp8tensor::quantize_dim0_t`` (``wrap_triton``: inductor calls
-    the kernels inline), else an eager launch. Traced, the kernels get ``x`` itself, never a view, realized once
-    (:func:`fp8tensor.compat.one_buffer`): inductor writes a fusible value out into a buffer of its own for *each*
-    kernel argument."""
+    ``traced=True``: the body of the ``triton_op`` ``fp8tensor::quantize_dim0_t`` (``wrap_triton``), with ``x``
+    realized once (:func:`fp8tensor.compat.one_buffer`), else an eager launch."""
     if traced:  # both kernels read one buffer of x (else inductor writes a fused x out once per kernel)
         x = compat.one_buffer(x)
     K = x.shape[-1]

@@ -38,12 +38,10 @@ E5M2 = torch.float8_e5m2
 #: The fp8 formats supported for storage and GEMMs (OCP e4m3fn and e5m2).
 FLOAT8_DTYPES = (E4M3, E5M2)
 
-#: Smallest scale: float32's smallest normal number, 2^-126. ``scale = max(amax / fp8_max, SCALE_FLOOR)``.
-#: An all-zero (or empty) row gets it and dequantizes to exact zeros. Rows with ``amax >= fp8_max * 2^-126`` (about
-#: 5.3e-36 for e4m3, 6.7e-34 for e5m2) get exactly ``amax / fp8_max``. **Limit:** smaller rows keep the floor, a fixed
-#: absolute grid: they lose relative precision gradually and the smallest flush to zero (a subnormal scale would carry
-#: fewer bits and ``x / scale`` could overflow). Traced code spells it ``torch.finfo(torch.float32).tiny``: a
-#: module-level float would become a symbolic input under ``dynamic=True`` (a dynamo bug, docs/pytorch_issues.md).
+#: Smallest scale: float32's smallest normal number, 2^-126 (``scale = max(amax / fp8_max, SCALE_FLOOR)``): an all-zero
+#: row dequantizes to zeros; rows with ``amax < fp8_max * 2^-126`` keep this fixed grid (lose relative precision, the
+#: smallest flush to zero). Traced code spells it ``torch.finfo(torch.float32).tiny`` (a module-level float becomes a
+#: symbolic input under ``dynamic=True``, docs/pytorch_issues.md).
 SCALE_FLOOR = torch.finfo(torch.float32).tiny
 
 
@@ -105,9 +103,8 @@ def quantize(x: torch.Tensor, dim: int = -1, float8_dtype: torch.dtype = E4M3, *
        row-wise Triton kernel (same bits as the ops).
     3. Otherwise (CPU, ``torch.compile``, other layouts): :func:`rowwise_scale` and :func:`cast_to_fp8`.
 
-    ``col_scale`` (a float32 ``(1, K)`` tensor, ``x`` 2-D ``(M, K)``, ``dim`` its last): quantizes
-    ``x.float() * col_scale`` — an fp8 weight's row scales folded into the other GEMM operand, ``(x diag(c)) @ B8``
-    — in the row-wise kernel without writing the float32 product out (case 2), else as those ops.
+    ``col_scale`` (float32 ``(1, K)``; ``x`` 2-D, ``dim`` its last): quantizes ``x.float() * col_scale`` (an fp8
+    weight's row scales folded in, ``(x diag(c)) @ B8``), in the kernel of case 2 without writing the product out.
 
     Raises:
         TypeError: ``float8_dtype`` is not one of the supported fp8 formats.
@@ -221,13 +218,9 @@ def _quantize_dim0_t_shared(x: torch.Tensor, float8_dtype: torch.dtype) -> tuple
 
 
 def _trace_memo(x: torch.Tensor, float8_dtype: torch.dtype):
-    """``(memo, key, inner)`` while ``torch.compile`` traces ``quantize_dim0_t_shared`` into a graph, else
-    ``(None, None, None)``.
-
-    Linears reading one input (q/k/v, w1/w3) each quantize it; inductor does not deduplicate the kernels of a
-    decomposed triton op, so the graph would save one fp8 copy per Linear. ``key`` is the data the functional tensor
-    holds now (storage, offset, shape, strides: an in-place update gives a new key, views share it). The memo lives
-    on the proxy tracer (one graph). Symbolic shapes or unexpected tracing internals: no memo (same values)."""
+    """``(memo, key, inner)`` while ``torch.compile`` traces ``quantize_dim0_t_shared``, else ``(None,) * 3``: one
+    fp8 copy per graph for Linears reading one input (inductor does not deduplicate triton-op kernels). ``key``: the
+    functional tensor's data now (storage, offset, shape, strides); the memo lives on the tracer (one graph)."""
     found = compat.functional_data(x)
     if found is None:
         return None, None, None
@@ -290,12 +283,8 @@ def _(w, after, float8_dtype):
 
 
 def after_dep(after: torch.Tensor) -> torch.Tensor:
-    """A float32 ``(1,)`` tensor holding +0.0, *computed from* ``after`` (its first element times zero; the sum of
-    an empty ``after``): a data dependency on ``after`` with no effect on values.
-
-    A traced op reading it cannot run before ``after`` exists: this keeps a weight's backward quantization in the
-    backward graph (see :func:`quantize_dim0_t_after`). Reading one element (a view) keeps inductor from writing
-    ``after`` out for it."""
+    """A float32 ``(1,)`` +0.0 computed from one element of ``after`` (a view: nothing written out): a traced op
+    reading it runs after ``after`` exists, which keeps a weight's backward operand in the backward graph."""
     first = after[(slice(0, 1),) * after.dim()]  # (1, ..., 1), a view
     if after.numel() == 0:
         return after.float().sum().reshape(1)  # 0.0 (NaN and inf are impossible: nothing is summed)
@@ -311,13 +300,9 @@ def _dim0_t_dep_plain(w: torch.Tensor, dep: torch.Tensor, float8_dtype: torch.dt
 
 def quantize_dim0_t_after(w: torch.Tensor, after: torch.Tensor, float8_dtype: torch.dtype = E4M3
                           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`quantize_dim0_t` of ``w`` ``(N, K)`` — ``(K, N)`` row-major fp8 and ``(K, 1)`` float32 scales — ordered
-    after ``after`` in a traced graph (same values; ``after`` is never read but for one element).
-
-    For a master weight's grad_input operand: computed from the weight alone, the compiled partitioner would move it
-    into the forward graph and keep an fp8 copy of every weight until backward. Eager: runs directly; traced with
-    the dim-0 kernels: the opaque op ``fp8tensor::quantize_columns_after``; traced otherwise (CPU): plain ops with the
-    amax max-ed with :func:`after_dep` ``(after)``, which inductor fuses."""
+    """:func:`quantize_dim0_t` of ``w`` ``(N, K)`` — ``(K, N)`` row-major fp8, ``(K, 1)`` float32 scales — ordered
+    after ``after`` when traced (a master's grad_input operand, else hoisted into the forward and kept). Eager: direct;
+    under a mode: the op ``fp8tensor::quantize_columns_after``; compiled: plain ops reading :func:`after_dep`."""
     if (kernels.eager_launch_ok(w) and kernels.eager_launch_ok(after)
             and not (w.requires_grad and torch.is_grad_enabled())):
         return _quantize_columns_after_impl(w, after, float8_dtype)  # eager: the op's body, no dispatcher trip
@@ -471,12 +456,9 @@ def _(q, after):
 
 
 def transpose_after(q: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
-    """``q.t().contiguous()`` (a copy) for the grad_input GEMM, which needs the fp8 weight column-major, ordered after
-    ``after`` (``grad_out``) in a traced graph.
-
-    Computed from the weight alone, the compiled partitioner would hoist the copy into the forward graph and keep
-    it until backward. Eager: runs directly; compiled: plain ops with an :func:`after_dep`; under a mode: the opaque
-    op ``fp8tensor::transpose_after``."""
+    """``q.t().contiguous()`` (a copy; the fp8 weight column-major for grad_input) ordered after ``after`` when traced
+    (else hoisted into the forward and kept). Eager: direct; compiled: plain ops reading :func:`after_dep`; under a
+    mode: the op ``fp8tensor::transpose_after``."""
     if kernels.eager_launch_ok(q) and kernels.eager_launch_ok(after):
         return _transpose_after_impl(q, after)  # eager: the op's body (the kernel on CUDA), no dispatcher trip
     if compat.is_compiling():  # plain ops inductor fuses (an opaque op costs a Python call per Linear per step)

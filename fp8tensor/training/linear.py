@@ -71,9 +71,8 @@ def _is_fp8(t: torch.Tensor) -> bool:
 
 # ---------------------------------------------------------------------------------------------- the GEMM
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` with an fp8 operand (a ScaledFp8Tensor, or a DTensor of one): the GEMM engine
-    :func:`fp8tensor.gemm.fp8_mm` called directly in eager on plain operands (what the op table's ``aten.mm`` entry
-    calls, without the dispatcher round trip), else ``torch.mm`` (DTensor's rules, compile, export, modes)."""
+    """``a @ b`` with an fp8 operand: :func:`fp8tensor.gemm.fp8_mm` directly in eager on plain operands (no dispatcher
+    round trip), else ``torch.mm`` (DTensor's rules, compile, export, modes)."""
     if (type(a) in (torch.Tensor, ScaledFp8Tensor) and type(b) in (torch.Tensor, ScaledFp8Tensor)
             and not compat.is_compiling() and not compat.dispatch_modes_active()):
         return fp8_mm(a, b, op="aten.mm")
@@ -82,12 +81,9 @@ def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------- operands
 def _x_for_grad_weight(x: torch.Tensor, x2: torch.Tensor, gemm: Gemm) -> torch.Tensor:
-    """The grad_weight operand, computed in forward: ``x2 = x.reshape(-1, K)`` quantized per input feature over the
-    tokens (dim 0), as a ScaledFp8Tensor (or a DTensor of one); saving it instead of ``x`` halves (bf16) or quarters
-    (fp32) what the Linear keeps. A plain CUDA ``x`` goes to the dim-0 kernels as it is
-    (:func:`fp8tensor.quantize.quantize_tokens`: no view for inductor to write out per kernel argument; same bits).
-    Nothing is kept between calls (Linears reading one ``x`` each quantize it in eager; a compiled graph makes one
-    copy). An ``x2`` already fp8 scaled per token (fp8 sequence parallelism) is kept: ``fp8_mm`` folds its scales."""
+    """The grad_weight operand, made in forward: ``x2 = x.reshape(-1, K)`` quantized per input feature over the
+    tokens (a plain CUDA ``x`` as it is: :func:`fp8tensor.quantize.quantize_tokens`), saved instead of ``x``. Nothing
+    is kept between calls. An ``x2`` already fp8 per token (fp8 sequence parallelism) is kept: ``fp8_mm`` folds it."""
     fast, float8_dtype = gemm.fast_accum, gemm.b.float8_dtype
     if type(x2) is not torch.Tensor and _is_fp8(x2):
         return _quantize(x2, 0, fast)
@@ -99,10 +95,8 @@ def _x_for_grad_weight(x: torch.Tensor, x2: torch.Tensor, gemm: Gemm) -> torch.T
 
 
 def _weight_for_grad_input(weight: torch.Tensor, gy: torch.Tensor, gemm: Gemm) -> torch.Tensor:
-    """The weight operand of ``grad_x = gy @ W``, made after ``gy`` (``grad_out``: only an ordering input) exists:
-    an fp8 weight scaled per row (FSDP2-gathered, frozen) transposed (:func:`fp8tensor.quantize.transpose_after`), its
-    row scales folded into ``gy`` by ``fp8_mm``; a master / high-precision weight quantized per input column
-    (:func:`fp8tensor.quantize.quantize_dim0_t_after`). DTensor shards are prepared as they come."""
+    """The weight operand of ``grad_x = gy @ W``, made after ``gy`` exists: an fp8 weight transposed (its row scales
+    folded into ``gy`` by ``fp8_mm``), a master quantized per input column (DTensor shards as they come)."""
     fast, float8_dtype = gemm.fast_accum, gemm.b.float8_dtype
     if _is_fp8(weight):
         if (

@@ -160,3 +160,19 @@ def count_scaled_mm():
         yield n
     finally:
         torch._scaled_mm = orig
+
+
+def run_under_triton_interpreter(script: str) -> None:
+    """Run ``tests/<script>`` in a subprocess with ``TRITON_INTERPRET=1`` (Triton's interpreter on CPU, read when the
+    kernels are defined) and a random seed as its argument; it must exit 0 and print ``ok`` last."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    seed = str(torch.randint(0, 2**31, ()).item())
+    proc = subprocess.run([sys.executable, str(root / "tests" / script), seed], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), (seed, proc.stdout[-2000:], proc.stderr[-3000:])

@@ -296,18 +296,9 @@ def test_torchtitan_grouped_experts_converter():
 def test_group_col_kernel_under_the_triton_interpreter():
     # The Triton kernel of the per-group column quantization (CUDA path), run by Triton's interpreter on CPU:
     # scales, transposed padded layout and zero padding as the plain ops (tests/_group_cols_interp.py).
-    pytest.importorskip("triton")
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from conftest import run_under_triton_interpreter
 
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root), OMP_NUM_THREADS="1")
-    seed = str(torch.randint(0, 2**31, ()).item())
-    proc = subprocess.run([sys.executable, str(root / "tests" / "_group_cols_interp.py"), seed], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), (seed, proc.stdout[-2000:], proc.stderr[-3000:])
+    run_under_triton_interpreter("_group_cols_interp.py")
 
 
 def test_tokens_refilled_between_grouped_gemms_are_quantized_again():

@@ -212,15 +212,6 @@ def test_dim0_and_row_kernels_under_the_triton_interpreter():
     # The Triton kernels of the CUDA paths run by Triton's interpreter on CPU (tests/_kernels_interp.py): the dim-0
     # pair (column amax, transposing cast) and the row-wise kernel with folded column multipliers
     # give the plain ops' scales exactly and their fp8 values within the interpreter's cast.
-    pytest.importorskip("triton")
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from conftest import run_under_triton_interpreter
 
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root), OMP_NUM_THREADS="1")
-    seed = str(torch.randint(0, 2**31, ()).item())
-    proc = subprocess.run([sys.executable, str(root / "tests" / "_kernels_interp.py"), seed], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), (seed, proc.stdout[-2000:], proc.stderr[-3000:])
+    run_under_triton_interpreter("_kernels_interp.py")

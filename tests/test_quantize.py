@@ -208,6 +208,45 @@ def test_exactly_representable_rows_round_trip_exactly(f8):
     assert torch.equal(t.to_hp(), x)
 
 
+@pytest.mark.parametrize("shape", [(1, 65535 * 128), (1, 65535 * 128 + 1), (65535 * 256, 1), (65535 * 256 + 1, 1),
+                                   (2, 3, 40)])
+def test_dim0_kernels_take_only_what_their_grids_can_launch(monkeypatch, shape):
+    """For every x ``kernel_available`` takes, the dim-0 kernels' launches stay within CUDA's grid (dim 0 below 2^31,
+    dims 1 and 2 at most 65535): checked on a fake CUDA tensor (no GPU), the launches recorded on a meta tensor."""
+    pytest.importorskip("triton")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fp8tensor.numerics import kernels
+    from fp8tensor.quantize import SCALE_FLOOR
+
+    grids = []
+    monkeypatch.setattr(kernels, "_launch", lambda fn, grid, *a, **k: grids.append((fn.__name__, grid)))
+    with FakeTensorMode():
+        taken = kernels.kernel_available(torch.empty(shape, dtype=torch.bfloat16, device="cuda"))
+    assert taken == (shape[-1] <= 65535 * 128 and shape[0] <= 65535 * 256)
+    if not taken:
+        return
+    kernels.launch_dim0_t(torch.empty(shape, dtype=torch.bfloat16, device="meta"), E4M3, SCALE_FLOOR)
+    assert len(grids) == 2
+    for name, grid in grids:
+        assert grid[0] < 2**31 and all(g <= 65535 for g in grid[1:]), (name, grid)
+
+
+def test_dim0_kernels_decline_outputs_past_32bit_offsets():
+    """A 2-D ``x`` whose rows overlap (stride 0: the ``grad_out`` of a sum over the tokens) spans few elements, but its
+    fp8 output holds ``M * K``: at ``2^31`` or more the transposing cast's 32-bit store offsets would wrap, so
+    ``kernel_available`` declines it (plain ops instead); checked on fake CUDA tensors (no GPU)."""
+    pytest.importorskip("triton")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fp8tensor.numerics import kernels
+
+    with FakeTensorMode():
+        row = torch.empty(1, 2048, dtype=torch.bfloat16, device="cuda")
+        assert kernels.kernel_available(row.expand(2**20 - 1, 2048))
+        assert not kernels.kernel_available(row.expand(2**20 + 1, 2048))
+
+
 def test_dim0_and_row_kernels_under_the_triton_interpreter():
     # The Triton kernels of the CUDA paths run by Triton's interpreter on CPU (tests/_kernels_interp.py): the dim-0
     # pair (column amax, transposing cast) and the row-wise kernel with folded column multipliers

@@ -1,4 +1,4 @@
-"""Run the dim-0 kernels (column amax, transposing cast) and the row-wise kernel with folded column scales
+"""Run the dim-0 kernels (column amax, transposing cast), the two-layout kernels and the row-wise kernel with folded column scales
 under Triton's interpreter (CPU) and compare with the plain ops.
 
 Invoked by tests/test_quantize.py in a subprocess with TRITON_INTERPRET=1 (read when the kernels are defined). The
@@ -40,6 +40,19 @@ def main():
     rs = rowwise_scale(x.t(), -1, torch.float8_e4m3fn)
     assert torch.equal(s, rs), (s - rs).abs().max()
     _same_fp8(q, cast_to_fp8(x.t(), rs, torch.float8_e4m3fn))
+    # both layouts (row amax and column amax in one pass, then one read per tile): x with a wider row stride
+    amax = torch.zeros(M + K)
+    kernels._amax_both_kernel[(triton.cdiv(K, 64), triton.cdiv(M, 128))](x, amax, M, K, x.stride(0), CHUNK_K=64,
+                                                                        BLOCK_M=128, BLOCK_K=32)
+    assert torch.equal(amax[:M], x.abs().amax(1)) and torch.equal(amax[M:], x.abs().amax(0))
+    q, s, qt, st = (torch.empty(M, K, dtype=torch.float8_e4m3fn), torch.empty(M, 1),
+                    torch.empty(K, M, dtype=torch.float8_e4m3fn), torch.empty(K, 1))
+    kernels._cast_both_kernel[(triton.cdiv(M, 64), triton.cdiv(K, 32))](
+        x, amax, q, s, qt, st, M, K, x.stride(0), FMAX=448.0, EPS=SCALE_FLOOR, BLOCK_M=64, BLOCK_K=32)
+    for data, got_q, got_s in ((x, q, s), (x.t(), qt, st)):
+        rs = rowwise_scale(data, -1, torch.float8_e4m3fn)
+        assert torch.equal(got_s, rs), (got_s - rs).abs().max()
+        _same_fp8(got_q, cast_to_fp8(data, rs, torch.float8_e4m3fn))
     # rows times column multipliers (grad_input's folded weight scales)
     M, K = 37, 300
     x = torch.randn(M, K) * torch.logspace(-3, 3, M)[:, None]

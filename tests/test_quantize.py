@@ -208,6 +208,19 @@ def test_exactly_representable_rows_round_trip_exactly(f8):
     assert torch.equal(t.to_hp(), x)
 
 
+def test_token_layouts_op_off_cuda_is_the_two_quantizations():
+    """``fp8tensor::quantize_both`` off CUDA (no kernels): ``quantize`` per row and ``quantize_dim0_t`` per column."""
+    from fp8tensor.quantize import quantize, quantize_dim0_t, quantize_token_layouts
+
+    x = torch.randn(3, 5, 24) * 10
+    assert quantize_token_layouts(x) is None  # the Linear then quantizes as before
+    q, s, qt, st = torch.ops.fp8tensor.quantize_both(x, torch.float8_e4m3fn)
+    rq, rs = quantize(x.reshape(15, 24), -1)
+    tq, ts = quantize_dim0_t(x, torch.float8_e4m3fn)
+    for a, b in ((q, rq), (s, rs), (qt, tq), (st, ts)):
+        assert a.shape == b.shape and torch.equal(a.float(), b.float())
+
+
 def test_dim0_and_row_kernels_under_the_triton_interpreter():
     # The Triton kernels of the CUDA paths run by Triton's interpreter on CPU (tests/_kernels_interp.py): the dim-0
     # pair (column amax, transposing cast) and the row-wise kernel with folded column multipliers

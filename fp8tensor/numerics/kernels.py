@@ -17,7 +17,7 @@ import torch
 from ..core import capture, compat
 
 __all__ = [
-    "kernel_available", "launch_dim0_t", "quantize_last_dim", "quantize_last_dim_group", "row_kernel_available",
+    "kernel_available", "launch_dim0_t", "launch_both", "quantize_last_dim", "quantize_last_dim_group", "row_kernel_available",
     "eager_launch_ok", "transpose_available", "launch_transpose", "quantize_last_dim_group_into",
     "group_col_kernel_available", "launch_group_cols_t",
     "w8_mm_available", "launch_w8_mm", "W8_MM_CONFIG",
@@ -71,6 +71,50 @@ if _HAS_TRITON:
         tl.store(q_ptr + offs_k[:, None] * M + offs_m[None, :], q, mask=kmask[:, None] & (offs_m[None, :] < M))
         if pid_m == 0:
             tl.store(scale_ptr + offs_k, scale, mask=kmask)
+
+    @triton.jit
+    def _amax_both_kernel(x_ptr, amax_ptr, M, K, stride_m, CHUNK_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
+        # Row amax (amax[:M]) and column amax (amax[M:]) of (M, K) in one read: [BLOCK_M, CHUNK_K] per program.
+        offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        mmask = offs_m < M
+        rows = offs_m.to(tl.int64)[:, None] * stride_m
+        racc = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, CHUNK_K, BLOCK_K):
+            offs_k = tl.program_id(0) * CHUNK_K + k0 + tl.arange(0, BLOCK_K)
+            kmask = offs_k < K
+            x = tl.load(x_ptr + rows + offs_k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+            a = tl.abs(x.to(tl.float32))
+            a = tl.where(a != a, float("inf"), a)  # NaN -> inf: its row and column get an infinite scale
+            racc = tl.maximum(racc, tl.max(a, axis=1))
+            tl.atomic_max(amax_ptr + M + offs_k, tl.max(a, axis=0), mask=kmask, sem="relaxed")
+        tl.atomic_max(amax_ptr + offs_m, racc, mask=mmask, sem="relaxed")
+
+    @triton.jit
+    def _cast_both_kernel(x_ptr, amax_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, K, stride_m, FMAX: tl.constexpr,
+                          EPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+        # One read of a [BLOCK_M, BLOCK_K] tile, both layouts written: q (M, K) per row, qt (K, M) per column. x times
+        # the scale's IEEE reciprocal (two IEEE divisions per element made this kernel compute-bound).
+        pid_m = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        mmask = offs_m < M
+        kmask = offs_k < K
+        rs = tl.maximum(tl.load(amax_ptr + offs_m, mask=mmask, other=1.0) / FMAX, EPS)  # amax_to_scale
+        cs = tl.maximum(tl.load(amax_ptr + M + offs_k, mask=kmask, other=1.0) / FMAX, EPS)
+        mask = mmask[:, None] & kmask[None, :]
+        x = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * stride_m + offs_k[None, :], mask=mask,
+                    other=0.0).to(tl.float32)
+        y = tl.clamp(x * tl.div_rn(1.0, rs)[:, None], -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
+        tl.store(q_ptr + offs_m.to(tl.int64)[:, None] * K + offs_k[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
+        z = tl.clamp(x * tl.div_rn(1.0, cs)[None, :], -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
+        tl.store(qt_ptr + offs_k.to(tl.int64)[:, None] * M + offs_m[None, :], tl.trans(z.to(qt_ptr.dtype.element_ty)),
+                 mask=kmask[:, None] & mmask[None, :])
+        if pid_k == 0:
+            tl.store(s_ptr + offs_m, rs, mask=mmask)
+        if pid_m == 0:
+            tl.store(st_ptr + offs_k, cs, mask=kmask)
 
     @triton.jit
     def _quantize_rows(x_ptr, q_ptr, scale_ptr, offs_m, M, K, FMAX: tl.constexpr, EPS: tl.constexpr,
@@ -459,7 +503,7 @@ def kernel_available(x: torch.Tensor) -> bool:
     K = x.shape[-1]
     M = x.numel() // K
     rows = x.stride(0) * (M - 1) + K if x.dim() == 2 else x.numel()  # elements spanned
-    return rows < 2**31 and M <= 65535 * CONFIG["amax_chunk_m"]
+    return rows < 2**31 and M <= 65535 * min(CONFIG["amax_chunk_m"], BOTH_CONFIG["amax_block_m"])
 
 
 def launch_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype, scale_floor: float, *, traced: bool = False
@@ -488,6 +532,38 @@ def launch_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype, scale_floor: float
                                                       BLOCK_M=c["cast_block_m"], BLOCK_K=c["cast_block_k"]),
             c["cast_warps"], x.device, traced=traced)
     return q, scale
+
+
+#: Tiles of the two-layout kernels (:func:`launch_both`).
+BOTH_CONFIG = _frozen(dict(amax_block_m=128, amax_block_k=64, amax_chunk_k=256, amax_warps=4, cast_block_m=64,
+                          cast_block_k=128, cast_warps=4))
+
+
+def launch_both(x: torch.Tensor, float8_dtype: torch.dtype, scale_floor: float, *, traced: bool = False) -> tuple:
+    """``x`` ``(M, K)`` (as :func:`launch_dim0_t` takes it) quantized per row and per column from two reads: the
+    row and column amax in one pass, then both layouts from one read of each tile. Returns ``(q, s, qt, st)``: ``q``
+    ``(M, K)`` row-major with ``s`` ``(M, 1)`` (:func:`quantize_last_dim`'s bits), ``qt`` ``(K, M)`` row-major holding
+    ``x.T`` per row with ``st`` ``(K, 1)``; float32 scales ``max(amax / fmax, scale_floor)``; ``x`` times the scale's
+    reciprocal (within an fp32 ulp of ``x / scale``: an fp8 value differs from the ops' only at a rounding tie)."""
+    if traced:
+        x = compat.one_buffer(x)
+    K = x.shape[-1]
+    M = x.numel() // K
+    stride_m = x.stride(0) if x.dim() == 2 else K
+    amax = torch.zeros(M + K, dtype=torch.float32, device=x.device)
+    q = torch.empty(M, K, dtype=float8_dtype, device=x.device)
+    s = torch.empty(M, 1, dtype=torch.float32, device=x.device)
+    qt = torch.empty(K, M, dtype=float8_dtype, device=x.device)
+    st = torch.empty(K, 1, dtype=torch.float32, device=x.device)
+    c = BOTH_CONFIG
+    _launch(_amax_both_kernel, (triton.cdiv(K, c["amax_chunk_k"]), triton.cdiv(M, c["amax_block_m"])),
+            (x, amax, M, K, stride_m), dict(CHUNK_K=c["amax_chunk_k"], BLOCK_M=c["amax_block_m"],
+                                            BLOCK_K=c["amax_block_k"]), c["amax_warps"], x.device, traced=traced)
+    _launch(_cast_both_kernel, (triton.cdiv(M, c["cast_block_m"]), triton.cdiv(K, c["cast_block_k"])),
+            (x, amax, q, s, qt, st, M, K, stride_m), dict(FMAX=torch.finfo(float8_dtype).max, EPS=scale_floor,
+                                                          BLOCK_M=c["cast_block_m"], BLOCK_K=c["cast_block_k"]),
+            c["cast_warps"], x.device, traced=traced)
+    return q, s, qt, st
 
 
 #: Tiles of the transpose kernel (1-byte elements).

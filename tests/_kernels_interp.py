@@ -48,7 +48,7 @@ def main():
     q, s, qt, st = (torch.empty(M, K, dtype=torch.float8_e4m3fn), torch.empty(M, 1),
                     torch.empty(K, M, dtype=torch.float8_e4m3fn), torch.empty(K, 1))
     kernels._cast_both_kernel[(triton.cdiv(M, 64), triton.cdiv(K, 32))](
-        x, amax, q, s, qt, st, M, K, x.stride(0), FMAX=448.0, EPS=SCALE_FLOOR, BLOCK_M=64, BLOCK_K=32)
+        x, amax[:M], amax[M:], q, s, qt, st, M, K, x.stride(0), FMAX=448.0, EPS=SCALE_FLOOR, BLOCK_M=64, BLOCK_K=32)
     for data, got_q, got_s in ((x, q, s), (x.t(), qt, st)):
         rs = rowwise_scale(data, -1, torch.float8_e4m3fn)
         assert torch.equal(got_s, rs), (got_s - rs).abs().max()

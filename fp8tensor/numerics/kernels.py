@@ -91,7 +91,7 @@ if _HAS_TRITON:
         tl.atomic_max(amax_ptr + offs_m, racc, mask=mmask, sem="relaxed")
 
     @triton.jit
-    def _cast_both_kernel(x_ptr, amax_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, K, stride_m, FMAX: tl.constexpr,
+    def _cast_both_kernel(x_ptr, ra_ptr, ca_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, K, stride_m, FMAX: tl.constexpr,
                           EPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
         # One read of a [BLOCK_M, BLOCK_K] tile, both layouts written: q (M, K) per row, qt (K, M) per column. x times
         # the scale's IEEE reciprocal (two IEEE divisions per element made this kernel compute-bound).
@@ -101,8 +101,10 @@ if _HAS_TRITON:
         offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
         mmask = offs_m < M
         kmask = offs_k < K
-        rs = tl.maximum(tl.load(amax_ptr + offs_m, mask=mmask, other=1.0) / FMAX, EPS)  # amax_to_scale
-        cs = tl.maximum(tl.load(amax_ptr + M + offs_k, mask=kmask, other=1.0) / FMAX, EPS)
+        ra = tl.load(ra_ptr + offs_m, mask=mmask, other=1.0)  # row amax (ra) and column amax (ca)
+        ra = tl.where(ra != ra, float("inf"), ra)  # (a NaN amax of the plain ops: an infinite scale, as the kernels')
+        rs = tl.maximum(ra / FMAX, EPS)  # amax_to_scale
+        cs = tl.maximum(tl.load(ca_ptr + offs_k, mask=kmask, other=1.0) / FMAX, EPS)
         mask = mmask[:, None] & kmask[None, :]
         x = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * stride_m + offs_k[None, :], mask=mask,
                     other=0.0).to(tl.float32)
@@ -539,9 +541,11 @@ BOTH_CONFIG = _frozen(dict(amax_block_m=128, amax_block_k=64, amax_chunk_k=256, 
                           cast_block_k=128, cast_warps=4))
 
 
-def launch_both(x: torch.Tensor, float8_dtype: torch.dtype, scale_floor: float, *, traced: bool = False) -> tuple:
+def launch_both(x: torch.Tensor, float8_dtype: torch.dtype, scale_floor: float, *,
+                row_amax: Optional[torch.Tensor] = None, traced: bool = False) -> tuple:
     """``x`` ``(M, K)`` (as :func:`launch_dim0_t` takes it) quantized per row and per column from two reads: the
-    row and column amax in one pass, then both layouts from one read of each tile. Returns ``(q, s, qt, st)``: ``q``
+    row and column amax in one pass (``row_amax`` given, ``M`` float32 values: the column amax alone; a compiled
+    graph computes the row amax in its producer's kernel), then both layouts from one read of each tile. Returns ``(q, s, qt, st)``: ``q``
     ``(M, K)`` row-major with ``s`` ``(M, 1)`` (:func:`quantize_last_dim`'s bits), ``qt`` ``(K, M)`` row-major holding
     ``x.T`` per row with ``st`` ``(K, 1)``; float32 scales ``max(amax / fmax, scale_floor)``; ``x`` times the scale's
     reciprocal (within an fp32 ulp of ``x / scale``: an fp8 value differs from the ops' only at a rounding tie)."""
@@ -550,17 +554,23 @@ def launch_both(x: torch.Tensor, float8_dtype: torch.dtype, scale_floor: float, 
     K = x.shape[-1]
     M = x.numel() // K
     stride_m = x.stride(0) if x.dim() == 2 else K
-    amax = torch.zeros(M + K, dtype=torch.float32, device=x.device)
+    amax = torch.zeros(K if row_amax is not None else M + K, dtype=torch.float32, device=x.device)
     q = torch.empty(M, K, dtype=float8_dtype, device=x.device)
     s = torch.empty(M, 1, dtype=torch.float32, device=x.device)
     qt = torch.empty(K, M, dtype=float8_dtype, device=x.device)
     st = torch.empty(K, 1, dtype=torch.float32, device=x.device)
-    c = BOTH_CONFIG
-    _launch(_amax_both_kernel, (triton.cdiv(K, c["amax_chunk_k"]), triton.cdiv(M, c["amax_block_m"])),
-            (x, amax, M, K, stride_m), dict(CHUNK_K=c["amax_chunk_k"], BLOCK_M=c["amax_block_m"],
-                                            BLOCK_K=c["amax_block_k"]), c["amax_warps"], x.device, traced=traced)
+    c, d = BOTH_CONFIG, CONFIG
+    if row_amax is None:
+        _launch(_amax_both_kernel, (triton.cdiv(K, c["amax_chunk_k"]), triton.cdiv(M, c["amax_block_m"])),
+                (x, amax, M, K, stride_m), dict(CHUNK_K=c["amax_chunk_k"], BLOCK_M=c["amax_block_m"],
+                                                BLOCK_K=c["amax_block_k"]), c["amax_warps"], x.device, traced=traced)
+        row_amax, amax = amax[:M], amax[M:]
+    else:
+        _launch(_col_amax_kernel, (triton.cdiv(K, d["amax_block_k"]), triton.cdiv(M, d["amax_chunk_m"])),
+                (x, amax, M, K, stride_m), dict(CHUNK_M=d["amax_chunk_m"], BLOCK_M=d["amax_block_m"],
+                                                BLOCK_K=d["amax_block_k"]), d["amax_warps"], x.device, traced=traced)
     _launch(_cast_both_kernel, (triton.cdiv(M, c["cast_block_m"]), triton.cdiv(K, c["cast_block_k"])),
-            (x, amax, q, s, qt, st, M, K, stride_m), dict(FMAX=torch.finfo(float8_dtype).max, EPS=scale_floor,
+            (x, row_amax, amax, q, s, qt, st, M, K, stride_m), dict(FMAX=torch.finfo(float8_dtype).max, EPS=scale_floor,
                                                           BLOCK_M=c["cast_block_m"], BLOCK_K=c["cast_block_k"]),
             c["cast_warps"], x.device, traced=traced)
     return q, s, qt, st

@@ -12,6 +12,10 @@ Two more modes (CUDA):
   ``fp8tensor.graph_step`` (no host time, as under a whole-step graph), for square, 4:1 grouped-query k/v and
   MLP-shaped Linears at M = 8192 and 16384 tokens; prints fp8 time / bf16 time next to the rule's decision and the
   smallest ``K·N/(K+N)`` above every shape where ``rowwise`` lost (a value for ``size_rule_min``).
+* ``--quant``: the quantization kernels of the token-major operands on ``--M`` x K bf16 tensors (K of the e2e
+  models' Linears): per row, per feature over the tokens (the dim-0 kernels), both layouts (two reads; with the row
+  amax given, as in a compiled graph). µs, the GB/s of the bytes each must move (reads of x, fp8 writes) and that
+  as a share of a bf16 copy's GB/s on the same tensor (the achievable bandwidth).
 * ``--host``: the host time of one eager forward (no grad, ``--host-tokens`` rows) of ``nn.Linear``, an fp8 Linear
   with a master weight and a ``quantize_weights`` Linear, in µs per call: calls issued back to back without
   synchronizing, so the time is the host's as long as the GPU keeps up (the rows are tiny).
@@ -101,6 +105,36 @@ def host_table(dev, tokens: int, calls: int = 2000, json_path=None, command: str
     write_json(json_path, "host_linear", rows, command)
 
 
+def quant_table(dev, M: int, json_path=None, command: str = "") -> None:
+    """``--quant``: see the module docstring."""
+    from fp8tensor.numerics import kernels
+    from fp8tensor.quantize import E4M3, SCALE_FLOOR
+
+    print(f"# quantization kernels, {M} tokens, bf16 ({env_line()})\n")
+    cols = ["K", "copy GB/s", "per row µs (GB/s, % copy)", "per feature µs (GB/s, % copy)",
+            "both layouts µs (GB/s, % copy)", "both, row amax given µs (GB/s, % copy)"]
+    print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
+    rows = []
+    for K in (1024, 2048, 4096, 8192, 14336, 28672):
+        x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+        y = torch.empty_like(x)
+        ra = x.abs().amax(-1).float()
+        n = x.numel()
+        copy_gbs = 4 * n / bench_ms(lambda: y.copy_(x)) / 1e6
+        cells = []
+        # bytes each route must move: reads of x (2 B each) and its fp8 writes (1 B each)
+        for fn, nbytes in ((lambda: kernels.quantize_last_dim(x, E4M3, SCALE_FLOOR), 3 * n),
+                           (lambda: kernels.launch_dim0_t(x, E4M3, SCALE_FLOOR), 5 * n),
+                           (lambda: kernels.launch_both(x, E4M3, SCALE_FLOOR), 6 * n),
+                           (lambda: kernels.launch_both(x, E4M3, SCALE_FLOOR, row_amax=ra), 6 * n)):
+            ms = bench_ms(fn)
+            gbs = nbytes / ms / 1e6
+            cells.append(f"{ms * 1e3:.1f} ({gbs:.0f}, {100 * gbs / copy_gbs:.0f}%)")
+        print(f"| {K} | {copy_gbs:.0f} | " + " | ".join(cells) + " |")
+        rows.append(dict(zip(cols, [str(K), f"{copy_gbs:.0f}", *cells])))
+    write_json(json_path, "quant_kernels", rows, command)
+
+
 # ------------------------------------------------------------------------------------------------ --size-rule
 SIZE_RULE_VARIANTS = ("bf16", "rowwise", "rowwise_gw_hp")
 
@@ -174,6 +208,7 @@ def main() -> None:
     p.add_argument("--shapes", default=None, help="KxN,KxN,... instead of the Llama3-8B shapes")
     p.add_argument("--host", action="store_true", help="host time of one eager forward per call (see the docstring)")
     p.add_argument("--host-tokens", type=int, default=16)
+    p.add_argument("--quant", action="store_true", help="the quantization kernels' time and bandwidth (--M tokens)")
     args = p.parse_args()
     command = "python benchmarks/linear.py " + " ".join(sys.argv[1:])
     if args.size_rule:
@@ -186,6 +221,9 @@ def main() -> None:
     dev = torch.device("cuda")
     if args.host:
         host_table(dev, args.host_tokens, json_path=args.json, command=command)
+        return
+    if args.quant:
+        quant_table(dev, 8192 if args.M == 16384 else args.M, json_path=args.json, command=command)
         return
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")] if args.shapes else SHAPES
     vs = variants(not args.no_peers)

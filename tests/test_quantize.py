@@ -221,6 +221,33 @@ def test_token_layouts_op_off_cuda_is_the_two_quantizations():
         assert a.shape == b.shape and torch.equal(a.float(), b.float())
 
 
+@pytest.mark.parametrize("shape", [(1, 65535 * 128), (1, 65535 * 128 + 1), (255, 8_421_504), (65535 * 128, 1),
+                                   (65535 * 128 + 1, 1), (2, 3, 40)])
+def test_dim0_and_two_layout_kernels_take_only_what_their_grids_can_launch(monkeypatch, shape):
+    """For every x ``kernel_available`` takes, the launches of the dim-0 and two-layout kernels (amax, cast, column
+    amax with the row amax given) stay within CUDA's grid (dim 0 below 2^31, dims 1 and 2 at most 65535): checked on
+    a fake CUDA tensor (no GPU), the launches recorded instead of run on a meta tensor of its shape."""
+    pytest.importorskip("triton")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fp8tensor.numerics import kernels
+    from fp8tensor.quantize import SCALE_FLOOR
+
+    grids = []
+    monkeypatch.setattr(kernels, "_launch", lambda fn, grid, *a, **k: grids.append((fn.__name__, grid)))
+    with FakeTensorMode():
+        taken = kernels.kernel_available(torch.empty(shape, dtype=torch.bfloat16, device="cuda"))
+    if not taken:
+        return
+    x = torch.empty(shape, dtype=torch.bfloat16, device="meta")  # (the launchers' shapes and slices, no data)
+    kernels.launch_dim0_t(x, E4M3, SCALE_FLOOR)
+    kernels.launch_both(x, E4M3, SCALE_FLOOR)
+    kernels.launch_both(x, E4M3, SCALE_FLOOR, row_amax=torch.empty(x.numel() // shape[-1], device="meta"))
+    assert len(grids) == 6
+    for name, grid in grids:
+        assert grid[0] < 2**31 and all(g <= 65535 for g in grid[1:]), (name, grid)
+
+
 def test_dim0_and_row_kernels_under_the_triton_interpreter():
     # The Triton kernels of the CUDA paths run by Triton's interpreter on CPU (tests/_kernels_interp.py): the dim-0
     # pair (column amax, transposing cast) and the row-wise kernel with folded column multipliers

@@ -219,6 +219,8 @@ def test_token_layouts_op_off_cuda_is_the_two_quantizations():
     tq, ts = quantize_dim0_t(x, torch.float8_e4m3fn)
     for a, b in ((q, rq), (s, rs), (qt, tq), (st, ts)):
         assert a.shape == b.shape and torch.equal(a.float(), b.float())
+    with pytest.raises(TypeError, match="quantize_token_layouts: unsupported float8 dtype"):
+        quantize_token_layouts(x, torch.bfloat16)  # (on CUDA the kernels would write bf16 "fp8" values)
 
 
 @pytest.mark.parametrize("shape", [(1, 65535 * 128), (1, 65535 * 128 + 1), (255, 8_421_504), (65535 * 128, 1),

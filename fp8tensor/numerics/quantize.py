@@ -285,7 +285,11 @@ def quantize_token_layouts(x: torch.Tensor, float8_dtype: torch.dtype = E4M3):
         ``quantize(x.reshape(-1, K), -1)``), and ``qt`` ``(M, K)``, a transposed view of a row-major ``(K, M)``
         tensor, with ``st`` ``(1, K)`` (:func:`quantize_tokens`); equal scales, fp8 values equal to theirs except
         at rounding ties (``x`` times the scale's reciprocal, within an fp32 ulp of ``x / scale``).
+
+    Raises:
+        TypeError: ``float8_dtype`` is not one of the supported fp8 formats.
     """
+    check_float8_dtype(float8_dtype, "quantize_token_layouts")
     if (not (x.is_cuda and kernels.kernel_available(x) and (x.dim() == 2 or x.is_contiguous()))
             or _inductor_quantizes(x)):
         return None

@@ -53,6 +53,17 @@ def main():
         rs = rowwise_scale(data, -1, torch.float8_e4m3fn)
         assert torch.equal(got_s, rs), (got_s - rs).abs().max()
         _same_fp8(got_q, cast_to_fp8(data, rs, torch.float8_e4m3fn))
+    # launch_both with the row amax of the plain ops (a compiled graph's: NaN propagates) and the package's tiles:
+    # a NaN and an inf entry make their row's and column's scales non-finite, the other rows and columns as the ops
+    x = x.clone()
+    x[9, 17], x[11, 3] = float("nan"), float("inf")
+    q, s, qt, st = kernels.launch_both(x, torch.float8_e4m3fn, SCALE_FLOOR, row_amax=x.abs().amax(1))
+    for data, got_q, got_s in ((x, q, s), (x.t(), qt, st)):
+        rs = rowwise_scale(data, -1, torch.float8_e4m3fn)
+        ok = torch.isfinite(rs).reshape(-1)
+        assert int((~ok).sum()) == 2 and not torch.isfinite(got_s[~ok]).any()
+        assert torch.equal(got_s[ok], rs[ok]), (got_s[ok] - rs[ok]).abs().max()
+        _same_fp8(got_q[ok], cast_to_fp8(data[ok], rs[ok], torch.float8_e4m3fn))
     # rows times column multipliers (grad_input's folded weight scales)
     M, K = 37, 300
     x = torch.randn(M, K) * torch.logspace(-3, 3, M)[:, None]

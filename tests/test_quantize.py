@@ -250,6 +250,21 @@ def test_dim0_and_two_layout_kernels_take_only_what_their_grids_can_launch(monke
         assert grid[0] < 2**31 and all(g <= 65535 for g in grid[1:]), (name, grid)
 
 
+def test_dim0_kernels_decline_outputs_past_32bit_offsets():
+    """A 2-D ``x`` whose rows overlap (stride 0: the ``grad_out`` of a sum over the tokens) spans few elements, but its
+    fp8 outputs hold ``M * K``: at ``2^31`` or more the transposing cast's 32-bit store offsets would wrap, so
+    ``kernel_available`` declines it (plain ops instead); checked on fake CUDA tensors (no GPU)."""
+    pytest.importorskip("triton")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fp8tensor.numerics import kernels
+
+    with FakeTensorMode():
+        row = torch.empty(1, 2048, dtype=torch.bfloat16, device="cuda")
+        assert kernels.kernel_available(row.expand(2**20 - 1, 2048))
+        assert not kernels.kernel_available(row.expand(2**20 + 1, 2048))
+
+
 def test_dim0_and_row_kernels_under_the_triton_interpreter():
     # The Triton kernels of the CUDA paths run by Triton's interpreter on CPU (tests/_kernels_interp.py): the dim-0
     # pair (column amax, transposing cast) and the row-wise kernel with folded column multipliers

@@ -501,12 +501,14 @@ def kernel_available(x: torch.Tensor) -> bool:
     if not (_HAS_TRITON and x.is_cuda and x.dtype in _KERNEL_DTYPES and x.numel() > 0
             and ((x.dim() == 2 and x.stride(1) == 1) or (x.dim() > 2 and x.is_contiguous()))):
         return False
-    # The dim-0 kernels index with 32-bit offsets; the grid's second dim (at most 65535) holds M / amax_chunk_m (M /
-    # amax_block_m for the two-layout amax) and K / cast_block_k (the casts).
+    # The dim-0 kernels index with 32-bit offsets (the elements x spans and the M * K of their outputs: rows of a
+    # 2-D x may overlap); the grid's second dim (at most 65535) holds M / amax_chunk_m (M / amax_block_m for the
+    # two-layout amax) and K / cast_block_k (the casts).
     K = x.shape[-1]
     M = x.numel() // K
     rows = x.stride(0) * (M - 1) + K if x.dim() == 2 else x.numel()  # elements spanned
-    return (rows < 2**31 and M <= 65535 * min(CONFIG["amax_chunk_m"], BOTH_CONFIG["amax_block_m"])
+    return (rows < 2**31 and x.numel() < 2**31
+            and M <= 65535 * min(CONFIG["amax_chunk_m"], BOTH_CONFIG["amax_block_m"])
             and K <= 65535 * min(CONFIG["cast_block_k"], BOTH_CONFIG["cast_block_k"]))
 
 

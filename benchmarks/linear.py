@@ -197,7 +197,7 @@ def write_json(path, table: str, rows: list, command: str) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--M", type=int, default=16384)
+    p.add_argument("--M", type=int, default=None, help="tokens (default 16384; --quant: 8192)")
     p.add_argument("--size-rule", action="store_true", help="calibrate the size rule (fp8 / bf16 per Linear shape)")
     p.add_argument("--quick", action="store_true", help="with --size-rule: fewer shapes")
     p.add_argument("--json", default=None, help="write the table as a docs/results record here")
@@ -223,8 +223,9 @@ def main() -> None:
         host_table(dev, args.host_tokens, json_path=args.json, command=command)
         return
     if args.quant:
-        quant_table(dev, 8192 if args.M == 16384 else args.M, json_path=args.json, command=command)
+        quant_table(dev, args.M or 8192, json_path=args.json, command=command)
         return
+    args.M = args.M or 16384
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")] if args.shapes else SHAPES
     vs = variants(not args.no_peers)
     table_rows: list = []

@@ -1,5 +1,5 @@
-"""Run the dim-0 kernels (column amax, transposing cast), the two-layout kernels and the row-wise kernel with folded column scales
-under Triton's interpreter (CPU) and compare with the plain ops.
+"""Run the dim-0 kernels (column amax, transposing cast), the two-layout kernels and the row-wise kernel with folded
+column scales under Triton's interpreter (CPU) and compare with the plain ops.
 
 Invoked by tests/test_quantize.py in a subprocess with TRITON_INTERPRET=1 (read when the kernels are defined). The
 interpreter's float -> fp8 cast is not the GPU's (tests/_group_cols_interp.py), so fp8 values are compared within one

@@ -17,7 +17,8 @@ import torch
 from ..core import capture, compat
 
 __all__ = [
-    "kernel_available", "launch_dim0_t", "launch_both", "quantize_last_dim", "quantize_last_dim_group", "row_kernel_available",
+    "kernel_available", "launch_dim0_t", "launch_both", "quantize_last_dim", "quantize_last_dim_group",
+    "row_kernel_available",
     "eager_launch_ok", "transpose_available", "launch_transpose", "quantize_last_dim_group_into",
     "group_col_kernel_available", "launch_group_cols_t",
     "w8_mm_available", "launch_w8_mm", "W8_MM_CONFIG",
@@ -549,8 +550,8 @@ def launch_both(x: torch.Tensor, float8_dtype: torch.dtype, scale_floor: float, 
                 row_amax: Optional[torch.Tensor] = None, traced: bool = False) -> tuple:
     """``x`` ``(M, K)`` (as :func:`launch_dim0_t` takes it) quantized per row and per column from two reads: the
     row and column amax in one pass (``row_amax`` given, ``M`` float32 values: the column amax alone; a compiled
-    graph computes the row amax in its producer's kernel), then both layouts from one read of each tile. Returns ``(q, s, qt, st)``: ``q``
-    ``(M, K)`` row-major with ``s`` ``(M, 1)`` (:func:`quantize_last_dim`'s bits), ``qt`` ``(K, M)`` row-major holding
+    graph computes the row amax in its producer's kernel), then both layouts from one read of each tile. Returns
+    ``(q, s, qt, st)``: ``q`` ``(M, K)`` row-major with ``s`` ``(M, 1)`` (per row), ``qt`` ``(K, M)`` row-major holding
     ``x.T`` per row with ``st`` ``(K, 1)``; float32 scales ``max(amax / fmax, scale_floor)``; ``x`` times the scale's
     reciprocal (within an fp32 ulp of ``x / scale``: an fp8 value differs from the ops' only at a rounding tie)."""
     if traced:

@@ -219,8 +219,8 @@ def _quantize_dim0_t_shared(x: torch.Tensor, float8_dtype: torch.dtype) -> tuple
 
 
 def _trace_memo(x: torch.Tensor, float8_dtype: torch.dtype):
-    """``(memo, key, inner)`` while ``torch.compile`` traces ``quantize_dim0_t_shared``, else ``(None,) * 3``: one
-    fp8 copy per graph for Linears reading one input (inductor does not deduplicate triton-op kernels). ``key``: the
+    """``(memo, key, inner)`` while ``torch.compile`` traces ``quantize_dim0_t_shared`` or ``quantize_both``, else
+    ``(None,) * 3``: one fp8 copy per graph for Linears reading one input (inductor does not deduplicate triton-op kernels). ``key``: the
     functional tensor's data now (storage, offset, shape, strides); the memo lives on the tracer (one graph)."""
     found = compat.functional_data(x)
     if found is None:

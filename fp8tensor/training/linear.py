@@ -157,8 +157,10 @@ class _Fp8Linear(torch.autograd.Function):
         N = wd.shape[0]
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (a reshape to itself still costs a DTensor dispatch)
         x_saved = None
+        # (an fp8 weight scaled along K keeps its scale folded into x's row-wise quantization: fp8_mm)
         both = (_token_layouts(x) if ctx.needs_input_grad[1] and recipe.output.fp8 and recipe.grad_weight.fp8
-                and recipe.grad_weight.b.float8_dtype == E4M3 else None)
+                and recipe.grad_weight.b.float8_dtype == E4M3
+                and not (isinstance(weight, ScaledFp8Tensor) and weight.scale.shape[-1] != 1) else None)
         if both is not None:  # x per row for this GEMM and per feature for grad_weight, from two reads of x
             x2 = make_scaled(both[0], both[1], x.dtype, recipe.output.fast_accum, (True, False))
             x_saved = make_scaled(both[2], both[3], x.dtype, recipe.grad_weight.fast_accum, (False, True))

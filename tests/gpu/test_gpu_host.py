@@ -248,8 +248,9 @@ def test_compiled_backward_weight_ops_in_backward_and_not_saved(weights):
 @pytest.mark.parametrize("shape", [(333, 4100), (2, 7, 40), (1, 64), (4096, 1), "strided"])
 def test_token_layouts_match_the_ops(shape, dtype):
     """``quantize_token_layouts`` (row and column amax in one pass, both layouts from one read of each tile): per row
-    and per column the scales of the plain ops and their fp8 values but at rounding ties, eager and compiled; NaN / inf entries make their row's
-    and column's scale non-finite and leave the others exact; zero rows and columns get the floor scale."""
+    and per column the scales of the plain ops and their fp8 values but at rounding ties, eager and compiled; NaN /
+    inf entries make their row's and column's scale non-finite and leave the others exact; zero rows and columns get
+    the floor scale."""
     from torch._inductor.utils import run_and_get_code
 
     from fp8tensor.quantize import cast_to_fp8, quantize_token_layouts, rowwise_scale

@@ -214,7 +214,7 @@ def test_token_layouts_op_off_cuda_is_the_two_quantizations():
 
     x = torch.randn(3, 5, 24) * 10
     assert quantize_token_layouts(x) is None  # the Linear then quantizes as before
-    q, s, qt, st = torch.ops.fp8tensor.quantize_both(x, x.abs().amax(-1).reshape(-1), torch.float8_e4m3fn)
+    q, s, qt, st = torch.ops.fp8tensor.quantize_both(x, torch.float8_e4m3fn)
     rq, rs = quantize(x.reshape(15, 24), -1)
     tq, ts = quantize_dim0_t(x, torch.float8_e4m3fn)
     for a, b in ((q, rq), (s, rs), (qt, tq), (st, ts)):
@@ -226,8 +226,8 @@ def test_token_layouts_op_off_cuda_is_the_two_quantizations():
 @pytest.mark.parametrize("shape", [(1, 65535 * 128), (1, 65535 * 128 + 1), (255, 8_421_504), (65535 * 128, 1),
                                    (65535 * 128 + 1, 1), (2, 3, 40)])
 def test_dim0_and_two_layout_kernels_take_only_what_their_grids_can_launch(monkeypatch, shape):
-    """For every x ``kernel_available`` takes, the launches of the dim-0 and two-layout kernels (amax, cast, column
-    amax with the row amax given) stay within CUDA's grid (dim 0 below 2^31, dims 1 and 2 at most 65535): checked on
+    """For every x ``kernel_available`` takes, the launches of the dim-0 and two-layout kernels (amax, cast) stay
+    within CUDA's grid (dim 0 below 2^31, dims 1 and 2 at most 65535): checked on
     a fake CUDA tensor (no GPU), the launches recorded instead of run on a meta tensor of its shape."""
     pytest.importorskip("triton")
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -244,8 +244,7 @@ def test_dim0_and_two_layout_kernels_take_only_what_their_grids_can_launch(monke
     x = torch.empty(shape, dtype=torch.bfloat16, device="meta")  # (the launchers' shapes and slices, no data)
     kernels.launch_dim0_t(x, E4M3, SCALE_FLOOR)
     kernels.launch_both(x, E4M3, SCALE_FLOOR)
-    kernels.launch_both(x, E4M3, SCALE_FLOOR, row_amax=torch.empty(x.numel() // shape[-1], device="meta"))
-    assert len(grids) == 6
+    assert len(grids) == 4
     for name, grid in grids:
         assert grid[0] < 2**31 and all(g <= 65535 for g in grid[1:]), (name, grid)
 

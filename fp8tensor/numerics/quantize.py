@@ -251,23 +251,23 @@ def quantize_tokens(x: torch.Tensor, float8_dtype: torch.dtype = E4M3):
     return q.t(), s.t()
 
 
-def _both_body(x: torch.Tensor, row_amax: torch.Tensor, float8_dtype: torch.dtype):
+def _both_body(x: torch.Tensor, float8_dtype: torch.dtype):
     if not kernels.kernel_available(x):
         K = x.shape[-1]
         return (*quantize(x.reshape(-1, K), -1, float8_dtype), *_reference_dim0_t(x, float8_dtype))
-    return kernels.launch_both(x, float8_dtype, SCALE_FLOOR, row_amax=row_amax, traced=True)
+    return kernels.launch_both(x, float8_dtype, SCALE_FLOOR, traced=True)
 
 
 @_register_op("fp8tensor::quantize_both", mutates_args=())
-def _quantize_both(x: torch.Tensor, row_amax: torch.Tensor, float8_dtype: torch.dtype
+def _quantize_both(x: torch.Tensor, float8_dtype: torch.dtype
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    # quantize_token_layouts' op (row_amax: x's, by plain ops a compiled graph fuses into x's producer); results
-    # shared within a compiled graph as quantize_dim0_t_shared's
+    # quantize_token_layouts' op; results shared within a compiled graph as quantize_dim0_t_shared's. (The row amax
+    # by plain ops, for inductor to fuse into x's producer, measured slower: its reductions slowed those kernels.)
     memo, key, inner = _trace_memo(x, float8_dtype)
     key = key and ("both", key)
     if memo is not None and key in memo:
         return memo[key][1]
-    out = _both_body(x, row_amax, float8_dtype)
+    out = _both_body(x, float8_dtype)
     if memo is not None:
         memo[key] = (inner, out)
     return out
@@ -296,8 +296,7 @@ def quantize_token_layouts(x: torch.Tensor, float8_dtype: torch.dtype = E4M3):
     if kernels.eager_launch_ok(x) and not (x.requires_grad and torch.is_grad_enabled()):
         q, s, qt, st = kernels.launch_both(x, float8_dtype, SCALE_FLOOR)
     else:
-        row_amax = x.reshape(-1, x.shape[-1]).abs().amax(-1).to(torch.float32)
-        q, s, qt, st = torch.ops.fp8tensor.quantize_both(x, row_amax, float8_dtype)
+        q, s, qt, st = torch.ops.fp8tensor.quantize_both(x, float8_dtype)
     return q, s, qt.t(), st.t()
 
 
@@ -372,7 +371,7 @@ if not kernels.HAS_TRITON:  # a triton_op is its own fake kernel; the plain cust
     _quantize_dim0_t_shared.register_fake(_dim0_fake)
 
     @_quantize_both.register_fake
-    def _(x, row_amax, float8_dtype):
+    def _(x, float8_dtype):
         K = x.shape[-1]
         M = math.prod(x.shape[:-1])
         return (x.new_empty(M, K, dtype=float8_dtype), x.new_empty(M, 1, dtype=torch.float32),

@@ -221,7 +221,7 @@ def test_compiled_backward_weight_ops_in_backward_and_not_saved(weights):
     code = "\n".join(codes)
     assert "torch.ops.fp8tensor.quantize_dim0_t" not in code  # dim-0 kernels inline (grad_weight of a master)
     # x and grad_out per row and per feature from two reads (grad_weight of a master); frozen fp8 weights: none
-    assert ("_cast_both_kernel" in code) == (weights == "master")
+    assert ("_amax_both_kernel" in code) == (weights == "master")
     assert "torch.ops.fp8tensor.quantize_both" not in code
     # the weight's transposed copy / per-column quantization: plain ops inductor generates, no opaque Python op
     assert "torch.ops.fp8tensor.transpose_after" not in code
@@ -271,7 +271,7 @@ def test_token_layouts_match_the_ops(shape, dtype):
     f8 = torch.float8_e4m3fn
     torch._dynamo.reset()
     (cq, cs, cqt, cst), codes = run_and_get_code(torch.compile(lambda t: quantize_token_layouts(t * 1.0)), x)
-    assert "_cast_both_kernel" in "\n".join(codes) and "torch.ops.fp8tensor.quantize_both" not in "\n".join(codes)
+    assert "_amax_both_kernel" in "\n".join(codes) and "torch.ops.fp8tensor.quantize_both" not in "\n".join(codes)
     for q, s, qt, st in (quantize_token_layouts(x), (cq, cs, cqt, cst)):
         assert q.shape == (M, K) and q.is_contiguous() and s.shape == (M, 1)
         assert qt.shape == (M, K) and qt.t().is_contiguous() and st.shape == (1, K)

@@ -9,11 +9,12 @@ graphs (its fake kernel by ``torch.library.opcheck``).
 Bound: ``out`` is the float32 sum of exact products (an fp8 value times a bf16 / fp16 value fits in float32),
 times the row scale, plus the bias, rounded once to the output dtype: elementwise
 ``|out - ref| <= u |ref| + (1 + u) gamma (|x| |w8 * s|^T + |b|)`` with ``u`` the output's unit roundoff (2^-11
-fp16; bf16 2^-7, not 2^-8: the interpreter's float32 -> bf16 cast truncates where the GPU's rounds to nearest) and ``gamma = n eps / (1 - n eps)``, ``eps = 2^-24``, ``n = K + 2`` (K additions, the scale, the bias);
-checked in Frobenius norm relative to ``‖ref‖``, and the error also within ``1.05 u`` (the float32 sums are
-far more accurate than their worst case: the one output rounding dominates). The interpreter's ``tl.dot`` of bf16 operands is wrong (it multiplies
-numpy's stand-in integers), so bf16 inputs run their dot in float32 here: the same exact products as the GPU's bf16
-MMA, accumulated in float32.
+fp16; bf16 2^-7, not 2^-8: the interpreter's float32 -> bf16 cast truncates where the GPU's rounds to nearest) and
+``gamma = n eps / (1 - n eps)``, ``eps = 2^-24``, ``n = K + 2`` (K additions, the scale, the bias); checked in
+Frobenius norm relative to ``‖ref‖``, and the error also within ``1.05 u`` (the float32 sums are far more accurate
+than their worst case: the one output rounding dominates). The interpreter's ``tl.dot`` of bf16 operands is wrong (it
+multiplies numpy's stand-in integers), so bf16 inputs run their dot in float32 here: the same exact products as the
+GPU's bf16 MMA, accumulated in float32.
 """
 import sys
 

@@ -36,9 +36,6 @@ STATE = {
     "numerics/kernels.py:_SM_COUNT": "each device's SM count (a hardware fact)",
     "numerics/kernels.py:_W8_PLANS": "launch plans of the decode GEMM, a pure function of (device, M, N, K) and the "
                                      "read-only tile table; at most 4096, then cleared",
-    "numerics/kernels.py:_W8_COUNTERS": "the decode GEMM's in-kernel reduce counters, one int32 buffer of "
-                                        "counter_slots zeros per (device, stream) that ran it (every launch leaves "
-                                        "them at 0; CUDA graphs captured on the stream read them at each replay)",
     "numerics/fsdp_payload.py:_GROUP_OF": "FSDP2 group of a sharded tensor, keyed weakly by the tensor",
     "numerics/fsdp_payload.py:_FSDP_PARAM_OF": "FSDP2 parameter of a sharded tensor, keyed weakly by the tensor",
     "conversion/modules.py:_CONVERTED": "the converted class of each (mixin, module class) pair, made once",

@@ -556,26 +556,13 @@ def launch_group_cols_t(x: torch.Tensor, ends: torch.Tensor, dst: torch.Tensor, 
 if _HAS_TRITON:
 
     @triton.jit
-    def _w8_mm_epilogue(acc, s_ptr, b_ptr, o_ptr, rm, rn, M, N, stride_om, HAS_BIAS: tl.constexpr,
-                        O_TY: tl.constexpr):
-        # out[rm, rn] = acc * scale[rn] (+ bias[rn]) in float32, one rounding to O_TY (the reduce kernel's ops)
-        acc = acc * tl.load(s_ptr + rn, mask=rn < N, other=0.0)[None, :]
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(o_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(O_TY),
-                 mask=(rm[:, None] < M) & (rn[None, :] < N))
-
-    @triton.jit
-    def _w8_mm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr, M, N, K, K_PER, stride_xm, stride_wn,
-                      stride_om, stride_os, HAS_BIAS: tl.constexpr, FINAL: tl.constexpr, X_TY: tl.constexpr,
+    def _w8_mm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, M, N, K, K_PER, stride_xm, stride_wn, stride_om,
+                      stride_os, HAS_BIAS: tl.constexpr, FINAL: tl.constexpr, X_TY: tl.constexpr,
                       O_TY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      N_MAJOR: tl.constexpr = False, IN_KERNEL: tl.constexpr = False):
+                      N_MAJOR: tl.constexpr = False):
         # Program (n, s): output columns [n * BLOCK_N, ...) over the K slice s, all M rows; the fp8 weight widened
-        # to x's dtype (exact) with fp32 accumulation. FINAL (one slice): scales (and bias) applied and stored to o.
-        # Else the fp32 partial sum goes to slice s of the workspace ws; IN_KERNEL: the last program of column tile n
-        # to arrive (counter cnt[n], atomic) sums the slices in the order 0, 1, ... (the reduce kernel's order, so
-        # the same bits whichever program arrives last), stores the output and sets cnt[n] back to 0 for the next
-        # launch. Else _w8_mm_reduce_kernel sums them in a second launch.
+        # to x's dtype (exact) with fp32 accumulation. FINAL: scales (and bias) applied and stored, else the fp32
+        # partial sum goes to slice s of the workspace.
         pid_n = tl.program_id(0)
         pid_s = tl.program_id(1)
         rm = tl.arange(0, BLOCK_M)
@@ -594,23 +581,15 @@ if _HAS_TRITON:
                 w = tl.load(w_ptr + rn[None, :] * stride_wn + k[:, None], mask=(rn[None, :] < N) & (k[:, None] < K),
                             other=0.0)
             acc += tl.dot(x.to(X_TY), w.to(X_TY))
+        omask = (rm[:, None] < M) & (rn[None, :] < N)
         if FINAL:
-            _w8_mm_epilogue(acc, s_ptr, b_ptr, o_ptr, rm, rn, M, N, stride_om, HAS_BIAS, O_TY)
+            s = tl.load(s_ptr + rn, mask=rn < N, other=0.0)
+            acc = acc * s[None, :]
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+            tl.store(o_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(O_TY), mask=omask)
         else:
-            tile = rm[:, None] * stride_om + rn[None, :]
-            omask = (rm[:, None] < M) & (rn[None, :] < N)
-            tl.store(ws_ptr + pid_s * stride_os + tile, acc, mask=omask)
-            if IN_KERNEL:
-                split = tl.num_programs(1)
-                tl.debug_barrier()  # every thread's partial stored before the arrival (released by the atomic)
-                arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-                if arrived == split - 1:  # the last of the tile's slices: all partials are visible (acquired)
-                    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                    for s in range(0, split):
-                        # .cg: from L2 (the other programs' stores), not this SM's L1
-                        total += tl.load(ws_ptr + s * stride_os + tile, mask=omask, other=0.0, cache_modifier=".cg")
-                    _w8_mm_epilogue(total, s_ptr, b_ptr, o_ptr, rm, rn, M, N, stride_om, HAS_BIAS, O_TY)
-                    tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+            tl.store(o_ptr + pid_s * stride_os + rm[:, None] * stride_om + rn[None, :], acc, mask=omask)
 
     @triton.jit
     def _w8_mm_reduce_kernel(ws_ptr, s_ptr, b_ptr, o_ptr, MN, N, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -628,32 +607,23 @@ if _HAS_TRITON:
         tl.store(o_ptr + offs, acc.to(O_TY), mask=mask)
 
 
-#: How the small-M GEMM sums its K slices (``W8_MM_CONFIG["reduce"]``): ``"second_launch"``, a reduce kernel after the
-#: GEMM; ``"in_kernel"``, inside the GEMM's one launch (the last program of each output tile to finish sums them).
-#: Same summation order, same bits.
-W8_MM_REDUCE = ("second_launch", "in_kernel")
-
 #: Tiles of the small-M fp8-weight GEMM, per row block (16, 32, 64 or 128 rows): weight tiles (``n_major``: loaded
 #: K-contiguous, transposed in registers); K is split until about ``programs_per_sm`` programs per SM stream the weight
-#: (slices of at least ``min_k_tiles`` tiles), partials summed in fixed order (``reduce``, one of
-#: :data:`W8_MM_REDUCE`; ``"in_kernel"`` keeps per-output-tile arrival counters, ``counter_slots`` per stream, and
-#: GEMMs of more column tiles than that use the second launch). ``max_m``: the crossover, the most tokens for which
-#: the no-grad Linear takes this kernel instead of quantizing the activations for cuBLAS's fp8 x fp8 GEMM (at most
-#: the largest row block; measure with ``benchmarks/serve.py --crossover``). Tiles of 16 and 32 rows tuned on H200
-#: over Llama3-8B shapes (sweep at commit b44f11a), 64 and 128 not yet (``--crossover`` times candidates); from 33
-#: rows on cuBLAS's fp8 x fp8 GEMM measured faster.
-W8_MM_CONFIG = _frozen(dict(max_m=32, reduce="second_launch", reduce_block=1024, counter_slots=8192, tiles={
+#: (slices of at least ``min_k_tiles`` tiles), partials summed in fixed order by a second launch (``reduce_block``
+#: elements per program). ``max_m``: the crossover, the most tokens for which the no-grad Linear takes this kernel
+#: instead of quantizing the activations for cuBLAS's fp8 x fp8 GEMM (at most the largest row block; measure with
+#: ``benchmarks/serve.py --crossover``). Tiles of 16 and 32 rows tuned on H200 over Llama3-8B shapes (sweep at commit
+#: b44f11a); 64 and 128 not tuned (the table is per row block, and at 64 rows the fastest tile measured differed from
+#: shape to shape; ``--crossover`` times candidates); from 33 rows on cuBLAS's fp8 x fp8 GEMM measured faster.
+W8_MM_CONFIG = _frozen(dict(max_m=32, reduce_block=1024, tiles={
     16: dict(block_n=32, block_k=128, warps=4, stages=3, programs_per_sm=4, min_k_tiles=4, n_major=False),
     32: dict(block_n=64, block_k=128, warps=4, stages=3, programs_per_sm=8, min_k_tiles=4, n_major=True),
     64: dict(block_n=64, block_k=128, warps=4, stages=3, programs_per_sm=4, min_k_tiles=4, n_major=True),
     128: dict(block_n=64, block_k=64, warps=8, stages=3, programs_per_sm=2, min_k_tiles=8, n_major=True),
 }))
-assert W8_MM_CONFIG["reduce"] in W8_MM_REDUCE and W8_MM_CONFIG["max_m"] <= max(W8_MM_CONFIG["tiles"])
+assert W8_MM_CONFIG["max_m"] <= max(W8_MM_CONFIG["tiles"])
 _SM_COUNT: dict = {}
 _W8_PLANS: dict = {}
-#: Arrival counters of the in-kernel reduce, one int32 buffer of ``counter_slots`` zeros per (device, stream): every
-#: launch leaves its counters at 0 again; kernels on one stream run one after another, so they never share one live.
-_W8_COUNTERS: dict = {}
 
 
 def w8_mm_available(x: torch.Tensor, w8: torch.Tensor) -> bool:
@@ -691,35 +661,8 @@ def _w8_mm_plan(M: int, N: int, K: int, device: torch.device, tiles=None) -> tup
     return plan
 
 
-def _w8_counters(device: torch.device) -> Optional[torch.Tensor]:
-    """The in-kernel reduce's arrival counters for the current stream of ``device`` (:data:`_W8_COUNTERS`), made on
-    first use: zeroed on a side stream (its memory from no CUDA-graph pool: graph-tree warm-ups route the current
-    stream's allocations to theirs) that the current stream then waits for (no host sync). None while the stream is
-    capturing a CUDA graph and has none yet (they must be zero before any replay): the caller uses the second launch.
-    Off CUDA (Triton's interpreter): one buffer per device."""
-    if device.type != "cuda":
-        key = (device.type, device.index)
-        buf = _W8_COUNTERS.get(key)
-        if buf is None:
-            buf = _W8_COUNTERS[key] = torch.zeros(W8_MM_CONFIG["counter_slots"], dtype=torch.int32, device=device)
-        return buf
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    key = (idx, compat.raw_cuda_stream(idx))
-    buf = _W8_COUNTERS.get(key)
-    if buf is None:
-        if torch.cuda.is_current_stream_capturing():
-            return None
-        current = torch.cuda.current_stream(idx)
-        side = torch.cuda.Stream(idx)
-        with torch.cuda.stream(side):
-            buf = torch.zeros(W8_MM_CONFIG["counter_slots"], dtype=torch.int32, device=torch.device("cuda", idx))
-        current.wait_stream(side)
-        _W8_COUNTERS[key] = buf
-    return buf
-
-
 def launch_w8_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor],
-                 *, traced: bool = False, reduce: Optional[str] = None, tiles=None) -> torch.Tensor:
+                 *, traced: bool = False, tiles=None) -> torch.Tensor:
     """``(x @ w8.T) * scale.T (+ bias)`` ``(M, N)`` in ``x``'s dtype, reading the fp8 weight ``w8`` ``(N, K)`` once.
 
     Args:
@@ -728,22 +671,15 @@ def launch_w8_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: O
         w8: ``(N, K)`` fp8 (e4m3 / e5m2), unit last stride, on ``x``'s device.
         scale: ``(N, 1)`` contiguous float32 row scales; bias: ``(N,)`` contiguous or None.
         traced: the body of a ``triton_op`` (``wrap_triton``).
-        reduce: how the K slices are summed, one of :data:`W8_MM_REDUCE` (None: ``W8_MM_CONFIG["reduce"]``); the same
-            bits either way. ``"in_kernel"`` falls back to the second launch when traced (no persistent counters in a
-            traced graph: compiled models reach it through the opaque op ``fp8tensor::w8_mm_one_launch``), while a
-            CUDA-graph capture runs on a stream that never ran it eagerly, and past ``counter_slots`` column tiles.
         tiles: one row block's tile dict (the keys of ``W8_MM_CONFIG["tiles"][16]``) instead of the table's, for tile
             sweeps (``benchmarks/serve.py --crossover``).
 
     Float32 accumulation; scale and bias applied in float32 before the one rounding. Split over K in fixed order
-    (deterministic) so small N still uses every SM.
+    (deterministic) so small N still uses every SM; the float32 partial sums of a split are added by a second launch.
 
     Raises:
-        ValueError: ``reduce`` is not one of :data:`W8_MM_REDUCE`, or ``M`` exceeds the largest row block.
+        ValueError: ``M`` exceeds the largest row block.
     """
-    reduce = W8_MM_CONFIG["reduce"] if reduce is None else reduce
-    if reduce not in W8_MM_REDUCE:
-        raise ValueError(f"fp8tensor launch_w8_mm: reduce must be one of {W8_MM_REDUCE}, got {reduce!r}")
     M, K, N = int(x.shape[0]), int(x.shape[1]), int(w8.shape[0])  # (specialized under torch.compile)
     if M > max(W8_MM_CONFIG["tiles"]):
         raise ValueError(f"fp8tensor launch_w8_mm: {M} rows; the decode GEMM has tiles for at most "
@@ -755,18 +691,14 @@ def launch_w8_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: O
     s = scale.reshape(N)
     b = bias if bias is not None else s
     ws = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
-    counters = None
-    if split > 1 and reduce == "in_kernel" and not traced and grid[0] <= W8_MM_CONFIG["counter_slots"]:
-        counters = _w8_counters(x.device)
     ty = _tl_dtype(x.dtype)
-    consts = dict(HAS_BIAS=bias is not None, FINAL=split == 1, X_TY=ty, O_TY=ty, BLOCK_M=bm, BLOCK_N=c["block_n"],
-                  BLOCK_K=c["block_k"], N_MAJOR=c.get("n_major", False), IN_KERNEL=counters is not None)
-    args = (x, w8, s, b, out, ws, s if counters is None else counters, M, N, K, k_per, x.stride(0), w8.stride(0), N,
-            M * N)
+    consts = dict(HAS_BIAS=bias is not None, FINAL=split == 1, X_TY=ty, O_TY=ty,
+                  BLOCK_M=bm, BLOCK_N=c["block_n"], BLOCK_K=c["block_k"], N_MAJOR=c.get("n_major", False))
+    args = (x, w8, s, b, ws, M, N, K, k_per, x.stride(0), w8.stride(0), N, M * N)
+    rblock = W8_MM_CONFIG["reduce_block"]
+    rconsts = dict(SPLIT=split, HAS_BIAS=bias is not None, O_TY=ty, BLOCK=rblock)
+    rgrid = (triton.cdiv(M * N, rblock),)
     _launch(_w8_mm_kernel, grid, args, consts, c["warps"], x.device, c["stages"], traced=traced)
-    if split > 1 and counters is None:
-        rblock = W8_MM_CONFIG["reduce_block"]
-        rconsts = dict(SPLIT=split, HAS_BIAS=bias is not None, O_TY=ty, BLOCK=rblock)
-        _launch(_w8_mm_reduce_kernel, (triton.cdiv(M * N, rblock),), (ws, s, b, out, M * N, N), rconsts, 4,
-                x.device, traced=traced)
+    if split > 1:
+        _launch(_w8_mm_reduce_kernel, rgrid, (ws, s, b, out, M * N, N), rconsts, 4, x.device, traced=traced)
     return out

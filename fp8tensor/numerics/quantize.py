@@ -328,9 +328,7 @@ def weight_only_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
     bf16 / fp16, CUDA with Triton), reading the fp8 weight once and ``x`` unquantized (weight-bound: an fp8 x fp8
     GEMM saves nothing, and cuBLAS has no small-M row-scaled kernel); None where it does not run. ``w8`` ``(N, K)``
     fp8, ``scale`` ``(N, 1)`` float32, ``bias`` ``(N,)``. The row limit is ``kernels.W8_MM_CONFIG["max_m"]`` (the
-    crossover with the fp8 x fp8 GEMM). Eager: direct launches; traced: the ``triton_op`` ``fp8tensor::w8_mm``, or
-    with ``W8_MM_CONFIG["reduce"] == "in_kernel"`` the opaque op ``fp8tensor::w8_mm_one_launch`` (its kernel needs
-    the stream's persistent counters, which a traced graph cannot hold)."""
+    crossover with the fp8 x fp8 GEMM). Eager: direct launches; traced: the ``triton_op`` ``fp8tensor::w8_mm``."""
     if not (kernels.w8_mm_available(x, w8) and tuple(scale.shape) == (w8.shape[0], 1)
             and scale.dtype == torch.float32 and scale.device == x.device
             and (bias is None or (bias.dim() == 1 and bias.shape[0] == w8.shape[0] and bias.device == x.device))):
@@ -338,8 +336,6 @@ def weight_only_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
     if kernels.eager_launch_ok(x) and type(w8) is torch.Tensor and type(scale) is torch.Tensor and (
             bias is None or type(bias) is torch.Tensor):
         return kernels.launch_w8_mm(x, w8, scale.contiguous(), None if bias is None else bias.contiguous())
-    if kernels.W8_MM_CONFIG["reduce"] == "in_kernel":  # (a constant of the file: no guard needed)
-        return torch.ops.fp8tensor.w8_mm_one_launch(x, w8, scale, bias)
     return torch.ops.fp8tensor.w8_mm(x, w8, scale, bias)
 
 
@@ -351,24 +347,6 @@ if kernels.HAS_TRITON:
         # weight_only_mm under torch.compile: inductor launches the kernels from its generated code
         return kernels.launch_w8_mm(x, w8, scale.contiguous(), None if bias is None else bias.contiguous(),
                                     traced=True)
-
-
-def _w8_mm_one_launch_impl(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
-                           bias: Optional[torch.Tensor]) -> torch.Tensor:
-    # weight_only_mm under torch.compile with W8_MM_CONFIG["reduce"] == "in_kernel": an opaque op whose body launches
-    # eagerly when the compiled code runs (or a CUDA graph records it), so the kernel reads the stream's persistent
-    # arrival counters (a traced graph has no persistent buffer to give it)
-    return kernels.launch_w8_mm(x, w8, scale.contiguous(), None if bias is None else bias.contiguous(),
-                                reduce="in_kernel")
-
-
-_LIB.define("w8_mm_one_launch(Tensor x, Tensor w8, Tensor scale, Tensor? bias) -> Tensor")
-_LIB.impl("w8_mm_one_launch", _w8_mm_one_launch_impl, "CompositeExplicitAutograd")
-
-
-@torch.library.register_fake("fp8tensor::w8_mm_one_launch", lib=_LIB)
-def _(x, w8, scale, bias):
-    return x.new_empty(x.shape[0], w8.shape[0])
 
 
 # ---------------------------------------------------------------------------------------------- grouped (MoE) layouts

@@ -53,6 +53,27 @@ def top_kernels(fn, n: int = 12) -> str:
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=n, max_name_column_width=70)
 
 
+def kernel_us(fn, calls: int = 30) -> dict:
+    """Mean GPU time (µs) of each kernel ``fn`` launches, by kernel name, over ``calls`` profiled calls of ``fn``;
+    the L2 cache is flushed (a 256 MB write, left out of the result) before each call, as ``do_bench`` does."""
+    from torch.profiler import ProfilerActivity, profile
+
+    flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            flush.zero_()
+            fn()
+        torch.cuda.synchronize()
+    out = {}
+    for e in prof.key_averages():
+        total = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
+        if e.count and total:
+            out[e.key] = total / calls
+    return out
+
+
 def top_host(fn, n: int = 25) -> str:
     """Profile three calls of ``fn`` and return the top host (CPU) ops by self time, with stacks off."""
     from torch.profiler import ProfilerActivity, profile

@@ -12,6 +12,11 @@ Two more modes (CUDA):
   ``fp8tensor.graph_step`` (no host time, as under a whole-step graph), for square, 4:1 grouped-query k/v and
   MLP-shaped Linears at M = 8192 and 16384 tokens; prints fp8 time / bf16 time next to the rule's decision and the
   smallest ``K·N/(K+N)`` above every shape where ``rowwise`` lost (a value for ``size_rule_min``).
+* ``--quant``: the quantization kernels of the token-major operands on ``--M`` x K bf16 tensors (K of the e2e
+  models' Linears), each on its own (profiler time, L2 flushed before each call): per row, per feature over the
+  tokens (the dim-0 kernels: column amax, transposing cast), both layouts (row + column amax in one read, then both
+  casts from one read). µs, the GB/s of the bytes each must move (reads of x, fp8 writes) and that as a share of a
+  bf16 copy's GB/s on the same tensor (the achievable bandwidth).
 * ``--host``: the host time of one eager forward (no grad, ``--host-tokens`` rows) of ``nn.Linear``, an fp8 Linear
   with a master weight and a ``quantize_weights`` Linear, in µs per call: calls issued back to back without
   synchronizing, so the time is the host's as long as the GPU keeps up (the rows are tiny).
@@ -26,7 +31,7 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _util import bench_ms, env_line, top_kernels  # noqa: E402
+from _util import bench_ms, env_line, kernel_us, top_kernels  # noqa: E402
 
 import fp8tensor  # noqa: E402
 
@@ -101,6 +106,41 @@ def host_table(dev, tokens: int, calls: int = 2000, json_path=None, command: str
     write_json(json_path, "host_linear", rows, command)
 
 
+def quant_table(dev, M: int, json_path=None, command: str = "") -> None:
+    """``--quant``: see the module docstring."""
+    from fp8tensor.numerics import kernels
+    from fp8tensor.quantize import E4M3, SCALE_FLOOR
+
+    print(f"# quantization kernels, {M} tokens, bf16 ({env_line()})\n")
+    # each kernel's bytes: reads of x (2 B per element) and its fp8 writes (1 B each); the amax kernels read only
+    kinds = {"_row_quant_kernel": ("per row", 3), "_col_amax_kernel": ("column amax", 2),
+             "_cast_t_kernel": ("transposing cast", 3), "_amax_both_kernel": ("row + column amax", 2),
+             "_cast_both_kernel": ("both layouts cast", 4)}
+    cols = ["K", "copy GB/s"] + [f"{label} µs (GB/s, % copy)" for label, _ in kinds.values()] + [
+        "both layouts, total µs (% copy)"]
+    print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
+    rows = []
+    for K in (1024, 2048, 4096, 8192, 14336, 28672):
+        x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+        y = torch.empty_like(x)
+        n = x.numel()
+        copy_gbs = 4 * n / bench_ms(lambda: y.copy_(x)) / 1e6
+        times = {}
+        for fn in (lambda: kernels.quantize_last_dim(x, E4M3, SCALE_FLOOR),
+                   lambda: kernels.launch_dim0_t(x, E4M3, SCALE_FLOOR),
+                   lambda: kernels.launch_both(x, E4M3, SCALE_FLOOR)):
+            times.update(kernel_us(fn))
+        cells = []
+        for name, (_, per_elem) in kinds.items():
+            gbs = per_elem * n / times[name] / 1e3
+            cells.append(f"{times[name]:.1f} ({gbs:.0f}, {100 * gbs / copy_gbs:.0f}%)")
+        total = times["_amax_both_kernel"] + times["_cast_both_kernel"]
+        cells.append(f"{total:.1f} ({100 * 6 * n / total / 1e3 / copy_gbs:.0f}%)")
+        print(f"| {K} | {copy_gbs:.0f} | " + " | ".join(cells) + " |")
+        rows.append(dict(zip(cols, [str(K), f"{copy_gbs:.0f}", *cells])))
+    write_json(json_path, "quant_kernels", rows, command)
+
+
 # ------------------------------------------------------------------------------------------------ --size-rule
 SIZE_RULE_VARIANTS = ("bf16", "rowwise", "rowwise_gw_hp")
 
@@ -163,7 +203,7 @@ def write_json(path, table: str, rows: list, command: str) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--M", type=int, default=16384)
+    p.add_argument("--M", type=int, default=None, help="tokens (default 16384; --quant: 8192)")
     p.add_argument("--size-rule", action="store_true", help="calibrate the size rule (fp8 / bf16 per Linear shape)")
     p.add_argument("--quick", action="store_true", help="with --size-rule: fewer shapes")
     p.add_argument("--json", default=None, help="write the table as a docs/results record here")
@@ -174,6 +214,7 @@ def main() -> None:
     p.add_argument("--shapes", default=None, help="KxN,KxN,... instead of the Llama3-8B shapes")
     p.add_argument("--host", action="store_true", help="host time of one eager forward per call (see the docstring)")
     p.add_argument("--host-tokens", type=int, default=16)
+    p.add_argument("--quant", action="store_true", help="the quantization kernels' time and bandwidth (--M tokens)")
     args = p.parse_args()
     command = "python benchmarks/linear.py " + " ".join(sys.argv[1:])
     if args.size_rule:
@@ -187,6 +228,10 @@ def main() -> None:
     if args.host:
         host_table(dev, args.host_tokens, json_path=args.json, command=command)
         return
+    if args.quant:
+        quant_table(dev, args.M or 8192, json_path=args.json, command=command)
+        return
+    args.M = args.M or 16384
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")] if args.shapes else SHAPES
     vs = variants(not args.no_peers)
     table_rows: list = []

@@ -13,6 +13,7 @@
 #   serve        tests/gpu/test_gpu_export.py (torch.export + AOTInductor) and benchmarks/serve.py (decode / prefill,
 #                eager / compile, bf16 / fp8tensor / torchao) at Llama3-8B shapes (SERVE_ARGS="--model readme": the
 #                README model); compiled rows with --parallel
+#   quant        benchmarks/linear.py --quant (the quantization kernels' µs and GB/s against a copy, 8192 tokens)
 #   host         benchmarks/linear.py --host (host time of one eager Linear forward: nn.Linear vs fp8)
 #   serve-host   benchmarks/serve.py --host (host time per eager call: F.linear, nn.Linear, a quantize_weights Linear)
 #   size-rule    benchmarks/linear.py --size-rule --quick (fp8 vs bf16 per Linear shape at small sizes)
@@ -69,6 +70,7 @@ for stage in "$@"; do
              --layers 4 --seq 8192 --warmup 1 --variants bf16@compile,rowwise@compile,rowwise_gw_hp@compile \
              > "$out/memory_4096.txt" 2>&1; tail -30 "$out/memory_4096.txt" ;;
     moe) timeout 300 $py benchmarks/moe.py --out "$out/moe.json" --profile > "$out/moe.txt" 2>&1; table "$out/moe.txt" ;;
+    quant) timeout 200 $py benchmarks/linear.py --quant --json "$out/record/quant_kernels.json" > "$out/quant.txt" 2>&1; table "$out/quant.txt" ;;
     host) timeout 200 $py benchmarks/linear.py --host --json "$out/record/host_linear.json" > "$out/host.txt" 2>&1; table "$out/host.txt" ;;
     serve-host) timeout 120 $py benchmarks/serve.py --host > "$out/serve_host.txt" 2>&1; table "$out/serve_host.txt" ;;
     serve) { timeout 300 $py -m pytest -q -p no:cacheprovider -p no:logging --tb=short -W ignore tests/gpu/test_gpu_export.py

@@ -1,5 +1,5 @@
-"""Run the dim-0 kernels (column amax, transposing cast) and the row-wise kernel with folded column scales
-under Triton's interpreter (CPU) and compare with the plain ops.
+"""Run the dim-0 kernels (column amax, transposing cast), the two-layout kernels and the row-wise kernel with folded
+column scales under Triton's interpreter (CPU) and compare with the plain ops.
 
 Invoked by tests/test_quantize.py in a subprocess with TRITON_INTERPRET=1 (read when the kernels are defined). The
 interpreter's float -> fp8 cast is not the GPU's (tests/_group_cols_interp.py), so fp8 values are compared within one
@@ -40,6 +40,30 @@ def main():
     rs = rowwise_scale(x.t(), -1, torch.float8_e4m3fn)
     assert torch.equal(s, rs), (s - rs).abs().max()
     _same_fp8(q, cast_to_fp8(x.t(), rs, torch.float8_e4m3fn))
+    # both layouts (row amax and column amax in one pass, then one read per tile): x with a wider row stride
+    amax = torch.zeros(M + K)
+    kernels._amax_both_kernel[(triton.cdiv(K, 32), triton.cdiv(M, 128))](x, amax, M, K, x.stride(0), CHUNK_M=128,
+                                                                        BLOCK_M=32, BLOCK_K=32)
+    assert torch.equal(amax[:M], x.abs().amax(1)) and torch.equal(amax[M:], x.abs().amax(0))
+    q, s, qt, st = (torch.empty(M, K, dtype=torch.float8_e4m3fn), torch.empty(M, 1),
+                    torch.empty(K, M, dtype=torch.float8_e4m3fn), torch.empty(K, 1))
+    kernels._cast_both_kernel[(triton.cdiv(M, 64), triton.cdiv(K, 32))](
+        x, amax[:M], amax[M:], q, s, qt, st, M, K, x.stride(0), FMAX=448.0, EPS=SCALE_FLOOR, BLOCK_M=64, BLOCK_K=32)
+    for data, got_q, got_s in ((x, q, s), (x.t(), qt, st)):
+        rs = rowwise_scale(data, -1, torch.float8_e4m3fn)
+        assert torch.equal(got_s, rs), (got_s - rs).abs().max()
+        _same_fp8(got_q, cast_to_fp8(data, rs, torch.float8_e4m3fn))
+    # launch_both with the package's tiles: a NaN and an inf entry make their row's and column's scales non-finite,
+    # the other rows and columns as the ops
+    x = x.clone()
+    x[9, 17], x[11, 3] = float("nan"), float("inf")
+    q, s, qt, st = kernels.launch_both(x, torch.float8_e4m3fn, SCALE_FLOOR)
+    for data, got_q, got_s in ((x, q, s), (x.t(), qt, st)):
+        rs = rowwise_scale(data, -1, torch.float8_e4m3fn)
+        ok = torch.isfinite(rs).reshape(-1)
+        assert int((~ok).sum()) == 2 and not torch.isfinite(got_s[~ok]).any()
+        assert torch.equal(got_s[ok], rs[ok]), (got_s[ok] - rs[ok]).abs().max()
+        _same_fp8(got_q[ok], cast_to_fp8(data[ok], rs[ok], torch.float8_e4m3fn))
     # rows times column multipliers (grad_input's folded weight scales)
     M, K = 37, 300
     x = torch.randn(M, K) * torch.logspace(-3, 3, M)[:, None]

@@ -208,11 +208,27 @@ def test_exactly_representable_rows_round_trip_exactly(f8):
     assert torch.equal(t.to_hp(), x)
 
 
-@pytest.mark.parametrize("shape", [(1, 65535 * 128), (1, 65535 * 128 + 1), (65535 * 256, 1), (65535 * 256 + 1, 1),
-                                   (2, 3, 40)])
-def test_dim0_kernels_take_only_what_their_grids_can_launch(monkeypatch, shape):
-    """For every x ``kernel_available`` takes, the dim-0 kernels' launches stay within CUDA's grid (dim 0 below 2^31,
-    dims 1 and 2 at most 65535): checked on a fake CUDA tensor (no GPU), the launches recorded on a meta tensor."""
+def test_token_layouts_op_off_cuda_is_the_two_quantizations():
+    """``fp8tensor::quantize_both`` off CUDA (no kernels): ``quantize`` per row and ``quantize_dim0_t`` per column."""
+    from fp8tensor.quantize import quantize, quantize_dim0_t, quantize_token_layouts
+
+    x = torch.randn(3, 5, 24) * 10
+    assert quantize_token_layouts(x) is None  # the Linear then quantizes as before
+    q, s, qt, st = torch.ops.fp8tensor.quantize_both(x, torch.float8_e4m3fn)
+    rq, rs = quantize(x.reshape(15, 24), -1)
+    tq, ts = quantize_dim0_t(x, torch.float8_e4m3fn)
+    for a, b in ((q, rq), (s, rs), (qt, tq), (st, ts)):
+        assert a.shape == b.shape and torch.equal(a.float(), b.float())
+    with pytest.raises(TypeError, match="quantize_token_layouts: unsupported float8 dtype"):
+        quantize_token_layouts(x, torch.bfloat16)  # (on CUDA the kernels would write bf16 "fp8" values)
+
+
+@pytest.mark.parametrize("shape", [(1, 65535 * 128), (1, 65535 * 128 + 1), (255, 8_421_504), (65535 * 128, 1),
+                                   (65535 * 128 + 1, 1), (2, 3, 40)])
+def test_dim0_and_two_layout_kernels_take_only_what_their_grids_can_launch(monkeypatch, shape):
+    """For every x ``kernel_available`` takes, the launches of the dim-0 and two-layout kernels (amax, cast) stay
+    within CUDA's grid (dim 0 below 2^31, dims 1 and 2 at most 65535): checked on
+    a fake CUDA tensor (no GPU), the launches recorded instead of run on a meta tensor of its shape."""
     pytest.importorskip("triton")
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -223,18 +239,19 @@ def test_dim0_kernels_take_only_what_their_grids_can_launch(monkeypatch, shape):
     monkeypatch.setattr(kernels, "_launch", lambda fn, grid, *a, **k: grids.append((fn.__name__, grid)))
     with FakeTensorMode():
         taken = kernels.kernel_available(torch.empty(shape, dtype=torch.bfloat16, device="cuda"))
-    assert taken == (shape[-1] <= 65535 * 128 and shape[0] <= 65535 * 256)
     if not taken:
         return
-    kernels.launch_dim0_t(torch.empty(shape, dtype=torch.bfloat16, device="meta"), E4M3, SCALE_FLOOR)
-    assert len(grids) == 2
+    x = torch.empty(shape, dtype=torch.bfloat16, device="meta")  # (the launchers' shapes and slices, no data)
+    kernels.launch_dim0_t(x, E4M3, SCALE_FLOOR)
+    kernels.launch_both(x, E4M3, SCALE_FLOOR)
+    assert len(grids) == 4
     for name, grid in grids:
         assert grid[0] < 2**31 and all(g <= 65535 for g in grid[1:]), (name, grid)
 
 
 def test_dim0_kernels_decline_outputs_past_32bit_offsets():
     """A 2-D ``x`` whose rows overlap (stride 0: the ``grad_out`` of a sum over the tokens) spans few elements, but its
-    fp8 output holds ``M * K``: at ``2^31`` or more the transposing cast's 32-bit store offsets would wrap, so
+    fp8 outputs hold ``M * K``: at ``2^31`` or more the transposing cast's 32-bit store offsets would wrap, so
     ``kernel_available`` declines it (plain ops instead); checked on fake CUDA tensors (no GPU)."""
     pytest.importorskip("triton")
     from torch._subclasses.fake_tensor import FakeTensorMode

@@ -17,7 +17,8 @@ import torch
 from ..core import capture, compat
 
 __all__ = [
-    "kernel_available", "launch_dim0_t", "quantize_last_dim", "quantize_last_dim_group", "row_kernel_available",
+    "kernel_available", "launch_dim0_t", "launch_both", "quantize_last_dim", "quantize_last_dim_group",
+    "row_kernel_available",
     "eager_launch_ok", "transpose_available", "launch_transpose", "quantize_last_dim_group_into",
     "group_col_kernel_available", "launch_group_cols_t",
     "w8_mm_available", "launch_w8_mm", "W8_MM_CONFIG",
@@ -71,6 +72,53 @@ if _HAS_TRITON:
         tl.store(q_ptr + offs_k[:, None] * M + offs_m[None, :], q, mask=kmask[:, None] & (offs_m[None, :] < M))
         if pid_m == 0:
             tl.store(scale_ptr + offs_k, scale, mask=kmask)
+
+    @triton.jit
+    def _amax_both_kernel(x_ptr, amax_ptr, M, K, stride_m, CHUNK_M: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
+        # Row amax (amax[:M]) and column amax (amax[M:]) of (M, K) in one read. Program (k, m): columns
+        # [k * BLOCK_K, +BLOCK_K) over rows [m * CHUNK_M, +CHUNK_M), [BLOCK_M, BLOCK_K] tiles down the rows. The
+        # column maxima stay elementwise in registers (one cross-warp reduction per program); each tile's row maxima
+        # (a reduction along K, within a warp) go to the rows' amax by atomics.
+        offs_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+        kmask = offs_k < K
+        cacc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+        for i in range(0, CHUNK_M, BLOCK_M):
+            offs_m = tl.program_id(1) * CHUNK_M + i + tl.arange(0, BLOCK_M)
+            mmask = offs_m < M
+            x = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * stride_m + offs_k[None, :],
+                        mask=mmask[:, None] & kmask[None, :], other=0.0)
+            a = tl.abs(x.to(tl.float32))
+            a = tl.where(a != a, float("inf"), a)  # NaN -> inf: its row and column get an infinite scale
+            cacc = tl.maximum(cacc, a)
+            tl.atomic_max(amax_ptr + offs_m, tl.max(a, axis=1), mask=mmask, sem="relaxed")
+        tl.atomic_max(amax_ptr + M + offs_k, tl.max(cacc, axis=0), mask=kmask, sem="relaxed")
+
+    @triton.jit
+    def _cast_both_kernel(x_ptr, ra_ptr, ca_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, K, stride_m, FMAX: tl.constexpr,
+                          EPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+        # One read of a [BLOCK_M, BLOCK_K] tile, both layouts written: q (M, K) per row, qt (K, M) per column. x times
+        # the scale's IEEE reciprocal (two IEEE divisions per element made this kernel compute-bound).
+        pid_m = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        mmask = offs_m < M
+        kmask = offs_k < K
+        rs = tl.maximum(tl.load(ra_ptr + offs_m, mask=mmask, other=1.0) / FMAX, EPS)  # row scales: amax_to_scale
+        cs = tl.maximum(tl.load(ca_ptr + offs_k, mask=kmask, other=1.0) / FMAX, EPS)
+        mask = mmask[:, None] & kmask[None, :]
+        x = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * stride_m + offs_k[None, :], mask=mask,
+                    other=0.0).to(tl.float32)
+        y = tl.clamp(x * tl.div_rn(1.0, rs)[:, None], -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
+        tl.store(q_ptr + offs_m.to(tl.int64)[:, None] * K + offs_k[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
+        z = tl.clamp(x * tl.div_rn(1.0, cs)[None, :], -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
+        tl.store(qt_ptr + offs_k.to(tl.int64)[:, None] * M + offs_m[None, :], tl.trans(z.to(qt_ptr.dtype.element_ty)),
+                 mask=kmask[:, None] & mmask[None, :])
+        if pid_k == 0:
+            tl.store(s_ptr + offs_m, rs, mask=mmask)
+        if pid_m == 0:
+            tl.store(st_ptr + offs_k, cs, mask=kmask)
 
     @triton.jit
     def _quantize_rows(x_ptr, q_ptr, scale_ptr, offs_m, M, K, FMAX: tl.constexpr, EPS: tl.constexpr,
@@ -455,13 +503,15 @@ def kernel_available(x: torch.Tensor) -> bool:
     if not (_HAS_TRITON and x.is_cuda and x.dtype in _KERNEL_DTYPES and x.numel() > 0
             and ((x.dim() == 2 and x.stride(1) == 1) or (x.dim() > 2 and x.is_contiguous()))):
         return False
-    # The dim-0 kernels index with 32-bit offsets (the elements x spans and the M * K of the output: rows of a 2-D x
-    # may overlap); the grid's second dim (at most 65535) holds M / amax_chunk_m and K / cast_block_k.
+    # The dim-0 kernels index with 32-bit offsets (the elements x spans and the M * K of their outputs: rows of a
+    # 2-D x may overlap); the grid's second dim (at most 65535) holds M / amax_chunk_m (the amax kernels) and
+    # K / cast_block_k (the casts).
     K = x.shape[-1]
     M = x.numel() // K
     rows = x.stride(0) * (M - 1) + K if x.dim() == 2 else x.numel()  # elements spanned
-    return (rows < 2**31 and x.numel() < 2**31 and M <= 65535 * CONFIG["amax_chunk_m"]
-            and K <= 65535 * CONFIG["cast_block_k"])
+    return (rows < 2**31 and x.numel() < 2**31
+            and M <= 65535 * min(CONFIG["amax_chunk_m"], BOTH_CONFIG["amax_chunk_m"])
+            and K <= 65535 * min(CONFIG["cast_block_k"], BOTH_CONFIG["cast_block_k"]))
 
 
 def launch_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype, scale_floor: float, *, traced: bool = False
@@ -490,6 +540,43 @@ def launch_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype, scale_floor: float
                                                       BLOCK_M=c["cast_block_m"], BLOCK_K=c["cast_block_k"]),
             c["cast_warps"], x.device, traced=traced)
     return q, scale
+
+
+#: Tiles of the two-layout kernels (:func:`launch_both`).
+#: The amax kernel's rows per program, a power of two from amax_chunk_m to amax_chunk_m_max, is picked for about
+#: amax_programs programs (measured on an H200 at 8192 tokens: 128 rows at K = 2048, 256 at 4096, 512 from 8192).
+BOTH_CONFIG = _frozen(dict(amax_block_m=32, amax_block_k=256, amax_chunk_m=128, amax_chunk_m_max=512,
+                          amax_programs=512, amax_warps=4, cast_block_m=64, cast_block_k=128, cast_warps=4))
+
+
+def launch_both(x: torch.Tensor, float8_dtype: torch.dtype, scale_floor: float, *, traced: bool = False) -> tuple:
+    """``x`` ``(M, K)`` (as :func:`launch_dim0_t` takes it) quantized per row and per column from two reads: the
+    row and column amax in one pass, then both layouts from one read of each tile. Returns ``(q, s, qt, st)``: ``q``
+    ``(M, K)`` row-major with ``s`` ``(M, 1)`` (per row), ``qt`` ``(K, M)`` row-major holding ``x.T`` per row with
+    ``st`` ``(K, 1)``; float32 scales ``max(amax / fmax, scale_floor)``; ``x`` times the scale's reciprocal (within
+    an fp32 ulp of ``x / scale``: an fp8 value differs from the ops' only at a rounding tie)."""
+    if traced:
+        x = compat.one_buffer(x)
+    K = x.shape[-1]
+    M = x.numel() // K
+    stride_m = x.stride(0) if x.dim() == 2 else K
+    amax = torch.zeros(M + K, dtype=torch.float32, device=x.device)
+    q = torch.empty(M, K, dtype=float8_dtype, device=x.device)
+    s = torch.empty(M, 1, dtype=torch.float32, device=x.device)
+    qt = torch.empty(K, M, dtype=float8_dtype, device=x.device)
+    st = torch.empty(K, 1, dtype=torch.float32, device=x.device)
+    c = BOTH_CONFIG
+    col_blocks = triton.cdiv(K, c["amax_block_k"])
+    chunk = min(c["amax_chunk_m_max"],
+                max(c["amax_chunk_m"], triton.next_power_of_2(triton.cdiv(M * col_blocks, c["amax_programs"]))))
+    _launch(_amax_both_kernel, (col_blocks, triton.cdiv(M, chunk)),
+            (x, amax, M, K, stride_m), dict(CHUNK_M=chunk, BLOCK_M=c["amax_block_m"],
+                                            BLOCK_K=c["amax_block_k"]), c["amax_warps"], x.device, traced=traced)
+    _launch(_cast_both_kernel, (triton.cdiv(M, c["cast_block_m"]), triton.cdiv(K, c["cast_block_k"])),
+            (x, amax[:M], amax[M:], q, s, qt, st, M, K, stride_m),
+            dict(FMAX=torch.finfo(float8_dtype).max, EPS=scale_floor, BLOCK_M=c["cast_block_m"],
+                 BLOCK_K=c["cast_block_k"]), c["cast_warps"], x.device, traced=traced)
+    return q, s, qt, st
 
 
 #: Tiles of the transpose kernel (1-byte elements).

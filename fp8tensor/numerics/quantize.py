@@ -28,7 +28,8 @@ from . import kernels
 
 __all__ = [
     "quantize", "quantize_group_cols", "quantize_expert_cols", "group_ids", "quantize_rows_into", "transpose_after",
-    "quantize_group", "quantize_dim0_t", "quantize_dim0_t_after", "after_dep", "quantize_tokens", "weight_only_mm",
+    "quantize_group", "quantize_dim0_t", "quantize_dim0_t_after", "after_dep", "quantize_tokens",
+    "quantize_token_layouts", "weight_only_mm",
     "FLOAT8_DTYPES", "E4M3", "E5M2", "check_float8_dtype", "amax_to_scale", "rowwise_scale", "cast_to_fp8",
     "quantize_rowwise",
 ]
@@ -218,8 +219,8 @@ def _quantize_dim0_t_shared(x: torch.Tensor, float8_dtype: torch.dtype) -> tuple
 
 
 def _trace_memo(x: torch.Tensor, float8_dtype: torch.dtype):
-    """``(memo, key, inner)`` while ``torch.compile`` traces ``quantize_dim0_t_shared``, else ``(None,) * 3``: one
-    fp8 copy per graph for Linears reading one input (inductor does not deduplicate triton-op kernels). ``key``: the
+    """``(memo, key, inner)`` while ``torch.compile`` traces ``quantize_dim0_t_shared`` or ``quantize_both``, else
+    ``(None,) * 3``: one fp8 copy per graph for Linears reading one input (inductor does not deduplicate triton-op kernels). ``key``: the
     functional tensor's data now (storage, offset, shape, strides); the memo lives on the tracer (one graph)."""
     found = compat.functional_data(x)
     if found is None:
@@ -248,6 +249,55 @@ def quantize_tokens(x: torch.Tensor, float8_dtype: torch.dtype = E4M3):
         return None
     q, s = _dim0_t(x, float8_dtype, shared=True)
     return q.t(), s.t()
+
+
+def _both_body(x: torch.Tensor, float8_dtype: torch.dtype):
+    if not kernels.kernel_available(x):
+        K = x.shape[-1]
+        return (*quantize(x.reshape(-1, K), -1, float8_dtype), *_reference_dim0_t(x, float8_dtype))
+    return kernels.launch_both(x, float8_dtype, SCALE_FLOOR, traced=True)
+
+
+@_register_op("fp8tensor::quantize_both", mutates_args=())
+def _quantize_both(x: torch.Tensor, float8_dtype: torch.dtype
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    # quantize_token_layouts' op; results shared within a compiled graph as quantize_dim0_t_shared's. (The row amax
+    # by plain ops, for inductor to fuse into x's producer, measured slower: its reductions slowed those kernels.)
+    memo, key, inner = _trace_memo(x, float8_dtype)
+    key = key and ("both", key)
+    if memo is not None and key in memo:
+        return memo[key][1]
+    out = _both_body(x, float8_dtype)
+    if memo is not None:
+        memo[key] = (inner, out)
+    return out
+
+
+def quantize_token_layouts(x: torch.Tensor, float8_dtype: torch.dtype = E4M3):
+    """``x`` ``(..., K)`` as ``(M, K)`` quantized both ways a Linear uses a token-major operand, from two reads of
+    ``x``: per row (the ``a`` operand of ``torch._scaled_mm``) and per feature over all tokens (the grad_weight
+    operand). None where the kernels do not take ``x`` (CPU, other layouts, ``compiled_quantization="inductor"``):
+    then use :func:`quantize` and :func:`quantize_tokens` (same values). Shared within a compiled graph like
+    :func:`quantize_tokens`' results: treat them as read-only.
+
+    Returns:
+        ``(q, s, qt, st)``: ``q`` ``(M, K)`` row-major float8 with ``s`` ``(M, 1)`` float32 (per row, as
+        ``quantize(x.reshape(-1, K), -1)``), and ``qt`` ``(M, K)``, a transposed view of a row-major ``(K, M)``
+        tensor, with ``st`` ``(1, K)`` (:func:`quantize_tokens`); equal scales, fp8 values equal to theirs except
+        at rounding ties (``x`` times the scale's reciprocal, within an fp32 ulp of ``x / scale``).
+
+    Raises:
+        TypeError: ``float8_dtype`` is not one of the supported fp8 formats.
+    """
+    check_float8_dtype(float8_dtype, "quantize_token_layouts")
+    if (not (x.is_cuda and kernels.kernel_available(x) and (x.dim() == 2 or x.is_contiguous()))
+            or _inductor_quantizes(x)):
+        return None
+    if kernels.eager_launch_ok(x) and not (x.requires_grad and torch.is_grad_enabled()):
+        q, s, qt, st = kernels.launch_both(x, float8_dtype, SCALE_FLOOR)
+    else:
+        q, s, qt, st = torch.ops.fp8tensor.quantize_both(x, float8_dtype)
+    return q, s, qt.t(), st.t()
 
 
 def _dim0_t(x: torch.Tensor, float8_dtype: torch.dtype, *, shared: bool = False
@@ -319,6 +369,13 @@ if not kernels.HAS_TRITON:  # a triton_op is its own fake kernel; the plain cust
 
     quantize_dim0_t.register_fake(_dim0_fake)
     _quantize_dim0_t_shared.register_fake(_dim0_fake)
+
+    @_quantize_both.register_fake
+    def _(x, float8_dtype):
+        K = x.shape[-1]
+        M = math.prod(x.shape[:-1])
+        return (x.new_empty(M, K, dtype=float8_dtype), x.new_empty(M, 1, dtype=torch.float32),
+                *_dim0_fake(x, float8_dtype))
 
 
 # ---------------------------------------------------------------------------------------------- small-M GEMM

@@ -16,8 +16,8 @@ import torch.autograd.forward_ad as _forward_ad
 from ..core import compat
 from ..subclass.gemm import fp8_mm
 from ..subclass.ops import t_view
-from ..numerics.quantize import (E4M3, FLOAT8_DTYPES, quantize, quantize_dim0_t_after, quantize_tokens,
-                                 transpose_after, weight_only_mm)
+from ..numerics.quantize import (E4M3, FLOAT8_DTYPES, quantize, quantize_dim0_t_after, quantize_token_layouts,
+                                 quantize_tokens, transpose_after, weight_only_mm)
 from .recipes import Gemm, Recipe, get_recipe
 from ..core.settings import get_config, scope_token, swap_scope
 from ..subclass.tensor import ScaledFp8Tensor, _is_dtensor, make_scaled, map_local, rowwise_dims
@@ -94,6 +94,13 @@ def _x_for_grad_weight(x: torch.Tensor, x2: torch.Tensor, gemm: Gemm) -> torch.T
     return _quantize(x2, 0, fast, float8_dtype)
 
 
+def _token_layouts(t: torch.Tensor):
+    """:func:`fp8tensor.quantize.quantize_token_layouts` of a plain ``t`` (input or ``grad_out``), else None."""
+    if _is_dtensor(t) or isinstance(t, ScaledFp8Tensor) or t.dim() < 2:
+        return None
+    return quantize_token_layouts(t, E4M3)
+
+
 def _weight_for_grad_input(weight: torch.Tensor, gy: torch.Tensor, gemm: Gemm) -> torch.Tensor:
     """The weight operand of ``grad_x = gy @ W``, made after ``gy`` exists: an fp8 weight transposed (its row scales
     folded into ``gy`` by ``fp8_mm``), a master quantized per input column (DTensor shards as they come)."""
@@ -149,6 +156,14 @@ class _Fp8Linear(torch.autograd.Function):
         wd = weight._data if isinstance(weight, QuantizeOnUse) else weight  # shape / dtype without torch_function
         N = wd.shape[0]
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (a reshape to itself still costs a DTensor dispatch)
+        x_saved = None
+        # (an fp8 weight scaled along K keeps its scale folded into x's row-wise quantization: fp8_mm)
+        both = (_token_layouts(x) if ctx.needs_input_grad[1] and recipe.output.fp8 and recipe.grad_weight.fp8
+                and recipe.grad_weight.b.float8_dtype == E4M3
+                and not (isinstance(weight, ScaledFp8Tensor) and weight.scale.shape[-1] != 1) else None)
+        if both is not None:  # x per row for this GEMM and per feature for grad_weight, from two reads of x
+            x2 = make_scaled(both[0], both[1], x.dtype, recipe.output.fast_accum, (True, False))
+            x_saved = make_scaled(both[2], both[3], x.dtype, recipe.grad_weight.fast_accum, (False, True))
         out = _forward(x2, weight, recipe)
         if bias is not None:
             out = out + bias
@@ -159,8 +174,7 @@ class _Fp8Linear(torch.autograd.Function):
         ctx.w_dtype = wd.dtype
         # the settings in force now are the ones the backward runs under (it may run in another thread)
         ctx.settings = None if compat.is_compiling() else scope_token()
-        x_saved = None
-        if ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[1] and x_saved is None:
             x_saved = _x_for_grad_weight(x, x2, recipe.grad_weight) if recipe.grad_weight.fp8 else x
         ctx.save_for_backward(x_saved, weight if ctx.needs_input_grad[0] else None)
         # Not a view of ``out`` (as F.linear's output is not): FSDP2 hooks the module output for backward, and an
@@ -195,10 +209,17 @@ def _backward(ctx, grad_out):
     recipe: Recipe = ctx.recipe
     g2 = grad_out if grad_out.dim() == 2 else grad_out.reshape(-1, ctx.n_out)
     grad_x = grad_w = grad_b = None
+    both = (_token_layouts(grad_out) if ctx.needs_input_grad[0] and ctx.needs_input_grad[1]
+            and recipe.grad_input.fp8 and recipe.grad_weight.fp8 and not _is_fp8(weight) else None)
     if ctx.needs_input_grad[0]:
         if recipe.grad_input.fp8:
             # ``grad_out`` itself (not its reshape) orders the weight operand after it: see quantize.transpose_after
-            grad_x = _mm(g2, _weight_for_grad_input(weight, grad_out, recipe.grad_input))
+            w8 = _weight_for_grad_input(weight, grad_out, recipe.grad_input)
+            if both is not None:  # grad_out per row here, per output feature for grad_weight (two reads)
+                grad_x = _mm(make_scaled(both[0], both[1], grad_out.dtype, recipe.grad_input.fast_accum,
+                                         (True, False)), w8)
+            else:
+                grad_x = _mm(g2, w8)
         else:
             grad_x = _hp_mm(g2, weight)
         if grad_x.shape != ctx.x_shape:
@@ -210,7 +231,8 @@ def _backward(ctx, grad_out):
             # forward), else by fp8_mm; same bits. Nothing derived from grad_out goes through map_local: a compiled
             # backward is traced with grad placements guessed from the forward output (Partial), not the runtime ones.
             gt = g2.t()
-            hit = quantize_tokens(grad_out, E4M3) if not _is_dtensor(grad_out) and grad_out.dim() >= 2 else None
+            hit = both[2:] if both is not None else (
+                quantize_tokens(grad_out, E4M3) if not _is_dtensor(grad_out) and grad_out.dim() >= 2 else None)
             if hit is not None:  # q (N, M) row-major, scale (N, 1): fp8_mm uses them as they are
                 gt = make_scaled(hit[0].t(), hit[1].t(), grad_out.dtype, fast, rowwise_dims(2, 1))
             grad_w = _mm(gt, x_saved)

@@ -220,7 +220,9 @@ def test_compiled_backward_weight_ops_in_backward_and_not_saved(weights):
     got, codes = run_and_get_code(step, mc)
     code = "\n".join(codes)
     assert "torch.ops.fp8tensor.quantize_dim0_t" not in code  # dim-0 kernels inline (grad_weight of a master)
-    assert ("_col_amax_kernel" in code) == (weights == "master")  # frozen fp8 weights: no grad_weight
+    # x and grad_out per row and per feature from two reads (grad_weight of a master); frozen fp8 weights: none
+    assert ("_amax_both_kernel" in code) == (weights == "master")
+    assert "torch.ops.fp8tensor.quantize_both" not in code
     # the weight's transposed copy / per-column quantization: plain ops inductor generates, no opaque Python op
     assert "torch.ops.fp8tensor.transpose_after" not in code
     assert "torch.ops.fp8tensor.quantize_columns_after" not in code
@@ -240,6 +242,49 @@ def test_compiled_backward_weight_ops_in_backward_and_not_saved(weights):
     assert sum(n == 1024 * 512 for n in fp8_saved) <= 1, f"one fp8 x for q/k/v, got {fp8_saved}"
     err = (got.double() - ref.double()).norm() / ref.double().norm()
     assert err < 2e-2, err
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", [(333, 4100), (2, 7, 40), (1, 64), (4096, 1), "strided"])
+def test_token_layouts_match_the_ops(shape, dtype):
+    """``quantize_token_layouts`` (row and column amax in one pass, both layouts from one read of each tile): per row
+    and per column the scales of the plain ops and their fp8 values but at rounding ties, eager and compiled; NaN /
+    inf entries make their row's and column's scale non-finite and leave the others exact; zero rows and columns get
+    the floor scale."""
+    from torch._inductor.utils import run_and_get_code
+
+    from fp8tensor.quantize import cast_to_fp8, quantize_token_layouts, rowwise_scale
+
+    torch.manual_seed(0)
+    if shape == "strided":  # a 2-D view whose rows are wider than K
+        x = torch.randn(700, 300, device=DEV).to(dtype)[:, :250]
+    else:
+        x = (torch.randn(*shape, device=DEV) * torch.logspace(-3, 3, shape[-1], device=DEV)).to(dtype)
+    K = x.shape[-1]
+    x2 = x.reshape(-1, K)
+    M = x2.shape[0]
+    if M > 20 and K > 20:
+        x2[5] = 0.0
+        x2[:, 7] = 0.0
+        x2[9, 17] = float("nan")
+        x2[11, 3] = float("inf")
+    f8 = torch.float8_e4m3fn
+    torch._dynamo.reset()
+    (cq, cs, cqt, cst), codes = run_and_get_code(torch.compile(lambda t: quantize_token_layouts(t * 1.0)), x)
+    assert "_amax_both_kernel" in "\n".join(codes) and "torch.ops.fp8tensor.quantize_both" not in "\n".join(codes)
+    for q, s, qt, st in (quantize_token_layouts(x), (cq, cs, cqt, cst)):
+        assert q.shape == (M, K) and q.is_contiguous() and s.shape == (M, 1)
+        assert qt.shape == (M, K) and qt.t().is_contiguous() and st.shape == (1, K)
+        for data, got_q, got_s in ((x2, q, s), (x2.t(), qt.t(), st.t())):
+            rs = rowwise_scale(data, -1, f8)
+            rq = cast_to_fp8(data, rs, f8)
+            ok = torch.isfinite(rs).reshape(-1)
+            assert torch.equal(got_s[ok], rs[ok]) and not torch.isfinite(got_s[~ok]).any()
+            # x times the reciprocal scale: one e4m3 step apart at most, and only at rounding ties
+            diff = (got_q[ok].float() - rq[ok].float()).abs()
+            assert float((diff > 0).float().mean()) < 1e-4, float((diff > 0).float().mean())
+            assert bool((diff <= rq[ok].float().abs() * 2**-3 + 2**-9).all())
+    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("shape", [(2, 512, 768), (3, 7, 40), (1024, 768)])

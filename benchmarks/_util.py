@@ -55,7 +55,8 @@ def top_kernels(fn, n: int = 12) -> str:
 
 def kernel_us(fn, calls: int = 30) -> dict:
     """Mean GPU time (µs) of each kernel ``fn`` launches, by kernel name, over ``calls`` profiled calls of ``fn``;
-    the L2 cache is flushed (a 256 MB write, left out of the result) before each call, as ``do_bench`` does."""
+    the L2 cache is flushed (a 256 MB write, its fill kernel among the results) before each call, as ``do_bench``
+    does."""
     from torch.profiler import ProfilerActivity, profile
 
     flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")

@@ -224,29 +224,58 @@ def test_token_layouts_op_off_cuda_is_the_two_quantizations():
 
 
 @pytest.mark.parametrize("shape", [(1, 65535 * 128), (1, 65535 * 128 + 1), (255, 8_421_504), (65535 * 128, 1),
-                                   (65535 * 128 + 1, 1), (2, 3, 40)])
-def test_dim0_and_two_layout_kernels_take_only_what_their_grids_can_launch(monkeypatch, shape):
-    """For every x ``kernel_available`` takes, the launches of the dim-0 and two-layout kernels (amax, cast) stay
-    within CUDA's grid (dim 0 below 2^31, dims 1 and 2 at most 65535): checked on
-    a fake CUDA tensor (no GPU), the launches recorded instead of run on a meta tensor of its shape."""
+                                   (65535 * 128 + 1, 1), (65535 * 256, 1), (65535 * 256 + 1, 1), (2, 3, 40)])
+@pytest.mark.parametrize("family", ["dim0", "both"])
+def test_dim0_and_two_layout_kernels_take_only_what_their_grids_can_launch(monkeypatch, shape, family):
+    """For every x ``kernel_available`` (the dim-0 kernels) or ``both_kernels_available`` (the two-layout kernels)
+    takes, that family's launches (amax, cast) stay within CUDA's grid (dim 0 below 2^31, dims 1 and 2 at most 65535):
+    checked on a fake CUDA tensor (no GPU), the launches recorded instead of run on a meta tensor of its shape. Each
+    family takes the rows its own grid allows (the dim-0 kernels 65535 x 256)."""
     pytest.importorskip("triton")
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from fp8tensor.numerics import kernels
     from fp8tensor.quantize import SCALE_FLOOR
 
+    available, launch = {"dim0": (kernels.kernel_available, kernels.launch_dim0_t),
+                         "both": (kernels.both_kernels_available, kernels.launch_both)}[family]
     grids = []
     monkeypatch.setattr(kernels, "_launch", lambda fn, grid, *a, **k: grids.append((fn.__name__, grid)))
     with FakeTensorMode():
-        taken = kernels.kernel_available(torch.empty(shape, dtype=torch.bfloat16, device="cuda"))
+        taken = available(torch.empty(shape, dtype=torch.bfloat16, device="cuda"))
+    if family == "dim0" and shape == (65535 * 256, 1):
+        assert taken  # (not limited by the two-layout kernels' grid)
     if not taken:
         return
     x = torch.empty(shape, dtype=torch.bfloat16, device="meta")  # (the launchers' shapes and slices, no data)
-    kernels.launch_dim0_t(x, E4M3, SCALE_FLOOR)
-    kernels.launch_both(x, E4M3, SCALE_FLOOR)
-    assert len(grids) == 4
+    launch(x, E4M3, SCALE_FLOOR)
+    assert len(grids) == 2
     for name, grid in grids:
         assert grid[0] < 2**31 and all(g <= 65535 for g in grid[1:]), (name, grid)
+
+
+def test_two_layout_op_adds_no_guard_on_a_symbolic_token_count(monkeypatch):
+    """Traced with a symbolic token count (``torch.compile(dynamic=True)``), ``fp8tensor::quantize_both`` launches
+    its amax kernel with the fixed rows per program (the size heuristic needs the concrete count) and installs no
+    guard on the count, so a graph is not recompiled when the count changes; checked by ``make_fx`` on meta."""
+    pytest.importorskip("triton")
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    import fp8tensor.quantize  # noqa: F401  (registers the op)
+    from fp8tensor.numerics import kernels
+
+    monkeypatch.setattr(kernels, "both_kernels_available", lambda x: True)
+    launched = []
+    launch = kernels._launch
+    monkeypatch.setattr(kernels, "_launch", lambda fn, grid, args, consts, *a, **k: (
+        launched.append((fn.__name__, dict(consts))), launch(fn, grid, args, consts, *a, **k))[1])
+    g = make_fx(lambda x: torch.ops.fp8tensor.quantize_both(x, E4M3), tracing_mode="symbolic")(
+        torch.empty(5000, 4096, device="meta", dtype=torch.bfloat16))
+    assert launched[0] == ("_amax_both_kernel", dict(CHUNK_M=kernels.BOTH_CONFIG["amax_chunk_m"],
+                                                      BLOCK_M=kernels.BOTH_CONFIG["amax_block_m"],
+                                                      BLOCK_K=kernels.BOTH_CONFIG["amax_block_k"]))
+    x_val = next(n.meta["val"] for n in g.graph.nodes if n.op == "placeholder")
+    assert not x_val.shape[0].node.shape_env.guards, [str(gd.expr) for gd in x_val.shape[0].node.shape_env.guards]
 
 
 def test_dim0_kernels_decline_outputs_past_32bit_offsets():

@@ -17,7 +17,8 @@ import torch
 from ..core import capture, compat
 
 __all__ = [
-    "kernel_available", "launch_dim0_t", "launch_both", "quantize_last_dim", "quantize_last_dim_group",
+    "kernel_available", "launch_dim0_t", "both_kernels_available", "launch_both", "quantize_last_dim",
+    "quantize_last_dim_group",
     "row_kernel_available",
     "eager_launch_ok", "transpose_available", "launch_transpose", "quantize_last_dim_group_into",
     "group_col_kernel_available", "launch_group_cols_t",
@@ -500,18 +501,29 @@ def _device_table(values: list, device: torch.device) -> torch.Tensor:
 def kernel_available(x: torch.Tensor) -> bool:
     """Whether the dim-0 kernels take ``x``: CUDA, fp32/bf16/fp16, at least one element, and either 2-D with unit
     inner stride (any row stride) or N-D contiguous (read as ``(numel / K, K)``)."""
-    if not (_HAS_TRITON and x.is_cuda and x.dtype in _KERNEL_DTYPES and x.numel() > 0
-            and ((x.dim() == 2 and x.stride(1) == 1) or (x.dim() > 2 and x.is_contiguous()))):
-        return False
-    # The dim-0 kernels index with 32-bit offsets (the elements x spans and the M * K of their outputs: rows of a
-    # 2-D x may overlap); the grid's second dim (at most 65535) holds M / amax_chunk_m (the amax kernels) and
-    # K / cast_block_k (the casts).
+    return _dim0_layout_ok(x) and _grid_ok(x, CONFIG["amax_chunk_m"], CONFIG["cast_block_k"])
+
+
+def both_kernels_available(x: torch.Tensor) -> bool:
+    """Whether :func:`launch_both` (the two-layout kernels) takes ``x``: as :func:`kernel_available`, within the
+    two-layout kernels' grids."""
+    return _dim0_layout_ok(x) and _grid_ok(x, BOTH_CONFIG["amax_chunk_m"], BOTH_CONFIG["cast_block_k"])
+
+
+def _dim0_layout_ok(x: torch.Tensor) -> bool:
+    return (_HAS_TRITON and x.is_cuda and x.dtype in _KERNEL_DTYPES and x.numel() > 0
+            and ((x.dim() == 2 and x.stride(1) == 1) or (x.dim() > 2 and x.is_contiguous())))
+
+
+def _grid_ok(x: torch.Tensor, rows_per_program: int, cols_per_program: int) -> bool:
+    # The kernels index with 32-bit offsets (the elements x spans and the M * K of their outputs: rows of a 2-D x may
+    # overlap); the grid's second dim (at most 65535) holds M / rows_per_program (the amax kernels: their fewest rows
+    # per program) and K / cols_per_program (the casts).
     K = x.shape[-1]
     M = x.numel() // K
     rows = x.stride(0) * (M - 1) + K if x.dim() == 2 else x.numel()  # elements spanned
-    return (rows < 2**31 and x.numel() < 2**31
-            and M <= 65535 * min(CONFIG["amax_chunk_m"], BOTH_CONFIG["amax_chunk_m"])
-            and K <= 65535 * min(CONFIG["cast_block_k"], BOTH_CONFIG["cast_block_k"]))
+    return (rows < 2**31 and x.numel() < 2**31 and M <= 65535 * rows_per_program
+            and K <= 65535 * cols_per_program)
 
 
 def launch_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype, scale_floor: float, *, traced: bool = False
@@ -554,7 +566,7 @@ def launch_both(x: torch.Tensor, float8_dtype: torch.dtype, scale_floor: float, 
     row and column amax in one pass, then both layouts from one read of each tile. Returns ``(q, s, qt, st)``: ``q``
     ``(M, K)`` row-major with ``s`` ``(M, 1)`` (per row), ``qt`` ``(K, M)`` row-major holding ``x.T`` per row with
     ``st`` ``(K, 1)``; float32 scales ``max(amax / fmax, scale_floor)``; ``x`` times the scale's reciprocal (within
-    an fp32 ulp of ``x / scale``: an fp8 value differs from the ops' only at a rounding tie)."""
+    an fp32 ulp of ``x / scale``: an fp8 value differs from the ops' only at or next to a rounding tie)."""
     if traced:
         x = compat.one_buffer(x)
     K = x.shape[-1]
@@ -567,8 +579,10 @@ def launch_both(x: torch.Tensor, float8_dtype: torch.dtype, scale_floor: float, 
     st = torch.empty(K, 1, dtype=torch.float32, device=x.device)
     c = BOTH_CONFIG
     col_blocks = triton.cdiv(K, c["amax_block_k"])
-    chunk = min(c["amax_chunk_m_max"],
-                max(c["amax_chunk_m"], triton.next_power_of_2(triton.cdiv(M * col_blocks, c["amax_programs"]))))
+    chunk = c["amax_chunk_m"]
+    if isinstance(M, int) and isinstance(K, int):  # (symbolic sizes: the fixed chunk, no guard on the token count)
+        chunk = min(c["amax_chunk_m_max"], max(chunk, triton.next_power_of_2(triton.cdiv(M * col_blocks,
+                                                                                         c["amax_programs"]))))
     _launch(_amax_both_kernel, (col_blocks, triton.cdiv(M, chunk)),
             (x, amax, M, K, stride_m), dict(CHUNK_M=chunk, BLOCK_M=c["amax_block_m"],
                                             BLOCK_K=c["amax_block_k"]), c["amax_warps"], x.device, traced=traced)

@@ -252,7 +252,7 @@ def quantize_tokens(x: torch.Tensor, float8_dtype: torch.dtype = E4M3):
 
 
 def _both_body(x: torch.Tensor, float8_dtype: torch.dtype):
-    if not kernels.kernel_available(x):
+    if not kernels.both_kernels_available(x):
         K = x.shape[-1]
         return (*quantize(x.reshape(-1, K), -1, float8_dtype), *_reference_dim0_t(x, float8_dtype))
     return kernels.launch_both(x, float8_dtype, SCALE_FLOOR, traced=True)
@@ -284,13 +284,13 @@ def quantize_token_layouts(x: torch.Tensor, float8_dtype: torch.dtype = E4M3):
         ``(q, s, qt, st)``: ``q`` ``(M, K)`` row-major float8 with ``s`` ``(M, 1)`` float32 (per row, as
         ``quantize(x.reshape(-1, K), -1)``), and ``qt`` ``(M, K)``, a transposed view of a row-major ``(K, M)``
         tensor, with ``st`` ``(1, K)`` (:func:`quantize_tokens`); equal scales, fp8 values equal to theirs except
-        at rounding ties (``x`` times the scale's reciprocal, within an fp32 ulp of ``x / scale``).
+        at or next to rounding ties (``x`` times the scale's reciprocal, within an fp32 ulp of ``x / scale``).
 
     Raises:
         TypeError: ``float8_dtype`` is not one of the supported fp8 formats.
     """
     check_float8_dtype(float8_dtype, "quantize_token_layouts")
-    if (not (x.is_cuda and kernels.kernel_available(x) and (x.dim() == 2 or x.is_contiguous()))
+    if (not (x.is_cuda and kernels.both_kernels_available(x) and (x.dim() == 2 or x.is_contiguous()))
             or _inductor_quantizes(x)):
         return None
     if kernels.eager_launch_ok(x) and not (x.requires_grad and torch.is_grad_enabled()):

@@ -16,6 +16,7 @@ compiling beside them).
                                [--modes eager,compile] [--variants bf16,fp8tensor,torchao] [--profile decode8]
                                [--parallel]
     python benchmarks/serve.py --host    # host time per eager call: F.linear, nn.Linear, a quantize_weights Linear
+    python benchmarks/serve.py --crossover [--ms 16,32,48,64,96,128]   # decode GEMM vs dual fp8 per token count
     python benchmarks/serve.py --agreement [--device cpu|cuda] [--seq 64] [--no-aoti]   # export / AOTI vs eager
 """
 from __future__ import annotations
@@ -249,9 +250,138 @@ def host_per_call() -> None:
             print(f"| {k} | {per_call(fn):.1f} |", flush=True)
 
 
+#: Llama3-8B's Linear shapes ``(name, N, K)`` and how many of each a layer has (``--crossover``).
+GEMMS_8B = (("wq, wo", 4096, 4096, 2), ("wk, wv", 1024, 4096, 2), ("w1, w3", 14336, 4096, 2), ("w2", 4096, 14336, 1))
+#: Tile candidates ``(block_n, block_k, warps, programs_per_sm)`` timed for the 64- and 128-row blocks (``--crossover``;
+#: those rows of ``W8_MM_CONFIG["tiles"]`` are untuned).
+TILE_CANDIDATES = ((32, 128, 4, 4), (64, 128, 4, 4), (64, 128, 4, 8), (128, 128, 8, 4), (64, 64, 4, 4),
+                   (128, 64, 8, 2), (64, 128, 8, 2), (128, 128, 4, 2))
+
+
+def _graph_us(calls: list, reps: int = 20) -> float:
+    """GPU µs per call of ``calls`` (one per weight copy), captured as one CUDA graph on a side stream after a warm-up
+    there (Triton's compiles), median of ``reps`` replays."""
+    cur = torch.cuda.current_stream()
+    side = torch.cuda.Stream()
+    side.wait_stream(cur)
+    with torch.cuda.stream(side):
+        for c in calls:
+            c()
+    cur.wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=side):
+        for c in calls:
+            c()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        g.replay()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) * 1e3 / len(calls))
+    del g
+    return sorted(times)[len(times) // 2]
+
+
+def crossover(a) -> None:
+    """Where the decode GEMM should hand over to the fp8 x fp8 GEMM (``--crossover``; sets
+    ``W8_MM_CONFIG["max_m"]``), and which tiles its 64- and 128-row blocks should have.
+
+    Per Llama3-8B Linear shape and token count M (``--ms``): GPU µs per GEMM of the weight-only kernel (the table's
+    tiles; for M above 32 also the best of :data:`TILE_CANDIDATES`, named), of the dual-fp8 path (the
+    no-grad Linear with ``weight_only_decode=False``: the activations' row-wise quantization and ``torch._scaled_mm``)
+    and of bf16 ``F.linear``. Each is one CUDA graph over enough copies of the weight (at least 2, and 512 MB of fp8
+    weights) that they stream from HBM as in a model, replayed; no host time. Last, per M: a layer's GEMMs summed
+    (wq, wk, wv, wo, w1, w3, w2) and the largest M up to which the weight-only kernel wins at every M of the sweep."""
+    import math
+
+    import torch.nn as nn
+
+    from fp8tensor import kernels
+
+    ms = [int(m) for m in a.ms.split(",")]
+    print(f"# decode GEMM crossover · {env_line()} · GPU µs per GEMM (CUDA graph over weight copies, median of 20); "
+          f"W8_MM_CONFIG max_m={kernels.W8_MM_CONFIG['max_m']}")
+    print()
+    print("| GEMM (N x K) | M | w8 | w8 best tile (block_n, block_k, warps, programs_per_sm) | dual fp8 | bf16 "
+          "| fastest |")
+    print("|---|---|---|---|---|---|---|", flush=True)
+    layer = {m: {"w8": 0.0, "dual": 0.0, "bf16": 0.0} for m in ms}
+    for name, N, K, count in GEMMS_8B:
+        copies = max(2, math.ceil(512 * 2**20 / (N * K)))
+        torch.manual_seed(0)
+        hp = [nn.Linear(K, N, bias=False, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+        bf16_w = [lin.weight.detach() for lin in hp]
+        fp8 = [fp8tensor.quantize_weights(nn.Sequential(lin))[0] for lin in hp]
+        del hp
+        for m in ms:
+            x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
+            cell = {}
+
+            def w8(tiles=None):
+                return _graph_us([lambda f=f: kernels.launch_w8_mm(x, f.weight.qdata, f.weight.scale, None,
+                                                                   tiles=tiles) for f in fp8])
+
+            bm = max(16, 1 << (m - 1).bit_length())
+            try:
+                cell["w8"] = w8()
+            except Exception as e:  # noqa: BLE001
+                cell["w8"] = f"{type(e).__name__}"
+            best = "-"
+            if m > 32:
+                base = kernels.W8_MM_CONFIG["tiles"][bm]
+                timed = []
+                for bn, bk, warps, pps in TILE_CANDIDATES:
+                    tiles = dict(base, block_n=bn, block_k=bk, warps=warps, programs_per_sm=pps)
+                    try:
+                        timed.append((w8(tiles), (bn, bk, warps, pps)))
+                    except Exception:  # noqa: BLE001 (out of shared memory / registers: not a candidate)
+                        pass
+                if timed:
+                    t, cand = min(timed)
+                    best = f"{t:.1f} {cand}"
+                    cell["best"] = t
+            with torch.no_grad(), fp8tensor.config(weight_only_decode=False):
+                try:
+                    cell["dual"] = _graph_us([lambda f=f: f(x) for f in fp8])
+                except Exception as e:  # noqa: BLE001
+                    cell["dual"] = f"{type(e).__name__}"
+            cell["bf16"] = _graph_us([lambda w=w: torch.nn.functional.linear(x, w) for w in bf16_w])
+            nums = {k: v for k, v in cell.items() if isinstance(v, float)}
+            w8_best = min([v for k, v in nums.items() if k not in ("dual", "bf16")], default=math.inf)
+            label = {"w8": "w8", "best": "w8 best tile", "dual": "dual fp8", "bf16": "bf16"}
+            fastest = label[min(nums, key=nums.get)] if nums else "-"
+            for k, v in (("w8", w8_best), ("dual", cell["dual"]), ("bf16", cell["bf16"])):
+                layer[m][k] += count * v if isinstance(v, float) else math.inf
+            fmt = lambda v: f"{v:.1f}" if isinstance(v, float) else str(v)  # noqa: E731
+            print(f"| {name} ({N} x {K}) | {m} | {fmt(cell['w8'])} | {best} | {fmt(cell['dual'])} | "
+                  f"{fmt(cell['bf16'])} | {fastest} |", flush=True)
+        del fp8, bf16_w
+        torch.cuda.empty_cache()
+    print()
+    print("| M | layer: w8 (best) µs | dual fp8 µs | bf16 µs | w8 / dual |")
+    print("|---|---|---|---|---|")
+    wins = []
+    for m in ms:
+        v = layer[m]
+        wins.append(v["w8"] <= v["dual"])
+        print(f"| {m} | {v['w8']:.1f} | {v['dual']:.1f} | {v['bf16']:.1f} | {v['w8'] / v['dual']:.3f} |", flush=True)
+    upto = [m for m, ok in zip(ms, [all(wins[:i + 1]) for i in range(len(wins))]) if ok]
+    print()
+    print(f"weight-only fastest for a whole layer at every M up to: {upto[-1] if upto else 'none'} "
+          "(W8_MM_CONFIG max_m; M above 32 needs the winning tiles entered in W8_MM_CONFIG['tiles'])")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--host", action="store_true", help="only the host time per eager call (see host_per_call)")
+    ap.add_argument("--crossover", action="store_true",
+                    help="only the decode GEMM against the dual-fp8 GEMM per Llama3-8B shape and token count, and "
+                         "tile candidates past 32 tokens (see crossover)")
+    ap.add_argument("--ms", default="16,32,48,64,96,128", help="with --crossover: token counts (at most 128)")
     ap.add_argument("--agreement", action="store_true",
                     help="only how closely export / AOTInductor forms agree with eager (see agreement; CPU or CUDA)")
     ap.add_argument("--device", dest="agree_device", default="cpu", help="with --agreement")
@@ -280,6 +410,9 @@ def main():
         return
     if a.host:
         host_per_call()
+        return
+    if a.crossover:
+        crossover(a)
         return
     rows, modes, names = a.rows.split(","), a.modes.split(","), a.variants.split(",")
     torch._dynamo.config.automatic_dynamic_shapes = False  # one static graph per row (as a server's fixed buckets)

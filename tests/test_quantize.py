@@ -300,3 +300,12 @@ def test_dim0_and_row_kernels_under_the_triton_interpreter():
     from conftest import run_under_triton_interpreter
 
     run_under_triton_interpreter("_kernels_interp.py")
+
+
+def test_decode_gemm_under_the_triton_interpreter():
+    # The small-M fp8-weight GEMM (decode) run by Triton's interpreter on CPU (tests/_w8_mm_interp.py): within the
+    # float64 reference's bound from the output's one rounding; M = 0 to 100 (every row block), odd N and K, bias,
+    # bf16 / fp16, 1 to 8 slices of K; more rows than the largest row block refused.
+    from conftest import run_under_triton_interpreter
+
+    run_under_triton_interpreter("_w8_mm_interp.py")

@@ -708,14 +708,21 @@ if _HAS_TRITON:
         tl.store(o_ptr + offs, acc.to(O_TY), mask=mask)
 
 
-#: Tiles of the small-M fp8-weight GEMM (inputs of up to ``max_m`` rows), per row block (16 or 32 rows): weight tiles
-#: (``n_major``: loaded K-contiguous, transposed in registers); K is split until about ``programs_per_sm`` programs
-#: per SM stream the weight (slices of at least ``min_k_tiles`` tiles), partials summed in fixed order. Tuned on H200
-#: over Llama3-8B shapes (sweep at commit b44f11a); from 33 rows on cuBLAS's fp8 x fp8 GEMM measured faster.
+#: Tiles of the small-M fp8-weight GEMM, per row block (16, 32, 64 or 128 rows): weight tiles (``n_major``: loaded
+#: K-contiguous, transposed in registers); K is split until about ``programs_per_sm`` programs per SM stream the weight
+#: (slices of at least ``min_k_tiles`` tiles), partials summed in fixed order by a second launch (``reduce_block``
+#: elements per program). ``max_m``: the crossover, the most tokens for which the no-grad Linear takes this kernel
+#: instead of quantizing the activations for cuBLAS's fp8 x fp8 GEMM (at most the largest row block; measure with
+#: ``benchmarks/serve.py --crossover``). Tiles of 16 and 32 rows tuned on H200 over Llama3-8B shapes (sweep at commit
+#: b44f11a); 64 and 128 not tuned (the table is per row block, and at 64 rows the fastest tile measured differed from
+#: shape to shape; ``--crossover`` times candidates); from 33 rows on cuBLAS's fp8 x fp8 GEMM measured faster.
 W8_MM_CONFIG = _frozen(dict(max_m=32, reduce_block=1024, tiles={
     16: dict(block_n=32, block_k=128, warps=4, stages=3, programs_per_sm=4, min_k_tiles=4, n_major=False),
     32: dict(block_n=64, block_k=128, warps=4, stages=3, programs_per_sm=8, min_k_tiles=4, n_major=True),
+    64: dict(block_n=64, block_k=128, warps=4, stages=3, programs_per_sm=4, min_k_tiles=4, n_major=True),
+    128: dict(block_n=64, block_k=64, warps=8, stages=3, programs_per_sm=2, min_k_tiles=8, n_major=True),
 }))
+assert W8_MM_CONFIG["max_m"] <= max(W8_MM_CONFIG["tiles"])
 _SM_COUNT: dict = {}
 _W8_PLANS: dict = {}
 
@@ -730,38 +737,58 @@ def w8_mm_available(x: torch.Tensor, w8: torch.Tensor) -> bool:
             and x.numel() < 2**31 and w8.numel() < 2**31)
 
 
-def _w8_mm_plan(M: int, N: int, K: int, device: torch.device) -> tuple:
-    """``(BLOCK_M, tiles, grid, split, k_per)`` of :func:`launch_w8_mm` for an ``(M, K) x (N, K)^T`` product."""
+def _w8_mm_plan(M: int, N: int, K: int, device: torch.device, tiles=None) -> tuple:
+    """``(BLOCK_M, tiles, grid, split, k_per)`` of :func:`launch_w8_mm` for an ``(M, K) x (N, K)^T`` product
+    (``tiles``: one row block's tile dict instead of the table's, not cached)."""
     idx = (device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" else -1
     key = (idx, M, N, K)
-    plan = _W8_PLANS.get(key)
+    plan = _W8_PLANS.get(key) if tiles is None else None
     if plan is not None:
         return plan
     sms = _SM_COUNT.get(idx)
     if sms is None:
         sms = _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count if idx >= 0 else 1
     bm = max(16, triton.next_power_of_2(M))
-    c = W8_MM_CONFIG["tiles"][bm]
+    c = W8_MM_CONFIG["tiles"][bm] if tiles is None else tiles
     nb, kt = triton.cdiv(N, c["block_n"]), triton.cdiv(K, c["block_k"])
     split = max(1, min(triton.cdiv(sms * c["programs_per_sm"], nb), kt // c["min_k_tiles"]))
     k_per = triton.cdiv(kt, split) * c["block_k"]
     split = triton.cdiv(K, k_per) if K else 1
     plan = (bm, c, (nb, split), split, k_per)
-    if len(_W8_PLANS) >= 4096:
-        _W8_PLANS.clear()
-    _W8_PLANS[key] = plan
+    if tiles is None:
+        if len(_W8_PLANS) >= 4096:
+            _W8_PLANS.clear()
+        _W8_PLANS[key] = plan
     return plan
 
 
 def launch_w8_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor],
-                 *, traced: bool = False) -> torch.Tensor:
-    """``(x @ w8.T) * scale.T (+ bias)`` ``(M, N)`` in ``x``'s dtype, reading the fp8 weight ``w8`` ``(N, K)`` once
-    (check :func:`w8_mm_available` first): float32 accumulation, ``scale`` ``(N, 1)`` float32 and ``bias`` ``(N,)``
-    applied in float32 before the one rounding. Split over K in fixed order (deterministic) so small N still uses
-    every SM. ``traced``: the body of a ``triton_op`` (``wrap_triton``)."""
+                 *, traced: bool = False, tiles=None) -> torch.Tensor:
+    """``(x @ w8.T) * scale.T (+ bias)`` ``(M, N)`` in ``x``'s dtype, reading the fp8 weight ``w8`` ``(N, K)`` once.
+
+    Args:
+        x: ``(M, K)`` bf16 / fp16, unit last stride, ``0 <= M <=`` the largest row block of ``W8_MM_CONFIG["tiles"]``
+            (128); the no-grad Linear takes it up to ``W8_MM_CONFIG["max_m"]`` rows (check :func:`w8_mm_available`).
+        w8: ``(N, K)`` fp8 (e4m3 / e5m2), unit last stride, on ``x``'s device.
+        scale: ``(N, 1)`` contiguous float32 row scales; bias: ``(N,)`` contiguous or None.
+        traced: the body of a ``triton_op`` (``wrap_triton``).
+        tiles: one row block's tile dict (the keys of ``W8_MM_CONFIG["tiles"][16]``) instead of the table's, for tile
+            sweeps (``benchmarks/serve.py --crossover``).
+
+    Float32 accumulation; scale and bias applied in float32 before the one rounding. Split over K in fixed order
+    (deterministic) so small N still uses every SM; the float32 partial sums of a split are added by a second launch.
+
+    Raises:
+        ValueError: ``M`` exceeds the largest row block.
+    """
     M, K, N = int(x.shape[0]), int(x.shape[1]), int(w8.shape[0])  # (specialized under torch.compile)
-    bm, c, grid, split, k_per = _w8_mm_plan(M, N, K, x.device)
+    if M > max(W8_MM_CONFIG["tiles"]):
+        raise ValueError(f"fp8tensor launch_w8_mm: {M} rows; the decode GEMM has tiles for at most "
+                         f"{max(W8_MM_CONFIG['tiles'])} (W8_MM_CONFIG['tiles'])")
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return out
+    bm, c, grid, split, k_per = _w8_mm_plan(M, N, K, x.device, tiles)
     s = scale.reshape(N)
     b = bias if bias is not None else s
     ws = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)

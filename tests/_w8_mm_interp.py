@@ -1,0 +1,103 @@
+"""Run the small-M fp8-weight GEMM (decode) under Triton's interpreter (CPU) against float64.
+
+Invoked by tests/test_quantize.py in a subprocess with TRITON_INTERPRET=1 (read when the kernels are defined), a seed
+as its argument. Through ``launch_w8_mm`` itself: M = 0, 1 and up to the 128-row block, odd N, K not a multiple of
+the tiles, bias or not, bf16 / fp16, splits of K (summed by the second launch) forced through ``tiles=`` (the CPU
+plan sees one SM), the same bits run after run, and more rows than the largest row block refused.
+
+Bound: ``out`` is the float32 sum of exact products (an fp8 value times a bf16 / fp16 value fits in float32),
+times the row scale, plus the bias, rounded once to the output dtype: elementwise
+``|out - ref| <= u |ref| + (1 + u) gamma (|x| |w8 * s|^T + |b|)`` with ``u`` the output's unit roundoff (2^-11
+fp16; bf16 2^-7, not 2^-8: the interpreter's float32 -> bf16 cast truncates where the GPU's rounds to nearest) and
+``gamma = n eps / (1 - n eps)``, ``eps = 2^-24``, ``n = K + 2`` (K additions, the scale, the bias); checked in
+Frobenius norm relative to ``‖ref‖``, and the error also within ``1.05 u`` (the float32 sums are far more accurate
+than their worst case: the one output rounding dominates). The interpreter's ``tl.dot`` of bf16 operands is wrong (it
+multiplies numpy's stand-in integers), so bf16 inputs run their dot in float32 here: the same exact products as the
+GPU's bf16 MMA, accumulated in float32.
+"""
+import sys
+
+import torch
+import triton.language as tl
+
+import fp8tensor.numerics.quantize as quantize_mod
+from fp8tensor import kernels
+from fp8tensor.quantize import quantize
+
+_launch = kernels._launch
+
+
+def _launch_bf16_dot_in_fp32(fn, grid, args, consts, *a, **k):
+    if consts.get("X_TY") is tl.bfloat16:
+        consts = dict(consts, X_TY=tl.float32)
+    return _launch(fn, grid, args, consts, *a, **k)
+
+
+kernels._launch = _launch_bf16_dot_in_fp32
+
+
+def _bound(x, wd, b, dtype):
+    K = x.shape[1]
+    u = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-11  # (the interpreter's float32 -> bf16 cast truncates)
+    n_eps = (K + 2) * 2.0**-24
+    gamma = n_eps / (1 - n_eps)
+    ref = x.double() @ wd.t() + (0 if b is None else b.double())
+    mag = x.double().abs() @ wd.abs().t() + (0 if b is None else b.double().abs())
+    return ref, (u * ref.norm() + (1 + u) * gamma * mag.norm()) / ref.norm(), u
+
+
+def _check(seed, M, N, K, dtype, bias, tiles=None):
+    x = torch.randn(M, K).to(dtype)
+    w = torch.randn(N, K) * torch.logspace(-2, 1, N)[:, None]
+    q, s = quantize(w, -1)
+    b = (torch.randn(N) * 4).to(dtype) if bias else None
+    plan = kernels._w8_mm_plan(M, N, K, x.device, tiles)
+    out = kernels.launch_w8_mm(x, q, s, b, tiles=tiles)
+    case = (seed, M, N, K, dtype, bias, "split", plan[3])
+    assert out.shape == (M, N) and out.dtype == dtype, case
+    assert torch.equal(kernels.launch_w8_mm(x, q, s, b, tiles=tiles), out), case  # fixed summation order
+    if M == 0:
+        return plan[3]
+    ref, bound, u = _bound(x, q.double() * s.double(), b, dtype)
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    assert err <= bound, (case, err, bound)
+    # the worst-case float32 term is loose at large K; in fact the one output rounding dominates (a kernel
+    # rounding its partial sums to the output dtype, or dropping a slice, fails this)
+    assert err <= 1.05 * u, (case, err, u)
+    return plan[3]
+
+
+def main():
+    seed = int(sys.argv[1])
+    torch.manual_seed(seed)
+    splits = set()
+    many = dict(kernels.W8_MM_CONFIG["tiles"][16], programs_per_sm=64, min_k_tiles=1)  # as many slices as K tiles
+    for dtype in (torch.bfloat16, torch.float16):
+        for M, N, K, bias, tiles in [
+            (1, 5, 1000, True, many),       # one column tile, 8 slices, the last one short
+            (1, 70, 4096, False, None),     # the table's plan
+            (3, 33, 300, True, many),       # 2 full slices and a partial one, uneven N
+            (17, 5, 130, False, many),      # two slices, the second of 2 columns
+            (32, 65, 517, True, None),
+            (40, 9, 260, True, dict(kernels.W8_MM_CONFIG["tiles"][64], programs_per_sm=8, min_k_tiles=1)),
+            (100, 7, 200, False, dict(kernels.W8_MM_CONFIG["tiles"][128], programs_per_sm=8, min_k_tiles=1)),
+            (0, 5, 64, True, many),         # no rows: an empty output, nothing launched
+            (2, 3, 16, True, many),         # one slice (K within one tile): the direct store
+        ]:
+            splits.add(_check(seed, M, N, K, dtype, bias, tiles))
+    assert {1, 2, 3, 8} <= splits, splits
+    x = torch.randn(2, 256, dtype=torch.float16)
+    q, s = quantize(torch.randn(6, 256), -1)
+    b = torch.randn(6, dtype=torch.float16)
+    try:
+        kernels.launch_w8_mm(torch.randn(129, 256, dtype=torch.float16), q, s, b)
+    except ValueError as e:
+        assert "tiles for at most 128" in str(e)
+    else:
+        raise AssertionError("129 rows were accepted")
+    assert quantize_mod.weight_only_mm(x, q, s, b) is None  # CPU: the Linear's dispatch does not take the kernel
+    print("ok")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""The decode GEMM ``launch_w8_mm`` on CUDA beyond the no-grad Linear's tests (skipped without a GPU): the 64- and
+128-row blocks, tile candidates given through ``tiles=`` (as ``benchmarks/serve.py --crossover`` times them) and
+M = 0, against a float64 reference and with the same bits run after run; and a quantized model's decode step
+captured by ``torch.cuda.graph`` (the GEMM and, for a split K, its reduce launched inside the capture) replaying with
+eager's bits on new inputs."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fp8tensor
+from fp8tensor import kernels
+from fp8tensor.quantize import quantize
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+DEV = "cuda"
+from conftest import rel_err  # noqa: E402
+
+
+def _operands(M, N, K, dtype, bias, seed):
+    g = torch.Generator(DEV).manual_seed(seed)
+    x = torch.randn(M, K, device=DEV, generator=g).to(dtype)
+    w = torch.randn(N, K, device=DEV, generator=g) * torch.logspace(-2, 1, N, device=DEV)[:, None]
+    q, s = quantize(w, -1)
+    b = torch.randn(N, device=DEV, generator=g).to(dtype) if bias else None
+    return x, q, s, b
+
+
+def _check(x, q, s, b, tiles=None):
+    M, N = x.shape[0], q.shape[0]
+    out = kernels.launch_w8_mm(x, q, s, b, tiles=tiles)
+    assert out.shape == (M, N) and out.dtype == x.dtype
+    for _ in range(5):  # fixed split of K, fixed summation order: the same bits
+        assert torch.equal(kernels.launch_w8_mm(x, q, s, b, tiles=tiles), out)
+    if M:
+        ref = x.double() @ (q.double() * s.double()).t() + (b.double() if b is not None else 0)
+        # float32 sums of exact products, one rounding: 2^-8 (bf16) / 2^-11 (fp16) relative, with margin
+        assert rel_err(out, ref) < (4e-3 if x.dtype == torch.bfloat16 else 6e-4)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M,N,K", [(33, 70, 300), (48, 1024, 4096), (64, 4096, 4096), (100, 1000, 2000),
+                                   (128, 4096, 14336), (64, 14336, 4096), (0, 64, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_row_blocks_against_float64(dtype, M, N, K, bias):
+    _check(*_operands(M, N, K, dtype, bias, M * 7 + N + K))
+
+
+@pytest.mark.parametrize("block_n,block_k,warps,programs_per_sm", [(128, 128, 4, 2), (32, 128, 4, 4),
+                                                                   (128, 64, 8, 2), (64, 64, 4, 4)])
+@pytest.mark.parametrize("N,K", [(4096, 4096), (1024, 4096), (4096, 14336)])
+def test_tiles_given_against_float64(block_n, block_k, warps, programs_per_sm, N, K):
+    tiles = dict(kernels.W8_MM_CONFIG["tiles"][64], block_n=block_n, block_k=block_k, warps=warps,
+                 programs_per_sm=programs_per_sm)
+    _check(*_operands(64, N, K, torch.bfloat16, True, N + K), tiles=tiles)
+
+
+def test_more_rows_than_the_largest_row_block_refused():
+    x, q, s, b = _operands(max(kernels.W8_MM_CONFIG["tiles"]) + 1, 64, 64, torch.bfloat16, False, 0)
+    with pytest.raises(ValueError, match="tiles for at most"):
+        kernels.launch_w8_mm(x, q, s, b)
+
+
+def test_cuda_graph_capture(monkeypatch):
+    # the no-grad Linear's decode path (weight_only_mm -> launch_w8_mm) recorded into a CUDA graph, after a warm-up on
+    # a side stream (Triton's compiles, the launch plans); the graph reads its input buffer at each replay
+    torch.manual_seed(0)
+    shapes = [(4096, 4096), (1024, 4096)]  # (N, K) of each Linear: K split on an H200 (the reduce kernel captured)
+    m = fp8tensor.quantize_weights(nn.Sequential(nn.Linear(4096, 4096), nn.Linear(4096, 1024, bias=False)).to(
+        DEV, torch.bfloat16)).eval()
+    x = torch.randn(8, 4096, device=DEV, dtype=torch.bfloat16)
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            m(x)
+        torch.cuda.current_stream().wait_stream(side)
+        launches = []
+        real = kernels._launch
+        monkeypatch.setattr(kernels, "_launch", lambda fn, *a, **k: launches.append(fn) or real(fn, *a, **k))
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = m(x)
+        monkeypatch.setattr(kernels, "_launch", real)
+        expected = []
+        for N, K in shapes:
+            split = kernels._w8_mm_plan(8, N, K, x.device)[3]
+            expected += [kernels._w8_mm_kernel] + ([kernels._w8_mm_reduce_kernel] if split > 1 else [])
+        assert launches == expected
+        xs = [x.clone(), torch.randn_like(x), torch.randn_like(x) * 8]
+        refs = [m(xi) for xi in xs]
+    for _ in range(10):
+        for xi, ri in zip(xs, refs):
+            x.copy_(xi)  # the graph's input
+            g.replay()
+            assert torch.equal(out, ri)

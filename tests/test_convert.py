@@ -15,7 +15,7 @@ from pathlib import Path
 from fp8tensor.convert import Fp8Linear, Fp8LinearMixin
 from fp8tensor import E5M2, Fp8MasterWeight, ScaledFp8Tensor, convert_to_fp8, fp8_linear, quantize_weights
 
-from conftest import E4M3_GEMM_BOUND, E5M2_GEMM_BOUND, rel_err, same_bits
+from conftest import E4M3_GEMM_BOUND, E5M2_GEMM_BOUND, dequant, rel_err, same_bits
 
 
 class Block(nn.Module):
@@ -392,3 +392,36 @@ def test_parametrized_weight_is_skipped_with_a_warning():
         convert_to_fp8(model)
     assert not isinstance(model[0], Fp8LinearMixin) and same_bits(model[0](x), ref)
     assert isinstance(model[1], Fp8LinearMixin)
+
+
+@pytest.mark.parametrize("weight", ["int8", "float8", "lazy"])
+@pytest.mark.parametrize("how", ["convert_to_fp8", "convert_fp8_all_gather", "quantize_weights"])
+def test_weights_that_cannot_be_quantized_are_skipped_before_anything_changes(how, weight):
+    """A Linear whose weight is not a high-precision float (an integer or a plain float8 tensor: no scales to read it
+    by) or not materialized yet (a lazy module) is left as it is, named in the warning (and ``fp8_skipped``); the
+    Linear before it is converted, the forward runs. Before: an error raised half-way through (the model half
+    converted), a raw ``isfinite`` error, or a converted lazy Linear failing in its first forward."""
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 32))
+    if weight == "lazy":
+        model[1] = nn.LazyLinear(32)
+    else:
+        dtype = torch.int8 if weight == "int8" else torch.float8_e4m3fn
+        model[1].weight = nn.Parameter(torch.randn(32, 64).to(dtype), requires_grad=False)
+    w1 = model[1].weight
+    why = {"lazy": r"weight is uninitialized \(a lazy module\)", "int8": r"a torch\.int8 weight",
+           "float8": r"a torch\.float8_e4m3fn weight"}[weight]
+    with pytest.warns(UserWarning, match=rf"left in high precision: 1 \({why}"):
+        if how == "quantize_weights":
+            quantize_weights(model)
+        else:
+            convert_to_fp8(model, fp8_all_gather=how == "convert_fp8_all_gather")
+    assert isinstance(model[0], Fp8LinearMixin) and not isinstance(model[1], Fp8LinearMixin)
+    assert model[1].weight is w1
+    if how != "quantize_weights":
+        assert len(model.fp8_skipped) == 1 and model.fp8_skipped[0].startswith("1 (")
+    if weight == "lazy":  # materialized by its first forward, as without fp8tensor
+        x = torch.randn(3, 64)
+        ref = x.double() @ dequant(model[0].weight).double().t() + model[0].bias.double()
+        y = model(x)
+        assert type(model[1]) is nn.Linear and y.shape == (3, 32)
+        assert rel_err(model[0](x), ref) <= E4M3_GEMM_BOUND

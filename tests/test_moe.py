@@ -96,6 +96,43 @@ def test_cpu_path_is_the_quantized_operands_product():
     assert _rel(y, ref) <= 1e-6
 
 
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_gw_hp"])
+def test_cpu_groups_take_the_gemm_backend_where_row_scales_do_not_run(monkeypatch, recipe):
+    """torch 2.11's CPU ``torch._scaled_mm`` takes tensor-wise scales only (an INTERNAL ASSERT for row-wise ones):
+    the per-group GEMMs go through the GEMM engine's backend choice, as the Linear's do, and stay within fp8
+    bounds (forward, grad_input, grad_weight). Simulated here on any torch by a ``_scaled_mm`` refusing row scales."""
+    from fp8tensor import gemm
+
+    orig = torch._scaled_mm
+
+    def tensorwise_only(a, b, scale_a, scale_b, *args, **kwargs):
+        if a.device.type == "cpu" and (scale_a.numel() != 1 or scale_b.numel() != 1):
+            raise RuntimeError("(scale_a.numel() == 1 && scale_b.numel() == 1) INTERNAL ASSERT FAILED")
+        return orig(a, b, scale_a, scale_b, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", tensorwise_only)
+    gemm._cpu_scaled_mm_works.cache_clear()  # the backend is probed with the patched op (and again after)
+    gemm.choose_backend.cache_clear()
+    try:
+        offs = _offs([13, 0, 29, 5])
+        M = int(offs[-1])
+        x, w, g = torch.randn(M, K), torch.randn(E, N, K), torch.randn(M, N)
+        wp = nn.Parameter(Fp8MasterWeight(w.clone(), recipe))
+        y, gx, gw = _run(x, wp, offs, recipe, g)
+        assert _rel(y, _ref(x, w, offs)) <= TWO
+        assert _rel(gx, _ref(g, w.transpose(-2, -1), offs)) <= TWO
+        start = 0
+        for e, end in enumerate(offs.tolist()):
+            if end > start:
+                assert _rel(gw[e], g[start:end].double().t() @ x[start:end].double()) <= TWO
+            start = end
+        ws = ScaledFp8Tensor.from_hp(w)  # an fp8-stored weight (quantize_weights), its grouped GEMM in the op table
+        assert _rel(torch._grouped_mm(x, ws.transpose(-2, -1), offs=offs), _ref(x, w, offs)) <= TWO
+    finally:
+        gemm._cpu_scaled_mm_works.cache_clear()
+        gemm.choose_backend.cache_clear()
+
+
 def test_group_cols_layout_and_scales():
     offs = _offs([5, 0, 18, 1])
     M = 30  # two rows past the last group

@@ -299,3 +299,25 @@ def test_write_through_a_view_that_merges_rows_raises_and_changes_nothing(write)
     assert torch.equal(t.qdata.view(torch.uint8), q.view(torch.uint8)) and torch.equal(t.scale, s)
     t.view(4, 2, 4)[1, 1, 1] = 7.0  # a view that keeps whole rows: written
     assert t.to_hp()[1, 5].item() == 7.0
+
+
+def test_data_assign_of_a_scaled_tensor_to_a_master_takes_its_values():
+    """``master.data = ScaledFp8Tensor`` sets the master to that tensor's values in high precision (as
+    ``master.copy_(t)`` does): the next forward follows them, an optimizer step updates the master, ``state_dict``
+    holds a plain tensor. Before: the master wrapped the fp8 tensor (every forward quantized it through the op table's
+    high-precision fallbacks, with warnings; the optimizer step raised "train with a high-precision master")."""
+    lin = fp8tensor.convert_to_fp8(nn.Linear(K, N))
+    new = ScaledFp8Tensor.from_hp(torch.randn(N, K) * 3)
+    lin.weight.data = new
+    assert isinstance(lin.weight, Fp8MasterWeight) and type(lin.weight._data) is torch.Tensor
+    assert torch.equal(lin.weight._data, new.to_hp())
+    x = torch.randn(M, K)
+    _check(lin, lin, x, "master.data = ScaledFp8Tensor")
+    opt = torch.optim.SGD(lin.parameters(), lr=0.5)
+    lin(x).square().sum().backward()
+    opt.step()
+    assert rel_err(_hp(lin.weight), new.to_hp(torch.float64)) > 0.05, "the step did not change the weight"
+    _check(lin, lin, x, "after the step")
+    assert type(lin.state_dict()["weight"]) is torch.Tensor
+    with pytest.raises(TypeError, match="Fp8MasterWeight: .*got a ScaledFp8Tensor"):
+        Fp8MasterWeight(new)

@@ -185,8 +185,9 @@ def convert_to_fp8(
     A ``forward`` a framework set on the instance around the Linear's bound forward (torchtitan's
     ``Module.parallelize``) is pointed at the fp8 forward (:class:`~fp8tensor.modules._Redirect`). Left in high
     precision, with a warning, and listed in ``module.fp8_skipped``: Linears with a dim not a multiple of 16, a
-    ``forward`` of their own (a subclass's, or an instance one that never calls the Linear's, e.g. LoRA) or a
-    parametrized weight, and with ``size_rule`` those too small (``"fqn (K->N, size rule)"``); mid-sized ``rowwise``
+    ``forward`` of their own (a subclass's, or an instance one that never calls the Linear's, e.g. LoRA), a
+    parametrized weight, a weight that is not a high-precision float (integer, plain float8) or not materialized yet
+    (a lazy module), and with ``size_rule`` those too small (``"fqn (K->N, size rule)"``); mid-sized ``rowwise``
     Linears it gives ``rowwise_gw_hp`` are listed in ``module.fp8_grad_weight_hp``. Converting again switches the
     recipe. ``torch.export`` of a tensor-parallel fp8 model raises ``NotImplementedError`` (docs/serving.md).
 
@@ -304,7 +305,8 @@ def quantize_weights(
     grad; the Linear's ``forward`` becomes :func:`~fp8tensor.fp8_linear` (input gradients in fp8). Works before or
     after ``parallelize_module`` or torchtitan's TP (per shard; forward wrappers redirected as in
     :func:`convert_to_fp8`). Linears sharing one weight share one fp8 copy; a tied embedding stays high precision;
-    Linears with a ``forward`` of their own are left unchanged, with a warning. A Hugging Face ``PreTrainedModel``
+    Linears with a ``forward`` of their own, or a weight that is not a high-precision float or not materialized yet
+    (a lazy module), are left unchanged, with a warning. A Hugging Face ``PreTrainedModel``
     gets ``config.quantization_config`` (:func:`fp8tensor.checkpoint.set_hf_quantization_config`).
 
     Args: ``module``, ``module_filter_fn`` (``fn(module, fqn) -> bool``), ``float8_dtype`` (``torch.float8_e4m3fn``,

@@ -85,11 +85,18 @@ def _new_converted(base: type, mixin: type = None):
 
 def own_forward(lin: nn.Module) -> Optional[str]:
     """Why ``lin`` cannot be converted without changing what it computes (a class forward of its own, a
-    parametrized weight), or None."""
+    parametrized weight) or at all (a lazy weight not yet materialized, a weight that is not a high-precision float:
+    an integer or a plain float8 tensor, which has no scales to read it by), or None."""
     from torch.nn.utils import parametrize
 
     if parametrize.is_parametrized(lin, "weight"):
         return "weight is parametrized"
+    w = getattr(lin, "weight", None)
+    if isinstance(w, nn.parameter.UninitializedParameter):  # (its class changes to nn.Linear at the first forward)
+        return "weight is uninitialized (a lazy module): convert it after its first forward"
+    # (a ScaledFp8Tensor or a master reads as its high-precision dtype)
+    if isinstance(w, torch.Tensor) and (not w.dtype.is_floating_point or w.dtype in FLOAT8_DTYPES):
+        return f"a {w.dtype} weight, not a high-precision floating-point one"
     if type(lin).forward is not nn.Linear.forward and not isinstance(lin, Fp8LinearMixin):
         return f"{type(lin).__name__}.forward overrides nn.Linear.forward"
     return None

@@ -13,6 +13,7 @@ from ..numerics.quantize import (E4M3, FLOAT8_DTYPES, group_ids, quantize, quant
                        quantize_group_cols)
 from .recipes import Recipe, get_recipe
 from ..core.settings import get_config
+from ..subclass.gemm import scaled_mm
 from ..subclass.tensor import ScaledFp8Tensor, implements
 
 __all__ = ["fp8_grouped_mm", "Fp8GroupedMMMode", "quantize_group_cols", "quantize_expert_cols", "padded_offsets",
@@ -73,6 +74,17 @@ def _groups(ends: torch.Tensor, n: int):
         start = max(start, end)
 
 
+def _group_mm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, out_dtype: torch.dtype,
+              fast_accum: bool) -> torch.Tensor:
+    """One group's fp8 GEMM ``(a * sa) @ (b * sb)``: ``torch._scaled_mm`` with row-wise scales on CUDA (bf16 out);
+    elsewhere the GEMM engine's :func:`fp8tensor.gemm.scaled_mm`, which runs that same call where this torch has a
+    row-wise CPU ``_scaled_mm`` (torch >= 2.13) and a backend that has one where it does not (torch 2.11's CPU
+    ``_scaled_mm`` takes tensor-wise scales only: an internal assert otherwise)."""
+    if a.is_cuda:
+        return torch._scaled_mm(a, b, sa, sb, out_dtype=_mm_dtype(a, out_dtype), use_fast_accum=fast_accum)
+    return scaled_mm(a, sa, b, sb, out_dtype, use_fast_accum=fast_accum)
+
+
 def _rows_to_16(a: torch.Tensor, scale: torch.Tensor):
     """On CUDA, ``a`` (fp8 rows) and its row scales padded to a multiple of 16 rows (cuBLAS needs it)."""
     pad = -a.shape[0] % 16
@@ -117,8 +129,7 @@ def grouped_2d3d(aq, a_scale, bq, b_scale, offs, out_dtype, *, fast_accum: bool)
     out = torch.zeros(M, N, dtype=out_dtype, device=aq.device)
     for e, start, end in _groups(offs, M):
         a, sa = _rows_to_16(aq[start:end], a_scale[start:end, None])
-        y = torch._scaled_mm(a, bq[e], sa, b_scale[e][None, :], out_dtype=_mm_dtype(aq, out_dtype),
-                             use_fast_accum=fast_accum)
+        y = _group_mm(a, bq[e], sa, b_scale[e][None, :], out_dtype, fast_accum)
         out[start:end] = y[: end - start]
     return out
 
@@ -146,8 +157,7 @@ def grouped_2d2d(aq_t, a_scale, bq_t, b_scale, pad_ends, out_dtype, *, fast_accu
     for e, start, end in _groups(pad_ends, M_pad):
         a = aq_t[:, start:end].contiguous()
         b = bq_t[:, start:end].contiguous().t()
-        out[e] = torch._scaled_mm(a, b, a_scale[e][:, None], b_scale[e][None, :],
-                                  out_dtype=_mm_dtype(aq_t, out_dtype), use_fast_accum=fast_accum)
+        out[e] = _group_mm(a, b, a_scale[e][:, None], b_scale[e][None, :], out_dtype, fast_accum)
     return out
 
 

@@ -64,6 +64,9 @@ class Fp8MasterWeight(torch.Tensor, QuantizeOnUse):
         if not isinstance(data, torch.Tensor) or not data.dtype.is_floating_point or data.dtype in FLOAT8_DTYPES:
             raise TypeError("Fp8MasterWeight: expected a high-precision floating-point tensor, got "
                             f"{getattr(data, 'dtype', type(data))}")
+        if isinstance(data, ScaledFp8Tensor):  # (reads as its high-precision dtype, but holds fp8 values)
+            raise TypeError("Fp8MasterWeight: expected a high-precision floating-point tensor, got a ScaledFp8Tensor "
+                            "(fp8 storage, which an optimizer step cannot update); pass its values, t.to_hp()")
         if isinstance(data, Fp8MasterWeight):
             data = data._data
         self._data = data
@@ -94,8 +97,10 @@ class Fp8MasterWeight(torch.Tensor, QuantizeOnUse):
                 a, b, offs, out_dtype, recipe = call
                 return fp8_grouped_mm(a, b, offs, recipe=recipe, out_dtype=out_dtype)
         if func == compat.DATA_SETTER and isinstance(args[0], Fp8MasterWeight):
-            # ``w.data = t`` (also Module.to(dtype)): replace the wrapped data too
-            new = args[1] if isinstance(args[1], Fp8MasterWeight) else Fp8MasterWeight(args[1], args[0].recipe)
+            # ``w.data = t`` (also Module.to(dtype)): replace the wrapped data too; an fp8 ``t`` gives its values
+            # (as ``w.copy_(t)``): a master holds high precision
+            src = args[1].to_hp() if isinstance(args[1], ScaledFp8Tensor) else args[1]
+            new = src if isinstance(src, Fp8MasterWeight) else Fp8MasterWeight(src, args[0].recipe)
             with compat.disable_torch_function_subclass():
                 func(args[0], new)
             args[0]._data = new._data

@@ -16,7 +16,7 @@ compiling beside them).
                                [--modes eager,compile] [--variants bf16,fp8tensor,torchao] [--profile decode8]
                                [--parallel]
     python benchmarks/serve.py --host    # host time per eager call: F.linear, nn.Linear, a quantize_weights Linear
-    python benchmarks/serve.py --crossover [--ms 16,32,48,64,96,128]   # decode GEMM vs dual fp8 per token count
+    python benchmarks/serve.py --crossover [--ms 16,32,48,64,96,128] [--sweep-all]   # decode GEMM vs dual fp8 per M
     python benchmarks/serve.py --agreement [--device cpu|cuda] [--seq 64] [--no-aoti]   # export / AOTI vs eager
 """
 from __future__ import annotations
@@ -253,9 +253,16 @@ def host_per_call() -> None:
 #: Llama3-8B's Linear shapes ``(name, N, K)`` and how many of each a layer has (``--crossover``).
 GEMMS_8B = (("wq, wo", 4096, 4096, 2), ("wk, wv", 1024, 4096, 2), ("w1, w3", 14336, 4096, 2), ("w2", 4096, 14336, 1))
 #: Tile candidates ``(block_n, block_k, warps, programs_per_sm)`` timed for the 64- and 128-row blocks (``--crossover``;
-#: those rows of ``W8_MM_CONFIG["tiles"]`` are untuned).
+#: those rows of ``W8_MM_CONFIG["tiles"]`` are untuned); the table's stages and min_k_tiles.
 TILE_CANDIDATES = ((32, 128, 4, 4), (64, 128, 4, 4), (64, 128, 4, 8), (128, 128, 8, 4), (64, 64, 4, 4),
                    (128, 64, 8, 2), (64, 128, 8, 2), (128, 128, 4, 2))
+#: With ``--sweep-all``, also timed at every M, the 16- and 32-row blocks included: deeper pipelines
+#: ``(block_n, block_k, warps, programs_per_sm, stages, min_k_tiles)`` that keep more weight bytes in flight per SM
+#: (the decode GEMM streams the weight at about half of HBM's bandwidth). All compile for sm_90 without register
+#: spills at 16 rows (``tests/_kernels_sm90.py``'s method).
+DEEP_CANDIDATES = ((32, 256, 4, 2, 4, 2), (32, 256, 4, 4, 4, 2), (64, 256, 4, 2, 4, 2), (32, 512, 4, 1, 3, 2),
+                   (64, 256, 8, 2, 3, 2), (128, 256, 8, 1, 4, 2), (32, 128, 4, 2, 5, 4), (64, 128, 4, 4, 5, 4),
+                   (16, 256, 4, 4, 4, 2))
 
 
 def _graph_us(calls: list, reps: int = 20) -> float:
@@ -306,7 +313,8 @@ def crossover(a) -> None:
     print(f"# decode GEMM crossover · {env_line()} · GPU µs per GEMM (CUDA graph over weight copies, median of 20); "
           f"W8_MM_CONFIG max_m={kernels.W8_MM_CONFIG['max_m']}")
     print()
-    print("| GEMM (N x K) | M | w8 | w8 best tile (block_n, block_k, warps, programs_per_sm) | dual fp8 | bf16 "
+    print("| GEMM (N x K) | M | w8 | w8 best tile (block_n, block_k, warps, programs_per_sm, stages, min_k_tiles) "
+          "| dual fp8 | bf16 "
           "| fastest |")
     print("|---|---|---|---|---|---|---|", flush=True)
     layer = {m: {"w8": 0.0, "dual": 0.0, "bf16": 0.0} for m in ms}
@@ -331,13 +339,17 @@ def crossover(a) -> None:
             except Exception as e:  # noqa: BLE001
                 cell["w8"] = f"{type(e).__name__}"
             best = "-"
-            if m > 32:
+            if m > 32 or a.sweep_all:
                 base = kernels.W8_MM_CONFIG["tiles"][bm]
+                cands = [(bn, bk, w, pps, base["stages"], base["min_k_tiles"]) for bn, bk, w, pps in TILE_CANDIDATES]
+                if a.sweep_all:
+                    cands += list(DEEP_CANDIDATES)
                 timed = []
-                for bn, bk, warps, pps in TILE_CANDIDATES:
-                    tiles = dict(base, block_n=bn, block_k=bk, warps=warps, programs_per_sm=pps)
+                for bn, bk, warps, pps, stages, mkt in cands:
+                    tiles = dict(base, block_n=bn, block_k=bk, warps=warps, programs_per_sm=pps, stages=stages,
+                                 min_k_tiles=mkt)
                     try:
-                        timed.append((w8(tiles), (bn, bk, warps, pps)))
+                        timed.append((w8(tiles), (bn, bk, warps, pps, stages, mkt)))
                     except Exception:  # noqa: BLE001 (out of shared memory / registers: not a candidate)
                         pass
                 if timed:
@@ -382,6 +394,8 @@ def main():
                     help="only the decode GEMM against the dual-fp8 GEMM per Llama3-8B shape and token count, and "
                          "tile candidates past 32 tokens (see crossover)")
     ap.add_argument("--ms", default="16,32,48,64,96,128", help="with --crossover: token counts (at most 128)")
+    ap.add_argument("--sweep-all", action="store_true",
+                    help="with --crossover: time the tile candidates (and DEEP_CANDIDATES) at every token count")
     ap.add_argument("--agreement", action="store_true",
                     help="only how closely export / AOTInductor forms agree with eager (see agreement; CPU or CUDA)")
     ap.add_argument("--device", dest="agree_device", default="cpu", help="with --agreement")

@@ -293,14 +293,27 @@ def _graph_us(calls: list, reps: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _f8f8_call(x, w):
+    """One no-grad Linear of ``quantize_weights`` weight ``w`` through the decode GEMM's fp8 x fp8 form: ``x``
+    quantized per row by the row kernel, then ``launch_w8_mm`` with ``x_scale`` (its K split for small M)."""
+    from fp8tensor import kernels
+    from fp8tensor.quantize import SCALE_FLOOR
+
+    def call():
+        xq, xs = kernels.quantize_last_dim(x, w.qdata.dtype, SCALE_FLOOR, checked=True)
+        return kernels.launch_w8_mm(xq, w.qdata, w.scale, None, x_scale=xs, out_dtype=x.dtype)
+    return call
+
+
 def crossover(a) -> None:
     """Where the decode GEMM should hand over to the fp8 x fp8 GEMM (``--crossover``; sets
     ``W8_MM_CONFIG["max_m"]``), and which tiles its 64- and 128-row blocks should have.
 
     Per Llama3-8B Linear shape and token count M (``--ms``): GPU µs per GEMM of the weight-only kernel (the table's
     tiles; for M above 32 also the best of :data:`TILE_CANDIDATES`, named), of the dual-fp8 path (the
-    no-grad Linear with ``weight_only_decode=False``: the activations' row-wise quantization and ``torch._scaled_mm``)
-    and of bf16 ``F.linear``. Each is one CUDA graph over enough copies of the weight (at least 2, and 512 MB of fp8
+    no-grad Linear with ``weight_only_decode=False``: the activations' row-wise quantization and ``torch._scaled_mm``),
+    of the decode GEMM's fp8 x fp8 form (the activations quantized per row by the row kernel, then ``launch_w8_mm``
+    with ``x_scale``: cuBLAS's dual-fp8 GEMM has no K split for small M) and of bf16 ``F.linear``. Each is one CUDA graph over enough copies of the weight (at least 2, and 512 MB of fp8
     weights) that they stream from HBM as in a model, replayed; no host time. Last, per M: a layer's GEMMs summed
     (wq, wk, wv, wo, w1, w3, w2) and the largest M up to which the weight-only kernel wins at every M of the sweep."""
     import math
@@ -314,10 +327,9 @@ def crossover(a) -> None:
           f"W8_MM_CONFIG max_m={kernels.W8_MM_CONFIG['max_m']}")
     print()
     print("| GEMM (N x K) | M | w8 | w8 best tile (block_n, block_k, warps, programs_per_sm, stages, min_k_tiles) "
-          "| dual fp8 | bf16 "
-          "| fastest |")
-    print("|---|---|---|---|---|---|---|", flush=True)
-    layer = {m: {"w8": 0.0, "dual": 0.0, "bf16": 0.0} for m in ms}
+          "| dual fp8 | fp8 x fp8, K split | bf16 | fastest |")
+    print("|---|---|---|---|---|---|---|---|", flush=True)
+    layer = {m: {"w8": 0.0, "dual": 0.0, "f8f8": 0.0, "bf16": 0.0} for m in ms}
     for name, N, K, count in GEMMS_8B:
         copies = max(2, math.ceil(512 * 2**20 / (N * K)))
         torch.manual_seed(0)
@@ -361,26 +373,32 @@ def crossover(a) -> None:
                     cell["dual"] = _graph_us([lambda f=f: f(x) for f in fp8])
                 except Exception as e:  # noqa: BLE001
                     cell["dual"] = f"{type(e).__name__}"
+            try:  # the decode GEMM's fp8 x fp8 form: x quantized per row (one kernel), the K split as above
+                cell["f8f8"] = _graph_us([_f8f8_call(x, f.weight) for f in fp8])
+            except Exception as e:  # noqa: BLE001
+                cell["f8f8"] = f"{type(e).__name__}"
             cell["bf16"] = _graph_us([lambda w=w: torch.nn.functional.linear(x, w) for w in bf16_w])
             nums = {k: v for k, v in cell.items() if isinstance(v, float)}
-            w8_best = min([v for k, v in nums.items() if k not in ("dual", "bf16")], default=math.inf)
-            label = {"w8": "w8", "best": "w8 best tile", "dual": "dual fp8", "bf16": "bf16"}
+            w8_best = min([v for k, v in nums.items() if k in ("w8", "best")], default=math.inf)
+            label = {"w8": "w8", "best": "w8 best tile", "dual": "dual fp8", "f8f8": "fp8 x fp8, K split",
+                     "bf16": "bf16"}
             fastest = label[min(nums, key=nums.get)] if nums else "-"
-            for k, v in (("w8", w8_best), ("dual", cell["dual"]), ("bf16", cell["bf16"])):
+            for k, v in (("w8", w8_best), ("dual", cell["dual"]), ("f8f8", cell["f8f8"]), ("bf16", cell["bf16"])):
                 layer[m][k] += count * v if isinstance(v, float) else math.inf
             fmt = lambda v: f"{v:.1f}" if isinstance(v, float) else str(v)  # noqa: E731
             print(f"| {name} ({N} x {K}) | {m} | {fmt(cell['w8'])} | {best} | {fmt(cell['dual'])} | "
-                  f"{fmt(cell['bf16'])} | {fastest} |", flush=True)
+                  f"{fmt(cell['f8f8'])} | {fmt(cell['bf16'])} | {fastest} |", flush=True)
         del fp8, bf16_w
         torch.cuda.empty_cache()
     print()
-    print("| M | layer: w8 (best) µs | dual fp8 µs | bf16 µs | w8 / dual |")
-    print("|---|---|---|---|---|")
+    print("| M | layer: w8 (best) µs | dual fp8 µs | fp8 x fp8, K split µs | bf16 µs | w8 / dual |")
+    print("|---|---|---|---|---|---|")
     wins = []
     for m in ms:
         v = layer[m]
         wins.append(v["w8"] <= v["dual"])
-        print(f"| {m} | {v['w8']:.1f} | {v['dual']:.1f} | {v['bf16']:.1f} | {v['w8'] / v['dual']:.3f} |", flush=True)
+        print(f"| {m} | {v['w8']:.1f} | {v['dual']:.1f} | {v['f8f8']:.1f} | {v['bf16']:.1f} | "
+              f"{v['w8'] / v['dual']:.3f} |", flush=True)
     upto = [m for m, ok in zip(ms, [all(wins[:i + 1]) for i in range(len(wins))]) if ok]
     print()
     print(f"weight-only fastest for a whole layer at every M up to: {upto[-1] if upto else 'none'} "

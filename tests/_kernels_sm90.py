@@ -119,6 +119,10 @@ def _record_package_tiles(seen: set, launches: list) -> None:
                 for bias in (None, torch.empty(N, dtype=dtype, device=meta)):
                     K.launch_w8_mm(torch.empty(M, Kd, dtype=dtype, device=meta),
                                    torch.empty(N, Kd, dtype=e4m3, device=meta), torch.empty(N, 1, device=meta), bias)
+                    if "x_scale" in K.launch_w8_mm.__kwdefaults__:  # an fp8 x: the dot fp8 x fp8
+                        K.launch_w8_mm(torch.empty(M, Kd, dtype=e4m3, device=meta),
+                                       torch.empty(N, Kd, dtype=e4m3, device=meta), torch.empty(N, 1, device=meta),
+                                       bias, x_scale=torch.empty(M, 1, device=meta), out_dtype=dtype)
 
 
 def _run_main(name: str, seed: int) -> None:

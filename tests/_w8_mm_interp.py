@@ -3,7 +3,8 @@
 Invoked by tests/test_quantize.py in a subprocess with TRITON_INTERPRET=1 (read when the kernels are defined), a seed
 as its argument. Through ``launch_w8_mm`` itself: M = 0, 1 and up to the 128-row block, odd N, K not a multiple of
 the tiles, bias or not, bf16 / fp16, splits of K (summed by the second launch) forced through ``tiles=`` (the CPU
-plan sees one SM), the same bits run after run, and more rows than the largest row block refused.
+plan sees one SM), the same bits run after run, and more rows than the largest row block refused; also an fp8 ``x``
+with row scales (``x_scale``: the dot fp8 x fp8) and its argument checks.
 
 Bound: ``out`` is the float32 sum of exact products (an fp8 value times a bf16 / fp16 value fits in float32),
 times the row scale, plus the bias, rounded once to the output dtype: elementwise
@@ -67,6 +68,24 @@ def _check(seed, M, N, K, dtype, bias, tiles=None):
     return plan[3]
 
 
+def _check_fp8_x(seed, M, N, K, dtype, bias, tiles=None):
+    """An fp8 ``x`` with row scales: the dot fp8 x fp8, each row's partial sums times its scale (the products of
+    two e4m3 values are exact in float32, so the bound of :func:`_bound` holds for the dequantized operands)."""
+    xq, xs = quantize(torch.randn(M, K) * torch.logspace(-1, 1, M)[:, None], -1)
+    w = torch.randn(N, K) * torch.logspace(-2, 1, N)[:, None]
+    q, s = quantize(w, -1)
+    b = (torch.randn(N) * 4).to(dtype) if bias else None
+    plan = kernels._w8_mm_plan(M, N, K, xq.device, tiles)
+    out = kernels.launch_w8_mm(xq, q, s, b, tiles=tiles, x_scale=xs, out_dtype=dtype)
+    case = (seed, M, N, K, dtype, bias, "fp8 x", "split", plan[3])
+    assert out.shape == (M, N) and out.dtype == dtype, case
+    assert torch.equal(kernels.launch_w8_mm(xq, q, s, b, tiles=tiles, x_scale=xs, out_dtype=dtype), out), case
+    ref, bound, u = _bound(xq.double() * xs.double(), q.double() * s.double(), b, dtype)
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    assert err <= bound and err <= 1.05 * u, (case, err, bound, u)
+    return plan[3]
+
+
 def main():
     seed = int(sys.argv[1])
     torch.manual_seed(seed)
@@ -86,6 +105,27 @@ def main():
         ]:
             splits.add(_check(seed, M, N, K, dtype, bias, tiles))
     assert {1, 2, 3, 8} <= splits, splits
+    splits = set()
+    for dtype in (torch.bfloat16, torch.float16):
+        for M, N, K, bias, tiles in [
+            (1, 5, 1000, True, many),
+            (3, 33, 300, False, many),
+            (40, 9, 260, True, dict(kernels.W8_MM_CONFIG["tiles"][64], programs_per_sm=8, min_k_tiles=1)),
+            (64, 70, 4096, False, None),
+            (100, 7, 200, True, dict(kernels.W8_MM_CONFIG["tiles"][128], programs_per_sm=8, min_k_tiles=1)),
+        ]:
+            splits.add(_check_fp8_x(seed, M, N, K, dtype, bias, tiles))
+    assert len(splits) >= 2, splits
+    xq, xs = quantize(torch.randn(2, 256), -1)
+    wq, ws = quantize(torch.randn(6, 256), -1)
+    for bad in (dict(), dict(x_scale=xs.t()), dict(x_scale=xs, out_dtype=torch.float32),
+                dict(x_scale=xs.double())):
+        try:
+            kernels.launch_w8_mm(xq, wq, ws, None, **bad)
+        except ValueError as e:
+            assert "an fp8 x" in str(e), e
+        else:
+            raise AssertionError(f"launch_w8_mm took an fp8 x with {bad}")
     x = torch.randn(2, 256, dtype=torch.float16)
     q, s = quantize(torch.randn(6, 256), -1)
     b = torch.randn(6, dtype=torch.float16)

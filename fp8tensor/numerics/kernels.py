@@ -660,10 +660,11 @@ if _HAS_TRITON:
     def _w8_mm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, M, N, K, K_PER, stride_xm, stride_wn, stride_om,
                       stride_os, HAS_BIAS: tl.constexpr, FINAL: tl.constexpr, X_TY: tl.constexpr,
                       O_TY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      N_MAJOR: tl.constexpr = False):
+                      N_MAJOR: tl.constexpr = False, xs_ptr=None, X_FP8: tl.constexpr = False):
         # Program (n, s): output columns [n * BLOCK_N, ...) over the K slice s, all M rows; the fp8 weight widened
-        # to x's dtype (exact) with fp32 accumulation. FINAL: scales (and bias) applied and stored, else the fp32
-        # partial sum goes to slice s of the workspace.
+        # to x's dtype (exact) with fp32 accumulation. X_FP8: x is fp8 too (row scales xs), the dot fp8 x fp8 with
+        # fp32 accumulation and each row's partial sum times its scale. FINAL: scales (and bias) applied and stored,
+        # else the fp32 partial sum goes to slice s of the workspace.
         pid_n = tl.program_id(0)
         pid_s = tl.program_id(1)
         rm = tl.arange(0, BLOCK_M)
@@ -681,7 +682,12 @@ if _HAS_TRITON:
             else:
                 w = tl.load(w_ptr + rn[None, :] * stride_wn + k[:, None], mask=(rn[None, :] < N) & (k[:, None] < K),
                             other=0.0)
-            acc += tl.dot(x.to(X_TY), w.to(X_TY))
+            if X_FP8:
+                acc += tl.dot(x, w)
+            else:
+                acc += tl.dot(x.to(X_TY), w.to(X_TY))
+        if X_FP8:
+            acc = acc * tl.load(xs_ptr + rm, mask=rm < M, other=0.0)[:, None]
         omask = (rm[:, None] < M) & (rn[None, :] < N)
         if FINAL:
             s = tl.load(s_ptr + rn, mask=rn < N, other=0.0)
@@ -763,38 +769,52 @@ def _w8_mm_plan(M: int, N: int, K: int, device: torch.device, tiles=None) -> tup
 
 
 def launch_w8_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor],
-                 *, traced: bool = False, tiles=None) -> torch.Tensor:
+                 *, traced: bool = False, tiles=None, x_scale: Optional[torch.Tensor] = None,
+                 out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """``(x @ w8.T) * scale.T (+ bias)`` ``(M, N)`` in ``x``'s dtype, reading the fp8 weight ``w8`` ``(N, K)`` once.
 
     Args:
         x: ``(M, K)`` bf16 / fp16, unit last stride, ``0 <= M <=`` the largest row block of ``W8_MM_CONFIG["tiles"]``
             (128); the no-grad Linear takes it up to ``W8_MM_CONFIG["max_m"]`` rows (check :func:`w8_mm_available`).
+            Or fp8 of ``w8``'s dtype with ``x_scale``: see below.
         w8: ``(N, K)`` fp8 (e4m3 / e5m2), unit last stride, on ``x``'s device.
         scale: ``(N, 1)`` contiguous float32 row scales; bias: ``(N,)`` contiguous or None.
         traced: the body of a ``triton_op`` (``wrap_triton``).
         tiles: one row block's tile dict (the keys of ``W8_MM_CONFIG["tiles"][16]``) instead of the table's, for tile
             sweeps (``benchmarks/serve.py --crossover``).
+        x_scale: ``(M, 1)`` contiguous float32 row scales of an fp8 ``x`` (quantized per row): the product
+            ``((x * x_scale) @ (w8 * scale).T) (+ bias)`` in ``out_dtype`` (bf16 / fp16), the dot fp8 x fp8 (the
+            dual-fp8 GEMM of cuBLAS, with the K split for small M).
 
     Float32 accumulation; scale and bias applied in float32 before the one rounding. Split over K in fixed order
     (deterministic) so small N still uses every SM; the float32 partial sums of a split are added by a second launch.
 
     Raises:
-        ValueError: ``M`` exceeds the largest row block.
+        ValueError: ``M`` exceeds the largest row block; an fp8 ``x`` without ``x_scale`` as above, of another fp8
+            dtype than ``w8``, or a ``out_dtype`` other than bf16 / fp16.
     """
     M, K, N = int(x.shape[0]), int(x.shape[1]), int(w8.shape[0])  # (specialized under torch.compile)
     if M > max(W8_MM_CONFIG["tiles"]):
         raise ValueError(f"fp8tensor launch_w8_mm: {M} rows; the decode GEMM has tiles for at most "
                          f"{max(W8_MM_CONFIG['tiles'])} (W8_MM_CONFIG['tiles'])")
-    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    x_fp8 = x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    if x_fp8 and not (x.dtype == w8.dtype and x_scale is not None and x_scale.dtype == torch.float32
+                      and tuple(x_scale.shape) == (M, 1) and x_scale.is_contiguous()
+                      and out_dtype in (torch.bfloat16, torch.float16)):
+        raise ValueError(f"fp8tensor launch_w8_mm: an fp8 x ({x.dtype}) needs the weight's fp8 dtype ({w8.dtype}), "
+                         f"x_scale ({M}, 1) contiguous float32 and out_dtype bf16 / fp16")
+    out = torch.empty(M, N, dtype=out_dtype if x_fp8 else x.dtype, device=x.device)
     if M == 0 or N == 0:
         return out
     bm, c, grid, split, k_per = _w8_mm_plan(M, N, K, x.device, tiles)
     s = scale.reshape(N)
     b = bias if bias is not None else s
     ws = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
-    ty = _tl_dtype(x.dtype)
+    ty = _tl_dtype(out.dtype)
     consts = dict(HAS_BIAS=bias is not None, FINAL=split == 1, X_TY=ty, O_TY=ty,
                   BLOCK_M=bm, BLOCK_N=c["block_n"], BLOCK_K=c["block_k"], N_MAJOR=c.get("n_major", False))
+    if x_fp8:
+        consts.update(xs_ptr=x_scale.reshape(M), X_FP8=True)
     args = (x, w8, s, b, ws, M, N, K, k_per, x.stride(0), w8.stride(0), N, M * N)
     rblock = W8_MM_CONFIG["reduce_block"]
     rconsts = dict(SPLIT=split, HAS_BIAS=bias is not None, O_TY=ty, BLOCK=rblock)

@@ -1,6 +1,7 @@
 """The decode GEMM ``launch_w8_mm`` on CUDA beyond the no-grad Linear's tests (skipped without a GPU): the 64- and
 128-row blocks, tile candidates given through ``tiles=`` (as ``benchmarks/serve.py --crossover`` times them) and
-M = 0, against a float64 reference and with the same bits run after run; and a quantized model's decode step
+M = 0, and an fp8 ``x`` with row scales (``x_scale``), against a float64 reference and with the same bits run after
+run; and a quantized model's decode step
 captured by ``torch.cuda.graph`` (the GEMM and, for a split K, its reduce launched inside the capture) replaying with
 eager's bits on new inputs."""
 from __future__ import annotations
@@ -55,6 +56,28 @@ def test_tiles_given_against_float64(block_n, block_k, warps, programs_per_sm, N
     tiles = dict(kernels.W8_MM_CONFIG["tiles"][64], block_n=block_n, block_k=block_k, warps=warps,
                  programs_per_sm=programs_per_sm)
     _check(*_operands(64, N, K, torch.bfloat16, True, N + K), tiles=tiles)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M,N,K", [(1, 4096, 4096), (16, 1024, 4096), (33, 70, 300), (64, 14336, 4096),
+                                   (128, 4096, 14336)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp8_x_against_float64_and_the_dual_fp8_gemm(dtype, M, N, K, bias):
+    # x quantized per row (x_scale): the dot fp8 x fp8 (wgmma from 64 rows), each row's partial sums times its
+    # scale; against float64 of the dequantized operands (exact products, float32 sums, one rounding) and against
+    # cuBLAS's dual-fp8 GEMM of the same operands (float32 summation order, one output rounding apart)
+    x, q, s, b = _operands(M, N, K, dtype, bias, M * 11 + N + K)
+    xq, xs = quantize(x, -1)
+    out = kernels.launch_w8_mm(xq, q, s, b, x_scale=xs, out_dtype=dtype)
+    assert out.shape == (M, N) and out.dtype == dtype
+    for _ in range(3):
+        assert torch.equal(kernels.launch_w8_mm(xq, q, s, b, x_scale=xs, out_dtype=dtype), out)
+    ref = (xq.double() * xs.double()) @ (q.double() * s.double()).t() + (b.double() if b is not None else 0)
+    assert rel_err(out, ref) < (4e-3 if dtype == torch.bfloat16 else 6e-4)
+    if dtype == torch.bfloat16 and N % 16 == 0 and K % 16 == 0:
+        cublas = torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=s.t().contiguous(), out_dtype=dtype,
+                                  bias=b, use_fast_accum=False)
+        assert rel_err(out, cublas.double()) < 8e-3
 
 
 def test_more_rows_than_the_largest_row_block_refused():

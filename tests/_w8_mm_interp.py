@@ -126,6 +126,12 @@ def main():
             assert "an fp8 x" in str(e), e
         else:
             raise AssertionError(f"launch_w8_mm took an fp8 x with {bad}")
+    try:
+        kernels.launch_w8_mm(torch.randn(2, 256, dtype=torch.bfloat16), wq, ws, None, x_scale=xs)
+    except ValueError as e:
+        assert "x_scale is for an fp8 x" in str(e), e
+    else:
+        raise AssertionError("launch_w8_mm took x_scale with a bf16 x")
     x = torch.randn(2, 256, dtype=torch.float16)
     q, s = quantize(torch.randn(6, 256), -1)
     b = torch.randn(6, dtype=torch.float16)

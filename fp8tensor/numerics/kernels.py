@@ -791,13 +791,15 @@ def launch_w8_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: O
 
     Raises:
         ValueError: ``M`` exceeds the largest row block; an fp8 ``x`` without ``x_scale`` as above, of another fp8
-            dtype than ``w8``, or a ``out_dtype`` other than bf16 / fp16.
+            dtype than ``w8``, or a ``out_dtype`` other than bf16 / fp16; ``x_scale`` with a high-precision ``x``.
     """
     M, K, N = int(x.shape[0]), int(x.shape[1]), int(w8.shape[0])  # (specialized under torch.compile)
     if M > max(W8_MM_CONFIG["tiles"]):
         raise ValueError(f"fp8tensor launch_w8_mm: {M} rows; the decode GEMM has tiles for at most "
                          f"{max(W8_MM_CONFIG['tiles'])} (W8_MM_CONFIG['tiles'])")
     x_fp8 = x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    if x_scale is not None and not x_fp8:
+        raise ValueError(f"fp8tensor launch_w8_mm: x_scale is for an fp8 x; x is {x.dtype}")
     if x_fp8 and not (x.dtype == w8.dtype and x_scale is not None and x_scale.dtype == torch.float32
                       and tuple(x_scale.shape) == (M, 1) and x_scale.is_contiguous()
                       and out_dtype in (torch.bfloat16, torch.float16)):

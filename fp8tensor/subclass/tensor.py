@@ -106,7 +106,7 @@ class _ScaleWrites:
     __slots__ = ("regions",)
 
     def __init__(self, regions=()):
-        self.regions = set(regions)
+        self.regions = dict(regions)  # {(storage offset, shape, stride) of the data written: its scale elements}
 
     def __eq__(self, other):
         return isinstance(other, _ScaleWrites)

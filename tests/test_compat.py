@@ -243,3 +243,10 @@ def test_one_buffer_is_identity_on_real_tensors_and_keeps_a_traced_tensor_stride
         f = torch.empty(5, 8).t()
         y = compat.one_buffer(f)
     assert y.shape == f.shape and y.stride() == f.stride()
+
+
+def test_view_base():
+    base = torch.randn(4, 3)
+    assert compat.view_base(base) is None
+    assert compat.view_base(base.t()) is base and compat.view_base(base[:, :1].t()) is base
+    assert compat.view_base(base.clone()) is None

@@ -69,3 +69,26 @@ def one_rank_mesh():
 @pytest.mark.parametrize("style", ["colwise", "rowwise"])
 def test_compiled_tensor_parallel_linear_trains(monkeypatch, one_rank_mesh, style):
     check_compiled_tp_linear_trains(monkeypatch, one_rank_mesh, style, device="cpu", backend="aot_eager")
+
+
+@pytest.mark.parametrize("convert", ["quantize_weights", "convert_to_fp8"])
+def test_compiling_a_converted_model_raises_no_dynamo_cache_warning(monkeypatch, convert):
+    """Compiling a converted model warns nothing about fp8tensor's code: dynamo warns (once per process) about every
+    ``functools.lru_cache`` function it traces ("Silent incorrectness is only a potential risk"), so none is traced."""
+    import warnings
+
+    import torch._dynamo.utils as dynamo_utils
+
+    if hasattr(dynamo_utils, "warn_once_cache"):  # (dynamo's once-per-process memory of its warnings)
+        monkeypatch.setattr(dynamo_utils, "warn_once_cache", set())
+    torch.manual_seed(0)
+    model = getattr(fp8tensor, convert)(nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16)))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")
+    x = torch.randn(4, 32)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            compiled(x)
+        compiled(x.requires_grad_()).sum().backward()
+    assert not [str(w.message) for w in seen if "lru_cache" in str(w.message)]

@@ -116,6 +116,36 @@ def test_cpu_fallback_keeps_the_graph_contract():
     free(torch.randn(3, 64))
 
 
+def test_cpu_fallback_keeps_the_contract_after_the_capturing_call_raised():
+    """A step that raises in the call that would capture takes no snapshot there (a failed capture captures
+    nothing): the next successful call takes it, and gradients set to None after it still raise."""
+    import warnings
+
+    model = _model(0)
+    fail = [False]
+
+    def fwd_bwd(x):
+        if fail[0]:
+            raise KeyError("user error inside the step")
+        loss = model(x).square().mean()
+        loss.backward()
+        return loss.detach()
+
+    step = fp8tensor.graph_step(fwd_bwd, model, warmup_steps=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        step(torch.randn(4, 64))  # warm-up
+    fail[0] = True
+    with pytest.raises(KeyError, match="user error"):
+        step(torch.randn(4, 64))  # the call that would capture
+    fail[0] = False
+    step(torch.randn(4, 64))  # captures (takes the snapshot)
+    step(torch.randn(4, 64))
+    model.zero_grad(set_to_none=True)
+    with pytest.raises(RuntimeError, match=r"set to None"):
+        step(torch.randn(4, 64))
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(enabled="no"), "enabled must be None, True or False"),
     (dict(pool="junk"), "pool must be a graph memory pool handle"),

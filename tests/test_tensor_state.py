@@ -48,3 +48,36 @@ def test_deepcopy_keeps_shares_scale():
     c = copy.deepcopy(dst[:, :4])
     assert c.shares_scale and type(c) is ScaledFp8Tensor
     assert not copy.deepcopy(dst).shares_scale
+
+
+@pytest.mark.parametrize("via", ["detach", "view_as", "alias"])
+def test_shared_scale_guard_sees_writes_through_other_aliases(via):
+    # DCP writes each saved piece through a fresh alias of the destination (DTensor.to_local(), detach): a piece
+    # whose row scales differ from the piece written before must still be refused, not rescale that piece's columns
+    p1, p2 = _conflicting_pieces()
+    dst = ScaledFp8Tensor.from_hp(torch.randn(4, 8))
+    alias = {"detach": lambda t: t.detach(), "view_as": lambda t: t.view_as(t),
+             "alias": lambda t: torch.ops.aten.alias(t)}[via]
+    with torch.no_grad():
+        alias(dst)[:, :4].copy_(p1)
+        before = dst.to_hp().clone()
+        with pytest.raises(NotImplementedError, match="copy_"):
+            alias(dst)[:, 4:].copy_(p2)
+    assert torch.equal(dst.to_hp(), before)
+
+
+@pytest.mark.parametrize("via", ["self", "detach"])
+def test_pieces_of_different_rows_load_exactly_through_aliases(via):
+    # pieces cut along rows and columns (a checkpoint saved on a 2-D layout): pieces of different rows write different
+    # scales, so none refuses another; loading twice works too
+    x = torch.randn(4, 8)
+    x[2:] *= 50
+    g = ScaledFp8Tensor.from_hp(x)
+    dst = ScaledFp8Tensor.from_hp(torch.randn(4, 8))
+    alias = (lambda t: t) if via == "self" else (lambda t: t.detach())
+    for _ in range(2):
+        with torch.no_grad():
+            for r in (slice(0, 2), slice(2, 4)):
+                for c in (slice(0, 4), slice(4, 8)):
+                    alias(dst)[r][:, c].copy_(g[r][:, c])
+        assert torch.equal(dst.qdata.view(torch.uint8), g.qdata.view(torch.uint8)) and torch.equal(dst.scale, g.scale)

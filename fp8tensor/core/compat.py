@@ -18,7 +18,7 @@ __all__ = ["TORCH_VERSION", "register_foreach_type", "local_tensor", "set_local_
            "raw_cuda_stream", "rebuild_parameter", "functional_collectives", "register_state_dict_hook",
            "functional_data", "forward_ad_active", "op_schema", "is_parameter_marked", "mark_parameter",
            "local_tensor_shards", "buffers_dict", "children_dict", "parameters_dict", "preserve_version_counter",
-           "c10d_functional_ops"]
+           "c10d_functional_ops", "view_base"]
 
 #: The dispatch key of composite ops (decomposed above autograd).
 COMPOSITE_IMPLICIT = torch._C.DispatchKey.CompositeImplicitAutograd
@@ -253,6 +253,11 @@ def wait_work(work) -> None:
 #: Nested structures of lists, tuples and dicts (``torch.utils._pytree``, loaded by ``import torch``).
 tree_flatten, tree_unflatten = _pytree.tree_flatten, _pytree.tree_unflatten
 tree_leaves, tree_map_only = _pytree.tree_leaves, _pytree.tree_map_only
+
+
+def view_base(t: torch.Tensor):
+    """The tensor whose memory the view ``t`` shares (``Tensor._base``), or None when ``t`` is not a view."""
+    return t._base
 
 
 def is_fake(t) -> bool:

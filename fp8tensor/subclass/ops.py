@@ -18,7 +18,7 @@ def _wrap(qdata: torch.Tensor, scale: torch.Tensor, like: ScaledFp8Tensor, share
     """A view of ``like`` with ``scaled_dims`` ``dims`` (default ``like``'s); ``shares_scale``: its scales also scale
     data outside it (``copy_`` guards it). Under ``inference_mode`` it is built outside it, as ``like`` was."""
     shares = shares_scale or like.shares_scale
-    writes = like.scale_writes() if shares and scale is like.scale else None
+    writes = like.scale_writes() if _same_scale_memory(scale, like.scale) else None  # (one record per scale memory)
     dims = like.scaled_dims if dims is None else dims
     outside = torch.is_inference_mode_enabled() and not like.is_inference()
     with torch.inference_mode(False) if outside else contextlib.nullcontext():
@@ -36,6 +36,15 @@ def _wrap(qdata: torch.Tensor, scale: torch.Tensor, like: ScaledFp8Tensor, share
 _ROOT = "_fp8tensor_scale_root"
 #: Attribute of a view whose scale is a copy of its base's (made by ``view`` / ``reshape``): ``copy_`` into it raises.
 _SCALE_COPY = "_fp8tensor_scale_copy"
+
+
+def _same_scale_memory(scale: torch.Tensor, base: torch.Tensor) -> bool:
+    """Whether ``scale`` is ``base`` or a view of its memory (not a copy a view op materialized): then its tensor
+    shares ``base``'s tensor's record of scale writes, so a write through any alias or slice sees the others."""
+    if scale is base:
+        return True
+    root, base_root = compat.view_base(scale), compat.view_base(base)
+    return root is not None and root is (base if base_root is None else base_root)
 
 
 def _norm_dim(d: int, ndim: int) -> int:
@@ -163,14 +172,28 @@ def _shared_scale_write_ok(dst: ScaledFp8Tensor, new_scale: torch.Tensor) -> boo
     """Whether ``copy_`` may write ``new_scale`` into ``dst``, whose scales sibling views share (DCP loads of column
     chunks): not when another region was already written with the old scales (rewriting a region starts over)."""
     region = (dst.qdata.storage_offset(), tuple(dst.qdata.shape), tuple(dst.qdata.stride()))
-    written = dst.scale_writes().regions
+    written = dst.scale_writes().regions  # {region: the span of scale elements it was written with}
+    span = _scale_span(dst.scale)
     same = new_scale.shape == dst.scale.shape and _all_equal([new_scale.contiguous(), dst.scale.contiguous()])
     if not same:
-        if written and region not in written:
+        sharing = [r for r, e in written.items() if e is not None and span is not None
+                   and e[0] <= span[1] and span[0] <= e[1]]
+        if sharing and region not in sharing:
             return False
-        written.clear()  # first write, or this region again (a new load): start a new generation of scales
-    written.add(region)
+        for r in sharing:  # first write, or this region again (a new load): a new generation of these scales
+            del written[r]
+    written[region] = span
     return True
+
+
+def _scale_span(scale: torch.Tensor):
+    """``(first, last)`` position in its storage of the elements ``scale`` views (None when it has none): column
+    slices of different rows write disjoint spans, so neither refuses the other (spans interleaved by strides count
+    as overlapping: a refusal, never a silent rescale)."""
+    if scale.numel() == 0:
+        return None
+    first = scale.storage_offset()
+    return first, first + sum((n - 1) * st for n, st in zip(scale.shape, scale.stride()))
 
 
 def _scale_fits(src_scale: torch.Tensor, dst_scale: torch.Tensor) -> bool:

@@ -2,7 +2,6 @@
 (``OP_TABLE``, :func:`implements`) and dispatcher; docs/design.md ("One tensor class", "The op table")."""
 from __future__ import annotations
 
-import functools
 import warnings
 from typing import Any, Callable, Optional, Sequence
 
@@ -106,7 +105,7 @@ class _ScaleWrites:
     __slots__ = ("regions",)
 
     def __init__(self, regions=()):
-        self.regions = set(regions)
+        self.regions = dict(regions)  # {(storage offset, shape, stride) of the data written: its scale elements}
 
     def __eq__(self, other):
         return isinstance(other, _ScaleWrites)
@@ -118,14 +117,18 @@ class _ScaleWrites:
         return f"_ScaleWrites({len(self.regions)} regions)"
 
 
-@functools.lru_cache(maxsize=None)
+_DTENSOR: list = []  # [DTensor or False], filled on first use (not an lru_cache: dynamo warns on those it traces)
+
+
 def _dtensor_cls():
     """``torch.distributed.tensor.DTensor``, imported on first use; False on builds without distributed."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except Exception:  # pragma: no cover - builds without distributed
-        return False
-    return DTensor
+    if not _DTENSOR:
+        try:
+            from torch.distributed.tensor import DTensor
+        except Exception:  # pragma: no cover - builds without distributed
+            DTensor = False
+        _DTENSOR.append(DTensor)
+    return _DTENSOR[0]
 
 
 def _is_dtensor(t: Any) -> bool:

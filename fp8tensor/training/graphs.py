@@ -170,7 +170,12 @@ class GraphedStep:
         elif self.calls > self.warmup_steps + 1:
             self._check_memory()
             self._check_grads()
-        out = self.fn(*args, **kwargs)
+        try:
+            out = self.fn(*args, **kwargs)
+        except BaseException:
+            if self.calls == self.warmup_steps + 1:  # as a failed capture: no snapshot taken, the next call takes it
+                self.calls -= 1
+            raise
         if self.calls <= self.warmup_steps:
             self._had_grad = [p for p in self.parameters if p.grad is not None]
         elif self.calls == self.warmup_steps + 1:  # the snapshot after the call, as a capture takes it

@@ -283,45 +283,74 @@ class _Launcher:
 
     def __call__(self, grid: tuple, args: tuple, consts: dict, num_warps: int, device: torch.device,
                  num_stages: Optional[int] = None) -> None:
-        idx = device.index if device.index is not None else torch.cuda.current_device()
-        switch = torch.cuda.current_device() != idx
-        if switch:  # Triton launches on the current device
+        cur = torch.cuda.current_device()
+        idx = cur if device.index is None else device.index
+        if cur != idx:  # Triton launches on the current device
             with torch.cuda.device(idx):
                 return self(grid, args, consts, num_warps, device, num_stages)
-        opts = dict(num_warps=num_warps) if num_stages is None else dict(num_warps=num_warps, num_stages=num_stages)
         if not _FAST_OK:
+            opts = dict(num_warps=num_warps) if num_stages is None else dict(num_warps=num_warps,
+                                                                            num_stages=num_stages)
             self.fn[grid](*args, **consts, **opts)
             return None
-        full = list(args)
-        for name in self.names[len(args):]:
-            full.append(consts[name] if name in consts else self.defaults[name])
+        names, n = self.names, len(args)
+        if n < len(names):  # every argument in signature order: the constexprs and defaults after args
+            defaults = self.defaults
+            full = [*args, *[consts[name] if name in consts else defaults[name] for name in names[n:]]]
+        else:
+            full = args
         key = [idx, num_warps, num_stages]
+        add, int_classes = key.append, _INT_CLASSES
         for a, const in zip(full, self.is_constexpr):
             if const:
-                key.append(a)
-            elif isinstance(a, torch.Tensor):
-                key.append((a.dtype, a.data_ptr() % 16 == 0))
+                add(a)
             elif type(a) is int:
-                key.append((a == 1, a % 16 == 0, _INT32[0] <= a < _INT32[1], a < 2**63))
+                c = int_classes.get(a)
+                if c is None:
+                    c = (a == 1, a % 16 == 0, _INT32[0] <= a < _INT32[1], a < 2**63)
+                    if len(int_classes) < 4096:
+                        int_classes[a] = c
+                add(c)
+            elif isinstance(a, torch.Tensor):
+                add((a.dtype, not a.data_ptr() & 15))
             else:
-                key.append((type(a), a))
+                add((type(a), a))
         key = tuple(key)
         kernel = self.cache.get(key)
         if kernel is None:
+            opts = dict(num_warps=num_warps) if num_stages is None else dict(num_warps=num_warps,
+                                                                            num_stages=num_stages)
             kernel = self.fn[grid](*args, **consts, **opts)
             if kernel is not None and hasattr(kernel, "run") and hasattr(kernel, "packed_metadata"):
                 if len(self.cache) >= 64:
                     self.cache.clear()
                 self.cache[key] = kernel
             return None
-        from triton import knobs
-
         stream = compat.raw_cuda_stream(idx)
         gx, gy, gz = (*grid, 1, 1)[:3]
-        enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+        runtime = _knobs().runtime
+        enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
         meta = kernel.launch_metadata(grid, stream, *full) if enter is not None else None
         kernel.run(gx, gy, gz, stream, kernel.function, kernel.packed_metadata, meta, enter, leave, *full)
         return None
+
+
+#: Triton's specialization class of an integer argument (1, a multiple of 16, 32- or 64-bit), by value: a memo of a
+#: pure function, bounded (sizes, strides and token counts repeat from launch to launch).
+_INT_CLASSES: dict = {}
+
+
+def _knobs():
+    """``triton.knobs`` (Triton >= 3.3), imported once."""
+    global _KNOBS
+    if _KNOBS is None:
+        from triton import knobs as _KNOBS_MOD
+
+        _KNOBS = _KNOBS_MOD
+    return _KNOBS
+
+
+_KNOBS = None
 
 
 def _frozen(d: dict) -> types.MappingProxyType:

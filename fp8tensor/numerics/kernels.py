@@ -236,10 +236,11 @@ if _HAS_TRITON:
 # Triton >= 3.3: CompiledKernel.run(gx, gy, gz, stream, function, packed_metadata, launch_metadata, enter_hook,
 # exit_hook, *arguments), the call JITFunction.run itself makes (triton.knobs exists from Triton 3.3).
 try:
-    _FAST_OK = (_HAS_TRITON and tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 3)
-                and importlib.import_module("triton.knobs") is not None)
+    _KNOBS = (importlib.import_module("triton.knobs")
+              if _HAS_TRITON and tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 3) else None)
 except Exception:  # pragma: no cover - unknown Triton layout
-    _FAST_OK = False
+    _KNOBS = None
+_FAST_OK = _KNOBS is not None
 _LAUNCHERS: dict = {}
 
 
@@ -328,7 +329,7 @@ class _Launcher:
             return None
         stream = compat.raw_cuda_stream(idx)
         gx, gy, gz = (*grid, 1, 1)[:3]
-        runtime = _knobs().runtime
+        runtime = _KNOBS.runtime
         enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
         meta = kernel.launch_metadata(grid, stream, *full) if enter is not None else None
         kernel.run(gx, gy, gz, stream, kernel.function, kernel.packed_metadata, meta, enter, leave, *full)
@@ -338,19 +339,6 @@ class _Launcher:
 #: Triton's specialization class of an integer argument (1, a multiple of 16, 32- or 64-bit), by value: a memo of a
 #: pure function, bounded (sizes, strides and token counts repeat from launch to launch).
 _INT_CLASSES: dict = {}
-
-
-def _knobs():
-    """``triton.knobs`` (Triton >= 3.3), imported once."""
-    global _KNOBS
-    if _KNOBS is None:
-        from triton import knobs as _KNOBS_MOD
-
-        _KNOBS = _KNOBS_MOD
-    return _KNOBS
-
-
-_KNOBS = None
 
 
 def _frozen(d: dict) -> types.MappingProxyType:

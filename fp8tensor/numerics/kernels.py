@@ -635,7 +635,7 @@ def launch_transpose(src: torch.Tensor) -> torch.Tensor:
 
 
 #: Tiles of the per-group column quantization kernel.
-GROUP_COL_CONFIG = _frozen(dict(block_m=64, block_c=64, warps=4))
+GROUP_COL_CONFIG = _frozen(dict(block_m=128, block_c=32, warps=4))
 
 
 def group_col_kernel_available(x: torch.Tensor) -> bool:

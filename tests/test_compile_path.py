@@ -92,3 +92,59 @@ def test_compiling_a_converted_model_raises_no_dynamo_cache_warning(monkeypatch,
             compiled(x)
         compiled(x.requires_grad_()).sum().backward()
     assert not [str(w.message) for w in seen if "lru_cache" in str(w.message)]
+
+
+@pytest.mark.parametrize("style", ["colwise", "rowwise"])
+def test_tensor_parallel_input_takes_both_layouts_eager_and_compiled(monkeypatch, one_rank_mesh, style):
+    """A DTensor input's two-layout quantization (CUDA kernels, emulated here by the op's CPU path) runs on its local
+    tensor, eager (DTensor built from the spec) and compiled (``from_local`` traced): output and gradients equal the
+    path without it bit for bit (the same values)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from torch._dynamo.backends.debugging import aot_eager
+
+    from fp8tensor.training import linear as L
+
+    def full(t):
+        return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+    base = nn.Linear(64, 96, dtype=torch.bfloat16)
+    x = torch.randn(2, 20, 64, dtype=torch.bfloat16)
+    gy = torch.randn(2, 20, 96, dtype=torch.bfloat16)
+
+    graphs = []
+
+    def recording_aot_eager(gm, example_inputs):
+        graphs.append(gm.print_readable(print_output=False))
+        return aot_eager(gm, example_inputs)
+
+    def run(compiled):
+        torch._dynamo.reset()
+        model = nn.Sequential(nn.Linear(64, 96, dtype=torch.bfloat16))
+        model[0].load_state_dict(base.state_dict())
+        parallelize_module(model, one_rank_mesh, {"0": ColwiseParallel() if style == "colwise" else RowwiseParallel()})
+        fp8tensor.convert_to_fp8(model)
+        fn = torch.compile(model, backend=recording_aot_eager) if compiled else model
+        xi = x.clone().requires_grad_()
+        y = fn(xi)
+        y.backward(gy)
+        return full(y).detach(), xi.grad, full(model[0].weight.grad), full(model[0].bias.grad)
+
+    without = run(False)
+    calls = []
+
+    def emulated(t, float8_dtype=torch.float8_e4m3fn):
+        if not torch.compiler.is_compiling():  # (traced: no side effects inside the autograd Function's forward)
+            calls.append(type(t).__name__)
+        q, s, qt, st = torch.ops.fp8tensor.quantize_both(t.reshape(-1, t.shape[-1]), float8_dtype)
+        return q, s, qt.t(), st.t()
+
+    monkeypatch.setattr(L, "quantize_token_layouts", emulated)
+    for compiled in (False, True):
+        calls.clear()
+        graphs.clear()
+        got = run(compiled)
+        taken = any("fp8tensor.quantize_both" in g for g in graphs) if compiled else calls == ["Tensor"]
+        assert taken, f"compiled={compiled}: the input's two layouts were not taken ({calls})"
+        for a, b, what in zip(got, without, ("out", "grad_input", "grad_weight", "grad_bias")):
+            assert torch.equal(a, b), (compiled, what, (a.double() - b.double()).norm() / b.double().norm())

@@ -169,6 +169,41 @@ def map_local(t: Any, fn):
     return cls.from_local(out, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
 
 
+class _Miss(Exception):
+    """A simulated rank's ``fn`` of :func:`map_local_each` returned None."""
+
+
+def map_local_each(t: Any, fn) -> Optional[tuple]:
+    """:func:`map_local` for an ``fn`` that returns a tuple of tensors of the local tensor's shape and dtype (or None):
+    each wrapped with ``t``'s mesh, placements, shape and stride. None where ``fn`` returns None (on any simulated
+    rank of a ``LocalTensor``)."""
+    cls = _dtensor_cls()
+    if cls is False or not isinstance(t, cls):
+        return fn(t)
+    direct = (not compat.is_compiling() and not (torch.is_grad_enabled() and t.requires_grad)
+              and not torch.is_inference_mode_enabled())
+    local = compat.local_tensor(t) if direct else t.to_local()
+    if _is_local_tensor(local):  # one run per simulated rank; a miss on any rank is a miss
+        def each(lt):
+            out = fn(lt)
+            if out is None:
+                raise _Miss
+            return out
+        try:
+            outs = map_shard(local, each)
+        except _Miss:
+            return None
+    else:
+        outs = fn(local)
+    if outs is None:
+        return None
+    if direct and all(o.shape == local.shape and o.dtype == t.dtype and not o.requires_grad for o in outs):
+        spec = compat.dtensor_spec(t)
+        return tuple(cls(o, spec, requires_grad=False) for o in outs)
+    return tuple(cls.from_local(o, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
+                 for o in outs)
+
+
 def map_shard(local: torch.Tensor, fn):
     """``fn(local)``, per simulated rank for a ``LocalTensor`` (a subclass it builds ends up inside it)."""
     return compat.run_per_simulated_rank(fn)(local) if _is_local_tensor(local) else fn(local)

@@ -20,7 +20,7 @@ from ..numerics.quantize import (E4M3, FLOAT8_DTYPES, quantize, quantize_dim0_t_
                                  quantize_tokens, transpose_after, weight_only_mm)
 from .recipes import Gemm, Recipe, get_recipe
 from ..core.settings import get_config, scope_token, swap_scope
-from ..subclass.tensor import ScaledFp8Tensor, _is_dtensor, make_scaled, map_local, rowwise_dims
+from ..subclass.tensor import ScaledFp8Tensor, _is_dtensor, make_scaled, map_local, map_local_each, rowwise_dims
 
 __all__ = ["QuantizeOnUse", "fp8_linear", "tp_export_message"]
 
@@ -56,6 +56,14 @@ def _dequantize(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
             return lt.to_hp(dtype)
         return (lt._data if isinstance(lt, QuantizeOnUse) else lt).to(dtype)
     return map_local(t, hp)
+
+
+def _k_scaled(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` (or, eager, a DTensor's local tensor) is an fp8 weight scaled along K, which ``fp8_mm``
+    folds into its own row-wise quantization of ``x`` (given an ``x`` already in fp8 it dequantizes such a weight:
+    right, slower)."""
+    local = compat.local_tensor(weight) if _is_dtensor(weight) and not compat.is_compiling() else weight
+    return isinstance(local, ScaledFp8Tensor) and local.scale.shape[-1] != 1
 
 
 def _is_fp8(t: torch.Tensor) -> bool:
@@ -99,6 +107,28 @@ def _token_layouts(t: torch.Tensor):
     if _is_dtensor(t) or isinstance(t, ScaledFp8Tensor) or t.dim() < 2:
         return None
     return quantize_token_layouts(t, E4M3)
+
+
+def _input_layouts(x: torch.Tensor, x2: torch.Tensor, recipe: Recipe):
+    """The forward's ``x`` in both fp8 layouts from :func:`fp8tensor.quantize.quantize_token_layouts`: per row for the
+    output GEMM and per input feature over the tokens for grad_weight, as ScaledFp8Tensors; for a DTensor ``x``, of
+    its local tensor, each wrapped with ``x2``'s spec (per-shard scales, as :func:`_quantize` makes them). None where
+    the kernels do not take it: then the GEMM engine and :func:`_x_for_grad_weight` quantize ``x`` (same values)."""
+    if isinstance(x, ScaledFp8Tensor) or x.dim() < 2:
+        return None
+    row_fast, col_fast = recipe.output.fast_accum, recipe.grad_weight.fast_accum
+
+    def both(t):
+        hit = quantize_token_layouts(t, E4M3)
+        if hit is None:
+            return None
+        return (make_scaled(hit[0], hit[1], t.dtype, row_fast, (True, False)),
+                make_scaled(hit[2], hit[3], t.dtype, col_fast, (False, True)))
+    if not _is_dtensor(x):
+        return both(x)
+    if not (type(x2) is type(x) and x2.dim() == 2):  # (a 2-D DTensor view of x, as the GEMM reads it)
+        return None
+    return map_local_each(x2, both)
 
 
 def _weight_for_grad_input(weight: torch.Tensor, gy: torch.Tensor, gemm: Gemm) -> torch.Tensor:
@@ -158,12 +188,11 @@ class _Fp8Linear(torch.autograd.Function):
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (a reshape to itself still costs a DTensor dispatch)
         x_saved = None
         # (an fp8 weight scaled along K keeps its scale folded into x's row-wise quantization: fp8_mm)
-        both = (_token_layouts(x) if ctx.needs_input_grad[1] and recipe.output.fp8 and recipe.grad_weight.fp8
-                and recipe.grad_weight.b.float8_dtype == E4M3
-                and not (isinstance(weight, ScaledFp8Tensor) and weight.scale.shape[-1] != 1) else None)
+        both = (_input_layouts(x, x2, recipe) if ctx.needs_input_grad[1] and recipe.output.fp8
+                and recipe.grad_weight.fp8 and recipe.grad_weight.b.float8_dtype == E4M3 and not _k_scaled(weight)
+                else None)
         if both is not None:  # x per row for this GEMM and per feature for grad_weight, from two reads of x
-            x2 = make_scaled(both[0], both[1], x.dtype, recipe.output.fast_accum, (True, False))
-            x_saved = make_scaled(both[2], both[3], x.dtype, recipe.grad_weight.fast_accum, (False, True))
+            x2, x_saved = both
         out = _forward(x2, weight, recipe)
         if bias is not None:
             out = out + bias

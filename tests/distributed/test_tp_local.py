@@ -372,6 +372,47 @@ def test_block_training_matches_references(mesh, recipe, sp, order):
     _check_close(tp, single, bounds, "TP vs single-device fp8")
 
 
+@pytest.mark.parametrize("sp", [True, False], ids=["sp", "nosp"])
+def test_block_training_both_input_layouts_per_shard(mesh, sp, monkeypatch):
+    """A DTensor input takes the two-layout quantization (one pass for the row-wise operand of the output GEMM and
+    the per-feature operand of grad_weight; CUDA kernels, emulated here with the op's CPU path) on each rank's local
+    tensor: every rank's fp8 Linears call it, and output and gradients are those of the path without it (the
+    GEMM engine's row-wise quantization and the per-shard column quantization: the same values) and of the ``split``
+    reference."""
+    from fp8tensor.training import linear as L
+
+    m, mode = mesh
+    n = m.size()
+    _skip_uneven_sp_on_old_torch(n, sp)
+    base, x, gy = _fresh_block(_block_config(n))
+    split = _run_block(split_reference(copy.deepcopy(base), n, "rowwise"), x, gy)
+
+    def tp_run():
+        model = convert_to_fp8(copy.deepcopy(base), recipe="rowwise")
+        with mode:
+            parallelize_module(model, m, tp_plan(sp, local_output=n != 3))
+        return _run_tp_block(model, mode, m, x, gy, sp)
+
+    without = tp_run()
+    calls = []
+
+    def emulated(t, float8_dtype=torch.float8_e4m3fn):
+        assert type(t) is torch.Tensor  # each rank's local tensor, never a DTensor or LocalTensor
+        calls.append(tuple(t.shape))
+        q, s, qt, st = torch.ops.fp8tensor.quantize_both(t.reshape(-1, t.shape[-1]), float8_dtype)
+        return q, s, qt.t(), st.t()
+
+    monkeypatch.setattr(L, "quantize_token_layouts", emulated)
+    with_layouts = tp_run()
+    n_linears = len(list(base.linears()))
+    assert len(calls) >= n_linears * n, calls  # every Linear's input on every rank
+    for a, b, what in ((with_layouts[0], without[0], "out"), (with_layouts[1], without[1], "grad_input")):
+        assert torch.equal(a, b), (what, rel(a, b))
+    for k in without[2]:
+        assert torch.equal(dequant(with_layouts[2][k]), dequant(without[2][k])), k
+    _check_close(with_layouts, split, SAME_NUMERICS, "TP (two-layout inputs) vs split reference")
+
+
 FROZEN_CASES = [
     pytest.param("quantize_weights", "before", True, id="quantize_weights-before-sp"),
     pytest.param("quantize_weights", "after", False, id="quantize_weights-after-nosp"),

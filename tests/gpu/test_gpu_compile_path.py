@@ -50,3 +50,59 @@ def one_rank_mesh():
 @pytest.mark.parametrize("style", ["colwise", "rowwise"])
 def test_compiled_tensor_parallel_linear_trains(monkeypatch, one_rank_mesh, style):
     check_compiled_tp_linear_trains(monkeypatch, one_rank_mesh, style, device="cuda", backend="inductor")
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("style", ["colwise", "rowwise"])
+def test_tensor_parallel_input_takes_both_layouts(one_rank_mesh, style, compiled):
+    """A DTensor input (``ColwiseParallel`` / ``RowwiseParallel`` on a 1-rank mesh) is quantized both ways by the
+    two-layout kernels on its local tensor (``_amax_both_kernel`` / ``_cast_both_kernel``, eager and in inductor's
+    code; ``grad_out`` is left to the GEMM engine on the DTensor path); output and gradients within the fp8 bound of
+    float64."""
+    import torch.nn as nn
+    from torch._inductor.utils import run_and_get_code
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    import fp8tensor
+    from fp8tensor.numerics import kernels
+
+    def full(t):
+        return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+    torch._dynamo.reset()
+    lin = nn.Linear(512, 768, device="cuda", dtype=torch.bfloat16)
+    w0, b0 = lin.weight.detach().double().clone(), lin.bias.detach().double().clone()
+    model = nn.Sequential(lin)
+    parallelize_module(model, one_rank_mesh, {"0": ColwiseParallel() if style == "colwise" else RowwiseParallel()})
+    fp8tensor.convert_to_fp8(model)
+    x = torch.randn(4, 256, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    gy = torch.randn(4, 256, 768, device="cuda", dtype=torch.bfloat16)
+
+    def step(mod):
+        y = mod(x)
+        y.backward(gy)
+        return full(y)
+
+    if compiled:
+        y, codes = run_and_get_code(step, torch.compile(model))
+        code = "\n".join(codes)
+        assert "_amax_both_kernel" in code  # (no other DTensor operand takes these kernels)
+    else:
+        seen = []
+        launch = kernels._launch
+
+        def recording(fn, *args, **kwargs):
+            seen.append(getattr(getattr(fn, "fn", fn), "__name__", str(fn)))
+            return launch(fn, *args, **kwargs)
+
+        kernels._launch = recording
+        try:
+            y = step(model)
+        finally:
+            kernels._launch = launch
+        assert seen.count("_amax_both_kernel") == 1 and seen.count("_cast_both_kernel") == 1, seen
+    xd, gyd = x.detach().double().reshape(-1, 512), gy.double().reshape(-1, 768)
+    rel = lambda a, b: float((a.double() - b).norm() / b.norm())  # noqa: E731
+    assert rel(y.reshape(-1, 768), xd @ w0.t() + b0) < 5e-2
+    assert rel(x.grad.reshape(-1, 512), gyd @ w0) < 5e-2
+    assert rel(full(lin.weight.grad), gyd.t() @ xd) < 5e-2

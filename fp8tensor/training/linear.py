@@ -119,6 +119,8 @@ def _input_layouts(x: torch.Tensor, x2: torch.Tensor, recipe: Recipe):
     row_fast, col_fast = recipe.output.fast_accum, recipe.grad_weight.fast_accum
 
     def both(t):
+        if isinstance(t, ScaledFp8Tensor):  # (a DTensor's local already in fp8: fp8 sequence parallelism)
+            return None
         hit = quantize_token_layouts(t, E4M3)
         if hit is None:
             return None

@@ -124,10 +124,22 @@ def _full(local, m, dim=1):
     return _plain(DTensor.from_local(local, m, [Shard(dim)]))
 
 
+@pytest.mark.parametrize("layouts", [False, True], ids=["", "two_layout_inputs"])
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_block_matches_bf16_comm_path(mesh, recipe):
-    """Llama block, TP=4 with SP, bf16: fp8-comm vs bf16-comm fp8 paths; payload and collectives."""
+def test_block_matches_bf16_comm_path(mesh, recipe, layouts, monkeypatch):
+    """Llama block, TP=4 with SP, bf16: fp8-comm vs bf16-comm fp8 paths; payload and collectives. ``layouts``: with
+    the two-layout quantization of DTensor inputs (CUDA kernels, emulated by the op's CPU path), which the bf16-comm
+    path's high-precision inputs take and the fp8-comm path's fp8 inputs must not (they are used as they are)."""
     m, mode = mesh
+    if layouts:
+        from fp8tensor.training import linear as L
+
+        def emulated(t, float8_dtype=torch.float8_e4m3fn):
+            assert type(t) is torch.Tensor, type(t)  # never an fp8 (sequence-parallel) input
+            q, s, qt, st = torch.ops.fp8tensor.quantize_both(t.reshape(-1, t.shape[-1]), float8_dtype)
+            return q, s, qt.t(), st.t()
+
+        monkeypatch.setattr(L, "quantize_token_layouts", emulated)
     cfg = BlockConfig(n_heads=4, head_dim=16, ffn=96)
     b, s, h = 2, 16, cfg.hidden
     base = LlamaBlock(cfg).bfloat16()

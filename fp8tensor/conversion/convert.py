@@ -105,10 +105,12 @@ def _drop_custom_forwards(chosen, op: str):
 
 
 def _check_ties(root: nn.Module, chosen, op: str) -> None:
-    """Raise ``RuntimeError`` (naming both; nothing changed) if a weight conversion makes a master is also held by an
-    ``nn.Linear`` that is not converted: a tied weight is quantized on every GEMM use or on none."""
+    """Raise ``RuntimeError`` (naming both; nothing changed) if a weight conversion makes a master (or, for
+    ``quantize_weights``, an fp8 copy) is also held by an ``nn.Linear`` that is not converted: a tied weight is
+    quantized on every GEMM use or on none."""
     converted = {id(lin) for _, lin in chosen}
-    owners = {id(lin.weight): fqn for fqn, lin in chosen if not _is_dtensor(lin.weight)}
+    owners = {id(lin.weight): fqn for fqn, lin in chosen  # (an fp8 weight both read as it is: nothing to refuse)
+              if not _is_dtensor(lin.weight) and not isinstance(lin.weight, ScaledFp8Tensor)}
     bad = [f"{fqn!r} (shares its weight with {owners[id(mod.weight)]!r})" for fqn, mod in root.named_modules()
            if isinstance(mod, nn.Linear) and id(mod) not in converted and id(mod.weight) in owners]
     if bad:
@@ -326,11 +328,12 @@ def quantize_weights(
     Raises (the model left unchanged):
         TypeError: not an ``nn.Module``, filter not callable, or unsupported ``float8_dtype``.
         ValueError: a selected weight holds an inf or NaN (naming the parameter and its rows).
-        RuntimeError: as :func:`convert_to_fp8`.
+        RuntimeError: as :func:`convert_to_fp8` (a Linear left out by ``module_filter_fn`` sharing its weight with
+            a selected one included).
     """
     op = "quantize_weights"
     check_float8_dtype(float8_dtype, op)
-    chosen, skipped, redirects, experts = _select(module, module_filter_fn, op)
+    chosen, skipped, redirects, experts = _select(module, module_filter_fn, op, ties=True)
     for fqn, mod, names in experts:
         skipped += [f"{fqn + '.' if fqn else ''}{n} ({tuple(getattr(mod, n).shape)})" for n in names
                     if getattr(mod, n).shape[1] % 16 or getattr(mod, n).shape[2] % 16]

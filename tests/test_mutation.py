@@ -321,3 +321,57 @@ def test_data_assign_of_a_scaled_tensor_to_a_master_takes_its_values():
     assert type(lin.state_dict()["weight"]) is torch.Tensor
     with pytest.raises(TypeError, match="Fp8MasterWeight: .*got a ScaledFp8Tensor"):
         Fp8MasterWeight(new)
+
+
+# ------------------------------------------------------------------------------------------------- tied weights
+class _TiedLM(nn.Module):
+    """An output head tied to the embedding (``head.weight = emb.weight``), as most small language models."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx):
+        return self.head(self.emb(idx))
+
+
+@pytest.mark.parametrize("how", ["copy_no_grad", "data_copy", "load_state_dict_embedding_only", "optimizer_step"])
+def test_quantize_weights_head_follows_writes_to_its_tied_embedding(how):
+    """``quantize_weights`` of a model whose head is tied to its embedding: a write into the tied Parameter (through
+    the embedding, or a checkpoint that leaves out the tied head's key, as Hugging Face checkpoints do) is seen by the
+    head's next GEMM. Before: the head held an fp8 copy taken at conversion and kept computing from the old values
+    (relative error ~1.4 against the new ones)."""
+    model = _TiedLM()
+    fp8tensor.quantize_weights(model)
+    idx = torch.randint(0, 64, (4, 8))
+
+    def check(what):
+        with torch.no_grad():
+            y = model(idx)
+        e = _hp(model.emb.weight)
+        err = rel_err(y, e[idx] @ e.t())
+        assert err <= E4M3_GEMM_BOUND, f"{what}: relative error {err:.3g} against the tied weight's new values"
+
+    check("before")
+    new = torch.randn(64, 32) * 3
+    if how == "copy_no_grad":
+        with torch.no_grad():
+            model.emb.weight.copy_(new)
+    elif how == "data_copy":
+        model.emb.weight.data.copy_(new)
+    elif how == "load_state_dict_embedding_only":
+        missing, unexpected = model.load_state_dict({"emb.weight": new}, strict=False)
+        assert missing == ["head.weight"] and not unexpected
+    else:
+        model.emb.weight.requires_grad_(True)
+        opt = torch.optim.SGD(model.parameters(), lr=10.0)
+        model(idx).square().mean().backward()
+        opt.step()
+    if how != "optimizer_step":
+        assert torch.equal(_hp(model.emb.weight), new.double())
+    check(how)
+    assert model.head.weight is model.emb.weight  # one Parameter still (quantized on each use by the head)
+    sd = model.state_dict()
+    assert type(sd["head.weight"]) is torch.Tensor and sd["head.weight"].data_ptr() == sd["emb.weight"].data_ptr()

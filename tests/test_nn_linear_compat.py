@@ -216,6 +216,23 @@ def test_tied_linear_left_out_by_the_filter_raises():
     assert type(model[0]) is nn.Linear and type(model[1]) is nn.Linear
 
 
+def test_quantize_weights_tied_linear_left_out_by_the_filter_raises():
+    """As :func:`test_tied_linear_left_out_by_the_filter_raises` for ``quantize_weights``: an fp8 copy for the selected
+    Linear would leave the other holding the Parameter, and a later write through it (``b.weight.copy_``, a checkpoint
+    naming ``b``) would never reach the selected Linear's GEMMs (before: silently, relative error ~1 against the new
+    values). A clear error, and the model is unchanged."""
+    a = _lin(32, 32, bias=False)
+    b = _lin(32, 32, bias=False)
+    b.weight = a.weight
+    model = nn.Sequential(a, b)
+    w = a.weight
+    before = w.detach().clone()
+    with pytest.raises(RuntimeError, match=r"quantize_weights: Linear '1' \(shares its weight with '0'\)"):
+        fp8tensor.quantize_weights(model, module_filter_fn=lambda m, fqn: fqn == "0")
+    assert model[0].weight is w and model[1].weight is w and type(w) is nn.Parameter
+    assert type(model[0]) is nn.Linear and type(model[1]) is nn.Linear and torch.equal(w.detach(), before)
+
+
 def test_quantize_weights_keeps_shared_linear_weights_shared():
     a = _lin(32, 32, bias=False)
     b = _lin(32, 32, bias=False)

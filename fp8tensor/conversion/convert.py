@@ -20,7 +20,7 @@ from .modules import (Fp8GroupedExpertsMixin, Fp8Linear, Fp8LinearMixin, _new_co
                       experts_class, fp8_class, fp8_linear_forward, install_fp8_forward, instance_forward, own_forward,
                       plain_state_dict_hook, quantize_expert_weight, requantize_after_load, rewrap_after_load,
                       swap_local, uses_grouped_mm)
-from ..training.recipes import fp8_size_choice, fp8_size_rule, get_recipe
+from ..training.recipes import fp8_size_choice, fp8_size_rule, get_recipe, weight_format
 from ..core.settings import get_config
 from ..subclass.tensor import ScaledFp8Tensor, _is_dtensor, check_finite_rows, local_of
 
@@ -105,10 +105,12 @@ def _drop_custom_forwards(chosen, op: str):
 
 
 def _check_ties(root: nn.Module, chosen, op: str) -> None:
-    """Raise ``RuntimeError`` (naming both; nothing changed) if a weight conversion makes a master is also held by an
-    ``nn.Linear`` that is not converted: a tied weight is quantized on every GEMM use or on none."""
+    """Raise ``RuntimeError`` (naming both; nothing changed) if a weight conversion makes a master (or, for
+    ``quantize_weights``, an fp8 copy) is also held by an ``nn.Linear`` that is not converted: a tied weight is
+    quantized on every GEMM use or on none."""
     converted = {id(lin) for _, lin in chosen}
-    owners = {id(lin.weight): fqn for fqn, lin in chosen if not _is_dtensor(lin.weight)}
+    owners = {id(lin.weight): fqn for fqn, lin in chosen  # (an fp8 weight both read as it is: nothing to refuse)
+              if not _is_dtensor(lin.weight) and not isinstance(lin.weight, ScaledFp8Tensor)}
     bad = [f"{fqn!r} (shares its weight with {owners[id(mod.weight)]!r})" for fqn, mod in root.named_modules()
            if isinstance(mod, nn.Linear) and id(mod) not in converted and id(mod.weight) in owners]
     if bad:
@@ -117,6 +119,14 @@ def _check_ties(root: nn.Module, chosen, op: str) -> None:
             "is: a tied weight is quantized on every GEMM use or on none. Select both Linears or neither "
             "(module_filter_fn). The model was not changed."
         )
+
+
+def _tied_outside_linears(root: nn.Module, chosen) -> set:
+    """``id`` s of the plain (not DTensor) weights of the ``chosen`` Linears that a module of ``root`` other than a
+    Linear also holds (an embedding tied to the output head)."""
+    weights = {id(lin.weight) for _, lin in chosen if not _is_dtensor(lin.weight)}
+    return {id(p) for mod in root.modules() if not isinstance(mod, nn.Linear)
+            for p in compat.parameters_dict(mod).values() if p is not None and id(p) in weights}
 
 
 def _adopt_parameter(root: nn.Module, old: nn.Parameter, new: nn.Parameter) -> None:
@@ -304,7 +314,10 @@ def quantize_weights(
     For inference and frozen (e.g. LoRA base) weights: ``weight = ScaledFp8Tensor.from_hp(weight)``, not requiring
     grad; the Linear's ``forward`` becomes :func:`~fp8tensor.fp8_linear` (input gradients in fp8). Works before or
     after ``parallelize_module`` or torchtitan's TP (per shard; forward wrappers redirected as in
-    :func:`convert_to_fp8`). Linears sharing one weight share one fp8 copy; a tied embedding stays high precision;
+    :func:`convert_to_fp8`). Linears sharing one weight share one fp8 copy; a weight tied to a module that is not a
+    Linear (an embedding tied to the output head) stays that one high-precision Parameter, made an
+    :class:`~fp8tensor.master.Fp8MasterWeight` in place (the Linear quantizes it on each use, so writes into it
+    through either module are seen);
     Linears with a ``forward`` of their own, or a weight that is not a high-precision float or not materialized yet
     (a lazy module), are left unchanged, with a warning. A Hugging Face ``PreTrainedModel``
     gets ``config.quantization_config`` (:func:`fp8tensor.checkpoint.set_hf_quantization_config`).
@@ -315,11 +328,12 @@ def quantize_weights(
     Raises (the model left unchanged):
         TypeError: not an ``nn.Module``, filter not callable, or unsupported ``float8_dtype``.
         ValueError: a selected weight holds an inf or NaN (naming the parameter and its rows).
-        RuntimeError: as :func:`convert_to_fp8`.
+        RuntimeError: as :func:`convert_to_fp8` (a Linear left out by ``module_filter_fn`` sharing its weight with
+            a selected one included).
     """
     op = "quantize_weights"
     check_float8_dtype(float8_dtype, op)
-    chosen, skipped, redirects, experts = _select(module, module_filter_fn, op)
+    chosen, skipped, redirects, experts = _select(module, module_filter_fn, op, ties=True)
     for fqn, mod, names in experts:
         skipped += [f"{fqn + '.' if fqn else ''}{n} ({tuple(getattr(mod, n).shape)})" for n in names
                     if getattr(mod, n).shape[1] % 16 or getattr(mod, n).shape[2] % 16]
@@ -335,9 +349,12 @@ def quantize_weights(
     classes = {fqn: fp8_class(type(lin)) for fqn, lin in chosen}  # before any change: a failure leaves no trace
     q = functools.partial(quantize_expert_weight, float8_dtype=float8_dtype)  # a master's data, or the tensor itself
     shared: dict = {}  # id(old weight) -> (old weight, its fp8 Parameter): Linears sharing a weight share the fp8 one
+    tied = _tied_outside_linears(module, chosen)  # ids of plain Linear weights an embedding (or the like) holds too
+    tied_recipe = weight_format("rowwise", float8_dtype)
     for fqn, mod, names in targets:
         linear = isinstance(mod, nn.Linear)  # else grouped experts: each 3-D weight gets [E, out, 1] scales
         done = []
+        master = False  # a tied Linear weight: a master in place of the Parameter, quantized on each use
         for name in names:
             w = getattr(mod, name)
             if isinstance(local_of(w), ScaledFp8Tensor):  # stored in fp8 before (a Linear is then left as it is)
@@ -350,11 +367,29 @@ def quantize_weights(
             if _is_dtensor(w):
                 w.requires_grad_(False)
                 swap_local(w, q)
+            elif linear and id(w) in tied:
+                # an fp8 copy would leave the tie: writes into the tied Parameter (the embedding's) would never reach
+                # this Linear's GEMMs. The one Parameter becomes a master in place (every holder sees it).
+                master = True
+                if isinstance(w, Fp8MasterWeight):
+                    w.recipe = tied_recipe
+                else:
+                    _adopt_parameter(module, w, swap_local(w, lambda lt: Fp8MasterWeight(lt, tied_recipe)))
             else:  # (experts get a Parameter each)
                 if not linear or id(w) not in shared:
                     shared[id(w)] = (w, nn.Parameter(q(w.data), requires_grad=False))
                 setattr(mod, name, shared[id(w)][1])
         if not done:
+            continue
+        if master:  # the hooks of convert_to_fp8: state_dict holds the plain tensor, a load keeps the tie
+            mod.fp8_recipe = tied_recipe
+            if not getattr(mod, "_fp8_hooks", False):
+                compat.register_state_dict_hook(mod, plain_state_dict_hook)
+                mod.register_load_state_dict_pre_hook(_checkpoint.load_state_dict_pre_hook)
+                mod.register_load_state_dict_post_hook(rewrap_after_load)
+                mod._fp8_hooks = True
+            install_fp8_forward(mod, classes[fqn], redirects[fqn])
+            add_tp_export_hook(mod)
             continue
         mod.fp8_recipe = get_recipe("rowwise")
         add_fp8_checkpoint_hooks(mod, float8_dtype)

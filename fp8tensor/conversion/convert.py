@@ -20,7 +20,7 @@ from .modules import (Fp8GroupedExpertsMixin, Fp8Linear, Fp8LinearMixin, _new_co
                       experts_class, fp8_class, fp8_linear_forward, install_fp8_forward, instance_forward, own_forward,
                       plain_state_dict_hook, quantize_expert_weight, requantize_after_load, rewrap_after_load,
                       swap_local, uses_grouped_mm)
-from ..training.recipes import fp8_size_choice, fp8_size_rule, get_recipe, weight_format
+from ..training.recipes import fp8_size_choice, fp8_size_rule, get_recipe
 from ..core.settings import get_config
 from ..subclass.tensor import ScaledFp8Tensor, _is_dtensor, check_finite_rows, local_of
 
@@ -314,11 +314,11 @@ def quantize_weights(
     For inference and frozen (e.g. LoRA base) weights: ``weight = ScaledFp8Tensor.from_hp(weight)``, not requiring
     grad; the Linear's ``forward`` becomes :func:`~fp8tensor.fp8_linear` (input gradients in fp8). Works before or
     after ``parallelize_module`` or torchtitan's TP (per shard; forward wrappers redirected as in
-    :func:`convert_to_fp8`). Linears sharing one weight share one fp8 copy; a weight tied to a module that is not a
-    Linear (an embedding tied to the output head) stays that one high-precision Parameter, made an
-    :class:`~fp8tensor.master.Fp8MasterWeight` in place (the Linear quantizes it on each use, so writes into it
-    through either module are seen);
-    Linears with a ``forward`` of their own, or a weight that is not a high-precision float or not materialized yet
+    :func:`convert_to_fp8`). Linears sharing one weight share one fp8 copy; a Linear whose weight a module that is not a
+    Linear also holds (an output head tied to the embedding) is left in high precision, with a warning (an fp8 copy
+    would not see writes into the tied weight through the embedding, and quantizing it on each call would cost more
+    than its high-precision GEMM: untie it first, ``head.weight = nn.Parameter(head.weight.detach().clone())``, to
+    store it in fp8). Linears with a ``forward`` of their own, or a weight that is not a high-precision float or not materialized yet
     (a lazy module), are left unchanged, with a warning. A Hugging Face ``PreTrainedModel``
     gets ``config.quantization_config`` (:func:`fp8tensor.checkpoint.set_hf_quantization_config`).
 
@@ -334,9 +334,17 @@ def quantize_weights(
     op = "quantize_weights"
     check_float8_dtype(float8_dtype, op)
     chosen, skipped, redirects, experts = _select(module, module_filter_fn, op, ties=True)
+    # A weight an embedding (or another module that is not a Linear) also holds stays that one high-precision
+    # Parameter: an fp8 copy would never see writes into it through the other module, and quantizing it on each use
+    # would read more bytes per call than the high-precision GEMM does.
+    tied = _tied_outside_linears(module, chosen)
+    skipped += [f"{fqn} (weight tied to a module that is not a Linear, e.g. an embedding)" for fqn, lin in chosen
+                if id(lin.weight) in tied]
+    chosen = [(fqn, lin) for fqn, lin in chosen if id(lin.weight) not in tied]
     for fqn, mod, names in experts:
         skipped += [f"{fqn + '.' if fqn else ''}{n} ({tuple(getattr(mod, n).shape)})" for n in names
                     if getattr(mod, n).shape[1] % 16 or getattr(mod, n).shape[2] % 16]
+    module.fp8_skipped = skipped
     if skipped:
         warnings.warn(f"{op}: left in high precision: {', '.join(skipped)}", stacklevel=2)
     targets = [(fqn, lin, ("weight",)) for fqn, lin in chosen] + experts
@@ -349,12 +357,9 @@ def quantize_weights(
     classes = {fqn: fp8_class(type(lin)) for fqn, lin in chosen}  # before any change: a failure leaves no trace
     q = functools.partial(quantize_expert_weight, float8_dtype=float8_dtype)  # a master's data, or the tensor itself
     shared: dict = {}  # id(old weight) -> (old weight, its fp8 Parameter): Linears sharing a weight share the fp8 one
-    tied = _tied_outside_linears(module, chosen)  # ids of plain Linear weights an embedding (or the like) holds too
-    tied_recipe = weight_format("rowwise", float8_dtype)
     for fqn, mod, names in targets:
         linear = isinstance(mod, nn.Linear)  # else grouped experts: each 3-D weight gets [E, out, 1] scales
         done = []
-        master = False  # a tied Linear weight: a master in place of the Parameter, quantized on each use
         for name in names:
             w = getattr(mod, name)
             if isinstance(local_of(w), ScaledFp8Tensor):  # stored in fp8 before (a Linear is then left as it is)
@@ -367,29 +372,11 @@ def quantize_weights(
             if _is_dtensor(w):
                 w.requires_grad_(False)
                 swap_local(w, q)
-            elif linear and id(w) in tied:
-                # an fp8 copy would leave the tie: writes into the tied Parameter (the embedding's) would never reach
-                # this Linear's GEMMs. The one Parameter becomes a master in place (every holder sees it).
-                master = True
-                if isinstance(w, Fp8MasterWeight):
-                    w.recipe = tied_recipe
-                else:
-                    _adopt_parameter(module, w, swap_local(w, lambda lt: Fp8MasterWeight(lt, tied_recipe)))
             else:  # (experts get a Parameter each)
                 if not linear or id(w) not in shared:
                     shared[id(w)] = (w, nn.Parameter(q(w.data), requires_grad=False))
                 setattr(mod, name, shared[id(w)][1])
         if not done:
-            continue
-        if master:  # the hooks of convert_to_fp8: state_dict holds the plain tensor, a load keeps the tie
-            mod.fp8_recipe = tied_recipe
-            if not getattr(mod, "_fp8_hooks", False):
-                compat.register_state_dict_hook(mod, plain_state_dict_hook)
-                mod.register_load_state_dict_pre_hook(_checkpoint.load_state_dict_pre_hook)
-                mod.register_load_state_dict_post_hook(rewrap_after_load)
-                mod._fp8_hooks = True
-            install_fp8_forward(mod, classes[fqn], redirects[fqn])
-            add_tp_export_hook(mod)
             continue
         mod.fp8_recipe = get_recipe("rowwise")
         add_fp8_checkpoint_hooks(mod, float8_dtype)

@@ -77,3 +77,25 @@ def test_decode_token_limit_has_tiles_and_matches_the_docs():
         text = (root / doc).read_text()
         assert f"up to {c['max_m']} tokens" in text, doc
         assert "up to 64 tokens" not in text, doc
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_eager_decode_launches_directly_with_a_bias_parameter(monkeypatch, bias):
+    """Eager decode (no grad, a decode-sized input): the no-grad Linear launches the decode GEMM directly, not through
+    the ``fp8tensor::w8_mm`` op (a dispatcher round trip of tens of µs), whether or not it has a bias (an
+    ``nn.Parameter``). The kernels are CUDA-only: availability and the launch are replaced by recorders here."""
+    from fp8tensor.numerics import kernels
+
+    calls = []
+
+    def launch(x, w8, scale, b, *, traced=False, **kw):
+        calls.append(traced)
+        return torch.zeros(x.shape[0], w8.shape[0], dtype=x.dtype)
+
+    monkeypatch.setattr(kernels, "w8_mm_available", lambda x, w8: True)
+    monkeypatch.setattr(kernels, "launch_w8_mm", launch)
+    m = fp8tensor.quantize_weights(nn.Sequential(nn.Linear(64, 32, bias=bias, dtype=torch.bfloat16)))[0]
+    assert bias == isinstance(m.bias, nn.Parameter)
+    with torch.no_grad():
+        m(torch.randn(2, 64, dtype=torch.bfloat16))
+    assert calls == [False], calls

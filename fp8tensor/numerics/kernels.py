@@ -364,7 +364,7 @@ def row_kernel_available(x: torch.Tensor) -> bool:
 
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)  # (types of tensors a kernel may take as they are)
 
 
 def eager_launch_ok(x: torch.Tensor) -> bool:
@@ -372,7 +372,7 @@ def eager_launch_ok(x: torch.Tensor) -> bool:
     wrapper), nothing traced, no dispatch mode. Otherwise callers go through ops the tracer or mode sees."""
     return (
         not compat.is_compiling()  # first: dynamo cannot trace the C calls below (it would break the graph)
-        and type(x) in _PLAIN_TYPES
+        and type(x) in PLAIN_TYPES
         and not compat.dispatch_modes_active()
         and not compat.is_functorch_wrapped(x)  # vmap / grad wrappers look like plain tensors
     )

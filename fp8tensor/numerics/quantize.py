@@ -390,8 +390,9 @@ def weight_only_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
             and scale.dtype == torch.float32 and scale.device == x.device
             and (bias is None or (bias.dim() == 1 and bias.shape[0] == w8.shape[0] and bias.device == x.device))):
         return None
-    if kernels.eager_launch_ok(x) and type(w8) is torch.Tensor and type(scale) is torch.Tensor and (
-            bias is None or type(bias) is torch.Tensor):
+    plain = kernels.PLAIN_TYPES  # (a bias is usually an nn.Parameter)
+    if kernels.eager_launch_ok(x) and type(w8) in plain and type(scale) in plain and (
+            bias is None or type(bias) in plain):
         return kernels.launch_w8_mm(x, w8, scale.contiguous(), None if bias is None else bias.contiguous())
     return torch.ops.fp8tensor.w8_mm(x, w8, scale, bias)
 

@@ -3,7 +3,8 @@
 Invoked by tests/test_quantize.py in a subprocess with TRITON_INTERPRET=1 (read when the kernels are defined), a seed
 as its argument. Through ``launch_w8_mm`` itself: M = 0, 1 and up to the 128-row block, odd N, K not a multiple of
 the tiles, bias or not, bf16 / fp16, splits of K (summed by the second launch) forced through ``tiles=`` (the CPU
-plan sees one SM), the same bits run after run, and more rows than the largest row block refused; also an fp8 ``x``
+plan sees one SM), the same bits run after run, and more rows than the largest row block refused; a contiguous
+``(..., K)`` ``x`` as its rows; also an fp8 ``x``
 with row scales (``x_scale``: the dot fp8 x fp8) and its argument checks.
 
 Bound: ``out`` is the float32 sum of exact products (an fp8 value times a bf16 / fp16 value fits in float32),
@@ -142,6 +143,18 @@ def main():
     else:
         raise AssertionError("129 rows were accepted")
     assert quantize_mod.weight_only_mm(x, q, s, b) is None  # CPU: the Linear's dispatch does not take the kernel
+    # a contiguous (..., K) x: its rows as they are (no reshape), the output (..., N), bits of the 2-D call
+    x3 = torch.randn(2, 3, 256, dtype=torch.bfloat16)
+    many = dict(kernels.W8_MM_CONFIG["tiles"][16], programs_per_sm=64, min_k_tiles=1)
+    out3 = kernels.launch_w8_mm(x3, q, s, b.to(torch.bfloat16), tiles=many)
+    assert out3.shape == (2, 3, 6), out3.shape
+    assert torch.equal(out3, kernels.launch_w8_mm(x3.reshape(6, 256), q, s, b.to(torch.bfloat16), tiles=many).view(2, 3, 6))
+    try:
+        kernels.launch_w8_mm(x3.transpose(0, 1), q, s, None)
+    except ValueError as e:
+        assert "contiguous" in str(e), e
+    else:
+        raise AssertionError("a non-contiguous 3-D x was accepted")
     print("ok")
 
 

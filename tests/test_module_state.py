@@ -36,11 +36,16 @@ STATE = {
     "numerics/kernels.py:_SM_COUNT": "each device's SM count (a hardware fact)",
     "numerics/kernels.py:_W8_PLANS": "launch plans of the decode GEMM, a pure function of (device, M, N, K) and the "
                                      "read-only tile table; at most 4096, then cleared",
+    "numerics/kernels.py:_W8_LAUNCHES": "the decode GEMM's launch arguments besides its tensors (grid, split, "
+                                        "constexprs), a pure function of (device, M, N, K, dtype, bias, fp8 x) and "
+                                        "the read-only tile table; at most 4096, then cleared",
     "numerics/kernels.py:_INT_CLASSES": "Triton's specialization class of an integer launch argument, a pure function "
                                         "of its value; at most 4096 entries",
     "subclass/tensor.py:_DTENSOR": "the DTensor class (or False without torch.distributed), looked up once",
     "numerics/fsdp_payload.py:_GROUP_OF": "FSDP2 group of a sharded tensor, keyed weakly by the tensor",
     "numerics/fsdp_payload.py:_FSDP_PARAM_OF": "FSDP2 parameter of a sharded tensor, keyed weakly by the tensor",
+    "conversion/modules.py:_PLAIN_PARAMETERS": "whether a module class has a class attribute named weight or bias "
+                                                "(a fact about the class)",
     "conversion/modules.py:_CONVERTED": "the converted class of each (mixin, module class) pair, made once",
 }
 
@@ -52,12 +57,15 @@ def _mutable_state(path: pathlib.Path) -> set[str]:
     """Module-level names of ``path`` bound to a mutable container, and names rebound through ``global``."""
     tree = ast.parse(path.read_text(), str(path))
     names = set()
+    mutable_calls = _MUTABLE_CALLS | {  # and the module's own classes derived from threading.local
+        node.name for node in tree.body if isinstance(node, ast.ClassDef)
+        and any((getattr(b, "id", None) or getattr(b, "attr", None)) == "local" for b in node.bases)}
     for node in tree.body:
         if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
             v = node.value
             call = getattr(v.func, "id", None) or getattr(v.func, "attr", None) if isinstance(v, ast.Call) else None
             if isinstance(v, (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)) \
-                    or call in _MUTABLE_CALLS:
+                    or call in mutable_calls:
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target]
                 names |= {t.id for t in targets if isinstance(t, ast.Name)}
     for node in ast.walk(tree):
@@ -76,10 +84,10 @@ def test_module_level_mutable_state_is_the_listed_inventory():
 
 def test_the_scanner_sees_containers_weak_maps_thread_locals_and_globals(tmp_path):
     f = tmp_path / "m.py"
-    f.write_text("import threading, weakref\nA = {}\nB: dict = dict()\nC = weakref.WeakKeyDictionary()\n"
-                 "D = threading.local()\nE = (1, 2)\nF = frozenset({1})\n_n = 0\ndef g():\n    global _n\n    _n += 1\n"
+    f.write_text("import threading, weakref\nclass L(threading.local):\n    x = None\nG = L()\nA = {}\n"
+                 "B: dict = dict()\nC = weakref.WeakKeyDictionary()\nD = threading.local()\nE = (1, 2)\nF = frozenset({1})\n_n = 0\ndef g():\n    global _n\n    _n += 1\n"
                  "__all__ = ['g']\n")
-    assert _mutable_state(f) == {"A", "B", "C", "D", "_n"}
+    assert _mutable_state(f) == {"A", "B", "C", "D", "G", "_n"}
 
 
 @pytest.mark.parametrize("table", ["CONFIG", "ROW_CONFIG", "TRANSPOSE_CONFIG", "GROUP_COL_CONFIG", "W8_MM_CONFIG"])

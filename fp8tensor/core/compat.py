@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
+import torch.autograd.forward_ad as _forward_ad
 from torch.utils import _pytree
 from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes  # (no mode active inside)
 
@@ -108,8 +109,7 @@ def functional_data(x: torch.Tensor):
 
 def forward_ad_active() -> bool:
     """Whether a forward-mode AD level is open (``torch.autograd.forward_ad.dual_level``)."""
-    import torch.autograd.forward_ad as fwd
-    return fwd._current_level >= 0
+    return _forward_ad._current_level >= 0
 
 
 def _version(v: str) -> tuple:

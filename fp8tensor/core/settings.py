@@ -88,14 +88,24 @@ class Config:
 
 
 _global = Config()
-_local = threading.local()  # .block: (overrides, the global settings they were merged with, merged) or None
+class _ThreadState(threading.local):
+    """This thread's :func:`config` state; class-level defaults, so that reading an unset field is a plain attribute
+    lookup (``getattr(local, name, None)`` of a missing one raises and catches inside: µs per call, on every Linear
+    call)."""
+
+    block = None  # (overrides, the global settings they were merged with, merged) or None
+    stack = None  # the enclosing blocks' (scope, changes), innermost last
+    pending = None  # weak references to blocks exited out of order, reported at the next read
+
+
+_local = _ThreadState()
 
 
 def get_config() -> Config:
     """The settings in force in this thread: the enclosing :func:`config` blocks' fields over the process-wide ones."""
-    if getattr(_local, "pending", None):
+    if _local.pending:
         _raise_pending()
-    block = getattr(_local, "block", None)
+    block = _local.block
     if block is None:
         return _global
     overrides, base, merged = block
@@ -109,7 +119,7 @@ def scope_token():
     """This thread's :func:`config` blocks as an opaque token for :func:`swap_scope` (None outside any): the fp8
     Linear's backward runs under its forward's (autograd's device threads). It holds settings, not scopes."""
     block = getattr(_local, "block", None)
-    return None if block is None else (block, tuple((None, changes) for _, changes in getattr(_local, "stack", ())))
+    return None if block is None else (block, tuple((None, changes) for _, changes in _local.stack or ()))
 
 
 def swap_scope(token):

@@ -9,6 +9,7 @@ Imports only :mod:`fp8tensor.core`; :mod:`fp8tensor.quantize` decides when a ker
 from __future__ import annotations
 
 import importlib
+import math
 import types
 from typing import Optional
 
@@ -751,12 +752,16 @@ _W8_PLANS: dict = {}
 
 
 def w8_mm_available(x: torch.Tensor, w8: torch.Tensor) -> bool:
-    """Whether :func:`launch_w8_mm` takes ``x`` ``(M, K)`` (bf16 / fp16, unit last stride, ``1 <= M <= max_m``) and
-    the fp8 weight ``w8`` ``(N, K)`` (row-major) on one CUDA device, with Triton; fake tensors (compile) included."""
-    return (_HAS_TRITON and x.is_cuda and x.dim() == 2 and w8.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16)
+    """Whether :func:`launch_w8_mm` takes ``x`` (bf16 / fp16; ``(M, K)`` with unit last stride, or ``(..., K)``
+    contiguous, ``1 <= M <= max_m`` rows in all) and the fp8 weight ``w8`` ``(N, K)`` (row-major) on one CUDA device,
+    with Triton; fake tensors (compile) included."""
+    nd = x.dim()
+    return (_HAS_TRITON and x.is_cuda and w8.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16)
             and w8.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and x.device == w8.device
-            and 1 <= x.shape[0] <= W8_MM_CONFIG["max_m"] and x.shape[1] == w8.shape[1] and w8.shape[0] > 0
-            and (x.stride(1) == 1 or x.shape[1] <= 1) and (w8.stride(1) == 1 or w8.shape[1] <= 1)
+            and (nd == 2 or (nd > 2 and x.is_contiguous()))
+            and 1 <= (x.shape[0] if nd == 2 else math.prod(x.shape[:-1])) <= W8_MM_CONFIG["max_m"]
+            and x.shape[-1] == w8.shape[1] and w8.shape[0] > 0
+            and (x.stride(-1) == 1 or x.shape[-1] <= 1) and (w8.stride(1) == 1 or w8.shape[1] <= 1)
             and x.numel() < 2**31 and w8.numel() < 2**31)
 
 
@@ -785,6 +790,27 @@ def _w8_mm_plan(M: int, N: int, K: int, device: torch.device, tiles=None) -> tup
     return plan
 
 
+def _w8_mm_launch(M: int, N: int, K: int, device: torch.device, dtype: torch.dtype, has_bias: bool, x_fp8: bool,
+                  tiles=None) -> tuple:
+    """What :func:`launch_w8_mm` passes its launches besides the tensors: ``(grid, split, k_per, consts, warps,
+    stages, reduce grid, reduce consts)``, a pure function of its arguments (memoized in ``_W8_LAUNCHES`` per device,
+    shape, output dtype, bias and fp8 ``x``: the eager call builds no dicts)."""
+    bm, c, grid, split, k_per = _w8_mm_plan(M, N, K, device, tiles)
+    ty = _tl_dtype(dtype)
+    consts = dict(HAS_BIAS=has_bias, FINAL=split == 1, X_TY=ty, O_TY=ty, BLOCK_M=bm, BLOCK_N=c["block_n"],
+                  BLOCK_K=c["block_k"], N_MAJOR=c.get("n_major", False))
+    if x_fp8:
+        consts["X_FP8"] = True
+    rblock = W8_MM_CONFIG["reduce_block"]
+    rconsts = dict(SPLIT=split, HAS_BIAS=has_bias, O_TY=ty, BLOCK=rblock)
+    return (grid, split, k_per, types.MappingProxyType(consts), c["warps"], c["stages"],
+            ((M * N + rblock - 1) // rblock,), types.MappingProxyType(rconsts))
+
+
+#: Memo of :func:`_w8_mm_launch` (bounded; a pure function of its key).
+_W8_LAUNCHES: dict = {}
+
+
 def launch_w8_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor],
                  *, traced: bool = False, tiles=None, x_scale: Optional[torch.Tensor] = None,
                  out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -793,6 +819,7 @@ def launch_w8_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: O
     Args:
         x: ``(M, K)`` bf16 / fp16, unit last stride, ``0 <= M <=`` the largest row block of ``W8_MM_CONFIG["tiles"]``
             (128); the no-grad Linear takes it up to ``W8_MM_CONFIG["max_m"]`` rows (check :func:`w8_mm_available`).
+            A contiguous ``(..., K)`` is taken as its ``M`` rows and gives ``(..., N)``.
             Or fp8 of ``w8``'s dtype with ``x_scale``: see below.
         w8: ``(N, K)`` fp8 (e4m3 / e5m2), unit last stride, on ``x``'s device.
         scale: ``(N, 1)`` contiguous float32 row scales; bias: ``(N,)`` contiguous or None.
@@ -807,10 +834,19 @@ def launch_w8_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: O
     (deterministic) so small N still uses every SM; the float32 partial sums of a split are added by a second launch.
 
     Raises:
-        ValueError: ``M`` exceeds the largest row block; an fp8 ``x`` without ``x_scale`` as above, of another fp8
+        ValueError: ``M`` exceeds the largest row block; ``x`` not 2-D and not contiguous; an fp8 ``x`` without ``x_scale`` as above, of another fp8
             dtype than ``w8``, or a ``out_dtype`` other than bf16 / fp16; ``x_scale`` with a high-precision ``x``.
     """
-    M, K, N = int(x.shape[0]), int(x.shape[1]), int(w8.shape[0])  # (specialized under torch.compile)
+    K, N = int(x.shape[-1]), int(w8.shape[0])  # (specialized under torch.compile)
+    if x.dim() == 2:
+        M = int(x.shape[0])
+        shape, stride_xm = (M, N), x.stride(0)
+    else:  # (..., K) contiguous: rows at stride K, no reshape (a view costs µs of host time per eager call)
+        if x.dim() < 2 or not x.is_contiguous():
+            raise ValueError(f"fp8tensor launch_w8_mm: x must be (M, K) or a contiguous (..., K); got shape "
+                             f"{tuple(x.shape)}, strides {x.stride()}")
+        M = int(math.prod(x.shape[:-1]))
+        shape, stride_xm = (*x.shape[:-1], N), K
     if M > max(W8_MM_CONFIG["tiles"]):
         raise ValueError(f"fp8tensor launch_w8_mm: {M} rows; the decode GEMM has tiles for at most "
                          f"{max(W8_MM_CONFIG['tiles'])} (W8_MM_CONFIG['tiles'])")
@@ -822,23 +858,26 @@ def launch_w8_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: O
                       and out_dtype in (torch.bfloat16, torch.float16)):
         raise ValueError(f"fp8tensor launch_w8_mm: an fp8 x ({x.dtype}) needs the weight's fp8 dtype ({w8.dtype}), "
                          f"x_scale ({M}, 1) contiguous float32 and out_dtype bf16 / fp16")
-    out = torch.empty(M, N, dtype=out_dtype if x_fp8 else x.dtype, device=x.device)
+    dtype = out_dtype if x_fp8 else x.dtype
+    out = torch.empty(shape, dtype=dtype, device=x.device)
     if M == 0 or N == 0:
         return out
-    bm, c, grid, split, k_per = _w8_mm_plan(M, N, K, x.device, tiles)
-    s = scale.reshape(N)
-    b = bias if bias is not None else s
+    has_bias = bias is not None
+    key = (x.device, M, N, K, dtype, has_bias, x_fp8)
+    launch = _W8_LAUNCHES.get(key) if tiles is None else None
+    if launch is None:
+        launch = _w8_mm_launch(M, N, K, x.device, dtype, has_bias, x_fp8, tiles)
+        if tiles is None:
+            if len(_W8_LAUNCHES) >= 4096:
+                _W8_LAUNCHES.clear()
+            _W8_LAUNCHES[key] = launch
+    grid, split, k_per, consts, warps, stages, rgrid, rconsts = launch
+    b = bias if has_bias else scale  # (scale (N, 1) and x_scale (M, 1) contiguous: the kernels read them flat)
     ws = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
-    ty = _tl_dtype(out.dtype)
-    consts = dict(HAS_BIAS=bias is not None, FINAL=split == 1, X_TY=ty, O_TY=ty,
-                  BLOCK_M=bm, BLOCK_N=c["block_n"], BLOCK_K=c["block_k"], N_MAJOR=c.get("n_major", False))
     if x_fp8:
-        consts.update(xs_ptr=x_scale.reshape(M), X_FP8=True)
-    args = (x, w8, s, b, ws, M, N, K, k_per, x.stride(0), w8.stride(0), N, M * N)
-    rblock = W8_MM_CONFIG["reduce_block"]
-    rconsts = dict(SPLIT=split, HAS_BIAS=bias is not None, O_TY=ty, BLOCK=rblock)
-    rgrid = (triton.cdiv(M * N, rblock),)
-    _launch(_w8_mm_kernel, grid, args, consts, c["warps"], x.device, c["stages"], traced=traced)
+        consts = {**consts, "xs_ptr": x_scale}
+    args = (x, w8, scale, b, ws, M, N, K, k_per, stride_xm, w8.stride(0), N, M * N)
+    _launch(_w8_mm_kernel, grid, args, consts, warps, x.device, stages, traced=traced)
     if split > 1:
-        _launch(_w8_mm_reduce_kernel, rgrid, (ws, s, b, out, M * N, N), rconsts, 4, x.device, traced=traced)
+        _launch(_w8_mm_reduce_kernel, rgrid, (ws, scale, b, out, M * N, N), rconsts, 4, x.device, traced=traced)
     return out

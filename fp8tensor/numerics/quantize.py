@@ -381,7 +381,7 @@ if not kernels.HAS_TRITON:  # a triton_op is its own fake kernel; the plain cust
 # ---------------------------------------------------------------------------------------------- small-M GEMM
 def weight_only_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
                    bias: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-    """``x @ (w8 * scale).T + bias`` ``(M, N)`` in ``x``'s dtype for a decode-sized ``x`` ``(M, K)`` (``M <= 32``,
+    """``x @ (w8 * scale).T + bias`` ``(..., N)`` in ``x``'s dtype for a decode-sized ``x`` ``(..., K)`` (``M <= 32`` rows,
     bf16 / fp16, CUDA with Triton), reading the fp8 weight once and ``x`` unquantized (weight-bound: an fp8 x fp8
     GEMM saves nothing, and cuBLAS has no small-M row-scaled kernel); None where it does not run. ``w8`` ``(N, K)``
     fp8, ``scale`` ``(N, 1)`` float32, ``bias`` ``(N,)``. The row limit is ``kernels.W8_MM_CONFIG["max_m"]`` (the
@@ -394,7 +394,9 @@ def weight_only_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
     if kernels.eager_launch_ok(x) and type(w8) in plain and type(scale) in plain and (
             bias is None or type(bias) in plain):
         return kernels.launch_w8_mm(x, w8, scale.contiguous(), None if bias is None else bias.contiguous())
-    return torch.ops.fp8tensor.w8_mm(x, w8, scale, bias)
+    if x.dim() == 2:
+        return torch.ops.fp8tensor.w8_mm(x, w8, scale, bias)
+    return torch.ops.fp8tensor.w8_mm(x.reshape(-1, x.shape[-1]), w8, scale, bias).view(*x.shape[:-1], w8.shape[0])
 
 
 if kernels.HAS_TRITON:

@@ -357,13 +357,13 @@ def _inference_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
     Decode-sized inputs (up to 32 tokens, bf16 / fp16, CUDA) with a row-scaled fp8 weight of their dtype take
     :func:`fp8tensor.quantize.weight_only_mm` instead, eager and compiled (``fp8tensor.config(weight_only_decode=...)``):
     ``x`` stays in its precision and the fp8 weight is read once (the step is bound by the weight's bytes)."""
+    if (type(weight) is ScaledFp8Tensor and type(x) is torch.Tensor and weight.dtype == x.dtype
+            and get_config().weight_only_decode):
+        out = weight_only_mm(x, weight.qdata, weight.scale, bias)  # (..., K) as it is: no reshape in eager
+        if out is not None:
+            return out
     wd = weight._data if isinstance(weight, QuantizeOnUse) else weight
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    if (type(weight) is ScaledFp8Tensor and weight.dtype == x.dtype and type(x2) is torch.Tensor and weight.dim() == 2
-            and get_config().weight_only_decode):
-        out = weight_only_mm(x2, weight.qdata, weight.scale, bias)
-        if out is not None:
-            return out if x.dim() == 2 else out.view(*x.shape[:-1], wd.shape[0])
     out = _forward(x2, weight, recipe)
     if bias is not None:
         out = out + bias

@@ -119,3 +119,19 @@ def test_cuda_graph_capture(monkeypatch):
             x.copy_(xi)  # the graph's input
             g.replay()
             assert torch.equal(out, ri)
+
+
+@pytest.mark.parametrize("shape", [(2, 3), (1, 1), (4, 8)])
+def test_batched_input_as_its_rows(shape):
+    """A quantize_weights Linear given a contiguous ``(..., K)`` decode input launches the decode GEMM on it as it is
+    (no reshape): the same bits as the 2-D input, against float64 within the fp8 weight's bound."""
+    torch.manual_seed(0)
+    lin = fp8tensor.quantize_weights(nn.Sequential(nn.Linear(512, 96, device=DEV, dtype=torch.bfloat16)))[0]
+    x = torch.randn(*shape, 512, device=DEV, dtype=torch.bfloat16)
+    with torch.no_grad():
+        out = lin(x)
+        flat = lin(x.reshape(-1, 512))
+    assert out.shape == (*shape, 96)
+    assert torch.equal(out.reshape(-1, 96), flat)
+    ref = x.double().reshape(-1, 512) @ lin.weight.to_hp(torch.float64).t() + lin.bias.double()
+    assert rel_err(flat, ref) < 1e-2

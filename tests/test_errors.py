@@ -129,7 +129,21 @@ def test_fp8_linear_rejects_bad_shapes():
         fp8_linear(x, torch.randn(48))
     with pytest.raises(ValueError, match=r"fp8tensor: unknown recipe 'tensorwise'"):
         fp8_linear(torch.randn(4, 64), w, recipe="tensorwise")
+    b = torch.randn(48)
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad), pytest.raises(
+                RuntimeError, match=r"fp8_linear: bias shape \(48,\) does not match the weight's out_features 32"):
+            fp8_linear(torch.randn(4, 64), w, b)
     assert _unchanged(before, w, x)
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (32,), (1, 32), (4, 32)])
+def test_fp8_linear_broadcasts_the_bias_as_f_linear(shape):
+    """A bias that ``F.linear`` broadcasts works as there (within the fp8 bound of float64)."""
+    w, x, b = torch.randn(32, 64), torch.randn(4, 64), torch.randn(shape)
+    ref = x.double() @ w.double().t() + b.double()
+    out = fp8_linear(x, w, b)
+    assert out.shape == ref.shape and float((out.double() - ref).norm() / ref.norm()) < 5e-2
 
 
 def test_scaled_mm_rejects_unknown_backend():

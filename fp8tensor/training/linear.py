@@ -302,7 +302,8 @@ def fp8_linear(
         NotImplementedError: called under a ``torch.func`` transform (``grad``, ``vmap``, ...) or with a
             forward-mode AD tangent, which this ``autograd.Function`` does not support; also, raised by the backward,
             double backward (``create_graph=True``).
-        RuntimeError: ``input.shape[-1] != weight.shape[1]``, or ``weight`` is not 2-D; the GEMM's errors naming
+        RuntimeError: ``input.shape[-1] != weight.shape[1]``, ``weight`` is not 2-D, or ``bias``'s last dim is neither
+            ``weight.shape[0]`` nor 1 (``F.linear``'s broadcasting otherwise); the GEMM's errors naming
             ``aten.mm`` for an integer or complex operand or operands on different devices.
     """
     r = get_recipe(recipe)
@@ -314,6 +315,9 @@ def fp8_linear(
             f"fp8_linear: input's last dim {tuple(input.shape)[-1:]} does not match weight's in_features "
             f"{weight.shape[1]} (weight shape {tuple(weight.shape)})"
         )
+    if bias is not None and bias.dim() >= 1 and bias.shape[-1] not in (1, wd.shape[0]):
+        raise RuntimeError(f"fp8_linear: bias shape {tuple(bias.shape)} does not match the weight's out_features "
+                           f"{wd.shape[0]} (weight shape {tuple(wd.shape)})")
     if input.dtype in FLOAT8_DTYPES or wd.dtype in FLOAT8_DTYPES:  # (a ScaledFp8Tensor reads as its high precision)
         which = "input" if input.dtype in FLOAT8_DTYPES else "weight"
         raise TypeError(

@@ -292,3 +292,22 @@ def test_grouped_experts_export(strict, conversion):
             assert type(y) is torch.Tensor, type(y)
             assert rel_err(y, m(x, counts)) < 1e-6
             assert rel_err(y, _experts_f64(m, x, counts, w1, w2)) < 2 * E4M3_GEMM_BOUND  # (two GEMMs in a row)
+
+
+def test_cast_of_fp8_weight_exports_without_fallback_warning():
+    """``w.to(dtype)`` of an fp8 weight in an exported program records ``aten._assert_tensor_metadata``, a metadata
+    check: it reads the weight's metadata, not a dequantized copy (no "has no fp8 implementation" fallback, here
+    raising), and a mismatch still raises."""
+    m = fp8tensor.quantize_weights(_Experts())
+    counts = torch.tensor([5, 0, 12, 3])
+    x = torch.randn(20, 32)
+    with fp8tensor.config(unknown_ops="raise"), torch.no_grad():
+        ep = torch.export.export(m, (torch.randn(20, 32), counts), strict=False)
+        assert rel_err(ep.module()(x, counts), m(x, counts)) < 1e-6  # (the traced masked GEMMs' float32 sum order)
+        w = m.w1
+        torch.ops.aten._assert_tensor_metadata(w, w.shape, w.stride(), torch.float32, device=w.device,
+                                               layout=w.layout)
+        with pytest.raises(RuntimeError, match="dtype"):
+            torch.ops.aten._assert_tensor_metadata(w, dtype=torch.bfloat16)
+        with pytest.raises(RuntimeError, match="size"):
+            torch.ops.aten._assert_tensor_metadata(w, [1, 2, 3])

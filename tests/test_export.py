@@ -24,6 +24,8 @@ import fp8tensor
 from fp8tensor import Fp8MasterWeight, ScaledFp8Tensor
 from fp8tensor.quantize import FLOAT8_DTYPES
 
+from conftest import E4M3_GEMM_BOUND, rel_err
+
 STRICT = pytest.mark.parametrize("strict", [False, True], ids=["nonstrict", "strict"])
 DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 
@@ -244,3 +246,68 @@ def test_training_model_program_saved_after_decompositions(tmp_path):
     x = torch.randn(2, 7, 64)
     with torch.no_grad():
         assert torch.equal(loaded.module()(x), m(x))
+
+
+class _Experts(nn.Module):
+    """A grouped-experts module (``torch._grouped_mm`` on 3-D ``[E, out, in]`` weights), as torchtitan's."""
+
+    def __init__(self, E=4, d=32, h=64):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(E, h, d) / d ** 0.5)
+        self.w2 = nn.Parameter(torch.randn(E, d, h) / h ** 0.5)
+
+    def forward(self, x, counts):
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        h = torch.relu(torch._grouped_mm(x, self.w1.to(x.dtype).transpose(-2, -1), offs=offs))
+        return torch._grouped_mm(h, self.w2.to(x.dtype).transpose(-2, -1), offs=offs)
+
+
+def _experts_f64(m: _Experts, x, counts, w1, w2):
+    out, start = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float64), 0
+    for e, n in enumerate(counts.tolist()):
+        xe = x[start:start + n].double()
+        out[start:start + n] = torch.relu(xe @ w1[e].double().t()) @ w2[e].double().t()
+        start += n
+    return out
+
+
+@STRICT
+@pytest.mark.parametrize("conversion", ["convert_to_fp8", "quantize_weights"])
+def test_grouped_experts_export(strict, conversion):
+    """Converted grouped experts export: the program reads the model's own (master or fp8) weights, its outputs are
+    real tensors equal to eager's (up to the float32 sum order of the traced masked GEMMs) and within the fp8 bound
+    of float64 (empty groups, an unaligned total)."""
+    m = _Experts()
+    w1, w2 = m.w1.detach().clone(), m.w2.detach().clone()
+    getattr(fp8tensor, conversion)(m)
+    counts = torch.tensor([5, 0, 12, 3])
+    ep = torch.export.export(m, (torch.randn(20, 32), counts), strict=strict)
+    want = Fp8MasterWeight if conversion == "convert_to_fp8" else ScaledFp8Tensor
+    assert all(type(v) is want for v in ep.state_dict.values()), {k: type(v) for k, v in ep.state_dict.items()}
+    assert not ep.constants, list(ep.constants)  # (no weight captured as a traced constant)
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(20, 32)
+            y = ep.module()(x, counts)
+            assert type(y) is torch.Tensor, type(y)
+            assert rel_err(y, m(x, counts)) < 1e-6
+            assert rel_err(y, _experts_f64(m, x, counts, w1, w2)) < 2 * E4M3_GEMM_BOUND  # (two GEMMs in a row)
+
+
+def test_cast_of_fp8_weight_exports_without_fallback_warning():
+    """``w.to(dtype)`` of an fp8 weight in an exported program records ``aten._assert_tensor_metadata``, a metadata
+    check: it reads the weight's metadata, not a dequantized copy (no "has no fp8 implementation" fallback, here
+    raising), and a mismatch still raises."""
+    m = fp8tensor.quantize_weights(_Experts())
+    counts = torch.tensor([5, 0, 12, 3])
+    x = torch.randn(20, 32)
+    with fp8tensor.config(unknown_ops="raise"), torch.no_grad():
+        ep = torch.export.export(m, (torch.randn(20, 32), counts), strict=False)
+        assert rel_err(ep.module()(x, counts), m(x, counts)) < 1e-6  # (the traced masked GEMMs' float32 sum order)
+        w = m.w1
+        torch.ops.aten._assert_tensor_metadata(w, w.shape, w.stride(), torch.float32, device=w.device,
+                                               layout=w.layout)
+        with pytest.raises(RuntimeError, match="dtype"):
+            torch.ops.aten._assert_tensor_metadata(w, dtype=torch.bfloat16)
+        with pytest.raises(RuntimeError, match="size"):
+            torch.ops.aten._assert_tensor_metadata(w, [1, 2, 3])

@@ -493,3 +493,66 @@ def test_torchtitan_filter_keeps_routed_experts_in_high_precision():
     assert experts and all(type(c) is GroupedExperts.Config for _, c, *_ in experts)
     shared = [c for fqn, c, *_ in cfg.traverse(Linear.Config) if "shared_experts" in fqn]
     assert shared and all(type(c) is Fp8TensorLinear.Config for c in shared)
+
+
+def _hf_experts(impl: str):
+    """A tiny Hugging Face Qwen3-MoE model (from a config, no download) with ``impl`` as its experts implementation,
+    and a float64 copy; transformers' experts classes dispatch through ``config._experts_implementation``."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "Qwen3MoeConfig"):
+        pytest.skip("this transformers has no Qwen3-MoE")
+    cfg = transformers.Qwen3MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      num_experts=4, num_experts_per_tok=2)
+    model = transformers.Qwen3MoeForCausalLM(cfg).eval()
+    experts = model.model.layers[0].mlp.experts
+    if not hasattr(experts.config, "_experts_implementation"):
+        pytest.skip("this transformers has no experts implementations")
+    experts.config._experts_implementation = impl
+    with torch.no_grad():
+        for p in (experts.gate_up_proj, experts.down_proj):
+            p.normal_(0, p.shape[-1] ** -0.5)
+    return model, experts
+
+
+def _hf_experts_f64(gate_up, down, x, idx, wts):
+    """float64 reference of a SwiGLU experts module with concatenated ``[gate; up]`` weights."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(idx.shape[1]):
+            e = int(idx[t, j])
+            gate, up = (x[t].double() @ gate_up[e].double().t()).chunk(2)
+            out[t] += wts[t, j].double() * ((F.silu(gate) * up) @ down[e].double().t())
+    return out
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "eager"])
+@pytest.mark.parametrize("conversion", ["quantize_weights", "convert_to_fp8"])
+def test_hugging_face_experts_are_converted(conversion, impl):
+    """transformers' MoE experts (``@use_experts_implementation`` classes: their forward dispatches to
+    ``grouped_mm_experts_forward`` and friends) are grouped-experts modules: both conversions select them, and their
+    output and gradients are fp8's, against float64 (uneven routing with an expert left without tokens)."""
+    model, experts = _hf_experts(impl)
+    gate_up, down = experts.gate_up_proj.detach().clone(), experts.down_proj.detach().clone()
+    getattr(fp8tensor, conversion)(model)
+    assert type(experts).__name__ == "Fp8Qwen3MoeExperts", type(experts)
+    assert type(experts.gate_up_proj) is (ScaledFp8Tensor if conversion == "quantize_weights" else Fp8MasterWeight)
+    assert not model.fp8_skipped if hasattr(model, "fp8_skipped") else True
+    T = 9
+    x = torch.randn(T, 64, requires_grad=True)
+    idx = torch.tensor([[0, 1], [1, 3], [3, 0], [0, 3], [1, 0], [3, 1], [0, 1], [1, 3], [3, 0]])  # expert 2: none
+    wts = torch.softmax(torch.randn(T, 2), -1)
+    y = experts(x, idx, wts)
+    ref = _hf_experts_f64(gate_up, down, x.detach(), idx, wts)
+    assert _rel(y, ref) < 2 * TWO, _rel(y, ref)
+    if conversion == "convert_to_fp8":
+        g = torch.randn_like(ref)
+        y.backward(g.float())
+        x64 = x.detach().double().requires_grad_()
+        gu64, d64 = gate_up.double().requires_grad_(), down.double().requires_grad_()
+        _hf_experts_f64(gu64, d64, x64, idx, wts).backward(g)
+        assert _rel(x.grad, x64.grad) < 2 * TWO
+        for e in (0, 1, 3):
+            assert _rel(experts.gate_up_proj.grad[e], gu64.grad[e]) < 2 * TWO, e
+            assert _rel(experts.down_proj.grad[e], d64.grad[e]) < 2 * TWO, e
+        assert not experts.gate_up_proj.grad[2].any()

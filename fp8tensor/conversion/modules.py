@@ -297,14 +297,28 @@ def quantize_expert_weight(lt: torch.Tensor, float8_dtype: torch.dtype) -> Scale
 
 # ---------------------------------------------------------------------------------------------- grouped experts
 @functools.lru_cache(maxsize=None)
+def _dispatches_experts(fn) -> bool:
+    """Whether ``fn`` (a class's ``forward``) is Hugging Face transformers' experts dispatcher
+    (``@use_experts_implementation``): it wraps the class's own forward and picks the implementation from
+    ``self.config._experts_implementation`` (``"grouped_mm"``, transformers' default where torch has
+    ``torch._grouped_mm``, calls ``F.grouped_mm``)."""
+    code = getattr(fn, "__code__", None)
+    return (getattr(fn, "__wrapped__", None) is not None and code is not None
+            and "_experts_implementation" in code.co_names)
+
+
 def uses_grouped_mm(cls: type) -> bool:
     """Whether module class ``cls`` (or a base below ``nn.Module``) names ``grouped_mm`` in its source (a
-    grouped-experts module, e.g. torchtitan's ``GroupedExperts``); False when the source is not available."""
+    grouped-experts module, e.g. torchtitan's ``GroupedExperts``) or has transformers' experts dispatcher as its
+    ``forward`` (:func:`_dispatches_experts`, e.g. Qwen3-MoE's and Mixtral's experts); False when neither can be
+    read."""
     import inspect
 
     for c in cls.__mro__:
         if c in (nn.Module, object) or issubclass(nn.Module, c):
             continue
+        if _dispatches_experts(c.__dict__.get("forward")):
+            return True
         try:
             if "grouped_mm" in inspect.getsource(c):
                 return True

@@ -431,3 +431,25 @@ def _cat_scales(func, args, kwargs):
 @implements([aten.is_same_size.default])
 def _is_same_size(func, args, kwargs):
     return args[0].shape == args[1].shape
+
+
+@implements([aten._assert_tensor_metadata.default])
+def _assert_tensor_metadata(func, args, kwargs):
+    # (``t.to(dtype)`` in an exported program records this check: it reads metadata, so no dequantized copy)
+    t = args[0]
+    want = dict(zip(("size", "stride", "dtype"), args[1:]))
+    want.update(kwargs)
+    have = {"size": tuple(t.shape), "stride": tuple(t.stride()), "dtype": t.dtype, "device": t.device,
+            "layout": t.layout}
+    for name, value in want.items():
+        if value is None:
+            continue
+        if name in ("size", "stride"):
+            value = tuple(value)
+        elif name == "device":
+            value = torch.device(value)
+            if value.index is None:
+                value, have[name] = value.type, have[name].type
+        if value != have[name]:
+            raise RuntimeError(f"aten._assert_tensor_metadata: ScaledFp8Tensor {name} mismatch: expected {value}, "
+                               f"got {have[name]}")

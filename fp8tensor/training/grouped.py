@@ -310,7 +310,20 @@ def fp8_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, *, reci
     elif not isinstance(out_dtype, torch.dtype) or not out_dtype.is_floating_point or out_dtype in FLOAT8_DTYPES:
         raise TypeError(f"{op}: out_dtype must be a high-precision floating-point dtype (bfloat16, float16, "
                         f"float32), got {out_dtype}")
+    if compat.is_exporting() and isinstance(b, QuantizeOnUse):
+        return _exported_master_grouped_mm(a, b, offs, out_dtype)
     return _Fp8GroupedMM.apply(a, b, offs, r, out_dtype)
+
+
+def _exported_master_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
+                                out_dtype: torch.dtype) -> torch.Tensor:
+    """:func:`fp8_grouped_mm` of a master weight ``b`` as ``torch.export`` traces it: ``torch._grouped_mm`` applied to
+    the master itself (below ``__torch_function__``), whose op table quantizes it per expert row when the program
+    runs, as the Linear's master ``mm`` (:func:`fp8tensor.linear._exported_forward`). Strict export would otherwise
+    trace the Function's read of the master's data into a constant of the program (a fake tensor), not the
+    parameter. Without grad mode: an exported program has no backward."""
+    with torch.no_grad(), torch._C.DisableTorchFunction():
+        return torch._grouped_mm(a, b, offs=offs, out_dtype=out_dtype)
 
 
 def grouped_mm_args(args, kwargs):

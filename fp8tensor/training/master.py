@@ -12,7 +12,7 @@ from ..numerics import fsdp_payload as _payload
 from ..core import compat
 from ..core.compat import register_foreach_type
 from ..subclass.gemm import fp8_mm
-from .grouped import fp8_grouped_mm, fp8_weight_call, is_grouped_mm
+from .grouped import fp8_grouped_mm, fp8_weight_call, grouped_mm_args, is_grouped_mm
 from .linear import QuantizeOnUse, _quantize_local, fp8_linear
 from ..numerics.quantize import FLOAT8_DTYPES
 from .recipes import Recipe, get_recipe
@@ -113,6 +113,10 @@ class Fp8MasterWeight(torch.Tensor, QuantizeOnUse):
         kwargs = kwargs or {}
         if func in _GEMMS:
             return _master_mm(func, args, kwargs)
+        if func is aten._grouped_mm.default:
+            out = _master_grouped_mm(func, args, kwargs)
+            if out is not None:
+                return out
         # aten arguments are tensors or lists / tuples of them (fused optimizer steps): no general pytree walk
         masters = []
         u_args = tuple(_unwrap(a, masters) for a in args)
@@ -205,6 +209,21 @@ def _master_mm(func, args, kwargs):
             return torch.addmm(bias, (a.to_hp() if isinstance(a, ScaledFp8Tensor) else a),
                                (b.to_hp() if isinstance(b, ScaledFp8Tensor) else b), beta=beta, alpha=alpha)
     return fp8_mm(a, b, bias, op=str(func))
+
+
+def _master_grouped_mm(func, args, kwargs):
+    """``aten._grouped_mm`` of 2-D tokens and a 3-D master ``(E, K, N)`` (an exported program's, or one that reached
+    the dispatcher without ``__torch_function__``): the master quantized per expert row (over ``K``), then the fp8
+    GEMM of the op table; None for other forms (they run on the plain data). Warns, as :func:`_master_mm`, when
+    autograd records it (grad_weight would be autograd's high-precision one)."""
+    a, b, offs, bias, out_dtype = grouped_mm_args(args, kwargs)
+    if (not isinstance(b, Fp8MasterWeight) or isinstance(a, Fp8MasterWeight) or a.dim() != 2 or b.dim() != 3
+            or bias is not None or offs is None):
+        return None
+    if torch.is_grad_enabled():
+        warnings.warn(_PARTIAL_RECIPE, stacklevel=2)
+    b8 = _quantize_local(b._data, -2, True, b.recipe.float8_dtype)  # (E, K, N) with scales (E, 1, N), as forward
+    return torch._grouped_mm(a, b8, offs=offs, out_dtype=out_dtype or torch.promote_types(a.dtype, b.dtype))
 
 
 class GatheredExperts(ScaledFp8Tensor):

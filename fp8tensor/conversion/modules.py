@@ -29,7 +29,7 @@ def fp8_linear_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
     """``forward`` of converted ``nn.Linear`` modules: :func:`fp8tensor.fp8_linear` with the module's recipe.
 
     ``input``: ``[..., in_features]`` (plain tensor or DTensor); returns ``[..., out_features]``."""
-    params = self._parameters
+    params = compat.parameters_dict(self)
     if "weight" in params and "bias" in params and _plain_parameters(type(self)):  # (µs less than self.weight)
         return fp8_linear(input, params["weight"], params["bias"], recipe=self.fp8_recipe)
     return fp8_linear(input, self.weight, self.bias, recipe=self.fp8_recipe)

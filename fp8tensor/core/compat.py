@@ -18,7 +18,7 @@ __all__ = ["TORCH_VERSION", "register_foreach_type", "local_tensor", "set_local_
            "is_exporting", "is_compiling", "prepend_forward_pre_hook", "disable_current_modes", "is_functorch_wrapped",
            "raw_cuda_stream", "rebuild_parameter", "functional_collectives", "register_state_dict_hook",
            "functional_data", "forward_ad_active", "op_schema", "is_parameter_marked", "mark_parameter",
-           "local_tensor_shards", "buffers_dict", "children_dict", "parameters_dict", "preserve_version_counter",
+           "local_tensor_shards", "disable_torch_function", "assert_tensor_metadata_op", "buffers_dict", "children_dict", "parameters_dict", "preserve_version_counter",
            "c10d_functional_ops", "view_base"]
 
 #: The dispatch key of composite ops (decomposed above autograd).
@@ -38,6 +38,9 @@ is_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 functorch_active = torch._C._are_functorch_transforms_active
 #: Context manager: subclasses' ``__torch_function__`` is skipped inside (plain tensor behaviour).
 disable_torch_function_subclass = torch._C.DisableTorchFunctionSubclass
+disable_torch_function = torch._C.DisableTorchFunction  # (every __torch_function__ off, subclasses' and modes')
+#: The metadata check an exported ``t.to(dtype)`` records (read-only: an op-table entry answers it from metadata).
+assert_tensor_metadata_op = torch.ops.aten._assert_tensor_metadata.default
 #: ``preserve_version_counter(t)``: context manager; writes into ``t`` leave its version counter as it was.
 preserve_version_counter = torch.autograd._unsafe_preserve_version_counter
 

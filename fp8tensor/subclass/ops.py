@@ -433,7 +433,7 @@ def _is_same_size(func, args, kwargs):
     return args[0].shape == args[1].shape
 
 
-@implements([aten._assert_tensor_metadata.default])
+@implements([compat.assert_tensor_metadata_op])
 def _assert_tensor_metadata(func, args, kwargs):
     # (``t.to(dtype)`` in an exported program records this check: it reads metadata, so no dequantized copy)
     t = args[0]

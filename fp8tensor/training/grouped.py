@@ -322,7 +322,7 @@ def _exported_master_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Te
     runs, as the Linear's master ``mm`` (:func:`fp8tensor.linear._exported_forward`). Strict export would otherwise
     trace the Function's read of the master's data into a constant of the program (a fake tensor), not the
     parameter. Without grad mode: an exported program has no backward."""
-    with torch.no_grad(), torch._C.DisableTorchFunction():
+    with torch.no_grad(), compat.disable_torch_function():
         return torch._grouped_mm(a, b, offs=offs, out_dtype=out_dtype)
 
 

@@ -25,6 +25,11 @@ from fp8tensor.quantize import quantize_rowwise
 E4M3_GEMM_BOUND = 5e-2
 #: Same for e5m2 (2 mantissa bits: twice the rounding error of e4m3; typical ≈ 7e-2).
 E5M2_GEMM_BOUND = 1.0e-1
+#: Bounds for a small block of fp8 GEMMs in series (an MLP and an output head over a residual stream): the first
+#: GEMMs' errors reach the last one's input, so independent errors add in quadrature, √2 × the one-GEMM bound.
+#: Few distinct rows (a 10-token vocabulary) make the measured error vary more than a large GEMM's.
+E4M3_BLOCK_BOUND = 2**0.5 * E4M3_GEMM_BOUND
+E5M2_BLOCK_BOUND = 2**0.5 * E5M2_GEMM_BOUND
 #: Bound for comparing a result against an exact float64 emulation of the *same* fp8 operands: only the
 #: float32 accumulation order differs (≈ sqrt(K) · 2^-24 relative).
 EMULATION_BOUND = 1e-5

@@ -15,7 +15,7 @@ from pathlib import Path
 from fp8tensor.convert import Fp8Linear, Fp8LinearMixin
 from fp8tensor import E5M2, Fp8MasterWeight, ScaledFp8Tensor, convert_to_fp8, fp8_linear, quantize_weights
 
-from conftest import E4M3_GEMM_BOUND, E5M2_GEMM_BOUND, dequant, rel_err, same_bits
+from conftest import E4M3_BLOCK_BOUND, E4M3_GEMM_BOUND, E5M2_BLOCK_BOUND, dequant, rel_err, same_bits
 
 
 class Block(nn.Module):
@@ -75,7 +75,7 @@ def test_convert_to_fp8_swaps_linears_only(recipe):
     assert type(model.emb.weight) is nn.Parameter and type(model.norm.weight) is nn.Parameter
     idx = torch.randint(0, 10, (3, 5))
     y, y_ref = model(idx), ref(idx)
-    assert 1e-3 < rel_err(y, y_ref) <= E4M3_GEMM_BOUND
+    assert 1e-3 < rel_err(y, y_ref) <= E4M3_BLOCK_BOUND
     x = torch.randn(4, 64)
     assert torch.equal(model.head(x), fp8_linear(x, model.head.weight, model.head.bias, recipe=recipe))
     # converting again is a no-op (no double wrapping)
@@ -152,7 +152,7 @@ def test_converted_state_dict_loads_into_unconverted_and_back():
     idx = torch.randint(0, 10, (2, 3))
     target2(idx).sum().backward()
     assert type(target2.head.weight.grad) is torch.Tensor
-    assert rel_err(target2(idx), src(idx)) <= E4M3_GEMM_BOUND
+    assert rel_err(target2(idx), src(idx)) <= E4M3_BLOCK_BOUND
 
 
 @pytest.mark.parametrize("f8", [torch.float8_e4m3fn, E5M2], ids=["e4m3", "e5m2"])
@@ -166,7 +166,7 @@ def test_quantize_weights(f8):
         assert w.qdata.dtype == f8 and tuple(w.scale.shape) == (w.shape[0], 1)
         assert torch.equal(w.to_hp(), ScaledFp8Tensor.from_hp(dict(ref.named_modules())[name].weight.detach(), f8).to_hp())
     idx = torch.randint(0, 10, (3, 5))
-    bound = E4M3_GEMM_BOUND if f8 == torch.float8_e4m3fn else E5M2_GEMM_BOUND
+    bound = E4M3_BLOCK_BOUND if f8 == torch.float8_e4m3fn else E5M2_BLOCK_BOUND
     assert rel_err(model(idx), ref(idx)) <= bound
 
 

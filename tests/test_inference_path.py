@@ -99,3 +99,33 @@ def test_eager_decode_launches_directly_with_a_bias_parameter(monkeypatch, bias)
     with torch.no_grad():
         m(torch.randn(2, 64, dtype=torch.bfloat16))
     assert calls == [False], calls
+
+
+@pytest.mark.parametrize("bias_dtype", [torch.float32, torch.float16])
+def test_eager_decode_with_a_bias_of_another_dtype_promotes_as_the_other_routes(monkeypatch, bias_dtype):
+    """A bias of another dtype than ``x`` (a bf16 model with a float32 bias, say) promotes the output (``out + bias``)
+    whatever the token count: the decode GEMM, which adds the bias in ``x``'s dtype, is not taken for it (else the
+    output dtype would change between prefill and decode). Availability and the launch are recorders here (the
+    kernels are CUDA-only)."""
+    from fp8tensor.numerics import kernels
+
+    calls = []
+
+    def launch(x, w8, scale, b, *, traced=False, **kw):
+        calls.append(traced)
+        return torch.zeros(*x.shape[:-1], w8.shape[0], dtype=x.dtype)
+
+    monkeypatch.setattr(kernels, "w8_mm_available", lambda x, w8: True)
+    monkeypatch.setattr(kernels, "launch_w8_mm", launch)
+    lin = nn.Linear(64, 32, dtype=torch.bfloat16)
+    lin.bias = nn.Parameter(torch.randn(32, dtype=bias_dtype))
+    w, b = lin.weight.detach().double(), lin.bias.detach().double()
+    m = fp8tensor.quantize_weights(nn.Sequential(lin))[0]
+    x = torch.randn(2, 3, 64, dtype=torch.bfloat16)
+    ref_train = m(x).detach()  # grad mode: the autograd Function, out + bias
+    with torch.no_grad():
+        y = m(x)
+    assert calls == [], calls
+    assert y.dtype == torch.promote_types(torch.bfloat16, bias_dtype) == ref_train.dtype
+    assert same_bits(y, ref_train)
+    assert rel_err(y, x.double() @ w.t() + b) < E4M3_GEMM_BOUND

@@ -134,16 +134,38 @@ def test_fp8_linear_rejects_bad_shapes():
         with torch.set_grad_enabled(grad), pytest.raises(
                 RuntimeError, match=r"fp8_linear: bias shape \(48,\) does not match the weight's out_features 32"):
             fp8_linear(torch.randn(4, 64), w, b)
+    # a bias of several dims that does not broadcast to the output shape (it would grow it, or mismatch x's
+    # leading dims): one per output row of the flattened GEMM is not the same thing
+    for xs, bs in (((3, 1, 64), (3, 32)), ((2, 3, 64), (6, 32)), ((4, 64), (1, 1, 32)), ((2, 3, 64), (2, 2, 32))):
+        xb, bb = torch.randn(xs), torch.randn(bs)
+        before_b = _snapshot(xb, bb)
+        for grad in (True, False):
+            with torch.set_grad_enabled(grad), pytest.raises(
+                    RuntimeError, match=rf"fp8_linear: bias shape \({bs[0]}, .*does not broadcast to the output shape"):
+                fp8_linear(xb, w, bb)
+        assert _unchanged(before_b, xb, bb)
     assert _unchanged(before, w, x)
 
 
-@pytest.mark.parametrize("shape", [(), (1,), (32,), (1, 32), (4, 32)])
-def test_fp8_linear_broadcasts_the_bias_as_f_linear(shape):
-    """A bias that ``F.linear`` broadcasts works as there (within the fp8 bound of float64)."""
-    w, x, b = torch.randn(32, 64), torch.randn(4, 64), torch.randn(shape)
-    ref = x.double() @ w.double().t() + b.double()
+@pytest.mark.parametrize("x_shape, shape", [((4, 64), s) for s in [(), (1,), (32,), (1, 32), (4, 32)]]
+                         + [((2, 3, 64), s) for s in [(1, 32), (3, 32), (2, 1, 32), (1, 3, 1), (2, 3, 32)]])
+def test_fp8_linear_broadcasts_the_bias_as_f_linear(x_shape, shape):
+    """A bias that broadcasts to the output shape works as ``input @ weight.T + bias`` (within the fp8 bound of
+    float64), with autograd on and off; its gradient is the output gradient summed over the dims it broadcasts over
+    (a bias of several dims broadcasts over ``x``'s leading dims, not over the rows of the flattened GEMM)."""
+    w, x, b = torch.randn(32, 64), torch.randn(x_shape), torch.randn(shape)
+    ref_b = b.double().requires_grad_()
+    ref = x.double() @ w.double().t() + ref_b
+    with torch.no_grad():
+        out_nograd = fp8_linear(x, w, b)
+    b.requires_grad_()
     out = fp8_linear(x, w, b)
-    assert out.shape == ref.shape and float((out.double() - ref).norm() / ref.norm()) < 5e-2
+    for o in (out.detach(), out_nograd):
+        assert o.shape == ref.shape and float((o.double() - ref.detach()).norm() / ref.detach().norm()) < 5e-2
+    gy = torch.randn(ref.shape)
+    out.backward(gy)
+    ref.backward(gy.double())
+    assert b.grad.shape == b.shape and torch.allclose(b.grad.double(), ref_b.grad, rtol=1e-5, atol=1e-5)
 
 
 def test_scaled_mm_rejects_unknown_backend():

@@ -178,6 +178,16 @@ def _forward(x2: torch.Tensor, weight: torch.Tensor, recipe: Recipe) -> torch.Te
     return _mm(x2, t_view(w8) if type(w8) is ScaledFp8Tensor and not compat.is_compiling() else w8.t())
 
 
+def _add_bias(out: torch.Tensor, bias: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``out`` ``(M, N)`` (the GEMM of ``x`` as ``(M, K)``) plus ``bias``, which broadcasts to the output shape
+    ``(*x.shape[:-1], N)`` (:func:`fp8_linear` checks it): a bias of two or more dims broadcasts over ``x``'s leading
+    dims, not over the ``M`` rows of ``out``."""
+    if bias.dim() <= 1:
+        return out + bias
+    N = out.shape[-1]
+    return out + bias.expand(*x.shape[:-1], N).reshape(-1, N)
+
+
 class _Fp8Linear(torch.autograd.Function):
     """``y = x @ W^T + b`` per the recipe. Saved for backward (the minimum each gradient needs): for grad_weight, ``x``
     quantized per input feature over the tokens (fp8 grad_weight) or ``x`` itself; for grad_input, the weight as the
@@ -197,9 +207,10 @@ class _Fp8Linear(torch.autograd.Function):
             x2, x_saved = both
         out = _forward(x2, weight, recipe)
         if bias is not None:
-            out = out + bias
+            out = _add_bias(out, bias, x)
         ctx.recipe = recipe
         ctx.has_bias = bias is not None
+        ctx.bias_shape = None if bias is None else bias.shape
         ctx.x_shape = x.shape
         ctx.n_out = N
         ctx.w_dtype = wd.dtype
@@ -270,8 +281,8 @@ def _backward(ctx, grad_out):
         else:
             grad_w = _hp_mm(g2.t(), x_saved.reshape(-1, ctx.x_shape[-1]))
         grad_w = grad_w.to(ctx.w_dtype)
-    if ctx.has_bias and ctx.needs_input_grad[2]:
-        grad_b = g2.sum(0)
+    if ctx.has_bias and ctx.needs_input_grad[2]:  # (a bias of 2+ dims: summed over the dims it broadcasts over)
+        grad_b = g2.sum(0) if len(ctx.bias_shape) <= 1 else grad_out.sum_to_size(ctx.bias_shape)
     return grad_x, grad_w, grad_b, None
 
 
@@ -289,7 +300,7 @@ def fp8_linear(
         input: ``(*, K)`` floating-point tensor (plain or DTensor).
         weight: ``(N, K)`` high-precision tensor, :class:`Fp8MasterWeight`, :class:`ScaledFp8Tensor`, or a
             DTensor of any of these.
-        bias: optional ``(N,)`` tensor.
+        bias: optional ``(N,)`` tensor (or any shape that broadcasts to the output's, e.g. ``(1, N)``).
         recipe: ``"rowwise"`` (default), ``"rowwise_gw_hp"`` or a :class:`Recipe`.
 
     Returns:
@@ -303,8 +314,9 @@ def fp8_linear(
             forward-mode AD tangent, which this ``autograd.Function`` does not support; also, raised by the backward,
             double backward (``create_graph=True``).
         RuntimeError: ``input.shape[-1] != weight.shape[1]``, ``weight`` is not 2-D, or ``bias``'s last dim is neither
-            ``weight.shape[0]`` nor 1 (``F.linear``'s broadcasting otherwise); the GEMM's errors naming
-            ``aten.mm`` for an integer or complex operand or operands on different devices.
+            ``weight.shape[0]`` nor 1 or ``bias`` does not broadcast to the output shape ``(*, N)`` (a bias of
+            several dims broadcasts over ``input``'s leading dims); the GEMM's errors naming ``aten.mm`` for an
+            integer or complex operand or operands on different devices.
     """
     r = get_recipe(recipe)
     wd = weight._data if isinstance(weight, QuantizeOnUse) else weight  # (its metadata without torch_function)
@@ -318,6 +330,10 @@ def fp8_linear(
     if bias is not None and bias.dim() >= 1 and bias.shape[-1] not in (1, wd.shape[0]):
         raise RuntimeError(f"fp8_linear: bias shape {tuple(bias.shape)} does not match the weight's out_features "
                            f"{wd.shape[0]} (weight shape {tuple(wd.shape)})")
+    if bias is not None and bias.dim() >= 2 and not _broadcasts_to(bias.shape, (*input.shape[:-1], wd.shape[0])):
+        raise RuntimeError(f"fp8_linear: bias shape {tuple(bias.shape)} does not broadcast to the output shape "
+                           f"{(*input.shape[:-1], wd.shape[0])} (input shape {tuple(input.shape)}, weight shape "
+                           f"{tuple(wd.shape)})")
     if input.dtype in FLOAT8_DTYPES or wd.dtype in FLOAT8_DTYPES:  # (a ScaledFp8Tensor reads as its high precision)
         which = "input" if input.dtype in FLOAT8_DTYPES else "weight"
         raise TypeError(
@@ -353,6 +369,11 @@ def fp8_linear(
     return _Fp8Linear.apply(input, weight, bias, r)
 
 
+def _broadcasts_to(shape, target) -> bool:
+    """Whether a tensor of ``shape`` broadcasts to ``target`` without changing it (``expand``'s rule)."""
+    return len(shape) <= len(target) and all(s in (1, t) for s, t in zip(reversed(shape), reversed(target)))
+
+
 def _inference_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                        recipe: Recipe) -> torch.Tensor:
     """The fp8 Linear with autograd off: :func:`_forward` and the bias, without the ``autograd.Function`` (no context,
@@ -370,7 +391,7 @@ def _inference_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     out = _forward(x2, weight, recipe)
     if bias is not None:
-        out = out + bias
+        out = _add_bias(out, bias, x)
     return out if x.dim() == 2 else out.reshape(*x.shape[:-1], wd.shape[0])
 
 
@@ -412,7 +433,7 @@ def _exported_forward(input: torch.Tensor, weight: torch.Tensor, bias: Optional[
             "(fp8tensor.convert_to_fp8)"
         )
     if bias is not None:
-        out = out + bias
+        out = _add_bias(out, bias, input)
     return out if input.dim() == 2 else out.reshape(*input.shape[:-1], N)
 
 

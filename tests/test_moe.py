@@ -556,3 +556,24 @@ def test_hugging_face_experts_are_converted(conversion, impl):
             assert _rel(experts.gate_up_proj.grad[e], gu64.grad[e]) < 2 * TWO, e
             assert _rel(experts.down_proj.grad[e], d64.grad[e]) < 2 * TWO, e
         assert not experts.gate_up_proj.grad[2].any()
+
+
+@pytest.mark.parametrize("conversion", ["quantize_weights", "convert_to_fp8"])
+def test_hugging_face_experts_in_another_implementation_warn(conversion):
+    """A converted Hugging Face experts module set to an implementation whose GEMMs fp8tensor does not see
+    (``batched_mm``: ``torch.bmm`` over indexed weights) warns that it runs in high precision, and still computes the
+    right result (within the fp8 bound of float64: quantize_weights' weights are fp8-rounded)."""
+    model, experts = _hf_experts("grouped_mm")
+    gate_up, down = experts.gate_up_proj.detach().clone(), experts.down_proj.detach().clone()
+    getattr(fp8tensor, conversion)(model)
+    try:
+        experts.config._experts_implementation = "batched_mm"
+        x = torch.randn(5, 64)
+        idx = torch.tensor([[0, 1], [1, 3], [3, 0], [0, 3], [1, 0]])
+        wts = torch.softmax(torch.randn(5, 2), -1)
+        with pytest.warns(UserWarning, match="batched_mm.*high precision"):
+            y = experts(x, idx, wts)
+    except (KeyError, ValueError, AttributeError, NotImplementedError) as e:  # (a transformers without batched_mm)
+        pytest.skip(f"this transformers has no batched_mm experts: {e}")
+    assert _rel(y, _hf_experts_f64(gate_up, down, x, idx, wts)) < 2 * TWO
+

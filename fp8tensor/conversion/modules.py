@@ -327,8 +327,24 @@ def uses_grouped_mm(cls: type) -> bool:
     return False
 
 
+#: Hugging Face experts implementations (``config._experts_implementation``) whose GEMMs run in fp8 under
+#: :class:`Fp8GroupedMMMode`: ``grouped_mm`` (``F.grouped_mm``) and ``eager`` (per-expert ``F.linear``). Others
+#: (``batched_mm``: ``torch.bmm`` over indexed weights; CUDA-only kernels) would run in high precision.
+FP8_EXPERTS_IMPLEMENTATIONS = (None, "grouped_mm", "eager")
+
+
 def _grouped_experts_forward(self, *args, **kwargs):
-    """``forward`` of converted grouped-experts modules: the module's own under :class:`Fp8GroupedMMMode`."""
+    """``forward`` of converted grouped-experts modules: the module's own under :class:`Fp8GroupedMMMode`. A Hugging
+    Face experts module set to an implementation outside :data:`FP8_EXPERTS_IMPLEMENTATIONS` warns (eager calls):
+    its GEMMs run in high precision."""
+    impl = compat.experts_implementation(getattr(self, "config", None))
+    if impl not in FP8_EXPERTS_IMPLEMENTATIONS and not compat.is_compiling():
+        import warnings
+
+        warnings.warn(f"fp8tensor: {type(self).__name__} runs its experts with _experts_implementation={impl!r}, "
+                      "whose GEMMs fp8tensor does not see: they run in high precision (set "
+                      "config._experts_implementation to 'grouped_mm' or 'eager' for fp8 experts)", UserWarning,
+                      stacklevel=2)
     with Fp8GroupedMMMode(self.fp8_recipe):
         return type(self)._fp8_base.forward(self, *args, **kwargs)
 

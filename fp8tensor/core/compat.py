@@ -18,7 +18,7 @@ __all__ = ["TORCH_VERSION", "register_foreach_type", "local_tensor", "set_local_
            "is_exporting", "is_compiling", "prepend_forward_pre_hook", "disable_current_modes", "is_functorch_wrapped",
            "raw_cuda_stream", "rebuild_parameter", "functional_collectives", "register_state_dict_hook",
            "functional_data", "forward_ad_active", "op_schema", "is_parameter_marked", "mark_parameter",
-           "local_tensor_shards", "disable_torch_function", "assert_tensor_metadata_op", "buffers_dict", "children_dict", "parameters_dict", "preserve_version_counter",
+           "local_tensor_shards", "disable_torch_function", "assert_tensor_metadata_op", "buffers_dict", "children_dict", "parameters_dict", "experts_implementation", "preserve_version_counter",
            "c10d_functional_ops", "view_base"]
 
 #: The dispatch key of composite ops (decomposed above autograd).
@@ -167,6 +167,9 @@ buffers_dict = _getter("_buffers", "``module``'s own live buffer dict (name -> t
 children_dict = _getter("_modules", "``module``'s own live child-module dict (name -> Module or None).")
 is_parameter_marked = _getter("_is_param", "Whether ``nn.Parameter(t)`` marked the tensor subclass ``t``.", False)
 op_schema = _getter("_schema", "The ``torch._C.FunctionSchema`` of an ``OpOverload`` (no public accessor).")
+# Hugging Face transformers (a config attribute its experts dispatcher reads):
+experts_implementation = _getter("_experts_implementation",
+                                 "A transformers config's experts implementation (``grouped_mm``, ...), or None.", None)
 
 
 def dispatch_modes_active() -> bool:

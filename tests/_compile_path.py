@@ -171,3 +171,75 @@ def check_compiled_tp_linear_trains(monkeypatch, mesh, style, *, device, backend
         opt.step()
         losses.append(loss.item())
     assert all(map(math.isfinite, losses)) and losses[-1] < losses[0], losses
+
+
+class FunctionalLinear(nn.Module):
+    """A user module that calls :func:`fp8tensor.fp8_linear` on its own plain ``nn.Parameter`` weight and bias (no
+    conversion: nothing of fp8tensor has run eagerly before the first compiled call)."""
+
+    def __init__(self, K, N, device, dtype=torch.bfloat16):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(N, K, device=device, dtype=dtype) / K**0.5)
+        self.bias = nn.Parameter(torch.randn(N, device=device, dtype=dtype))
+
+    def forward(self, x):
+        return fp8tensor.fp8_linear(x, self.weight, self.bias)
+
+
+def functional_compiled_first_errors(device: str, backend: str, seed: int) -> dict:
+    """Compile :class:`FunctionalLinear` (2-D and 3-D inputs) *before* any eager fp8tensor call in this process, run
+    forward and backward, then the same module eagerly. Returns, per ``ndim`` and tensor, ``(compiled vs eager,
+    compiled vs float64)`` relative errors. Run in a fresh process (:func:`check_functional_compiled_first`): a
+    cache that fp8tensor fills on first use would be filled inside the traced ``autograd.Function`` there (dynamo then
+    rejected the saved fp8 operand of grad_weight)."""
+    torch.manual_seed(seed)
+    K, N = 64, 48
+    out = {}
+    for ndim in (2, 3):
+        torch._dynamo.reset()
+        eager = FunctionalLinear(K, N, device)
+        comp_mod = copy.deepcopy(eager)
+        shape = (37, K) if ndim == 2 else (3, 13, K)
+        x = torch.randn(*shape, device=device, dtype=torch.bfloat16)
+        gy = torch.randn(*shape[:-1], N, device=device, dtype=torch.bfloat16)
+        yc, gxc, gwc, gbc = run(torch.compile(comp_mod, backend=backend, fullgraph=True), x, gy)
+        ye, gxe, gwe, gbe = run(eager, x, gy)
+        wd, bd = eager.weight.detach().double(), eager.bias.detach().double()
+        xd, gyd = x.double().reshape(-1, K), gy.double().reshape(-1, N)
+        refs = {"output": xd @ wd.t() + bd, "grad_input": gyd @ wd, "grad_weight": gyd.t() @ xd,
+                "grad_bias": gyd.sum(0)}
+        for name, c, e in (("output", yc, ye), ("grad_input", gxc, gxe), ("grad_weight", gwc, gwe),
+                           ("grad_bias", gbc, gbe)):
+            if c is None or e is None or c.shape != e.shape or c.dtype != e.dtype:
+                out[f"{ndim}d {name}"] = None
+                continue
+            out[f"{ndim}d {name}"] = (rel(c, e), rel(c.reshape(refs[name].shape), refs[name]))
+    return out
+
+
+def check_functional_compiled_first(device: str, backend: str, seed: int, bit_exact: bool) -> None:
+    """:func:`functional_compiled_first_errors` in a fresh Python process; every result exists, agrees with eager (to
+    the bit if ``bit_exact``, else within :data:`COMPILED_VS_EAGER_BOUND`) and with float64 within the fp8 bound."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(here)
+    code = ("import json, _compile_path as c; "
+            f"print('RESULT', json.dumps(c.functional_compiled_first_errors({device!r}, {backend!r}, {seed})))")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, here, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"seed {seed}: the fresh process failed:\n{proc.stderr[-4000:]}"
+    errors = json.loads(lines[-1][len("RESULT "):])
+    for name, e in errors.items():
+        assert e is not None, f"seed {seed}: {name} missing, or its shape / dtype differs from eager"
+        vs_eager, vs_ref = e
+        if bit_exact:
+            assert vs_eager == 0.0, f"seed {seed}: {name}: compiled differs from eager by {vs_eager:.3g}"
+        else:
+            assert vs_eager < COMPILED_VS_EAGER_BOUND, f"seed {seed}: {name}: compiled vs eager {vs_eager:.3g}"
+        bound = 1e-2 if name.endswith("grad_bias") else FP8_BOUND
+        assert vs_ref < bound, f"seed {seed}: {name}: {vs_ref:.3g} from float64 (bound {bound})"

@@ -9,7 +9,7 @@ import torch.nn as nn
 
 import fp8tensor
 from fp8tensor import compat
-from _compile_path import check_compiled_matches_eager, check_compiled_tp_linear_trains
+from _compile_path import check_compiled_matches_eager, check_compiled_tp_linear_trains, check_functional_compiled_first
 
 
 #: (weights, recipe): a frozen fp8 weight has no grad_weight GEMM, so its recipes do not differ.
@@ -23,6 +23,14 @@ def test_compiled_linear_trains_like_eager(monkeypatch, ndim, fullgraph, weights
     # aot_eager runs the traced ops as eager runs them: the compiled path is claimed bit-identical here.
     check_compiled_matches_eager(monkeypatch, device="cpu", ndim=ndim, weights=weights, recipe=recipe,
                                  fullgraph=fullgraph, backend="aot_eager", bit_exact=True)
+
+
+def test_compiled_user_module_calling_fp8_linear_on_its_own_parameter():
+    """``fp8_linear(x, self.weight, self.bias)`` with plain Parameters, compiled with fullgraph before anything of
+    fp8tensor ran eagerly in the process, trains as eager does (it failed tracing its backward: a cache fp8tensor
+    filled on first use was a side effect inside the traced autograd.Function)."""
+    seed = torch.initial_seed()
+    check_functional_compiled_first("cpu", "aot_eager", seed, bit_exact=True)
 
 
 def test_compat_tracing_state_queries():

@@ -117,18 +117,16 @@ class _ScaleWrites:
         return f"_ScaleWrites({len(self.regions)} regions)"
 
 
-_DTENSOR: list = []  # [DTensor or False], filled on first use (not an lru_cache: dynamo warns on those it traces)
+try:  # resolved once at import: a cache filled on first use would be a side effect inside a traced
+    # autograd.Function (dynamo then keeps every intermediate of its forward and rejects saved fp8 views)
+    from torch.distributed.tensor import DTensor as _DTENSOR
+except Exception:  # pragma: no cover - builds without distributed
+    _DTENSOR = False
 
 
 def _dtensor_cls():
-    """``torch.distributed.tensor.DTensor``, imported on first use; False on builds without distributed."""
-    if not _DTENSOR:
-        try:
-            from torch.distributed.tensor import DTensor
-        except Exception:  # pragma: no cover - builds without distributed
-            DTensor = False
-        _DTENSOR.append(DTensor)
-    return _DTENSOR[0]
+    """``torch.distributed.tensor.DTensor``; False on builds without distributed."""
+    return _DTENSOR
 
 
 def _is_dtensor(t: Any) -> bool:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _compile_path import check_compiled_matches_eager, check_compiled_tp_linear_trains
+from _compile_path import check_compiled_matches_eager, check_compiled_tp_linear_trains, check_functional_compiled_first
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -31,6 +31,11 @@ def test_compiled_linear_with_inductor_quantization_trains_like_eager(monkeypatc
     with fp8tensor.config(compiled_quantization="inductor"):
         check_compiled_matches_eager(monkeypatch, device="cuda", ndim=3, weights=weights, recipe=recipe,
                                      fullgraph=True, backend="inductor", bit_exact=False)
+
+
+def test_compiled_user_module_calling_fp8_linear_on_its_own_parameter():
+    # plain Parameters, compiled (inductor, fullgraph) before any eager fp8tensor call in a fresh process
+    check_functional_compiled_first("cuda", "inductor", torch.initial_seed(), bit_exact=False)
 
 
 @pytest.fixture(scope="module")

@@ -243,3 +243,45 @@ def check_functional_compiled_first(device: str, backend: str, seed: int, bit_ex
             assert vs_eager < COMPILED_VS_EAGER_BOUND, f"seed {seed}: {name}: compiled vs eager {vs_eager:.3g}"
         bound = 1e-2 if name.endswith("grad_bias") else FP8_BOUND
         assert vs_ref < bound, f"seed {seed}: {name}: {vs_ref:.3g} from float64 (bound {bound})"
+
+
+def check_compiled_under_stale_config_block(monkeypatch, *, device: str, backend: str, bit_exact: bool,
+                                            read_settings_in_forward: bool) -> None:
+    """Inside a ``fp8tensor.config`` block that ``set_config`` made stale (the block's merged settings are re-merged
+    at the next :func:`fp8tensor.get_config`), a compiled :class:`FunctionalLinear` trains as eager does. The re-merge
+    was cached into the thread's state even while dynamo traced the fp8 Linear's ``autograd.Function`` forward (which
+    reads the settings on CUDA, in its quantization of ``x``): a side effect there, so dynamo rejected the saved fp8
+    operand of grad_weight. ``read_settings_in_forward``: make the forward read the settings where it does not (CPU)."""
+    from fp8tensor.core.settings import get_config
+    from fp8tensor.training import linear as L
+
+    if read_settings_in_forward:
+        k_scaled = L._k_scaled
+
+        def reading(w):  # (called in the Function's forward; on CUDA, quantize_token_layouts reads the settings)
+            get_config()
+            return k_scaled(w)
+
+        monkeypatch.setattr(L, "_k_scaled", reading)
+    torch._dynamo.reset()
+    K, N = 64, 48
+    eager = FunctionalLinear(K, N, device)
+    comp_mod = copy.deepcopy(eager)
+    x = torch.randn(3, 13, K, device=device, dtype=torch.bfloat16)
+    gy = torch.randn(3, 13, N, device=device, dtype=torch.bfloat16)
+    with fp8tensor.config(unknown_ops="warn"):
+        fp8tensor.set_config()  # new process-wide settings (same values): the block's merge is stale now
+        yc, gxc, gwc, gbc = run(torch.compile(comp_mod, backend=backend, fullgraph=True), x, gy)
+        ye, gxe, gwe, gbe = run(eager, x, gy)
+    wd, bd = eager.weight.detach().double(), eager.bias.detach().double()
+    xd, gyd = x.double().reshape(-1, K), gy.double().reshape(-1, N)
+    for name, c, e, ref, bound in (("output", yc, ye, xd @ wd.t() + bd, FP8_BOUND),
+                                   ("grad_input", gxc, gxe, gyd @ wd, FP8_BOUND),
+                                   ("grad_weight", gwc, gwe, gyd.t() @ xd, FP8_BOUND),
+                                   ("grad_bias", gbc, gbe, gyd.sum(0), 1e-2)):
+        assert c is not None and c.shape == e.shape and c.dtype == e.dtype, name
+        if bit_exact:
+            assert torch.equal(c, e), f"{name}: compiled differs from eager by {rel(c, e):.3g}"
+        else:
+            assert rel(c, e) < COMPILED_VS_EAGER_BOUND, f"{name}: compiled vs eager {rel(c, e):.3g}"
+        assert rel(c.reshape(ref.shape), ref) < bound, f"{name}: {rel(c.reshape(ref.shape), ref):.3g} from float64"

@@ -9,7 +9,8 @@ import torch.nn as nn
 
 import fp8tensor
 from fp8tensor import compat
-from _compile_path import check_compiled_matches_eager, check_compiled_tp_linear_trains, check_functional_compiled_first
+from _compile_path import (check_compiled_matches_eager, check_compiled_tp_linear_trains,
+                           check_compiled_under_stale_config_block, check_functional_compiled_first)
 
 
 #: (weights, recipe): a frozen fp8 weight has no grad_weight GEMM, so its recipes do not differ.
@@ -31,6 +32,14 @@ def test_compiled_user_module_calling_fp8_linear_on_its_own_parameter():
     filled on first use was a side effect inside the traced autograd.Function)."""
     seed = torch.initial_seed()
     check_functional_compiled_first("cpu", "aot_eager", seed, bit_exact=True)
+
+
+def test_compiled_linear_inside_a_config_block_made_stale_by_set_config(monkeypatch):
+    """``set_config`` inside a ``fp8tensor.config`` block, then a compiled fp8 Linear: the settings read in its traced
+    forward re-merge the block without caching it into the thread's state (a side effect inside the traced
+    autograd.Function, which failed the trace). On CPU the forward is made to read the settings, as on CUDA."""
+    check_compiled_under_stale_config_block(monkeypatch, device="cpu", backend="aot_eager", bit_exact=True,
+                                            read_settings_in_forward=True)
 
 
 def test_compat_tracing_state_queries():

@@ -7,6 +7,8 @@ import dataclasses
 import threading
 import weakref
 
+import torch
+
 __all__ = ["Config", "config", "get_config", "set_config", "GEMM_BACKENDS", "UNKNOWN_OPS",
            "COMPILED_QUANTIZATION", "STATE_DICT_FP8"]  # public as fp8tensor.*
 
@@ -111,7 +113,11 @@ def get_config() -> Config:
     overrides, base, merged = block
     if base is not _global:  # set_config ran since: merge the block's fields into the new process-wide settings
         merged = dataclasses.replace(_global, **overrides)
-        _local.block = (overrides, _global, merged)
+        # Cached in eager only: under torch.compile this write would be a side effect inside a traced
+        # autograd.Function (the fp8 Linear's forward reads the settings on CUDA), and dynamo then rejects the
+        # saved fp8 operand ("intermediate tensor ... aliases an input or output").
+        if not torch.compiler.is_compiling():
+            _local.block = (overrides, _global, merged)
     return merged
 
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _compile_path import check_compiled_matches_eager, check_compiled_tp_linear_trains, check_functional_compiled_first
+from _compile_path import (check_compiled_matches_eager, check_compiled_tp_linear_trains,
+                           check_compiled_under_stale_config_block, check_functional_compiled_first)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -36,6 +37,12 @@ def test_compiled_linear_with_inductor_quantization_trains_like_eager(monkeypatc
 def test_compiled_user_module_calling_fp8_linear_on_its_own_parameter():
     # plain Parameters, compiled (inductor, fullgraph) before any eager fp8tensor call in a fresh process
     check_functional_compiled_first("cuda", "inductor", torch.initial_seed(), bit_exact=False)
+
+
+def test_compiled_linear_inside_a_config_block_made_stale_by_set_config(monkeypatch):
+    # the CUDA forward reads the settings itself (quantize_token_layouts): no patch
+    check_compiled_under_stale_config_block(monkeypatch, device="cuda", backend="inductor", bit_exact=False,
+                                            read_settings_in_forward=False)
 
 
 @pytest.fixture(scope="module")

@@ -66,6 +66,43 @@ def test_autocast_output_dtype_and_values(recipe, shape):
     assert rel_err(m.bias.grad, ref.bias.grad) <= 1e-2  # a sum of bf16 output gradients
 
 
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_gw_hp"])
+def test_autocast_backward_inside_the_block(recipe):
+    """``loss.backward()`` inside the ``torch.autocast("cpu")`` block (CPU autograd runs in the caller's thread, under
+    its autocast): the gradients are those of a backward outside it, bit for bit, eager and compiled (aot_eager), and
+    within the fp8 bound of float64. (The backward ran under autocast, which casts ``torch._scaled_mm``'s float32
+    scales to bf16: gradients off by ~3e-3 of their norm, and unlike the compiled ones.)"""
+    torch._dynamo.reset()
+    K, N = 64, 48
+    lin = _lin(K, N)
+    ref = copy.deepcopy(lin).double()
+    m = fp8tensor.convert_to_fp8(lin, recipe=recipe)
+    x = torch.randn(3, 13, K)
+    gy = torch.randn(3, 13, N, dtype=torch.bfloat16)
+
+    def grads(mod, inside):
+        m.weight.grad = m.bias.grad = None
+        xx = x.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = mod(xx)
+            if inside:
+                y.backward(gy)
+        if not inside:
+            y.backward(gy)
+        return xx.grad, m.weight.grad, m.bias.grad
+
+    outside, inside = grads(m, False), grads(m, True)
+    compiled = grads(torch.compile(m, backend="aot_eager", fullgraph=True), True)
+    for name, o, i, c in zip(("grad_input", "grad_weight", "grad_bias"), outside, inside, compiled):
+        assert torch.equal(i, o), f"{name}: backward inside autocast differs by {rel_err(i, o):.3g}"
+        assert torch.equal(c, o), f"{name}: compiled differs from eager by {rel_err(c, o):.3g}"
+    xd = x.double().requires_grad_()
+    ref(xd).backward(gy.double())
+    assert rel_err(inside[0], xd.grad) <= E4M3_GEMM_BOUND
+    assert rel_err(inside[1], ref.weight.grad) <= E4M3_GEMM_BOUND
+    assert rel_err(inside[2], ref.bias.grad) <= 1e-2
+
+
 def test_autocast_compiled():
     """The autocast path under ``torch.compile``: bf16 output, within the fp8 bound of the float64 math and of the
     eager result. (Not bit-identical: inductor may skip the bf16 rounding of autocast's casts before quantizing,

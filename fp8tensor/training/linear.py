@@ -231,6 +231,12 @@ class _Fp8Linear(torch.autograd.Function):
             return _backward(ctx, grad_out)
         prev = swap_scope(ctx.settings)
         try:
+            dev = grad_out.device.type
+            if (dev in _AUTOCAST_TYPES or torch.amp.is_autocast_available(dev)) and torch.is_autocast_enabled(dev):
+                # backward() called inside an autocast block (CPU autograd runs in the caller's thread): autocast
+                # off, as in the forward (CPU autocast casts torch._scaled_mm's float32 scales to its dtype)
+                with torch.autocast(dev, enabled=False):
+                    return _backward(ctx, grad_out)
             return _backward(ctx, grad_out)
         finally:
             swap_scope(prev)

@@ -577,3 +577,30 @@ def test_hugging_face_experts_in_another_implementation_warn(conversion):
         pytest.skip(f"this transformers has no batched_mm experts: {e}")
     assert _rel(y, _hf_experts_f64(gate_up, down, x, idx, wts)) < 2 * TWO
 
+
+
+@pytest.mark.parametrize("backward_inside", [False, True])
+def test_autocast_leaves_the_fp8_grouped_gemms_alone(backward_inside):
+    """Under ``torch.autocast`` (CPU, bf16), forward and backward (called inside the block or after it) give the bits
+    they give outside it: autocast would cast the GEMMs' float32 scales to bf16 (3e-3 off). Also against float64."""
+    w = (torch.randn(E, N, K) / math.sqrt(K)).bfloat16()
+    x = torch.randn(45, K).bfloat16()
+    offs = _offs([13, 0, 29, 3])
+    g = torch.randn(45, N).bfloat16()
+
+    def run(autocast):
+        wp = nn.Parameter(w.clone())
+        xx = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y = fp8_grouped_mm(xx, wp.transpose(-2, -1), offs)
+            if backward_inside:
+                y.backward(g)
+        if not backward_inside:
+            y.backward(g)
+        return y.detach(), xx.grad, wp.grad
+
+    plain, auto = run(False), run(True)
+    for name, p, a in zip(("output", "grad_input", "grad_weight"), plain, auto):
+        assert a.dtype == p.dtype and torch.equal(a, p), f"{name}: {_rel(a, p):.3g} off the same call outside autocast"
+    ref = _ref(x, w, offs)
+    assert _rel(auto[0][:45], ref) < E4M3_GEMM_BOUND

@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from ..core import compat
-from .linear import QuantizeOnUse
+from .linear import QuantizeOnUse, autocast_enabled
 from ..numerics.quantize import (E4M3, FLOAT8_DTYPES, group_ids, quantize, quantize_expert_cols,
                        quantize_group_cols)
 from .recipes import Recipe, get_recipe
@@ -240,6 +240,16 @@ class _Fp8GroupedMM(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gy):
+        dev = gy.device.type
+        if not compat.is_compiling() and autocast_enabled(dev):
+            # backward() called inside an autocast block (CPU autograd runs in the caller's thread): autocast off,
+            # as in the forward (autocast would cast torch._scaled_mm's float32 scales to its dtype)
+            with torch.autocast(dev, enabled=False):
+                return _Fp8GroupedMM._backward(ctx, gy)
+        return _Fp8GroupedMM._backward(ctx, gy)
+
+    @staticmethod
+    def _backward(ctx, gy):
         if torch.is_grad_enabled():
             raise NotImplementedError(
                 "fp8_grouped_mm: double backward (create_graph=True) is not supported: the fp8 gradient GEMMs are "
@@ -312,6 +322,10 @@ def fp8_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, *, reci
                         f"float32), got {out_dtype}")
     if compat.is_exporting() and isinstance(b, QuantizeOnUse):
         return _exported_master_grouped_mm(a, b, offs, out_dtype)
+    if autocast_enabled(a.device.type):
+        # the operands as they are, the fp8 GEMMs with autocast off (it would cast their float32 scales)
+        with torch.autocast(a.device.type, enabled=False):
+            return _Fp8GroupedMM.apply(a, b, offs, r, out_dtype)
     return _Fp8GroupedMM.apply(a, b, offs, r, out_dtype)
 
 

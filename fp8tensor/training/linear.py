@@ -232,7 +232,7 @@ class _Fp8Linear(torch.autograd.Function):
         prev = swap_scope(ctx.settings)
         try:
             dev = grad_out.device.type
-            if (dev in _AUTOCAST_TYPES or torch.amp.is_autocast_available(dev)) and torch.is_autocast_enabled(dev):
+            if autocast_enabled(dev):
                 # backward() called inside an autocast block (CPU autograd runs in the caller's thread): autocast
                 # off, as in the forward (CPU autocast casts torch._scaled_mm's float32 scales to its dtype)
                 with torch.autocast(dev, enabled=False):
@@ -359,7 +359,7 @@ def fp8_linear(
             "Linear; use reverse mode (backward / torch.autograd.grad), or leave this Linear in high precision "
             "(convert_to_fp8's module_filter_fn)")
     dev = input.device.type
-    if (dev in _AUTOCAST_TYPES or torch.amp.is_autocast_available(dev)) and torch.is_autocast_enabled(dev):
+    if autocast_enabled(dev):
         # (meta and the like have no autocast state to ask.) Operands cast as autocast casts F.linear's (float64 is
         # left alone), then the fp8 Linear with autocast off: autocast would dequantize the fp8 operands of mm into a
         # high-precision GEMM.
@@ -445,5 +445,11 @@ def _exported_forward(input: torch.Tensor, weight: torch.Tensor, bias: Optional[
 
 #: Device types that always have an autocast state (others are asked ``torch.amp.is_autocast_available`` first).
 _AUTOCAST_TYPES = ("cuda", "cpu")
+
+
+def autocast_enabled(device_type: str) -> bool:
+    """Whether ``torch.autocast`` is on for ``device_type`` (meta and the like have no autocast state to ask)."""
+    return ((device_type in _AUTOCAST_TYPES or torch.amp.is_autocast_available(device_type))
+            and torch.is_autocast_enabled(device_type))
 #: The dtypes autocast casts to its lower precision (it leaves float64 as it is).
 _AUTOCAST_CASTS = (torch.float32, torch.float16, torch.bfloat16)

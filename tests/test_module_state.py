@@ -41,7 +41,6 @@ STATE = {
                                         "the read-only tile table; at most 4096, then cleared",
     "numerics/kernels.py:_INT_CLASSES": "Triton's specialization class of an integer launch argument, a pure function "
                                         "of its value; at most 4096 entries",
-    "subclass/tensor.py:_DTENSOR": "the DTensor class (or False without torch.distributed), looked up once",
     "numerics/fsdp_payload.py:_GROUP_OF": "FSDP2 group of a sharded tensor, keyed weakly by the tensor",
     "numerics/fsdp_payload.py:_FSDP_PARAM_OF": "FSDP2 parameter of a sharded tensor, keyed weakly by the tensor",
     "conversion/modules.py:_PLAIN_PARAMETERS": "whether a module class has a class attribute named weight or bias "

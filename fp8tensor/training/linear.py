@@ -451,5 +451,7 @@ def autocast_enabled(device_type: str) -> bool:
     """Whether ``torch.autocast`` is on for ``device_type`` (meta and the like have no autocast state to ask)."""
     return ((device_type in _AUTOCAST_TYPES or torch.amp.is_autocast_available(device_type))
             and torch.is_autocast_enabled(device_type))
+
+
 #: The dtypes autocast casts to its lower precision (it leaves float64 as it is).
 _AUTOCAST_CASTS = (torch.float32, torch.float16, torch.bfloat16)

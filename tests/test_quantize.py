@@ -309,3 +309,37 @@ def test_decode_gemm_under_the_triton_interpreter():
     from conftest import run_under_triton_interpreter
 
     run_under_triton_interpreter("_w8_mm_interp.py")
+
+
+@pytest.mark.parametrize("x_fp8", [False, True])
+@pytest.mark.parametrize("split", [1, 3])
+def test_traced_decode_gemm_launches_name_every_kernel_parameter(monkeypatch, x_fp8, split):
+    # Under torch.compile the decode GEMM's launches go through wrap_triton, and inductor (torch 2.11) launches a user
+    # kernel with exactly the arguments it was given: a parameter left to its default (xs_ptr, X_FP8) made the
+    # compiled call fail ("launcher() missing 2 required positional arguments"). Every traced launch names all of
+    # its kernel's parameters; the eager launcher fills defaults itself.
+    pytest.importorskip("triton")
+    from fp8tensor import kernels
+
+    if not kernels._HAS_TRITON:
+        pytest.skip("needs Triton")
+    launches = []
+    monkeypatch.setattr(kernels, "_launch", lambda fn, grid, args, consts, *a, **k: launches.append(
+        (fn, len(args), dict(consts), k.get("traced"))))
+    from fp8tensor.quantize import quantize
+
+    M, N, K = 5, 48, 384
+    w8, s = quantize(torch.randn(N, K), -1)
+    if x_fp8:
+        x, xs = quantize(torch.randn(M, K), -1)
+    else:
+        x, xs = torch.randn(M, K, dtype=torch.bfloat16), None
+    tiles = dict(kernels.W8_MM_CONFIG["tiles"][16], min_k_tiles=1)
+    tiles["programs_per_sm"] = 10**6 if split > 1 else 1  # (the CPU plan sees one SM)
+    kernels.launch_w8_mm(x, w8, s, torch.randn(N, dtype=torch.bfloat16), traced=True, tiles=tiles, x_scale=xs)
+    assert [t for *_, t in launches] == [True] * len(launches) and len(launches) == (1 if split == 1 else 2)
+    for fn, n_args, consts, _ in launches:
+        names = [p.name for p in fn.params]
+        assert set(names[:n_args]).isdisjoint(consts) and set(names[n_args:]) == set(consts), (names, consts)
+    if x_fp8:
+        assert launches[0][2]["X_FP8"] is True and launches[0][2]["xs_ptr"] is xs

@@ -798,9 +798,7 @@ def _w8_mm_launch(M: int, N: int, K: int, device: torch.device, dtype: torch.dty
     bm, c, grid, split, k_per = _w8_mm_plan(M, N, K, device, tiles)
     ty = _tl_dtype(dtype)
     consts = dict(HAS_BIAS=has_bias, FINAL=split == 1, X_TY=ty, O_TY=ty, BLOCK_M=bm, BLOCK_N=c["block_n"],
-                  BLOCK_K=c["block_k"], N_MAJOR=c.get("n_major", False))
-    if x_fp8:
-        consts["X_FP8"] = True
+                  BLOCK_K=c["block_k"], N_MAJOR=c.get("n_major", False), X_FP8=x_fp8)
     rblock = W8_MM_CONFIG["reduce_block"]
     rconsts = dict(SPLIT=split, HAS_BIAS=has_bias, O_TY=ty, BLOCK=rblock)
     return (grid, split, k_per, types.MappingProxyType(consts), c["warps"], c["stages"],
@@ -874,8 +872,8 @@ def launch_w8_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: O
     grid, split, k_per, consts, warps, stages, rgrid, rconsts = launch
     b = bias if has_bias else scale  # (scale (N, 1) and x_scale (M, 1) contiguous: the kernels read them flat)
     ws = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
-    if x_fp8:
-        consts = {**consts, "xs_ptr": x_scale}
+    if x_fp8 or traced:  # inductor (torch 2.11) launches a user kernel with every parameter: xs_ptr unread if not fp8
+        consts = {**consts, "xs_ptr": x_scale if x_fp8 else scale}
     args = (x, w8, scale, b, ws, M, N, K, k_per, stride_xm, w8.stride(0), N, M * N)
     _launch(_w8_mm_kernel, grid, args, consts, warps, x.device, stages, traced=traced)
     if split > 1:

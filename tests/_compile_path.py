@@ -285,3 +285,105 @@ def check_compiled_under_stale_config_block(monkeypatch, *, device: str, backend
         else:
             assert rel(c, e) < COMPILED_VS_EAGER_BOUND, f"{name}: compiled vs eager {rel(c, e):.3g}"
         assert rel(c.reshape(ref.shape), ref) < bound, f"{name}: {rel(c.reshape(ref.shape), ref):.3g} from float64"
+
+
+class _OwnLinear(nn.Linear):
+    """A user subclass of ``nn.Linear``: its converted class is made at conversion, first used compiled."""
+
+
+def converted_compiled_first_runs(device: str, backend: str, seed: int) -> dict:
+    """Run in a fresh process (nothing of fp8tensor called eagerly before): converted models compiled *first*, with
+    ``torch._dynamo.config.error_on_recompile`` on, three calls each; then the same models compiled again after
+    ``torch._dynamo.reset()``, then run eagerly. Per case, ``(compiled first vs compiled again, compiled first vs
+    eager, compiled first vs float64)`` as relative errors of the outputs and gradients, or the error raised.
+
+    A memo that fp8tensor filled on first use inside the compiled forward made dynamo guard the graph on the memo
+    and replay its filling: every model compiled before its first eager call compiled twice, the first graph unlike
+    the later ones (a training run's first losses differed from a rerun's in the same process)."""
+    torch.manual_seed(seed)
+    torch._dynamo.config.error_on_recompile = True
+    dt = torch.bfloat16
+    K, H, N = 64, 96, 48
+
+    def build(kind):
+        torch.manual_seed(seed)
+        if kind == "own_class":
+            m = nn.Sequential(_OwnLinear(K, H), nn.ReLU(), _OwnLinear(H, N)).to(device, dt)
+        else:
+            m = nn.Sequential(nn.Linear(K, H), nn.ReLU(), nn.Linear(H, N)).to(device, dt)
+        hp = [m[0].weight.detach().double().clone(), m[0].bias.detach().double().clone(),
+              m[2].weight.detach().double().clone(), m[2].bias.detach().double().clone()]
+        if kind == "quantize_weights":
+            fp8tensor.quantize_weights(m)
+        else:
+            fp8tensor.convert_to_fp8(m, recipe="rowwise_gw_hp" if kind == "gw_hp" else "rowwise")
+        return m, hp
+
+    def call(m, x, grads):
+        if not grads:
+            with torch.no_grad():
+                return [m(x)]
+        x = x.detach().clone().requires_grad_(True)
+        y = m(x)
+        y.float().square().sum().backward()
+        outs = [y.detach(), x.grad]
+        outs += [p.grad for p in m.parameters() if p.grad is not None]
+        for p in m.parameters():
+            p.grad = None
+        return outs
+
+    results = {}
+    for kind in ("rowwise", "gw_hp", "own_class", "quantize_weights"):
+        grads = kind != "quantize_weights"
+        x = torch.randn(3, 13, K, device=device, dtype=dt)
+        try:
+            torch._dynamo.reset()
+            first, hp = build(kind)
+            cfirst = torch.compile(first, backend=backend)
+            runs = [call(cfirst, x, grads) for _ in range(3)]
+            torch._dynamo.reset()
+            again, _ = build(kind)
+            ragain = call(torch.compile(again, backend=backend), x, grads)
+            eager, _ = build(kind)
+            reager = call(eager, x, grads)
+        except Exception as e:  # (a recompile raises here)
+            results[kind] = f"{type(e).__name__}: {str(e)[:600]}"
+            continue
+        w0, b0, w2, b2 = hp
+        ref = torch.relu(x.double() @ w0.t() + b0) @ w2.t() + b2
+        out = runs[0]
+        results[kind] = dict(
+            same_three=all(len(r) == len(out) and all(torch.equal(a, b) for a, b in zip(r, out)) for r in runs),
+            vs_again=max(rel(a, b) for a, b in zip(out, ragain)) if len(out) == len(ragain) else None,
+            vs_eager=max(rel(a, b) for a, b in zip(out, reager)) if len(out) == len(reager) else None,
+            vs_ref=rel(out[0], ref), n=len(out))
+    return results
+
+
+def check_converted_compiled_first(device: str, backend: str, seed: int, bit_exact: bool) -> None:
+    """:func:`converted_compiled_first_runs` in a fresh Python process: no recompile; the compiled-first model gives
+    the same bits as the same model compiled again (any backend: the same graph), agrees with eager (to the bit if
+    ``bit_exact``) and with float64 within the bound of two fp8 GEMMs in series."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(here)
+    code = ("import json, _compile_path as c; "
+            f"print('RESULT', json.dumps(c.converted_compiled_first_runs({device!r}, {backend!r}, {seed})))")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, here, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"seed {seed}: the fresh process failed:\n{proc.stderr[-4000:]}"
+    for kind, r in json.loads(lines[-1][len("RESULT "):]).items():
+        assert isinstance(r, dict), f"seed {seed}: {kind}: {r}"
+        assert r["n"] == (1 if kind == "quantize_weights" else 6), (seed, kind, r)
+        assert r["same_three"], f"seed {seed}: {kind}: the compiled-first model's calls differ"
+        assert r["vs_again"] == 0.0, f"seed {seed}: {kind}: compiled first vs compiled again: {r['vs_again']}"
+        if bit_exact:
+            assert r["vs_eager"] == 0.0, f"seed {seed}: {kind}: compiled vs eager: {r['vs_eager']}"
+        else:
+            assert r["vs_eager"] < COMPILED_VS_EAGER_BOUND, f"seed {seed}: {kind}: compiled vs eager {r['vs_eager']}"
+        assert r["vs_ref"] < 2 * FP8_BOUND, f"seed {seed}: {kind}: {r['vs_ref']:.3g} from float64"

@@ -10,7 +10,8 @@ import torch.nn as nn
 import fp8tensor
 from fp8tensor import compat
 from _compile_path import (check_compiled_matches_eager, check_compiled_tp_linear_trains,
-                           check_compiled_under_stale_config_block, check_functional_compiled_first)
+                           check_compiled_under_stale_config_block, check_converted_compiled_first,
+                           check_functional_compiled_first)
 
 
 #: (weights, recipe): a frozen fp8 weight has no grad_weight GEMM, so its recipes do not differ.
@@ -32,6 +33,14 @@ def test_compiled_user_module_calling_fp8_linear_on_its_own_parameter():
     filled on first use was a side effect inside the traced autograd.Function)."""
     seed = torch.initial_seed()
     check_functional_compiled_first("cpu", "aot_eager", seed, bit_exact=True)
+
+
+def test_converted_model_compiled_first_compiles_once():
+    """Converted models (both recipes, a user subclass of nn.Linear, quantize_weights) compiled before any eager
+    fp8tensor call in the process: no recompile over three calls, the same bits as the model compiled again and as
+    eager (aot_eager), float64 bounds. The Linear forward's per-class memo was filled inside the compiled forward:
+    dynamo guarded on it and recompiled at the second call, the first graph unlike the later ones."""
+    check_converted_compiled_first("cpu", "aot_eager", torch.initial_seed(), bit_exact=True)
 
 
 def test_compiled_linear_inside_a_config_block_made_stale_by_set_config(monkeypatch):

@@ -38,7 +38,11 @@ def fp8_linear_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
 def _plain_parameters(cls: type) -> bool:
     """Whether ``self.weight`` / ``self.bias`` of a ``cls`` instance are its ``_parameters`` entries when it has them:
     neither is an attribute of the class (a property, say: ``torch.nn.utils.parametrize`` makes one and removes the
-    ``_parameters`` entry). Memoized per class."""
+    ``_parameters`` entry). Memoized per class in eager only: under ``torch.compile`` the memo is neither read nor
+    written (dynamo guarded the compiled forward on the memo's contents and replayed its filling as a side effect,
+    so a model compiled before its first eager call compiled twice, the first graph unlike the later ones)."""
+    if compat.is_compiling():
+        return not (hasattr(cls, "weight") or hasattr(cls, "bias"))
     plain = _PLAIN_PARAMETERS.get(cls)
     if plain is None:
         plain = _PLAIN_PARAMETERS[cls] = not (hasattr(cls, "weight") or hasattr(cls, "bias"))

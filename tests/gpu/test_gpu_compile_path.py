@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from _compile_path import (check_compiled_matches_eager, check_compiled_tp_linear_trains,
-                           check_compiled_under_stale_config_block, check_functional_compiled_first)
+                           check_compiled_under_stale_config_block, check_converted_compiled_first,
+                           check_functional_compiled_first)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -37,6 +38,12 @@ def test_compiled_linear_with_inductor_quantization_trains_like_eager(monkeypatc
 def test_compiled_user_module_calling_fp8_linear_on_its_own_parameter():
     # plain Parameters, compiled (inductor, fullgraph) before any eager fp8tensor call in a fresh process
     check_functional_compiled_first("cuda", "inductor", torch.initial_seed(), bit_exact=False)
+
+
+def test_converted_model_compiled_first_compiles_once():
+    # inductor: the compiled-first model gives the bits of the same model compiled again (it compiled twice, the
+    # first graph unlike the later ones), no recompile; eager within COMPILED_VS_EAGER_BOUND, float64 bounds
+    check_converted_compiled_first("cuda", "inductor", torch.initial_seed(), bit_exact=False)
 
 
 def test_compiled_linear_inside_a_config_block_made_stale_by_set_config(monkeypatch):

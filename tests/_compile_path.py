@@ -384,6 +384,7 @@ def check_converted_compiled_first(device: str, backend: str, seed: int, bit_exa
         assert r["vs_again"] == 0.0, f"seed {seed}: {kind}: compiled first vs compiled again: {r['vs_again']}"
         if bit_exact:
             assert r["vs_eager"] == 0.0, f"seed {seed}: {kind}: compiled vs eager: {r['vs_eager']}"
-        else:
-            assert r["vs_eager"] < COMPILED_VS_EAGER_BOUND, f"seed {seed}: {kind}: compiled vs eager {r['vs_eager']}"
+        else:  # two fp8 GEMMs in series: the second quantizes an input whose ulps differ (inductor's fused ReLU)
+            assert r["vs_eager"] < 2 * COMPILED_VS_EAGER_BOUND, (
+                f"seed {seed}: {kind}: compiled vs eager {r['vs_eager']}")
         assert r["vs_ref"] < 2 * FP8_BOUND, f"seed {seed}: {kind}: {r['vs_ref']:.3g} from float64"

@@ -217,9 +217,8 @@ def functional_compiled_first_errors(device: str, backend: str, seed: int) -> di
     return out
 
 
-def check_functional_compiled_first(device: str, backend: str, seed: int, bit_exact: bool) -> None:
-    """:func:`functional_compiled_first_errors` in a fresh Python process; every result exists, agrees with eager (to
-    the bit if ``bit_exact``, else within :data:`COMPILED_VS_EAGER_BOUND`) and with float64 within the fp8 bound."""
+def _in_fresh_process(call: str, seed: int):
+    """The JSON result of ``_compile_path.<call>`` run in a fresh Python process (nothing of fp8tensor ran before)."""
     import json
     import os
     import subprocess
@@ -227,13 +226,18 @@ def check_functional_compiled_first(device: str, backend: str, seed: int, bit_ex
 
     here = os.path.dirname(os.path.abspath(__file__))
     root = os.path.dirname(here)
-    code = ("import json, _compile_path as c; "
-            f"print('RESULT', json.dumps(c.functional_compiled_first_errors({device!r}, {backend!r}, {seed})))")
+    code = f"import json, _compile_path as c; print('RESULT', json.dumps(c.{call}))"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, here, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"seed {seed}: the fresh process failed:\n{proc.stderr[-4000:]}"
-    errors = json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def check_functional_compiled_first(device: str, backend: str, seed: int, bit_exact: bool) -> None:
+    """:func:`functional_compiled_first_errors` in a fresh Python process; every result exists, agrees with eager (to
+    the bit if ``bit_exact``, else within :data:`COMPILED_VS_EAGER_BOUND`) and with float64 within the fp8 bound."""
+    errors = _in_fresh_process(f"functional_compiled_first_errors({device!r}, {backend!r}, {seed})", seed)
     for name, e in errors.items():
         assert e is not None, f"seed {seed}: {name} missing, or its shape / dtype differs from eager"
         vs_eager, vs_ref = e
@@ -364,20 +368,8 @@ def check_converted_compiled_first(device: str, backend: str, seed: int, bit_exa
     """:func:`converted_compiled_first_runs` in a fresh Python process: no recompile; the compiled-first model gives
     the same bits as the same model compiled again (any backend: the same graph), agrees with eager (to the bit if
     ``bit_exact``) and with float64 within the bound of two fp8 GEMMs in series."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    here = os.path.dirname(os.path.abspath(__file__))
-    root = os.path.dirname(here)
-    code = ("import json, _compile_path as c; "
-            f"print('RESULT', json.dumps(c.converted_compiled_first_runs({device!r}, {backend!r}, {seed})))")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, here, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"seed {seed}: the fresh process failed:\n{proc.stderr[-4000:]}"
-    for kind, r in json.loads(lines[-1][len("RESULT "):]).items():
+    runs = _in_fresh_process(f"converted_compiled_first_runs({device!r}, {backend!r}, {seed})", seed)
+    for kind, r in runs.items():
         assert isinstance(r, dict), f"seed {seed}: {kind}: {r}"
         assert r["n"] == (1 if kind == "quantize_weights" else 6), (seed, kind, r)
         assert r["same_three"], f"seed {seed}: {kind}: the compiled-first model's calls differ"

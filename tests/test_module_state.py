@@ -44,7 +44,8 @@ STATE = {
     "numerics/fsdp_payload.py:_GROUP_OF": "FSDP2 group of a sharded tensor, keyed weakly by the tensor",
     "numerics/fsdp_payload.py:_FSDP_PARAM_OF": "FSDP2 parameter of a sharded tensor, keyed weakly by the tensor",
     "conversion/modules.py:_PLAIN_PARAMETERS": "whether a module class has a class attribute named weight or bias "
-                                                "(a fact about the class)",
+                                                "(a fact about the class); eager only, never read or written under "
+                                                "torch.compile (a guard on it recompiled the first graph)",
     "conversion/modules.py:_CONVERTED": "the converted class of each (mixin, module class) pair, made once",
 }
 

@@ -9,6 +9,7 @@ Used by ``tests/test_compile_path.py`` (CPU, ``aot_eager``) and ``tests/gpu/test
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 
@@ -380,3 +381,71 @@ def check_converted_compiled_first(device: str, backend: str, seed: int, bit_exa
             assert r["vs_eager"] < 2 * COMPILED_VS_EAGER_BOUND, (
                 f"seed {seed}: {kind}: compiled vs eager {r['vs_eager']}")
         assert r["vs_ref"] < 2 * FP8_BOUND, f"seed {seed}: {kind}: {r['vs_ref']:.3g} from float64"
+
+
+def config_block_after_compiled_first(device: str, backend: str, seed: int) -> dict:
+    """Run in a fresh process (no ``fp8tensor.config`` block entered before in this thread): a ``quantize_weights``
+    model (its no-grad forward reads ``weight_only_decode`` while dynamo traces it) and a function reading the
+    settings, each compiled and called *first* outside any block, then called inside ``fp8tensor.config(...)``
+    blocks. Returns the graphs compiled per phase, the function's results against eager, and the model's outputs
+    against float64.
+
+    The thread's settings state was a ``threading.local`` with class-level defaults, set on the instance only at the
+    thread's first block: a graph traced before that was guarded on the fields' absence from the thread-local
+    ``__dict__``, a guard later blocks did not fail, so the compiled model ignored every block around its calls."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    from fp8tensor.core.settings import get_config
+
+    torch.manual_seed(seed)
+    compiled = [0]
+    inner = lookup_backend(backend)
+
+    def counting(gm, example_inputs):
+        compiled[0] += 1
+        return inner(gm, example_inputs)
+
+    def probe(x):
+        return x + (1.0 if get_config().weight_only_decode else 2.0)
+
+    out = {}
+    cprobe = torch.compile(probe, backend=counting, fullgraph=True)
+    z = torch.zeros(2, device=device)
+    out["probe_outside"] = (cprobe(z).tolist(), probe(z).tolist())
+    with fp8tensor.config(weight_only_decode=False):
+        out["probe_block"] = (cprobe(z).tolist(), probe(z).tolist())
+    out["probe_after"] = (cprobe(z).tolist(), probe(z).tolist())
+    out["probe_graphs"] = compiled[0]
+
+    compiled[0] = 0
+    K, N = 64, 48
+    lin = nn.Linear(K, N, device=device, dtype=torch.bfloat16)
+    w, b = lin.weight.detach().double().clone(), lin.bias.detach().double().clone()
+    fp8tensor.quantize_weights(lin)
+    cm = torch.compile(lin, backend=counting)
+    x = torch.randn(3, 13, K, device=device, dtype=torch.bfloat16)
+    ref = x.double() @ w.t() + b
+    graphs, errors = [], []
+    for phase in ("outside", "block", "after", "block again"):
+        with (fp8tensor.config(weight_only_decode=False) if phase.startswith("block")
+              else contextlib.nullcontext()), torch.no_grad():
+            y = cm(x)
+        graphs.append(compiled[0])
+        errors.append(rel(y, ref))
+    out["model_graphs"], out["model_vs_ref"] = graphs, errors
+    return out
+
+
+def check_config_block_after_compiled_first(device: str, backend: str, seed: int) -> None:
+    """:func:`config_block_after_compiled_first` in a fresh process: a block entered around the call of a model
+    compiled before the thread's first block reaches the compiled code (the block's setting, a second graph traced
+    under it, reused by a later block; the first graph again outside), outputs within the fp8 bound of float64."""
+    r = _in_fresh_process(f"config_block_after_compiled_first({device!r}, {backend!r}, {seed})", seed)
+    assert r["probe_outside"] == [[1.0, 1.0]] * 2, (seed, r)
+    assert r["probe_block"] == [[2.0, 2.0]] * 2, f"seed {seed}: the compiled code ignored the config block: {r}"
+    assert r["probe_after"] == [[1.0, 1.0]] * 2, (seed, r)
+    assert r["probe_graphs"] == 2, (seed, r)
+    assert r["model_graphs"] == [1, 2, 2, 2], (
+        f"seed {seed}: graphs compiled after the call outside, inside a block, after it, inside again: "
+        f"{r['model_graphs']} (the block never reached the model compiled first: [1, 1, 1, 1])")
+    assert all(e < FP8_BOUND for e in r["model_vs_ref"]), f"seed {seed}: {r['model_vs_ref']} from float64"

@@ -10,7 +10,8 @@ import torch.nn as nn
 import fp8tensor
 from fp8tensor import compat
 from _compile_path import (check_compiled_matches_eager, check_compiled_tp_linear_trains,
-                           check_compiled_under_stale_config_block, check_converted_compiled_first,
+                           check_compiled_under_stale_config_block, check_config_block_after_compiled_first,
+                           check_converted_compiled_first,
                            check_functional_compiled_first)
 
 
@@ -49,6 +50,14 @@ def test_compiled_linear_inside_a_config_block_made_stale_by_set_config(monkeypa
     autograd.Function, which failed the trace). On CPU the forward is made to read the settings, as on CUDA."""
     check_compiled_under_stale_config_block(monkeypatch, device="cpu", backend="aot_eager", bit_exact=True,
                                             read_settings_in_forward=True)
+
+
+def test_config_block_reaches_a_model_compiled_before_the_first_block():
+    """A ``quantize_weights`` model compiled and called before any ``fp8tensor.config`` block in the thread (fresh
+    process), then called inside ``config(weight_only_decode=False)``: the block reaches the compiled code (a graph
+    traced under it). The thread-local settings state had class-level defaults, so the first graph was guarded on
+    their absence from the thread-local ``__dict__``, which later blocks did not fail: every block was ignored."""
+    check_config_block_after_compiled_first("cpu", "aot_eager", torch.initial_seed())
 
 
 def test_compat_tracing_state_queries():

@@ -91,13 +91,18 @@ class Config:
 
 _global = Config()
 class _ThreadState(threading.local):
-    """This thread's :func:`config` state; class-level defaults, so that reading an unset field is a plain attribute
-    lookup (``getattr(local, name, None)`` of a missing one raises and catches inside: µs per call, on every Linear
-    call)."""
+    """This thread's :func:`config` state. Every field is set on the instance in each thread (``__init__`` runs in a
+    thread at its first access), never left to a class-level default: reading one is a plain attribute lookup
+    (``getattr(local, name, None)`` of a missing one raises and catches inside: µs per call, on every Linear call),
+    and ``torch.compile`` guards on it. A graph traced while a field was still the class's default was guarded on the
+    field's absence from the thread-local ``__dict__``, a guard that later blocks did not fail: a model compiled before
+    the thread's first ``config`` block ignored every block entered around its later calls."""
 
-    block = None  # (overrides, the global settings they were merged with, merged) or None
-    stack = None  # the enclosing blocks' (scope, changes), innermost last
-    pending = None  # weak references to blocks exited out of order, reported at the next read
+    def __init__(self):
+        self.block = None  # (overrides, the global settings they were merged with, merged) or None
+        self.stack = []  # the enclosing blocks' (scope, changes), innermost last
+        self.pending = []  # weak references to blocks made and not entered yet, reported at the next read (as
+        # ``[]`` from the start: a graph guards on it, and None -> [] at the first block would recompile it)
 
 
 _local = _ThreadState()

@@ -73,11 +73,28 @@ def main():
     q = torch.empty(M, K, dtype=torch.float8_e4m3fn)
     s = torch.empty(M, 1)
     kernels._row_quant_kernel[(triton.cdiv(M, 4),)](x, c, q, s, M, K, FMAX=448.0, EPS=SCALE_FLOOR, BLOCK_M=4,
-                                                    BLOCK_K=128, HAS_C=True)
+                                                    BLOCK_K=128, HAS_C=True, ends_ptr=x, G=0, G_BLOCK=0)
     xf = x * c
     rs = rowwise_scale(xf, -1, torch.float8_e4m3fn)
     assert torch.equal(s, rs), (s - rs).abs().max()
     _same_fp8(q, cast_to_fp8(xf, rs, torch.float8_e4m3fn))
+    # rows times their token group's column multipliers (grad_input of fp8 expert weights): uneven groups, an empty
+    # one, a group end inside a block of rows, rows past the last end (the last group's multipliers), one group
+    for ends in ([3, 3, 20, 30], [37], [0, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]):
+        ends_t = torch.tensor(ends, dtype=torch.int32)
+        G = len(ends)
+        cg = torch.rand(G, K) * 3
+        cg[0, 7] = 0.0
+        q = torch.empty(M, K, dtype=torch.float8_e4m3fn)
+        s = torch.empty(M, 1)
+        kernels._row_quant_kernel[(triton.cdiv(M, 4),)](x, cg, q, s, M, K, FMAX=448.0, EPS=SCALE_FLOOR, BLOCK_M=4,
+                                                        BLOCK_K=128, HAS_C=True, ends_ptr=ends_t, G=G,
+                                                        G_BLOCK=triton.next_power_of_2(G))
+        gid = torch.searchsorted(ends_t, torch.arange(M, dtype=torch.int32), right=True).clamp(max=G - 1)
+        xf = x * cg[gid]
+        rs = rowwise_scale(xf, -1, torch.float8_e4m3fn)
+        assert torch.equal(s, rs), (ends, (s - rs).abs().max())
+        _same_fp8(q, cast_to_fp8(xf, rs, torch.float8_e4m3fn))
     print("ok")
 
 

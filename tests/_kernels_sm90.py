@@ -97,6 +97,9 @@ def _record_package_tiles(seen: set, launches: list) -> None:
             K.launch_both(x, e4m3, 1e-12)
             K.quantize_last_dim(x, e4m3, 1e-12, checked=True)
             K.quantize_last_dim(x, e4m3, 1e-12, checked=True, col_scale=torch.empty(Kd, device=meta))
+            for G in (1, 8, 128):  # grouped multipliers (fp8 expert weights' row scales folded into grad_out)
+                K.quantize_last_dim(x, e4m3, 1e-12, checked=True, col_scale=torch.empty(G, Kd, device=meta),
+                                    col_scale_ends=torch.empty(G, dtype=torch.int32, device=meta))
     K._device_table = lambda values, device: torch.empty(len(values), dtype=torch.int64, device=meta)
     K._launch_group([torch.empty(64, 64, dtype=torch.bfloat16, device=meta)], [0], [0], e4m3, 1e-12)
     K.launch_transpose(torch.empty(4096, 1024, dtype=e4m3, device=meta))

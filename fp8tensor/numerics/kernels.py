@@ -124,18 +124,29 @@ if _HAS_TRITON:
 
     @triton.jit
     def _quantize_rows(x_ptr, q_ptr, scale_ptr, offs_m, M, K, FMAX: tl.constexpr, EPS: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, c_ptr, HAS_C: tl.constexpr):
+                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, c_ptr, HAS_C: tl.constexpr, ends_ptr, G,
+                       G_BLOCK: tl.constexpr):
         # Rows offs_m of a row-major (M, K) tensor (HAS_C: times the float32 column multipliers c, in float32):
-        # one pass for the row amax, one (mostly from L2) to divide, saturate, cast and store.
+        # one pass for the row amax, one (mostly from L2) to divide, saturate, cast and store. G_BLOCK > 0: c is
+        # (G, K), one row of multipliers per token group, and row m takes c's row of its group (the number of
+        # cumulative group ends ends[:G] <= m, at most G - 1: rows past the last end take the last group's).
         mmask = offs_m < M
         rows = offs_m.to(tl.int64)[:, None] * K
+        if G_BLOCK > 0:
+            offs_g = tl.arange(0, G_BLOCK)
+            ends = tl.load(ends_ptr + offs_g, mask=offs_g < G, other=2**31 - 1)
+            gid = tl.sum((ends[None, :] <= offs_m[:, None]).to(tl.int32), axis=1)
+            c_rows = tl.minimum(gid, G - 1).to(tl.int64)[:, None] * K
         acc = tl.zeros([BLOCK_M], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mask = mmask[:, None] & (offs_k[None, :] < K)
             x = tl.load(x_ptr + rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
             if HAS_C:
-                x = x * tl.load(c_ptr + offs_k, mask=offs_k < K, other=0.0)[None, :]
+                if G_BLOCK > 0:
+                    x = x * tl.load(c_ptr + c_rows + offs_k[None, :], mask=mask, other=0.0)
+                else:
+                    x = x * tl.load(c_ptr + offs_k, mask=offs_k < K, other=0.0)[None, :]
             a = tl.abs(x)
             a = tl.where(a != a, float("inf"), a)  # NaN -> inf: the row's scale becomes inf, output non-finite
             acc = tl.maximum(acc, tl.max(a, axis=1))
@@ -146,18 +157,23 @@ if _HAS_TRITON:
             mask = mmask[:, None] & (offs_k[None, :] < K)
             x = tl.load(x_ptr + rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
             if HAS_C:
-                x = x * tl.load(c_ptr + offs_k, mask=offs_k < K, other=0.0)[None, :]
+                if G_BLOCK > 0:
+                    x = x * tl.load(c_ptr + c_rows + offs_k[None, :], mask=mask, other=0.0)
+                else:
+                    x = x * tl.load(c_ptr + offs_k, mask=offs_k < K, other=0.0)[None, :]
             y = tl.div_rn(x, scale[:, None])
             y = tl.clamp(y, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
             tl.store(q_ptr + rows + offs_k[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _row_quant_kernel(x_ptr, c_ptr, q_ptr, scale_ptr, M, K, FMAX: tl.constexpr, EPS: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HAS_C: tl.constexpr):
+                          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HAS_C: tl.constexpr, ends_ptr, G,
+                          G_BLOCK: tl.constexpr):
         # BLOCK_M rows per program; the bits of the eager CUDA ops: x / scale as an IEEE division (div_rn; Triton's
         # plain '/' on float32 is approximate, eager CUDA divides tensor by tensor exactly).
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        _quantize_rows(x_ptr, q_ptr, scale_ptr, offs_m, M, K, FMAX, EPS, BLOCK_M, BLOCK_K, c_ptr, HAS_C)
+        _quantize_rows(x_ptr, q_ptr, scale_ptr, offs_m, M, K, FMAX, EPS, BLOCK_M, BLOCK_K, c_ptr, HAS_C, ends_ptr, G,
+                       G_BLOCK)
 
     @triton.jit
     def _row_quant_group_kernel(table_ptr, N_T: tl.constexpr, FMAX: tl.constexpr, EPS: tl.constexpr,
@@ -180,7 +196,8 @@ if _HAS_TRITON:
             x_ptr = tl.multiple_of(x_ptr, 16)
             q_ptr = tl.multiple_of(q_ptr, 16)
         offs_m = (pid - first) * BLOCK_M + tl.arange(0, BLOCK_M)
-        _quantize_rows(x_ptr, q_ptr, scale_ptr, offs_m, M, K, FMAX, EPS, BLOCK_M, BLOCK_K, x_ptr, False)
+        _quantize_rows(x_ptr, q_ptr, scale_ptr, offs_m, M, K, FMAX, EPS, BLOCK_M, BLOCK_K, x_ptr, False, x_ptr, 0,
+                       0)
 
     @triton.jit
     def _transpose_kernel(src_ptr, dst_ptr, M, N, stride_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -380,32 +397,44 @@ def eager_launch_ok(x: torch.Tensor) -> bool:
 
 
 def quantize_last_dim(x: torch.Tensor, float8_dtype: torch.dtype, scale_floor: float, *, checked: bool = False,
-                      col_scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      col_scale: Optional[torch.Tensor] = None,
+                      col_scale_ends: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Row-wise quantization along the last dim in one Triton kernel (eager CUDA; see :func:`row_kernel_available`).
 
     ``scale = max(amax / fmax, scale_floor)``: the bits of the eager ``quantize_rowwise(x, -1, float8_dtype)`` (a NaN
     row gets an infinite scale), reading ``x`` twice. ``col_scale`` (``K`` contiguous float32 values on ``x``'s
-    device): quantizes ``x.float() * col_scale`` instead. Returns ``qdata`` (``x``'s shape, ``float8_dtype``) and
-    ``scale`` (float32 ``(*x.shape[:-1], 1)``).
+    device): quantizes ``x.float() * col_scale`` instead. With ``col_scale_ends`` (int32 ``(G,)`` cumulative ends of
+    token groups of ``x``'s rows, ``G >= 1``), ``col_scale`` is ``(G, K)`` contiguous float32 and row ``m`` is
+    multiplied by the row of its group (``searchsorted(ends, m, right=True)``, at most ``G - 1``). Returns ``qdata``
+    (``x``'s shape, ``float8_dtype``) and ``scale`` (float32 ``(*x.shape[:-1], 1)``).
 
     Raises:
         ValueError: ``x`` is not a tensor the kernel takes (check :func:`row_kernel_available` first), or
-            ``col_scale`` is not as above.
+            ``col_scale`` / ``col_scale_ends`` are not as above.
     """
     if not checked and not row_kernel_available(x):  # checked=True: the caller just asked row_kernel_available
         raise ValueError("fp8tensor quantize_last_dim: needs a contiguous fp32/bf16/fp16 CUDA tensor in eager mode")
     K = x.shape[-1]
     M = x.numel() // K
-    if col_scale is not None and not (col_scale.dtype == torch.float32 and col_scale.numel() == K
+    G = 0 if col_scale_ends is None else col_scale_ends.numel()
+    if col_scale_ends is not None and not (
+            col_scale_ends.dtype == torch.int32 and col_scale_ends.dim() == 1 and G >= 1
+            and col_scale_ends.is_contiguous() and col_scale_ends.device == x.device and col_scale is not None):
+        raise ValueError(f"fp8tensor quantize_last_dim: col_scale_ends must be a non-empty contiguous 1-D int32 tensor "
+                         f"on {x.device}, with col_scale")
+    if col_scale is not None and not (col_scale.dtype == torch.float32 and col_scale.numel() == max(G, 1) * K
                                       and col_scale.is_contiguous() and col_scale.device == x.device):
-        raise ValueError(f"fp8tensor quantize_last_dim: col_scale must be {K} contiguous float32 values on {x.device}")
+        raise ValueError(f"fp8tensor quantize_last_dim: col_scale must be {max(G, 1)} x {K} contiguous float32 values "
+                         f"on {x.device}")
     q = torch.empty(x.shape, dtype=float8_dtype, device=x.device)
     scale = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
     c = ROW_CONFIG
     _launcher(_row_quant_kernel)(
-        (triton.cdiv(M, c["block_m"]),), (x, x if col_scale is None else col_scale, q, scale, M, K),
+        (triton.cdiv(M, c["block_m"]),),
+        (x, x if col_scale is None else col_scale, q, scale, M, K),
         dict(FMAX=torch.finfo(float8_dtype).max, EPS=scale_floor, BLOCK_M=c["block_m"], BLOCK_K=c["block_k"],
-             HAS_C=col_scale is not None),
+             HAS_C=col_scale is not None, ends_ptr=x if col_scale_ends is None else col_scale_ends, G=G,
+             G_BLOCK=triton.next_power_of_2(G) if G else 0),
         c["warps"], x.device)
     return q, scale
 

@@ -91,7 +91,8 @@ def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, float8_dtype: torch.dtype)
 
 
 def quantize(x: torch.Tensor, dim: int = -1, float8_dtype: torch.dtype = E4M3, *, gemm_layout: bool = False,
-             col_scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+             col_scale: Optional[torch.Tensor] = None,
+             col_scale_ends: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The quantization entry point: ``(qdata, scale)`` of ``x`` with one scale per slice reduced over ``dim``.
 
     Which code runs (the values follow the scale convention of this module in every case):
@@ -106,6 +107,10 @@ def quantize(x: torch.Tensor, dim: int = -1, float8_dtype: torch.dtype = E4M3, *
 
     ``col_scale`` (float32 ``(1, K)``; ``x`` 2-D, ``dim`` its last): quantizes ``x.float() * col_scale`` (an fp8
     weight's row scales folded in, ``(x diag(c)) @ B8``), in the kernel of case 2 without writing the product out.
+    With ``col_scale_ends`` (int32 ``(G,)`` cumulative ends of groups of ``x``'s rows, as the ``offs`` of a grouped
+    GEMM; ``G >= 1``), ``col_scale`` is float32 ``(G, K)`` and row ``m`` is multiplied by its group's row
+    ``col_scale[g(m)]`` (rows past the last end by the last group's): expert weights' row scales folded into
+    ``grad_out``, one expert per group, in the same kernel.
 
     Raises:
         TypeError: ``float8_dtype`` is not one of the supported fp8 formats.
@@ -113,9 +118,15 @@ def quantize(x: torch.Tensor, dim: int = -1, float8_dtype: torch.dtype = E4M3, *
     check_float8_dtype(float8_dtype, "quantize_rowwise")
     if col_scale is not None:
         if (x.dim() == 2 and dim in (-1, 1) and x.is_cuda and kernels.row_kernel_available(x)
-                and kernels.eager_launch_ok(col_scale) and col_scale.is_contiguous()):
+                and kernels.eager_launch_ok(col_scale) and col_scale.is_contiguous()
+                and (col_scale_ends is None or (kernels.eager_launch_ok(col_scale_ends)
+                                                and col_scale_ends.is_contiguous()))):
             return kernels.quantize_last_dim(x, float8_dtype, SCALE_FLOOR, checked=True,
-                                             col_scale=col_scale.reshape(-1))
+                                             col_scale=col_scale.reshape(-1) if col_scale_ends is None else col_scale,
+                                             col_scale_ends=col_scale_ends)
+        if col_scale_ends is not None:
+            G = col_scale_ends.numel()
+            col_scale = col_scale[group_ids(col_scale_ends, x.shape[0]).clamp(max=G - 1)]
         x = x.to(torch.float32) * col_scale
     if x.is_cuda:
         if gemm_layout and x.dim() == 2 and not _inductor_quantizes(x):

@@ -9,7 +9,7 @@ import torch
 
 from ..core import compat
 from .linear import QuantizeOnUse, autocast_enabled
-from ..numerics.quantize import (E4M3, FLOAT8_DTYPES, group_ids, quantize, quantize_expert_cols,
+from ..numerics.quantize import (E4M3, FLOAT8_DTYPES, quantize, quantize_expert_cols,
                        quantize_group_cols)
 from .recipes import Recipe, get_recipe
 from ..core.settings import get_config
@@ -266,14 +266,13 @@ class _Fp8GroupedMM(torch.autograd.Function):
             K = b.shape[1]
             if fp8 is None:
                 wq_t, ws_t = quantize_expert_cols(w.contiguous(), recipe.float8_dtype)  # (E, K, N), (E, K)
-                g = gy
-            else:  # scale folding: gy[e] @ (diag(s_e) W8_e) = (gy[e] diag(s_e)) @ W8_e
+                gq, gs = _quantize_rows(gy, E4M3)
+            else:  # scale folding: gy[e] @ (diag(s_e) W8_e) = (gy[e] diag(s_e)) @ W8_e, the product in the row kernel
                 w8, ws = fp8
                 wq_t = w8.transpose(-2, -1).contiguous()
                 ws_t = torch.ones(E, K, dtype=torch.float32, device=gy.device)
-                gid = group_ids(offs, M).clamp(max=max(E - 1, 0))
-                g = gy.to(torch.float32) * ws[gid] if E else gy.to(torch.float32)
-            gq, gs = _quantize_rows(g, E4M3)
+                gq, gs = (quantize(gy, -1, E4M3, col_scale=ws.contiguous(), col_scale_ends=offs) if E
+                          else _quantize_rows(gy.to(torch.float32), E4M3))
             grad_a = grouped_2d3d(gq, gs.reshape(M), wq_t.transpose(-2, -1), ws_t, offs, ctx.a_dtype,
                                   fast_accum=fast)
         if ctx.needs_input_grad[1]:

@@ -183,6 +183,32 @@ def test_row_kernel_with_folded_column_scales_matches_the_ops(dtype):
         kernels.quantize_last_dim(x, torch.float8_e4m3fn, SCALE_FLOOR, col_scale=c.reshape(-1)[:-1])
 
 
+@pytest.mark.parametrize("ends", [[0, 100, 101, 250], [333], [40, 40, 40, 300]])
+def test_row_kernel_with_grouped_column_scales_matches_the_ops(ends):
+    """The row-wise kernel with one row of multipliers per token group (``quantize(..., col_scale=(G, K),
+    col_scale_ends=offs)``: fp8 expert weights' row scales folded into grad_out) gives the bits of the plain ops on
+    ``x.float() * col_scale[group of each row]``: empty groups, rows past the last end (the last group's row), a
+    NaN / inf row."""
+    from fp8tensor.quantize import SCALE_FLOOR, cast_to_fp8, quantize, rowwise_scale
+
+    x = (torch.randn(333, 4100, device=DEV) * torch.logspace(-3, 3, 333, device=DEV)[:, None]).to(torch.bfloat16)
+    x[5] = 0.0
+    x[9, 17] = float("nan")
+    x[11, 3] = float("inf")
+    offs = torch.tensor(ends, dtype=torch.int32, device=DEV)
+    c = torch.rand(len(ends), 4100, device=DEV) * 3
+    c[0, 100] = 0.0
+    q, s = quantize(x, -1, torch.float8_e4m3fn, col_scale=c, col_scale_ends=offs)
+    gid = torch.searchsorted(offs, torch.arange(333, device=DEV, dtype=torch.int32), right=True).clamp(max=len(ends) - 1)
+    xf = x.float() * c[gid]
+    rs = rowwise_scale(xf, -1, torch.float8_e4m3fn)
+    rq = cast_to_fp8(xf, rs, torch.float8_e4m3fn)
+    finite = torch.isfinite(rs).reshape(-1)
+    assert int((~finite).sum()) == 2
+    assert torch.equal(q[finite].view(torch.uint8), rq[finite].view(torch.uint8))
+    assert torch.equal(s[finite], rs[finite]) and not torch.isfinite(s[~finite]).any()
+
+
 @pytest.mark.parametrize("weights", ["master", "fp8"])
 def test_compiled_backward_weight_ops_in_backward_and_not_saved(weights):
     """Compiled (inductor, CUDA): the backward's weight operand — the fp8 weight's transposed copy or the master's

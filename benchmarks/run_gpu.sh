@@ -44,8 +44,8 @@ e2e_variants() {  # $1: size. Default compile and whole-step graph rows, bf16 / 
 }
 for stage in "$@"; do
   case "$stage" in
-    tests) # four pytest processes side by side on the one GPU (the suite is bound by compiling on the host)
-           groups=("tests/gpu/test_gpu_graph_step.py tests/gpu/test_gpu_w8_mm.py"
+    tests) # five pytest processes side by side on the one GPU (the suite is bound by compiling on the host)
+           groups=("tests/gpu/test_gpu_graph_step.py" "tests/gpu/test_gpu_w8_mm.py"
                    "tests/gpu/test_gpu_host.py tests/gpu/test_gpu_cudagraphs.py"
                    "tests/gpu/test_gpu_numerics.py tests/gpu/test_gpu_export.py tests/gpu/test_tp_2gpu.py tests/gpu/test_gpu_inference.py"
                    "tests/gpu/test_gpu_compile_path.py tests/gpu/test_gpu_moe.py")

@@ -807,6 +807,27 @@ def _w8_mm_launch(M: int, N: int, K: int, device: torch.device, dtype: torch.dty
 
 #: Memo of :func:`_w8_mm_launch` (bounded; a pure function of its key).
 _W8_LAUNCHES: dict = {}
+#: The eager launches' plans by ``(x.shape, N, x.dtype, device, bias or not)``: ``(output shape, whether x is 2-D
+#: (else a contiguous ``(..., K)``), M, N, K, the :func:`_w8_mm_launch` tuple)``, a pure function of the key
+#: (bounded). Filled by :func:`launch_w8_mm` after a call of that key passed its checks (M, N >= 1), so a hit
+#: checks only what the key does not fix (a ``(..., K)`` x's contiguity).
+_W8_EAGER: dict = {}
+#: The most rows of :func:`launch_w8_mm` (the largest row block of the frozen tile table).
+_W8_MAX_M = max(W8_MM_CONFIG["tiles"])
+
+
+def _w8_mm_run(x, w8, scale, bias, shape, two_d, M, N, K, launch) -> torch.Tensor:
+    """The launches of :func:`launch_w8_mm` from a plan of :data:`_W8_EAGER` (``two_d``: whether ``x`` is 2-D)."""
+    dev = x.device
+    out = torch.empty(shape, dtype=x.dtype, device=dev)
+    grid, split, k_per, consts, warps, stages, rgrid, rconsts = launch
+    b = scale if bias is None else bias
+    ws = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=dev)
+    args = (x, w8, scale, b, ws, M, N, K, k_per, x.stride(0) if two_d else K, w8.stride(0), N, M * N)
+    _launch(_w8_mm_kernel, grid, args, consts, warps, dev, stages)
+    if split > 1:
+        _launch(_w8_mm_reduce_kernel, rgrid, (ws, scale, b, out, M * N, N), rconsts, 4, dev)
+    return out
 
 
 def launch_w8_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor],
@@ -835,6 +856,10 @@ def launch_w8_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: O
         ValueError: ``M`` exceeds the largest row block; ``x`` not 2-D and not contiguous; an fp8 ``x`` without ``x_scale`` as above, of another fp8
             dtype than ``w8``, or a ``out_dtype`` other than bf16 / fp16; ``x_scale`` with a high-precision ``x``.
     """
+    if not traced and tiles is None and x_scale is None:  # eager: the plan of this x shape, if one was made
+        plan = _W8_EAGER.get((x.shape, w8.shape[0], x.dtype, x.device, bias is not None))
+        if plan is not None and (plan[1] or x.is_contiguous()):
+            return _w8_mm_run(x, w8, scale, bias, *plan)
     K, N = int(x.shape[-1]), int(w8.shape[0])  # (specialized under torch.compile)
     if x.dim() == 2:
         M = int(x.shape[0])
@@ -845,7 +870,7 @@ def launch_w8_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: O
                              f"{tuple(x.shape)}, strides {x.stride()}")
         M = int(math.prod(x.shape[:-1]))
         shape, stride_xm = (*x.shape[:-1], N), K
-    if M > max(W8_MM_CONFIG["tiles"]):
+    if M > _W8_MAX_M:
         raise ValueError(f"fp8tensor launch_w8_mm: {M} rows; the decode GEMM has tiles for at most "
                          f"{max(W8_MM_CONFIG['tiles'])} (W8_MM_CONFIG['tiles'])")
     x_fp8 = x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -869,6 +894,10 @@ def launch_w8_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: O
             if len(_W8_LAUNCHES) >= 4096:
                 _W8_LAUNCHES.clear()
             _W8_LAUNCHES[key] = launch
+    if not (x_fp8 or traced or tiles is not None):
+        if len(_W8_EAGER) >= 4096:
+            _W8_EAGER.clear()
+        _W8_EAGER[(x.shape, N, dtype, x.device, has_bias)] = (shape, x.dim() == 2, M, N, K, launch)
     grid, split, k_per, consts, warps, stages, rgrid, rconsts = launch
     b = bias if has_bias else scale  # (scale (N, 1) and x_scale (M, 1) contiguous: the kernels read them flat)
     ws = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)

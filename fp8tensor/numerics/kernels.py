@@ -269,6 +269,24 @@ def _launch(fn, grid: tuple, args: tuple, consts: dict, num_warps: int, device: 
 _INT32 = (-(2**31), 2**31)
 
 
+def _cdiv(x, y):
+    """``triton.cdiv`` (the same expression, also of symbolic sizes) without the µs of a Triton
+    ``constexpr_function`` call from Python (launch grids are computed on every eager launch)."""
+    return (x + (y - 1)) // y
+
+
+def _next_power_of_2(n: int) -> int:
+    """``triton.next_power_of_2`` of an int (the same bit operations), called as a plain function."""
+    n -= 1
+    n |= n >> 1
+    n |= n >> 2
+    n |= n >> 4
+    n |= n >> 8
+    n |= n >> 16
+    n |= n >> 32
+    return n + 1
+
+
 class _Launcher:
     """Eager launches of one ``@triton.jit`` kernel: the first launch of each argument class (a superset of what
     Triton specializes on) goes through Triton's JIT, later ones call the compiled kernel's ``run`` directly."""
@@ -403,7 +421,7 @@ def quantize_last_dim(x: torch.Tensor, float8_dtype: torch.dtype, scale_floor: f
     scale = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
     c = ROW_CONFIG
     _launcher(_row_quant_kernel)(
-        (triton.cdiv(M, c["block_m"]),), (x, x if col_scale is None else col_scale, q, scale, M, K),
+        (_cdiv(M, c["block_m"]),), (x, x if col_scale is None else col_scale, q, scale, M, K),
         dict(FMAX=torch.finfo(float8_dtype).max, EPS=scale_floor, BLOCK_M=c["block_m"], BLOCK_K=c["block_k"],
              HAS_C=col_scale is not None),
         c["warps"], x.device)
@@ -562,10 +580,10 @@ def launch_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype, scale_floor: float
     q = torch.empty(K, M, dtype=float8_dtype, device=x.device)
     scale = torch.empty(K, 1, dtype=torch.float32, device=x.device)
     c = CONFIG
-    _launch(_col_amax_kernel, (triton.cdiv(K, c["amax_block_k"]), triton.cdiv(M, c["amax_chunk_m"])),
+    _launch(_col_amax_kernel, (_cdiv(K, c["amax_block_k"]), _cdiv(M, c["amax_chunk_m"])),
             (x, amax, M, K, stride_m), dict(CHUNK_M=c["amax_chunk_m"], BLOCK_M=c["amax_block_m"],
                                             BLOCK_K=c["amax_block_k"]), c["amax_warps"], x.device, traced=traced)
-    _launch(_cast_t_kernel, (triton.cdiv(M, c["cast_block_m"]), triton.cdiv(K, c["cast_block_k"])),
+    _launch(_cast_t_kernel, (_cdiv(M, c["cast_block_m"]), _cdiv(K, c["cast_block_k"])),
             (x, amax, q, scale, M, K, stride_m), dict(FMAX=torch.finfo(float8_dtype).max, EPS=scale_floor,
                                                       BLOCK_M=c["cast_block_m"], BLOCK_K=c["cast_block_k"]),
             c["cast_warps"], x.device, traced=traced)
@@ -596,15 +614,15 @@ def launch_both(x: torch.Tensor, float8_dtype: torch.dtype, scale_floor: float, 
     qt = torch.empty(K, M, dtype=float8_dtype, device=x.device)
     st = torch.empty(K, 1, dtype=torch.float32, device=x.device)
     c = BOTH_CONFIG
-    col_blocks = triton.cdiv(K, c["amax_block_k"])
+    col_blocks = _cdiv(K, c["amax_block_k"])
     chunk = c["amax_chunk_m"]
     if isinstance(M, int) and isinstance(K, int):  # (symbolic sizes: the fixed chunk, no guard on the token count)
-        chunk = min(c["amax_chunk_m_max"], max(chunk, triton.next_power_of_2(triton.cdiv(M * col_blocks,
+        chunk = min(c["amax_chunk_m_max"], max(chunk, _next_power_of_2(_cdiv(M * col_blocks,
                                                                                          c["amax_programs"]))))
-    _launch(_amax_both_kernel, (col_blocks, triton.cdiv(M, chunk)),
+    _launch(_amax_both_kernel, (col_blocks, _cdiv(M, chunk)),
             (x, amax, M, K, stride_m), dict(CHUNK_M=chunk, BLOCK_M=c["amax_block_m"],
                                             BLOCK_K=c["amax_block_k"]), c["amax_warps"], x.device, traced=traced)
-    _launch(_cast_both_kernel, (triton.cdiv(M, c["cast_block_m"]), triton.cdiv(K, c["cast_block_k"])),
+    _launch(_cast_both_kernel, (_cdiv(M, c["cast_block_m"]), _cdiv(K, c["cast_block_k"])),
             (x, amax[:M], amax[M:], q, s, qt, st, M, K, stride_m),
             dict(FMAX=torch.finfo(float8_dtype).max, EPS=scale_floor, BLOCK_M=c["cast_block_m"],
                  BLOCK_K=c["cast_block_k"]), c["cast_warps"], x.device, traced=traced)
@@ -629,7 +647,7 @@ def launch_transpose(src: torch.Tensor) -> torch.Tensor:
     M, N = src.shape
     dst = torch.empty((N, M), dtype=src.dtype, device=src.device)
     c = TRANSPOSE_CONFIG
-    grid = (triton.cdiv(M, c["block_m"]), triton.cdiv(N, c["block_n"]))
+    grid = (_cdiv(M, c["block_m"]), _cdiv(N, c["block_n"]))
     _launcher(_transpose_kernel)(grid, (src, dst, M, N, src.stride(0)),
                                  dict(BLOCK_M=c["block_m"], BLOCK_N=c["block_n"]), c["warps"], src.device)
     return dst
@@ -664,7 +682,7 @@ def launch_group_cols_t(x: torch.Tensor, ends: torch.Tensor, dst: torch.Tensor, 
         return
     c = GROUP_COL_CONFIG
     _launcher(_group_col_quant_t_kernel)(
-        (triton.cdiv(C, c["block_c"]), G),
+        (_cdiv(C, c["block_c"]), G),
         (x, ends, dst, q, scale, M, C, x.stride(0), stride_qg, stride_qc, q_cols),
         dict(FMAX=torch.finfo(float8_dtype).max, EPS=scale_floor, ALIGN=align, MIN_PAD=min_pad,
              BLOCK_M=c["block_m"], BLOCK_C=c["block_c"]),
@@ -776,12 +794,12 @@ def _w8_mm_plan(M: int, N: int, K: int, device: torch.device, tiles=None) -> tup
     sms = _SM_COUNT.get(idx)
     if sms is None:
         sms = _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count if idx >= 0 else 1
-    bm = max(16, triton.next_power_of_2(M))
+    bm = max(16, _next_power_of_2(M))
     c = W8_MM_CONFIG["tiles"][bm] if tiles is None else tiles
-    nb, kt = triton.cdiv(N, c["block_n"]), triton.cdiv(K, c["block_k"])
-    split = max(1, min(triton.cdiv(sms * c["programs_per_sm"], nb), kt // c["min_k_tiles"]))
-    k_per = triton.cdiv(kt, split) * c["block_k"]
-    split = triton.cdiv(K, k_per) if K else 1
+    nb, kt = _cdiv(N, c["block_n"]), _cdiv(K, c["block_k"])
+    split = max(1, min(_cdiv(sms * c["programs_per_sm"], nb), kt // c["min_k_tiles"]))
+    k_per = _cdiv(kt, split) * c["block_k"]
+    split = _cdiv(K, k_per) if K else 1
     plan = (bm, c, (nb, split), split, k_per)
     if tiles is None:
         if len(_W8_PLANS) >= 4096:

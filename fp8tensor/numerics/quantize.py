@@ -122,7 +122,8 @@ def quantize(x: torch.Tensor, dim: int = -1, float8_dtype: torch.dtype = E4M3, *
             if dim % 2 == 0 and kernels.kernel_available(x):
                 q, s = _dim0_t(x, float8_dtype)
                 return q.t(), s.t()
-            if dim % 2 == 1 and kernels.kernel_available(x.t()):
+            # (x.t() only where the kernels can take it: a unit row stride; a row-major weight has none)
+            if dim % 2 == 1 and x.stride(0) == 1 and kernels.kernel_available(x.t()):
                 return _dim0_t(x.t(), float8_dtype)
         if x.dim() and dim in (-1, x.dim() - 1) and kernels.row_kernel_available(x):
             return kernels.quantize_last_dim(x, float8_dtype, SCALE_FLOOR, checked=True)

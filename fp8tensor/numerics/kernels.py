@@ -784,12 +784,14 @@ def w8_mm_available(x: torch.Tensor, w8: torch.Tensor) -> bool:
     contiguous, ``1 <= M <= max_m`` rows in all) and the fp8 weight ``w8`` ``(N, K)`` (row-major) on one CUDA device,
     with Triton; fake tensors (compile) included."""
     nd = x.dim()
-    return (_HAS_TRITON and x.is_cuda and w8.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16)
+    if not (_HAS_TRITON and x.is_cuda and w8.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16)
             and w8.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and x.device == w8.device
-            and (nd == 2 or (nd > 2 and x.is_contiguous()))
-            and 1 <= (x.shape[0] if nd == 2 else math.prod(x.shape[:-1])) <= W8_MM_CONFIG["max_m"]
-            and x.shape[-1] == w8.shape[1] and w8.shape[0] > 0
-            and (x.stride(-1) == 1 or x.shape[-1] <= 1) and (w8.stride(1) == 1 or w8.shape[1] <= 1)
+            and (nd == 2 or (nd > 2 and x.is_contiguous()))):
+        return False
+    xs, ws = x.shape, w8.shape  # (the checks in their order; each read of .shape builds a torch.Size)
+    return (1 <= (xs[0] if nd == 2 else math.prod(xs[:-1])) <= W8_MM_CONFIG["max_m"]
+            and xs[-1] == ws[1] and ws[0] > 0
+            and (x.stride(-1) == 1 or xs[-1] <= 1) and (w8.stride(1) == 1 or ws[1] <= 1)
             and x.numel() < 2**31 and w8.numel() < 2**31)
 
 

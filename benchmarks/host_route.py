@@ -1,8 +1,14 @@
-"""Host time of the eager no-grad fp8 Linear's decode route, on any machine (CPU included): the decode GEMM's
-availability check and its kernel launches are replaced by stand-ins, so what is timed is fp8tensor's Python from
-the module call to the launch (checks, settings, launch arguments, output allocation), not Triton's launch nor the
-GPU. Per call, min over batches (µs); a bf16 ``nn.Linear`` of a tiny shape as the yardstick (it includes a small
-GEMM on the CPU). The real launch and GEMM are timed on the GPU by ``benchmarks/serve.py --host``.
+"""Host time of the eager fp8 Linear's routes, on any machine (CPU included): the no-grad decode call of a
+``quantize_weights`` Linear, and the forward + backward of a ``convert_to_fp8`` (training) Linear.
+
+What is timed is fp8tensor's Python from the module call to the launches (checks, settings, launch arguments, output
+allocation), not Triton's launch, cuBLAS, nor the GPU. Stand-ins, in this process only: tensors report
+``is_cuda`` (so every route takes its CUDA branch: the Triton kernels' availability checks run as on a GPU), the
+Triton launches do nothing (their grids and arguments are still computed; outputs are allocated, unwritten), and
+``torch._scaled_mm`` returns an unwritten output of its shape. Shapes are small so that the few real CPU ops left
+(bias add, bias gradient, gradient accumulation) cost little. Per call, min over batches (µs); bf16 ``nn.Linear``
+modules of small shapes as yardsticks (they include their small GEMMs on the CPU). The real launches and GEMMs are
+timed on the GPU by ``benchmarks/serve.py --host``.
 
     PYTHONPATH=. python benchmarks/host_route.py
 """
@@ -15,6 +21,7 @@ import torch.nn as nn
 
 import fp8tensor
 from fp8tensor.numerics import kernels
+from fp8tensor.subclass import gemm
 
 
 def per_call(fn, n: int = 50, batches: int = 400) -> float:
@@ -29,28 +36,44 @@ def per_call(fn, n: int = 50, batches: int = 400) -> float:
     return best
 
 
+def _stand_ins(launches: list) -> None:
+    """The stand-ins of the module docstring (the CPU GEMM backend is resolved first, by the real probe)."""
+    gemm.choose_backend(torch.device("cpu"), torch.float8_e4m3fn, torch.float8_e4m3fn, torch.bfloat16)
+    kernels._launch = lambda fn, *a, **k: launches.append(fn)
+    kernels._launcher = lambda fn: (lambda *a, **k: launches.append(fn))
+    torch._scaled_mm = lambda a, b, *, out_dtype=None, **k: torch.empty(a.shape[0], b.shape[1], dtype=out_dtype)
+    torch.Tensor.is_cuda = property(lambda self: True)
+
+
 def main() -> None:
-    launches = []
-    kernels._launch = lambda fn, *a, **k: launches.append(fn)  # (stand-in: nothing launched)
-    limit = kernels.W8_MM_CONFIG["max_m"]
-    kernels.w8_mm_available = lambda x, w8: (  # (stand-in: the CUDA check without is_cuda)
-        x.dim() >= 2 and w8.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16) and x.shape[-1] == w8.shape[1]
-        and 1 <= x.numel() // max(x.shape[-1], 1) <= limit)
+    dt = torch.bfloat16
     torch.manual_seed(0)
-    tiny = nn.Linear(16, 16, dtype=torch.bfloat16)
-    lin = fp8tensor.quantize_weights(nn.Sequential(nn.Linear(4096, 4096, dtype=torch.bfloat16)))[0]
-    rows = [("nn.Linear bf16 16 -> 16, one token", lambda: tiny(xt)),
-            ("fp8 Linear 4096 -> 4096 (bias), x (1, 4096)", lambda: lin(x2)),
-            ("fp8 Linear 4096 -> 4096 (bias), x (1, 1, 4096)", lambda: lin(x3))]
-    xt = torch.randn(1, 16, dtype=torch.bfloat16)
-    x2 = torch.randn(1, 4096, dtype=torch.bfloat16)
+    tiny = nn.Linear(16, 16, dtype=dt)
+    lin = fp8tensor.quantize_weights(nn.Sequential(nn.Linear(4096, 4096, dtype=dt)))[0]
+    xt = torch.randn(1, 16, dtype=dt)
+    x2 = torch.randn(1, 4096, dtype=dt)
     x3 = x2.view(1, 1, 4096)
+    ref = nn.Linear(64, 64, dtype=dt)
+    train = fp8tensor.convert_to_fp8(nn.Sequential(nn.Linear(64, 64, dtype=dt)))[0]
+    xg = torch.randn(16, 64, dtype=dt, requires_grad=True)  # (an inner layer: grad_input is computed)
+    gy = torch.randn(16, 64, dtype=dt)
+    decode = [("nn.Linear bf16 16 -> 16, one token (no grad)", lambda: tiny(xt)),
+              ("fp8 Linear 4096 -> 4096 (bias), x (1, 4096) (no grad)", lambda: lin(x2)),
+              ("fp8 Linear 4096 -> 4096 (bias), x (1, 1, 4096) (no grad)", lambda: lin(x3))]
+    training = [("nn.Linear bf16 64 -> 64, 16 tokens, forward + backward", lambda: ref(xg).backward(gy)),
+                ("fp8 training Linear 64 -> 64 (bias), 16 tokens, forward + backward", lambda: train(xg).backward(gy)),
+                ("fp8 training Linear 64 -> 64 (bias), 16 tokens, forward (grad mode)", lambda: train(xg))]
+    launches: list = []
+    _stand_ins(launches)  # (after the models are built: quantize_weights quantizes on the CPU for real)
     with torch.no_grad():
         lin(x3)
-        assert launches, "the decode route was not taken"
-        print("| call | µs |\n|---|---|")
-        for name, fn in rows:
+    assert launches and type(train.weight).__name__ == "Fp8MasterWeight", "the routes were not taken"
+    print(f"torch {torch.__version__}\n\n| call | µs |\n|---|---|")
+    for name, fn in decode:
+        with torch.no_grad():
             print(f"| {name} | {per_call(fn):.1f} |")
+    for name, fn in training:
+        print(f"| {name} | {per_call(fn, batches=150):.1f} |")
 
 
 if __name__ == "__main__":

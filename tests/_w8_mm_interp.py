@@ -155,6 +155,20 @@ def main():
         assert "contiguous" in str(e), e
     else:
         raise AssertionError("a non-contiguous 3-D x was accepted")
+    # the eager plan memo (by x's shape): a hit gives the first call's bits, reads a 2-D x's row stride per call
+    # and still refuses a non-contiguous (..., K) x of the memoized shape
+    bb = b.to(torch.bfloat16)
+    first = kernels.launch_w8_mm(x3, q, s, bb)
+    assert torch.equal(kernels.launch_w8_mm(x3, q, s, bb), first)
+    try:
+        kernels.launch_w8_mm(torch.randn(3, 2, 256, dtype=torch.bfloat16).transpose(0, 1), q, s, bb)
+    except ValueError as e:
+        assert "contiguous" in str(e), e
+    else:
+        raise AssertionError("a non-contiguous 3-D x of a memoized shape was accepted")
+    wide = torch.randn(2, 512, dtype=torch.bfloat16)
+    dense = kernels.launch_w8_mm(wide[:, :256].contiguous(), q, s, bb)
+    assert torch.equal(kernels.launch_w8_mm(wide[:, :256], q, s, bb), dense)
     print("ok")
 
 

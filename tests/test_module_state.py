@@ -39,6 +39,10 @@ STATE = {
     "numerics/kernels.py:_W8_LAUNCHES": "the decode GEMM's launch arguments besides its tensors (grid, split, "
                                         "constexprs), a pure function of (device, M, N, K, dtype, bias, fp8 x) and "
                                         "the read-only tile table; at most 4096, then cleared",
+    "numerics/kernels.py:_W8_EAGER": "the eager decode GEMM's plan (output shape, M, N, K, launch arguments), a "
+                                     "pure function of (x shape, N, dtype, device, bias) and the read-only tile "
+                                     "table, stored after a call of that key passed its checks; at most 4096, then "
+                                     "cleared",
     "numerics/kernels.py:_INT_CLASSES": "Triton's specialization class of an integer launch argument, a pure function "
                                         "of its value; at most 4096 entries",
     "numerics/fsdp_payload.py:_GROUP_OF": "FSDP2 group of a sharded tensor, keyed weakly by the tensor",

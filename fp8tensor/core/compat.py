@@ -51,10 +51,9 @@ def is_exporting() -> bool:
     return bool(torch.compiler._is_exporting_flag)
 
 
-def is_compiling() -> bool:
-    """Whether ``torch.compile`` or ``torch.export`` is tracing (``torch.compiler.is_compiling()``; False in eager
-    fallbacks)."""
-    return torch.compiler.is_compiling()
+#: ``is_compiling()``: whether ``torch.compile`` or ``torch.export`` is tracing (False in eager fallbacks). torch's
+#: function itself, not a wrapper: the eager fp8 Linear asks it about a dozen times per call.
+is_compiling = torch.compiler.is_compiling
 
 
 def prepend_forward_pre_hook(module: torch.nn.Module, hook):

@@ -286,6 +286,34 @@ def _launch(fn, grid: tuple, args: tuple, consts: dict, num_warps: int, device: 
 _INT32 = (-(2**31), 2**31)
 
 
+#: The largest finite value of each fp8 dtype (``torch.finfo(dt).max``, which costs ~0.5 µs per call from Python).
+_FMAX = types.MappingProxyType({dt: torch.finfo(dt).max for dt in (torch.float8_e4m3fn, torch.float8_e5m2)})
+
+
+def _fmax(dt: torch.dtype) -> float:
+    """``torch.finfo(dt).max`` (looked up for the fp8 dtypes)."""
+    v = _FMAX.get(dt)
+    return torch.finfo(dt).max if v is None else v
+
+
+def _cdiv(x, y):
+    """``triton.cdiv`` (the same expression, also of symbolic sizes) without the µs of a Triton
+    ``constexpr_function`` call from Python (launch grids are computed on every eager launch)."""
+    return (x + (y - 1)) // y
+
+
+def _next_power_of_2(n: int) -> int:
+    """``triton.next_power_of_2`` of an int (the same bit operations), called as a plain function."""
+    n -= 1
+    n |= n >> 1
+    n |= n >> 2
+    n |= n >> 4
+    n |= n >> 8
+    n |= n >> 16
+    n |= n >> 32
+    return n + 1
+
+
 class _Launcher:
     """Eager launches of one ``@triton.jit`` kernel: the first launch of each argument class (a superset of what
     Triton specializes on) goes through Triton's JIT, later ones call the compiled kernel's ``run`` directly."""
@@ -430,11 +458,10 @@ def quantize_last_dim(x: torch.Tensor, float8_dtype: torch.dtype, scale_floor: f
     scale = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
     c = ROW_CONFIG
     _launcher(_row_quant_kernel)(
-        (triton.cdiv(M, c["block_m"]),),
-        (x, x if col_scale is None else col_scale, q, scale, M, K),
-        dict(FMAX=torch.finfo(float8_dtype).max, EPS=scale_floor, BLOCK_M=c["block_m"], BLOCK_K=c["block_k"],
+        (_cdiv(M, c["block_m"]),), (x, x if col_scale is None else col_scale, q, scale, M, K),
+        dict(FMAX=_fmax(float8_dtype), EPS=scale_floor, BLOCK_M=c["block_m"], BLOCK_K=c["block_k"],
              HAS_C=col_scale is not None, ends_ptr=x if col_scale_ends is None else col_scale_ends, G=G,
-             G_BLOCK=triton.next_power_of_2(G) if G else 0),
+             G_BLOCK=_next_power_of_2(G) if G else 0),
         c["warps"], x.device)
     return q, scale
 
@@ -502,7 +529,7 @@ def _launch_group(xs: list, q_ptrs: list, s_ptrs: list, float8_dtype: torch.dtyp
     table = _device_table(x_ptrs + q_ptrs + s_ptrs + Ms + Ks + firsts, x0.device)
     _launcher(_row_quant_group_kernel)(
         (blocks,), (table,),
-        dict(N_T=n, FMAX=torch.finfo(float8_dtype).max, EPS=scale_floor, X_TY=_tl_dtype(x0.dtype),
+        dict(N_T=n, FMAX=_fmax(float8_dtype), EPS=scale_floor, X_TY=_tl_dtype(x0.dtype),
              Q_TY=_tl_dtype(float8_dtype), BLOCK_M=c["block_m"], BLOCK_K=c["block_k"], ALIGNED=aligned),
         c["warps"], x0.device)
 
@@ -591,11 +618,11 @@ def launch_dim0_t(x: torch.Tensor, float8_dtype: torch.dtype, scale_floor: float
     q = torch.empty(K, M, dtype=float8_dtype, device=x.device)
     scale = torch.empty(K, 1, dtype=torch.float32, device=x.device)
     c = CONFIG
-    _launch(_col_amax_kernel, (triton.cdiv(K, c["amax_block_k"]), triton.cdiv(M, c["amax_chunk_m"])),
+    _launch(_col_amax_kernel, (_cdiv(K, c["amax_block_k"]), _cdiv(M, c["amax_chunk_m"])),
             (x, amax, M, K, stride_m), dict(CHUNK_M=c["amax_chunk_m"], BLOCK_M=c["amax_block_m"],
                                             BLOCK_K=c["amax_block_k"]), c["amax_warps"], x.device, traced=traced)
-    _launch(_cast_t_kernel, (triton.cdiv(M, c["cast_block_m"]), triton.cdiv(K, c["cast_block_k"])),
-            (x, amax, q, scale, M, K, stride_m), dict(FMAX=torch.finfo(float8_dtype).max, EPS=scale_floor,
+    _launch(_cast_t_kernel, (_cdiv(M, c["cast_block_m"]), _cdiv(K, c["cast_block_k"])),
+            (x, amax, q, scale, M, K, stride_m), dict(FMAX=_fmax(float8_dtype), EPS=scale_floor,
                                                       BLOCK_M=c["cast_block_m"], BLOCK_K=c["cast_block_k"]),
             c["cast_warps"], x.device, traced=traced)
     return q, scale
@@ -625,17 +652,17 @@ def launch_both(x: torch.Tensor, float8_dtype: torch.dtype, scale_floor: float, 
     qt = torch.empty(K, M, dtype=float8_dtype, device=x.device)
     st = torch.empty(K, 1, dtype=torch.float32, device=x.device)
     c = BOTH_CONFIG
-    col_blocks = triton.cdiv(K, c["amax_block_k"])
+    col_blocks = _cdiv(K, c["amax_block_k"])
     chunk = c["amax_chunk_m"]
     if isinstance(M, int) and isinstance(K, int):  # (symbolic sizes: the fixed chunk, no guard on the token count)
-        chunk = min(c["amax_chunk_m_max"], max(chunk, triton.next_power_of_2(triton.cdiv(M * col_blocks,
+        chunk = min(c["amax_chunk_m_max"], max(chunk, _next_power_of_2(_cdiv(M * col_blocks,
                                                                                          c["amax_programs"]))))
-    _launch(_amax_both_kernel, (col_blocks, triton.cdiv(M, chunk)),
+    _launch(_amax_both_kernel, (col_blocks, _cdiv(M, chunk)),
             (x, amax, M, K, stride_m), dict(CHUNK_M=chunk, BLOCK_M=c["amax_block_m"],
                                             BLOCK_K=c["amax_block_k"]), c["amax_warps"], x.device, traced=traced)
-    _launch(_cast_both_kernel, (triton.cdiv(M, c["cast_block_m"]), triton.cdiv(K, c["cast_block_k"])),
+    _launch(_cast_both_kernel, (_cdiv(M, c["cast_block_m"]), _cdiv(K, c["cast_block_k"])),
             (x, amax[:M], amax[M:], q, s, qt, st, M, K, stride_m),
-            dict(FMAX=torch.finfo(float8_dtype).max, EPS=scale_floor, BLOCK_M=c["cast_block_m"],
+            dict(FMAX=_fmax(float8_dtype), EPS=scale_floor, BLOCK_M=c["cast_block_m"],
                  BLOCK_K=c["cast_block_k"]), c["cast_warps"], x.device, traced=traced)
     return q, s, qt, st
 
@@ -658,7 +685,7 @@ def launch_transpose(src: torch.Tensor) -> torch.Tensor:
     M, N = src.shape
     dst = torch.empty((N, M), dtype=src.dtype, device=src.device)
     c = TRANSPOSE_CONFIG
-    grid = (triton.cdiv(M, c["block_m"]), triton.cdiv(N, c["block_n"]))
+    grid = (_cdiv(M, c["block_m"]), _cdiv(N, c["block_n"]))
     _launcher(_transpose_kernel)(grid, (src, dst, M, N, src.stride(0)),
                                  dict(BLOCK_M=c["block_m"], BLOCK_N=c["block_n"]), c["warps"], src.device)
     return dst
@@ -693,9 +720,9 @@ def launch_group_cols_t(x: torch.Tensor, ends: torch.Tensor, dst: torch.Tensor, 
         return
     c = GROUP_COL_CONFIG
     _launcher(_group_col_quant_t_kernel)(
-        (triton.cdiv(C, c["block_c"]), G),
+        (_cdiv(C, c["block_c"]), G),
         (x, ends, dst, q, scale, M, C, x.stride(0), stride_qg, stride_qc, q_cols),
-        dict(FMAX=torch.finfo(float8_dtype).max, EPS=scale_floor, ALIGN=align, MIN_PAD=min_pad,
+        dict(FMAX=_fmax(float8_dtype), EPS=scale_floor, ALIGN=align, MIN_PAD=min_pad,
              BLOCK_M=c["block_m"], BLOCK_C=c["block_c"]),
         c["warps"], x.device)
 
@@ -785,12 +812,14 @@ def w8_mm_available(x: torch.Tensor, w8: torch.Tensor) -> bool:
     contiguous, ``1 <= M <= max_m`` rows in all) and the fp8 weight ``w8`` ``(N, K)`` (row-major) on one CUDA device,
     with Triton; fake tensors (compile) included."""
     nd = x.dim()
-    return (_HAS_TRITON and x.is_cuda and w8.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16)
+    if not (_HAS_TRITON and x.is_cuda and w8.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16)
             and w8.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and x.device == w8.device
-            and (nd == 2 or (nd > 2 and x.is_contiguous()))
-            and 1 <= (x.shape[0] if nd == 2 else math.prod(x.shape[:-1])) <= W8_MM_CONFIG["max_m"]
-            and x.shape[-1] == w8.shape[1] and w8.shape[0] > 0
-            and (x.stride(-1) == 1 or x.shape[-1] <= 1) and (w8.stride(1) == 1 or w8.shape[1] <= 1)
+            and (nd == 2 or (nd > 2 and x.is_contiguous()))):
+        return False
+    xs, ws = x.shape, w8.shape  # (the checks in their order; each read of .shape builds a torch.Size)
+    return (1 <= (xs[0] if nd == 2 else math.prod(xs[:-1])) <= W8_MM_CONFIG["max_m"]
+            and xs[-1] == ws[1] and ws[0] > 0
+            and (x.stride(-1) == 1 or xs[-1] <= 1) and (w8.stride(1) == 1 or ws[1] <= 1)
             and x.numel() < 2**31 and w8.numel() < 2**31)
 
 
@@ -805,12 +834,12 @@ def _w8_mm_plan(M: int, N: int, K: int, device: torch.device, tiles=None) -> tup
     sms = _SM_COUNT.get(idx)
     if sms is None:
         sms = _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count if idx >= 0 else 1
-    bm = max(16, triton.next_power_of_2(M))
+    bm = max(16, _next_power_of_2(M))
     c = W8_MM_CONFIG["tiles"][bm] if tiles is None else tiles
-    nb, kt = triton.cdiv(N, c["block_n"]), triton.cdiv(K, c["block_k"])
-    split = max(1, min(triton.cdiv(sms * c["programs_per_sm"], nb), kt // c["min_k_tiles"]))
-    k_per = triton.cdiv(kt, split) * c["block_k"]
-    split = triton.cdiv(K, k_per) if K else 1
+    nb, kt = _cdiv(N, c["block_n"]), _cdiv(K, c["block_k"])
+    split = max(1, min(_cdiv(sms * c["programs_per_sm"], nb), kt // c["min_k_tiles"]))
+    k_per = _cdiv(kt, split) * c["block_k"]
+    split = _cdiv(K, k_per) if K else 1
     plan = (bm, c, (nb, split), split, k_per)
     if tiles is None:
         if len(_W8_PLANS) >= 4096:
@@ -836,6 +865,27 @@ def _w8_mm_launch(M: int, N: int, K: int, device: torch.device, dtype: torch.dty
 
 #: Memo of :func:`_w8_mm_launch` (bounded; a pure function of its key).
 _W8_LAUNCHES: dict = {}
+#: The eager launches' plans by ``(x.shape, N, x.dtype, device, bias or not)``: ``(output shape, whether x is 2-D
+#: (else a contiguous ``(..., K)``), M, N, K, the :func:`_w8_mm_launch` tuple)``, a pure function of the key
+#: (bounded). Filled by :func:`launch_w8_mm` after a call of that key passed its checks (M, N >= 1), so a hit
+#: checks only what the key does not fix (a ``(..., K)`` x's contiguity).
+_W8_EAGER: dict = {}
+#: The most rows of :func:`launch_w8_mm` (the largest row block of the frozen tile table).
+_W8_MAX_M = max(W8_MM_CONFIG["tiles"])
+
+
+def _w8_mm_run(x, w8, scale, bias, shape, two_d, M, N, K, launch) -> torch.Tensor:
+    """The launches of :func:`launch_w8_mm` from a plan of :data:`_W8_EAGER` (``two_d``: whether ``x`` is 2-D)."""
+    dev = x.device
+    out = torch.empty(shape, dtype=x.dtype, device=dev)
+    grid, split, k_per, consts, warps, stages, rgrid, rconsts = launch
+    b = scale if bias is None else bias
+    ws = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=dev)
+    args = (x, w8, scale, b, ws, M, N, K, k_per, x.stride(0) if two_d else K, w8.stride(0), N, M * N)
+    _launch(_w8_mm_kernel, grid, args, consts, warps, dev, stages)
+    if split > 1:
+        _launch(_w8_mm_reduce_kernel, rgrid, (ws, scale, b, out, M * N, N), rconsts, 4, dev)
+    return out
 
 
 def launch_w8_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor],
@@ -864,6 +914,10 @@ def launch_w8_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: O
         ValueError: ``M`` exceeds the largest row block; ``x`` not 2-D and not contiguous; an fp8 ``x`` without ``x_scale`` as above, of another fp8
             dtype than ``w8``, or a ``out_dtype`` other than bf16 / fp16; ``x_scale`` with a high-precision ``x``.
     """
+    if not traced and tiles is None and x_scale is None:  # eager: the plan of this x shape, if one was made
+        plan = _W8_EAGER.get((x.shape, w8.shape[0], x.dtype, x.device, bias is not None))
+        if plan is not None and (plan[1] or x.is_contiguous()):
+            return _w8_mm_run(x, w8, scale, bias, *plan)
     K, N = int(x.shape[-1]), int(w8.shape[0])  # (specialized under torch.compile)
     if x.dim() == 2:
         M = int(x.shape[0])
@@ -874,7 +928,7 @@ def launch_w8_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: O
                              f"{tuple(x.shape)}, strides {x.stride()}")
         M = int(math.prod(x.shape[:-1]))
         shape, stride_xm = (*x.shape[:-1], N), K
-    if M > max(W8_MM_CONFIG["tiles"]):
+    if M > _W8_MAX_M:
         raise ValueError(f"fp8tensor launch_w8_mm: {M} rows; the decode GEMM has tiles for at most "
                          f"{max(W8_MM_CONFIG['tiles'])} (W8_MM_CONFIG['tiles'])")
     x_fp8 = x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -898,6 +952,10 @@ def launch_w8_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: O
             if len(_W8_LAUNCHES) >= 4096:
                 _W8_LAUNCHES.clear()
             _W8_LAUNCHES[key] = launch
+    if not (x_fp8 or traced or tiles is not None):
+        if len(_W8_EAGER) >= 4096:
+            _W8_EAGER.clear()
+        _W8_EAGER[(x.shape, N, dtype, x.device, has_bias)] = (shape, x.dim() == 2, M, N, K, launch)
     grid, split, k_per, consts, warps, stages, rgrid, rconsts = launch
     b = bias if has_bias else scale  # (scale (N, 1) and x_scale (M, 1) contiguous: the kernels read them flat)
     ws = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)

@@ -133,7 +133,8 @@ def quantize(x: torch.Tensor, dim: int = -1, float8_dtype: torch.dtype = E4M3, *
             if dim % 2 == 0 and kernels.kernel_available(x):
                 q, s = _dim0_t(x, float8_dtype)
                 return q.t(), s.t()
-            if dim % 2 == 1 and kernels.kernel_available(x.t()):
+            # (x.t() only where the kernels can take it: a unit row stride; a row-major weight has none)
+            if dim % 2 == 1 and x.stride(0) == 1 and kernels.kernel_available(x.t()):
                 return _dim0_t(x.t(), float8_dtype)
         if x.dim() and dim in (-1, x.dim() - 1) and kernels.row_kernel_available(x):
             return kernels.quantize_last_dim(x, float8_dtype, SCALE_FLOOR, checked=True)
@@ -398,14 +399,14 @@ def weight_only_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
     fp8, ``scale`` ``(N, 1)`` float32, ``bias`` ``(N,)`` of ``x``'s dtype (a bias of another dtype promotes the
     output, as the other routes' ``out + bias`` does: None here). The row limit is ``kernels.W8_MM_CONFIG["max_m"]``
     (the crossover with the fp8 x fp8 GEMM). Eager: direct launches; traced: the ``triton_op`` ``fp8tensor::w8_mm``."""
-    if not (kernels.w8_mm_available(x, w8) and tuple(scale.shape) == (w8.shape[0], 1)
-            and scale.dtype == torch.float32 and scale.device == x.device
-            and (bias is None or (bias.dim() == 1 and bias.shape[0] == w8.shape[0] and bias.device == x.device
-                                  and bias.dtype == x.dtype))):  # (another dtype: promoted by ``out + bias``)
+    if not (kernels.w8_mm_available(x, w8) and scale.dtype == torch.float32 and scale.shape == (w8.shape[0], 1)
+            and scale.device == x.device
+            and (bias is None or (bias.dim() == 1 and bias.shape[0] == w8.shape[0] and bias.dtype == x.dtype
+                                  and bias.device == x.device))):  # (another dtype: promoted by ``out + bias``)
         return None
     plain = kernels.PLAIN_TYPES  # (a bias is usually an nn.Parameter)
-    if kernels.eager_launch_ok(x) and type(w8) in plain and type(scale) in plain and (
-            bias is None or type(bias) in plain):
+    if type(w8) in plain and type(scale) in plain and (bias is None or type(bias) in plain) and (
+            kernels.eager_launch_ok(x)):
         return kernels.launch_w8_mm(x, w8, scale.contiguous(), None if bias is None else bias.contiguous())
     if x.dim() == 2:
         return torch.ops.fp8tensor.w8_mm(x, w8, scale, bias)

@@ -175,20 +175,24 @@ def fp8_mm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None
 
     Raises ``RuntimeError`` naming ``op``: operands not 2-D, inner dims differ, devices differ.
     """
+    # A ScaledFp8Tensor's metadata read from its parts, plain attributes (``qdata``: its shape and device;
+    # ``orig_dtype``: its dtype): the wrapper's own cost a ``__torch_function__`` lookup each.
+    fa, fb = isinstance(a, ScaledFp8Tensor), isinstance(b, ScaledFp8Tensor)
+    ma, mb = a.qdata if fa else a, b.qdata if fb else b
+    da, db = a.orig_dtype if fa else a.dtype, b.orig_dtype if fb else b.dtype
     if not checked:
-        if a.dim() != 2 or b.dim() != 2:
+        if ma.dim() != 2 or mb.dim() != 2:
             raise RuntimeError(f"{op}: expected 2-D operands, got shapes {tuple(a.shape)} and {tuple(b.shape)}")
-        if a.shape[1] != b.shape[0]:
+        if ma.shape[1] != mb.shape[0]:
             raise RuntimeError(f"{op}: mat1 and mat2 shapes cannot be multiplied "
                                f"({a.shape[0]}x{a.shape[1]} and {b.shape[0]}x{b.shape[1]})")
-        if a.device != b.device:
+        if ma.device != mb.device:
             raise RuntimeError(f"{op}: operands are on different devices ({a.device} and {b.device})")
-        for t in (a, b):
-            if not t.dtype.is_floating_point:
-                raise RuntimeError(f"{op}: expected floating-point operands, got {t.dtype}")
-    fp8_ops = [t for t in (a, b) if isinstance(t, ScaledFp8Tensor)]
-    fast = all(t.fast_accum for t in fp8_ops)
-    out_dtype = torch.promote_types(a.dtype, b.dtype)
+        for dt in (da, db):
+            if not dt.is_floating_point:
+                raise RuntimeError(f"{op}: expected floating-point operands, got {dt}")
+    fast = (not fa or a.fast_accum) and (not fb or b.fast_accum)
+    out_dtype = torch.promote_types(da, db)
 
     # Resolve fp8 operands that cannot be used as they are into high precision, or fold their K scale.
     if isinstance(a, ScaledFp8Tensor):

@@ -2,7 +2,6 @@
 it does to the scale (docs/design.md, "The op table")."""
 from __future__ import annotations
 
-import contextlib
 from typing import Sequence
 
 import torch
@@ -20,8 +19,11 @@ def _wrap(qdata: torch.Tensor, scale: torch.Tensor, like: ScaledFp8Tensor, share
     shares = shares_scale or like.shares_scale
     writes = like.scale_writes() if _same_scale_memory(scale, like.scale) else None  # (one record per scale memory)
     dims = like.scaled_dims if dims is None else dims
-    outside = torch.is_inference_mode_enabled() and not like.is_inference()
-    with torch.inference_mode(False) if outside else contextlib.nullcontext():
+    if torch.is_inference_mode_enabled() and not like.is_inference():
+        with torch.inference_mode(False):
+            out = make_scaled(qdata, scale, like.orig_dtype, like.fast_accum, dims, shares_scale=shares,
+                              scale_writes=writes)
+    else:  # (no context manager entered: the usual case, a view made on every Linear call)
         out = make_scaled(qdata, scale, like.orig_dtype, like.fast_accum, dims, shares_scale=shares,
                           scale_writes=writes)
     if like.__dict__.get(_SCALE_COPY):  # (a view of a view whose scales are a copy: writes refused too)

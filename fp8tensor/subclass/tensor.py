@@ -264,15 +264,7 @@ class ScaledFp8Tensor(torch.Tensor):
                  _trusted: bool = False):
         if not _trusted:  # the public constructor; op results come through make_scaled (no checks)
             scaled_dims = validate_parts(qdata, scale, orig_dtype, scaled_dims, "ScaledFp8Tensor")
-        elif scaled_dims is None:
-            scaled_dims = _shape_dims(qdata.shape, scale.shape)
-        self.scaled_dims = tuple(scaled_dims)
-        self.qdata = qdata
-        self.scale = scale
-        self.orig_dtype = orig_dtype
-        self.fast_accum = bool(fast_accum)
-        self.shares_scale = bool(shares_scale)
-        self._scale_writes = scale_writes
+        _set_parts(self, qdata, scale, orig_dtype, fast_accum, shares_scale, scale_writes, scaled_dims)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -497,9 +489,30 @@ def make_scaled(qdata: torch.Tensor, scale: torch.Tensor, orig_dtype: torch.dtyp
                 scaled_dims: Optional[Sequence[bool]] = None, *, requires_grad: bool = False,
                 shares_scale: bool = False, scale_writes: Optional[_ScaleWrites] = None) -> "ScaledFp8Tensor":
     """A ScaledFp8Tensor from trusted parts (op results, collectives, unflatten): no checks; ``scaled_dims`` None reads
-    it from the shapes."""
-    return ScaledFp8Tensor(qdata, scale, orig_dtype, fast_accum, requires_grad, shares_scale=shares_scale,
-                           scale_writes=scale_writes, scaled_dims=scaled_dims, _trusted=True)
+    it from the shapes. What ``ScaledFp8Tensor(..., _trusted=True)`` builds, without the class call's keyword
+    passing (a Linear step makes several of these); traced, the class call itself (what the tracers know)."""
+    if compat.is_compiling():
+        return ScaledFp8Tensor(qdata, scale, orig_dtype, fast_accum, requires_grad, shares_scale=shares_scale,
+                               scale_writes=scale_writes, scaled_dims=scaled_dims, _trusted=True)
+    t = _make_wrapper(ScaledFp8Tensor, qdata.shape, strides=qdata.stride(), storage_offset=qdata.storage_offset(),
+                      dtype=orig_dtype, device=qdata.device, layout=qdata.layout, requires_grad=requires_grad)
+    _set_parts(t, qdata, scale, orig_dtype, fast_accum, shares_scale, scale_writes, scaled_dims)
+    return t
+
+
+_make_wrapper = torch.Tensor._make_wrapper_subclass
+
+
+def _set_parts(t: "ScaledFp8Tensor", qdata, scale, orig_dtype, fast_accum, shares_scale, scale_writes,
+               scaled_dims) -> None:
+    """Set the fields of a new ScaledFp8Tensor ``t`` (``scaled_dims`` None: read from the shapes)."""
+    t.scaled_dims = tuple(_shape_dims(qdata.shape, scale.shape) if scaled_dims is None else scaled_dims)
+    t.qdata = qdata
+    t.scale = scale
+    t.orig_dtype = orig_dtype
+    t.fast_accum = bool(fast_accum)
+    t.shares_scale = bool(shares_scale)
+    t._scale_writes = scale_writes
 
 
 def _rebuild_scaled_fp8(qdata, scale, orig_dtype, fast_accum, requires_grad, is_param=False, float8_dtype=None,

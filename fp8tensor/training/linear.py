@@ -231,7 +231,7 @@ class _Fp8Linear(torch.autograd.Function):
             return _backward(ctx, grad_out)
         prev = swap_scope(ctx.settings)
         try:
-            dev = grad_out.device.type
+            dev = "cuda" if grad_out.is_cuda else grad_out.device.type
             if autocast_enabled(dev):
                 # backward() called inside an autocast block (CPU autograd runs in the caller's thread): autocast
                 # off, as in the forward (CPU autocast casts torch._scaled_mm's float32 scales to its dtype)
@@ -325,6 +325,10 @@ def fp8_linear(
             integer or complex operand or operands on different devices.
     """
     r = get_recipe(recipe)
+    if not compat.is_compiling() and type(weight) is ScaledFp8Tensor and type(input) is torch.Tensor and (
+            not torch.is_grad_enabled()):
+        if _eager_no_grad(input, weight, bias):  # (the decode step's route: its checks in one pass)
+            return _inference_forward(input, weight, bias, r)
     wd = weight._data if isinstance(weight, QuantizeOnUse) else weight  # (its metadata without torch_function)
     if wd.dim() != 2:
         raise RuntimeError(f"fp8_linear: weight must be 2-D (out_features, in_features), got shape {tuple(weight.shape)}")
@@ -358,7 +362,7 @@ def fp8_linear(
             "fp8_linear: forward-mode AD (torch.autograd.forward_ad, torch.func.jvp) is not supported by the fp8 "
             "Linear; use reverse mode (backward / torch.autograd.grad), or leave this Linear in high precision "
             "(convert_to_fp8's module_filter_fn)")
-    dev = input.device.type
+    dev = "cuda" if input.is_cuda else input.device.type  # (is_cuda first: device.type costs µs)
     if autocast_enabled(dev):
         # (meta and the like have no autocast state to ask.) Operands cast as autocast casts F.linear's (float64 is
         # left alone), then the fp8 Linear with autocast off: autocast would dequantize the fp8 operands of mm into a
@@ -375,6 +379,20 @@ def fp8_linear(
     return _Fp8Linear.apply(input, weight, bias, r)
 
 
+def _eager_no_grad(x: torch.Tensor, weight: ScaledFp8Tensor, bias: Optional[torch.Tensor]) -> bool:
+    """Whether :func:`fp8_linear`'s checks all pass and it goes straight to :func:`_inference_forward` for this eager
+    no-grad call (the caller checked: not compiling, autograd off, ``x`` a plain tensor, ``weight`` a
+    ScaledFp8Tensor), tested in one pass for the common case (``x`` of the weight's dtype, a ``(N,)`` bias or none);
+    False sends the call through the full route, which raises what it raises. The weight's metadata is read from
+    ``qdata`` (its logical shape) and ``orig_dtype`` (its ``dtype``), plain attributes: the subclass's own cost a
+    ``__torch_function__`` lookup each. Nothing is kept between calls."""
+    w8 = weight.qdata
+    return (x.dim() >= 1 and w8.dim() == 2 and weight.orig_dtype == x.dtype and x.shape[-1] == w8.shape[1]
+            and (bias is None or (bias.dim() == 1 and bias.shape[0] == w8.shape[0]))
+            and not (compat.is_exporting() or compat.functorch_active() or compat.forward_ad_active()
+                     or autocast_enabled("cuda" if x.is_cuda else x.device.type)))
+
+
 def _broadcasts_to(shape, target) -> bool:
     """Whether a tensor of ``shape`` broadcasts to ``target`` without changing it (``expand``'s rule)."""
     return len(shape) <= len(target) and all(s in (1, t) for s, t in zip(reversed(shape), reversed(target)))
@@ -388,7 +406,7 @@ def _inference_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
     Decode-sized inputs (up to 32 tokens, bf16 / fp16, CUDA) with a row-scaled fp8 weight of their dtype take
     :func:`fp8tensor.quantize.weight_only_mm` instead, eager and compiled (``fp8tensor.config(weight_only_decode=...)``):
     ``x`` stays in its precision and the fp8 weight is read once (the step is bound by the weight's bytes)."""
-    if (type(weight) is ScaledFp8Tensor and type(x) is torch.Tensor and weight.dtype == x.dtype
+    if (type(weight) is ScaledFp8Tensor and type(x) is torch.Tensor and weight.orig_dtype == x.dtype  # (its dtype)
             and get_config().weight_only_decode):
         out = weight_only_mm(x, weight.qdata, weight.scale, bias)  # (..., K) as it is: no reshape in eager
         if out is not None:

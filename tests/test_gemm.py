@@ -158,6 +158,24 @@ def test_addmm_beta_alpha_and_2d_bias(backend):
     assert rel_err(out1, prod + bias2d.double()) <= EMULATION_BOUND
 
 
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bias_shape", [(32,), (16, 32)])
+def test_addmm_beta_zero_ignores_the_input(backend, bias_shape):
+    """``torch.addmm(input, x, w8.t(), beta=0)`` ignores ``input``, NaN and inf included, as ``torch.addmm`` does:
+    the result is ``alpha * x @ w8.t()``. Before: ``0 * input`` was added, so a NaN (or an uninitialized buffer,
+    ``torch.empty``) in ``input`` made the output NaN."""
+    x, w = torch.randn(16, 64), torch.randn(32, 64)
+    w8 = ScaledFp8Tensor.from_hp(w)
+    junk = torch.full(bias_shape, float("nan"))
+    junk.view(-1)[::2] = float("inf")
+    with gemm_backend(backend):
+        out = torch.addmm(junk, x, w8.t(), beta=0, alpha=1.5)
+    assert not bool(out.isnan().any())
+    prod = emulated_fp8_mm(x, w8.t())
+    assert rel_err(out, 1.5 * prod) <= EMULATION_BOUND
+    assert rel_err(out, 1.5 * (x.double() @ w.double().t())) <= E4M3_GEMM_BOUND
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_all_zero_input_row_gives_exactly_the_bias(dtype, backend):

@@ -189,6 +189,28 @@ def test_gemm_with_empty_contraction_dim():
     assert torch.equal(torch.addmm(bias, a8, b), bias.expand(5, 3))
 
 
+
+@pytest.mark.parametrize("kind", ["convert", "quantize_weights"])
+@pytest.mark.parametrize("K,N", [(0, 16), (32, 0), (0, 0)])
+def test_linear_with_no_in_or_out_features(kind, K, N):
+    """``nn.Linear(0, N)`` / ``nn.Linear(K, 0)`` converted, given 3-D inputs (batch, tokens, K), forward and backward
+    (a training Linear) as ``nn.Linear``: the output is the bias broadcast (no in_features) or empty, the gradients
+    have their tensors' shapes (zeros where nothing contracts). Before: ``reshape(-1, 0)`` raised torch's
+    "cannot reshape tensor of 0 elements ... ambiguous"."""
+    ref = nn.Linear(K, N)
+    m = copy.deepcopy(ref)
+    (convert_to_fp8 if kind == "convert" else quantize_weights)(nn.Sequential(m))
+    x = torch.randn(2, 5, K, requires_grad=True)
+    y = m(x)
+    expected = _fp64_linear(x.detach(), ref.weight.detach(), ref.bias.detach())
+    assert y.shape == (2, 5, N) and torch.equal(y.double(), expected)  # (K == 0: exactly the bias)
+    y.backward(torch.randn(y.shape))
+    assert x.grad.shape == x.shape and not bool(x.grad.any())  # (a zero-size x, or no outputs to come from)
+    if kind == "convert":
+        assert m.weight.grad.shape == (N, K) and m.bias.grad.shape == (N,)
+    with torch.no_grad():
+        assert m(torch.randn(2, 5, K)).shape == (2, 5, N)
+
 # ============================================================================================ 3. inference mode
 def test_views_under_inference_mode_of_tensor_created_outside():
     """``t``, slicing, ``detach``, ``view`` and the GEMM under ``torch.inference_mode()`` on a ScaledFp8Tensor created

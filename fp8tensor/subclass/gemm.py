@@ -237,4 +237,7 @@ def _addmm(func, args, kwargs):
     if beta == 1 and alpha == 1 and bias.dim() == 1:
         return fp8_mm(a, b, bias, op="aten.addmm")
     out = fp8_mm(a, b, op="aten.addmm")
-    return (alpha * out.to(torch.float32) + beta * bias.to(torch.float32)).to(out.dtype)
+    res = alpha * out.to(torch.float32)
+    if beta != 0:  # (beta == 0: the input is ignored, its NaN / inf included, as torch.addmm does)
+        res = res + beta * bias.to(torch.float32)
+    return res.to(out.dtype)

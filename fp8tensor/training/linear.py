@@ -8,6 +8,7 @@ FSDP2-gathered) is never re-quantized: grad_input folds its row scales, ``gy @ (
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -157,6 +158,12 @@ def _weight_for_grad_input(weight: torch.Tensor, gy: torch.Tensor, gemm: Gemm) -
 
 
 # ---------------------------------------------------------------------------------------------- the one path
+def _rows(t: torch.Tensor, C) -> torch.Tensor:
+    """``t`` ``(..., C)`` as ``(rows, C)``: ``reshape(-1, C)``, with the row count spelled out where ``C`` is 0 (an
+    ``nn.Linear(0, N)`` input, or the gradient of an ``nn.Linear(K, 0)`` output), for which ``-1`` is ambiguous."""
+    return t.reshape(-1, C) if C != 0 else t.reshape(math.prod(t.shape[:-1]), 0)
+
+
 def _hp_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` in high precision (a recipe's ``"hp"`` GEMM) in the promoted dtype. ``a`` (input or ``grad_out``) is
     only cast, never through ``map_local`` (see :func:`_backward`); ``b`` (weight, saved input) is dequantized."""
@@ -185,7 +192,7 @@ def _add_bias(out: torch.Tensor, bias: torch.Tensor, x: torch.Tensor) -> torch.T
     if bias.dim() <= 1:
         return out + bias
     N = out.shape[-1]
-    return out + bias.expand(*x.shape[:-1], N).reshape(-1, N)
+    return out + _rows(bias.expand(*x.shape[:-1], N), N)
 
 
 class _Fp8Linear(torch.autograd.Function):
@@ -197,7 +204,7 @@ class _Fp8Linear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, recipe: Recipe):
         wd = weight._data if isinstance(weight, QuantizeOnUse) else weight  # shape / dtype without torch_function
         N = wd.shape[0]
-        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (a reshape to itself still costs a DTensor dispatch)
+        x2 = x if x.dim() == 2 else _rows(x, x.shape[-1])  # (a reshape to itself still costs a DTensor dispatch)
         x_saved = None
         # (an fp8 weight scaled along K keeps its scale folded into x's row-wise quantization: fp8_mm)
         both = (_input_layouts(x, x2, recipe) if ctx.needs_input_grad[1] and recipe.output.fp8
@@ -255,7 +262,7 @@ def _backward(ctx, grad_out):
         )
     x_saved, weight = ctx.saved_tensors
     recipe: Recipe = ctx.recipe
-    g2 = grad_out if grad_out.dim() == 2 else grad_out.reshape(-1, ctx.n_out)
+    g2 = grad_out if grad_out.dim() == 2 else _rows(grad_out, ctx.n_out)
     grad_x = grad_w = grad_b = None
     both = (_token_layouts(grad_out) if ctx.needs_input_grad[0] and ctx.needs_input_grad[1]
             and recipe.grad_input.fp8 and recipe.grad_weight.fp8 and not _is_fp8(weight) else None)
@@ -285,7 +292,7 @@ def _backward(ctx, grad_out):
                 gt = make_scaled(hit[0].t(), hit[1].t(), grad_out.dtype, fast, rowwise_dims(2, 1))
             grad_w = _mm(gt, x_saved)
         else:
-            grad_w = _hp_mm(g2.t(), x_saved.reshape(-1, ctx.x_shape[-1]))
+            grad_w = _hp_mm(g2.t(), _rows(x_saved, ctx.x_shape[-1]))
         grad_w = grad_w.to(ctx.w_dtype)
     if ctx.has_bias and ctx.needs_input_grad[2]:  # (a bias of 2+ dims: summed over the dims it broadcasts over)
         grad_b = g2.sum(0) if len(ctx.bias_shape) <= 1 else grad_out.sum_to_size(ctx.bias_shape)
@@ -412,7 +419,7 @@ def _inference_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
         if out is not None:
             return out
     wd = weight._data if isinstance(weight, QuantizeOnUse) else weight
-    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    x2 = x if x.dim() == 2 else _rows(x, x.shape[-1])
     out = _forward(x2, weight, recipe)
     if bias is not None:
         out = _add_bias(out, bias, x)
@@ -440,7 +447,7 @@ def _exported_forward(input: torch.Tensor, weight: torch.Tensor, bias: Optional[
         raise NotImplementedError(tp_export_message("fp8tensor.fp8_linear"))
     wd = weight._data if isinstance(weight, QuantizeOnUse) else weight
     K, N = input.shape[-1], wd.shape[0]
-    x2 = input if input.dim() == 2 else input.reshape(-1, K)
+    x2 = input if input.dim() == 2 else _rows(input, K)
     if _is_fp8(weight):
         out = torch.mm(x2, weight.t())  # the op table's GEMM, traced below the subclass (where export unwraps it)
     elif isinstance(weight, QuantizeOnUse):

@@ -449,3 +449,124 @@ def check_config_block_after_compiled_first(device: str, backend: str, seed: int
         f"seed {seed}: graphs compiled after the call outside, inside a block, after it, inside again: "
         f"{r['model_graphs']} (the block never reached the model compiled first: [1, 1, 1, 1])")
     assert all(e < FP8_BOUND for e in r["model_vs_ref"]), f"seed {seed}: {r['model_vs_ref']} from float64"
+
+
+
+def whole_model_compile_under_fsdp(device: str, backend: str, seed: int) -> dict:
+    """Run in a fresh process (a 1-rank gloo group, dynamo's counters from zero): models of ``nn.Sequential`` blocks,
+    ``fully_shard`` per block and on the root, compiled whole (``torch.compile(model)``), three forward + backward
+    steps each. ``"shapes"``: five blocks and a head, Linears of eleven weight shapes; ``"same"``: six blocks of
+    Linears of one shape. Each model unconverted (bf16 ``nn.Linear``; ``"+hook"``: with a no-op forward pre-hook on
+    every Linear; ``"own forward"``: :class:`_LinearOwnForward`) and converted (``convert_to_fp8``). Returns per run the frames dynamo compiled, the graphs and the
+    recompiles; for the converted ``"shapes"`` model, also its outputs and gradients against the same model eager and
+    its first output against float64.
+
+    FSDP2's hooks graph-break a whole-model compile, so each block's ``nn.Sequential.forward`` runs eagerly and calls
+    its Linears from eager code. Dynamo then compiles each Linear's forward as a frame of its own, guarded on the
+    weight's shape (one graph per shape, up to its recompile limit of 8), unless the forward is torch's own
+    ``nn.Linear.forward`` (on torch 2.13, only on a module without hooks). The fp8 Linear's forward must compile exactly
+    as a Linear's forward defined outside torch does (compiled on every torch): no guard of its own (module instance,
+    recipe, memo, settings) adds a recompile, and it adds no frame (its export pre-hook is never a frame of its
+    own)."""
+    import logging
+
+    import torch.distributed as dist
+    from torch._dynamo.utils import counters
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dt = torch.bfloat16
+    hidden = {"shapes": (96, 128, 160, 192, 224), "same": (64,) * 6}
+
+    def build(kind, variant):
+        torch.manual_seed(seed)
+        L = _LinearOwnForward if variant == "own forward" else nn.Linear
+        m = nn.Sequential(*[nn.Sequential(L(64, h), nn.ReLU(), L(h, 64)) for h in hidden[kind]],
+                          L(64, 32)).to(device, dt)
+        hp = [(lin.weight.detach().double().clone(), lin.bias.detach().double().clone())
+              for lin in m.modules() if isinstance(lin, nn.Linear)]
+        if variant == "fp8":
+            fp8tensor.convert_to_fp8(m)
+        elif variant == "nn.Linear+hook":
+            for lin in m.modules():
+                if isinstance(lin, nn.Linear):
+                    lin.register_forward_pre_hook(lambda mod, args: None)
+        for block in list(m)[:-1]:
+            fully_shard(block)
+        fully_shard(m)
+        return m, hp
+
+    recompiles = []
+
+    class Seen(logging.Handler):
+        def emit(self, record):
+            if "Recompiling function" in record.getMessage():
+                recompiles.append(record.getMessage().split("\n")[0])
+
+    handler = Seen()
+    logging.getLogger("torch._dynamo").addHandler(handler)
+    torch._logging.set_logs(recompiles=True)
+    torch.manual_seed(seed)
+    x = torch.randn(4, 8, 64, device=device, dtype=dt)
+
+    def steps(m):
+        outs = []
+        for _ in range(3):
+            xi = x.detach().clone().requires_grad_(True)
+            y = m(xi)
+            y.float().square().mean().backward()
+            outs.append([y.detach(), xi.grad] + [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                                                 for p in m.parameters()])
+            for p in m.parameters():
+                p.grad = None
+        return outs
+
+    out = {}
+    compiled_fp8 = None
+    for kind in ("shapes", "same"):
+        for variant in ("nn.Linear", "nn.Linear+hook", "own forward", "fp8"):
+            torch._dynamo.reset()
+            counters.clear()
+            recompiles.clear()
+            model, hp = build(kind, variant)
+            results = steps(torch.compile(model, backend=backend))
+            out[f"{kind} {variant}"] = dict(frames=counters["frames"]["total"], frames_ok=counters["frames"]["ok"],
+                                            graphs=counters["stats"]["unique_graphs"], recompiles=len(recompiles))
+            if kind == "shapes" and variant == "fp8":
+                compiled_fp8, hp_shapes = results, hp
+    logging.getLogger("torch._dynamo").removeHandler(handler)
+    torch._logging.set_logs()
+    eager, _ = build("shapes", "fp8")
+    reager = steps(eager)
+    out["vs_eager"] = max(rel(a, b) for c, e in zip(compiled_fp8, reager) for a, b in zip(c, e))
+    out["n"] = [len(c) for c in compiled_fp8] + [len(e) for e in reager]
+    ref = x.double()
+    for i, (w, b) in enumerate(hp_shapes):
+        ref = ref @ w.t() + b
+        if i % 2 == 0 and i < len(hp_shapes) - 1:
+            ref = torch.relu(ref)
+    out["vs_ref"] = rel(compiled_fp8[0][0], ref)
+    dist.destroy_process_group()
+    return out
+
+
+class _LinearOwnForward(nn.Linear):
+    """``nn.Linear`` with the same forward defined outside torch (dynamo compiles it as any user module's forward)."""
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+
+
+def check_whole_model_compile_under_fsdp(device: str, backend: str, seed: int) -> None:
+    """:func:`whole_model_compile_under_fsdp` in a fresh process: the converted models compile the same frames,
+    graphs and recompiles as the unconverted ones whose Linear forward is defined outside torch, one recompile (the
+    head's shape) with one hidden shape; the converted model agrees with eager fp8 and with float64 within the fp8
+    bound."""
+    r = _in_fresh_process(f"whole_model_compile_under_fsdp({device!r}, {backend!r}, {seed})", seed)
+    for kind in ("shapes", "same"):
+        fp8, own = r[f"{kind} fp8"], r[f"{kind} own forward"]
+        assert fp8 == own, f"seed {seed}: {kind}: compiles of the converted model {fp8}, of the Linears {own}"
+    assert r["same fp8"]["recompiles"] == 1 and r["same fp8"]["frames"] == r["same fp8"]["frames_ok"], (seed, r)
+    assert set(r["n"]) == {2 + 22}, (seed, r)
+    assert r["vs_eager"] < COMPILED_VS_EAGER_BOUND, f"seed {seed}: compiled vs eager fp8: {r['vs_eager']:.3g}"
+    assert r["vs_ref"] < FP8_BOUND, f"seed {seed}: {r['vs_ref']:.3g} from float64"

@@ -12,7 +12,7 @@ from fp8tensor import compat
 from _compile_path import (check_compiled_matches_eager, check_compiled_tp_linear_trains,
                            check_compiled_under_stale_config_block, check_config_block_after_compiled_first,
                            check_converted_compiled_first,
-                           check_functional_compiled_first)
+                           check_functional_compiled_first, check_whole_model_compile_under_fsdp)
 
 
 #: (weights, recipe): a frozen fp8 weight has no grad_weight GEMM, so its recipes do not differ.
@@ -42,6 +42,15 @@ def test_converted_model_compiled_first_compiles_once():
     eager (aot_eager), float64 bounds. The Linear forward's per-class memo was filled inside the compiled forward:
     dynamo guarded on it and recompiled at the second call, the first graph unlike the later ones."""
     check_converted_compiled_first("cpu", "aot_eager", torch.initial_seed(), bit_exact=True)
+
+
+def test_whole_model_compile_under_fsdp_compiles_as_often_as_nn_linear():
+    """Models of nn.Sequential blocks, fully_shard per block and on the root, compiled whole (fresh process): the
+    blocks run eagerly (FSDP2's hooks graph-break the compile) and dynamo compiles each Linear's forward as a frame of
+    its own, once per weight shape. The converted model compiles the same frames, graphs and recompiles as the
+    unconverted one with hooked Linears (whose forwards torch compiles the same way), none for Linears of one shape,
+    and matches eager fp8 and float64. Its export pre-hook was compiled as two frames of its own."""
+    check_whole_model_compile_under_fsdp("cpu", "aot_eager", torch.initial_seed())
 
 
 def test_compiled_linear_inside_a_config_block_made_stale_by_set_config(monkeypatch):

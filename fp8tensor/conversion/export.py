@@ -19,6 +19,7 @@ def tp_fp8_module(m: nn.Module) -> bool:
     return any(_is_dtensor(compat.parameters_dict(m).get(n)) for n in names)
 
 
+@compat.eager_unless_inlined  # (a hook torch.nn's eager module call runs: no compiled frame of its own)
 def refuse_tp_export(module: nn.Module, args):
     """The forward pre-hook: under ``torch.export``, raise ``NotImplementedError``
     (:func:`fp8tensor.linear.tp_export_message`) when ``module`` or a submodule is a tensor-parallel fp8 module."""

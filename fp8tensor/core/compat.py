@@ -19,7 +19,7 @@ __all__ = ["TORCH_VERSION", "register_foreach_type", "local_tensor", "set_local_
            "raw_cuda_stream", "rebuild_parameter", "functional_collectives", "register_state_dict_hook",
            "functional_data", "forward_ad_active", "op_schema", "is_parameter_marked", "mark_parameter",
            "local_tensor_shards", "disable_torch_function", "assert_tensor_metadata_op", "buffers_dict", "children_dict", "parameters_dict", "experts_implementation", "preserve_version_counter",
-           "c10d_functional_ops", "view_base"]
+           "c10d_functional_ops", "view_base", "eager_unless_inlined"]
 
 #: The dispatch key of composite ops (decomposed above autograd).
 COMPOSITE_IMPLICIT = torch._C.DispatchKey.CompositeImplicitAutograd
@@ -54,6 +54,21 @@ def is_exporting() -> bool:
 #: ``is_compiling()``: whether ``torch.compile`` or ``torch.export`` is tracing (False in eager fallbacks). torch's
 #: function itself, not a wrapper: the eager fp8 Linear asks it about a dozen times per call.
 is_compiling = torch.compiler.is_compiling
+
+
+def eager_unless_inlined(fn):
+    """Mark ``fn`` (a forward pre-hook) so that dynamo never compiles it as a frame of its own: inlined where traced
+    code calls it (``torch.compile`` of the model or of a block), run eagerly with everything it calls where eager code
+    calls it while ``torch.compile``'s frame hook is on (``nn.Module.__call__`` of a Linear left to run eagerly by a
+    graph break, e.g. FSDP2's hooks in a whole-model compile), where it would otherwise be one more compiled frame.
+    The flag is on ``fn``'s code object, read only when a frame starts (dynamo's tracer does not read it); it changes
+    no result. Not for a module ``forward``: ``torch.compile(module)`` compiles the module's forward as the frame it
+    starts, which the flag would leave eager. Returns ``fn``."""
+    from torch._dynamo.eval_frame import set_code_exec_strategy
+    from torch._dynamo.types import FrameAction, FrameExecStrategy
+
+    set_code_exec_strategy(fn.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+    return fn
 
 
 def prepend_forward_pre_hook(module: torch.nn.Module, hook):

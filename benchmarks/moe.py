@@ -11,7 +11,10 @@ Group sizes are drawn uneven (a Dirichlet(1) split: some experts far above the m
 rounded to multiples of 16 (torchao's grouped GEMM needs that alignment; fp8tensor pads inside the op, measured in
 the extra row ``fp8tensor rowwise (unaligned)`` with the unrounded sizes). Variants: ``bf16`` (bf16 weights,
 ``torch._grouped_mm``), ``fp8tensor rowwise`` / ``rowwise_gw_hp`` (bf16 :class:`~fp8tensor.Fp8MasterWeight`
-weights: the same call dispatches to :func:`fp8tensor.grouped.fp8_grouped_mm`), ``torchao fp8 rowwise``
+weights: the same call dispatches to :func:`fp8tensor.grouped.fp8_grouped_mm`), ``fp8tensor rowwise (fp8 weights)``
+(the weights as FSDP2's fp8 all-gather hands them to the experts: row-wise fp8 ``GatheredExperts``, quantized
+once outside the timed step as the all-gather does before it; grad_input folds their row scales into
+``grad_output``), ``torchao fp8 rowwise``
 (``torchao.prototype.moe_training``'s ``_to_fp8_rowwise_then_scaled_grouped_mm``, when importable). Median times
 from ``triton.testing.do_bench``. Prints a markdown table; ``--out`` writes the rows as JSON.
 
@@ -31,6 +34,7 @@ from _util import bench_ms, env_line, top_kernels  # noqa: E402
 
 import fp8tensor  # noqa: E402
 from fp8tensor import Fp8MasterWeight  # noqa: E402
+from fp8tensor.training.master import GatheredExperts  # noqa: E402
 
 SHAPES = {
     "deepseek": dict(dim=7168, hidden=2048, experts=8, rows=16384),
@@ -77,14 +81,16 @@ def torch_gmm(a, b, offs):
     return torch._grouped_mm(a, b, offs=offs)
 
 
-def weights(cfg, dev, master_recipe=None, seed=0):
+def weights(cfg, dev, master_recipe=None, seed=0, gathered_fp8=False):
     g = torch.Generator(device=dev).manual_seed(seed)
     E, D, H = cfg["experts"], cfg["dim"], cfg["hidden"]
     shapes = ((E, H, D), (E, D, H), (E, H, D))
     out = []
     for s in shapes:
         t = (torch.randn(s, device=dev, generator=g) * s[-1] ** -0.5).bfloat16()
-        if master_recipe is not None:
+        if gathered_fp8:  # (what FSDP2's fp8 all-gather of a master of this recipe gives the experts)
+            t = GatheredExperts.of(fp8tensor.ScaledFp8Tensor.from_hp(t), master_recipe)
+        elif master_recipe is not None:
             t = Fp8MasterWeight(t, master_recipe)
         out.append(torch.nn.Parameter(t))
     return out
@@ -101,6 +107,7 @@ def run_shape(name: str, cfg: dict, dev, ao, profile: bool) -> list:
         "fp8tensor rowwise": (weights(cfg, dev, "rowwise"), torch_gmm, offs_al),
         "fp8tensor rowwise_gw_hp": (weights(cfg, dev, "rowwise_gw_hp"), torch_gmm, offs_al),
         "fp8tensor rowwise (unaligned)": (weights(cfg, dev, "rowwise"), torch_gmm, offs_un),
+        "fp8tensor rowwise (fp8 weights)": (weights(cfg, dev, "rowwise", gathered_fp8=True), torch_gmm, offs_al),
     }
     if ao is not None:
         variants["torchao fp8 rowwise"] = (weights(cfg, dev), ao, offs_al)

@@ -95,6 +95,16 @@ def main():
         rs = rowwise_scale(xf, -1, torch.float8_e4m3fn)
         assert torch.equal(s, rs), (ends, (s - rs).abs().max())
         _same_fp8(q, cast_to_fp8(xf, rs, torch.float8_e4m3fn))
+    # the fp8 transpose, one matrix and a batch of them (expert weights): sizes off the tiles, a batch stride wider
+    # than a matrix (a slice of a larger buffer), bytes moved exactly
+    wide = (torch.randn(3, 70, 45) * 40).to(torch.float8_e4m3fn)
+    for src in (wide[0, :, :37], wide[:, :, :37]):
+        M2, N2 = src.shape[-2:]
+        B = src.shape[0] if src.dim() == 3 else 1
+        dst = torch.empty(*src.shape[:-2], N2, M2, dtype=src.dtype)
+        kernels._transpose_kernel[(triton.cdiv(M2, 32), triton.cdiv(N2, 16), B)](
+            src, dst, M2, N2, src.stride(-2), src.stride(0) if B > 1 else 0, BLOCK_M=32, BLOCK_N=16)
+        assert torch.equal(dst.view(torch.uint8), src.transpose(-2, -1).contiguous().view(torch.uint8))
     print("ok")
 
 

@@ -343,3 +343,19 @@ def test_traced_decode_gemm_launches_name_every_kernel_parameter(monkeypatch, x_
         assert set(names[:n_args]).isdisjoint(consts) and set(names[n_args:]) == set(consts), (names, consts)
     if x_fp8:
         assert launches[0][2]["X_FP8"] is True and launches[0][2]["xs_ptr"] is xs
+
+
+@pytest.mark.parametrize("shape", [(5, 3), (0, 4), (3, 7, 2), (2, 0, 5), (4, 1, 1)])
+def test_transpose_after_is_the_transposed_copy(shape):
+    # grad_input's fp8 weight layout, one weight (N, K) or expert weights (E, N, K): eager, the op, and traced
+    # (plain ops reading a dependency on `after`, NaN there included) give the transposed bytes in a fresh buffer
+    from fp8tensor.quantize import transpose_after
+
+    q = (torch.randn(*shape) * 30).to(E4M3)
+    after = torch.tensor([[float("nan"), 1.0]])
+    ref = q.transpose(-2, -1).contiguous().view(torch.uint8)
+    compiled = torch.compile(transpose_after, backend="aot_eager", fullgraph=True)
+    for got in (transpose_after(q, after), torch.ops.fp8tensor.transpose_after(q, after), compiled(q, after)):
+        assert got.shape == ref.shape and got.dtype == E4M3 and got.is_contiguous()
+        assert torch.equal(got.view(torch.uint8), ref)
+        assert got.numel() == 0 or got.data_ptr() != q.data_ptr()

@@ -513,11 +513,11 @@ def quantize_rows_into(datas: list, q_ptrs: list, s_ptrs: list, float8_dtype: to
 
 # ---------------------------------------------------------------------------------------------- fp8 layout copies
 def _transpose_after_impl(q: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
-    """``fp8tensor::transpose_after``: ``q.t().contiguous()`` (always a copy; ``after`` unread), by the transpose
-    kernel on CUDA fp8."""
+    """``fp8tensor::transpose_after``: ``q.transpose(-2, -1).contiguous()`` (always a copy; ``after`` unread), by the
+    transpose kernel on CUDA fp8."""
     if kernels.transpose_available(q):
         return kernels.launch_transpose(q)
-    return q.t().clone(memory_format=torch.contiguous_format)  # a copy: the op's output never aliases its input
+    return q.transpose(-2, -1).clone(memory_format=torch.contiguous_format)  # a copy: never aliases its input
 
 
 _LIB.define("transpose_after(Tensor q, Tensor after) -> Tensor")
@@ -526,18 +526,19 @@ _LIB.impl("transpose_after", _transpose_after_impl, "CompositeExplicitAutograd")
 
 @torch.library.register_fake("fp8tensor::transpose_after", lib=_LIB)
 def _(q, after):
-    return q.new_empty((q.shape[1], q.shape[0]))
+    return q.new_empty((*q.shape[:-2], q.shape[-1], q.shape[-2]))
 
 
 def transpose_after(q: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
-    """``q.t().contiguous()`` (a copy; the fp8 weight column-major for grad_input) ordered after ``after`` when traced
-    (else hoisted into the forward and kept). Eager: direct; compiled: plain ops reading :func:`after_dep`; under a
-    mode: the op ``fp8tensor::transpose_after``."""
+    """``q.transpose(-2, -1).contiguous()`` (a copy) of an fp8 ``q`` ``(N, K)`` or ``(E, N, K)``: the weight(s)
+    column-major for grad_input, ordered after ``after`` when traced (else hoisted into the forward and kept). Eager:
+    direct (one tiled Triton kernel on CUDA); compiled: plain ops reading :func:`after_dep`; under a mode: the op
+    ``fp8tensor::transpose_after``."""
     if kernels.eager_launch_ok(q) and kernels.eager_launch_ok(after):
         return _transpose_after_impl(q, after)  # eager: the op's body (the kernel on CUDA), no dispatcher trip
     if compat.is_compiling():  # plain ops inductor fuses (an opaque op costs a Python call per Linear per step)
         dep = after_dep(after).reshape(1, 1).to(torch.int16)  # 0: the bytes are unchanged
-        return (q.t().view(torch.uint8).to(torch.int16) + dep).to(torch.uint8).view(q.dtype).contiguous()
+        return (q.transpose(-2, -1).view(torch.uint8).to(torch.int16) + dep).to(torch.uint8).view(q.dtype).contiguous()
     return torch.ops.fp8tensor.transpose_after(q, after)
 
 

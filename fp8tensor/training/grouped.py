@@ -9,7 +9,7 @@ import torch
 
 from ..core import compat
 from .linear import QuantizeOnUse, autocast_enabled
-from ..numerics.quantize import (E4M3, FLOAT8_DTYPES, quantize, quantize_expert_cols,
+from ..numerics.quantize import (E4M3, FLOAT8_DTYPES, quantize, quantize_expert_cols, transpose_after,
                        quantize_group_cols)
 from .recipes import Recipe, get_recipe
 from ..core.settings import get_config
@@ -269,7 +269,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
                 gq, gs = _quantize_rows(gy, E4M3)
             else:  # scale folding: gy[e] @ (diag(s_e) W8_e) = (gy[e] diag(s_e)) @ W8_e, the product in the row kernel
                 w8, ws = fp8
-                wq_t = w8.transpose(-2, -1).contiguous()
+                wq_t = transpose_after(w8, gy)  # (E, K, N): one tiled kernel on CUDA, in the backward graph
                 ws_t = torch.ones(E, K, dtype=torch.float32, device=gy.device)
                 gq, gs = (quantize(gy, -1, E4M3, col_scale=ws.contiguous(), col_scale_ends=offs) if E
                           else _quantize_rows(gy.to(torch.float32), E4M3))

@@ -139,6 +139,26 @@ def test_transpose_kernel_bit_identical(shape, float8_dtype):
     assert torch.equal(got.view(torch.uint8), q.t().contiguous().view(torch.uint8))
 
 
+@pytest.mark.parametrize("shape", [(8, 2048, 7168), (128, 768, 2048), (3, 129, 1), (1, 77, 300)])
+def test_batched_transpose_kernel_bit_identical(shape):
+    """Expert weights ``(E, N, K)``: the batched fp8 transpose (eager, the op, compiled) is
+    ``q.transpose(-2, -1).contiguous()`` bit for bit, also for a slice of experts out of a wider buffer."""
+    from fp8tensor.quantize import transpose_after as _transpose_after
+
+    q = (torch.randn(*shape, device=DEV) * 50).to(torch.float8_e4m3fn)
+    g = torch.randn(4, 8, device=DEV)
+    for src in (q, torch.cat([q, q], dim=-2)[:, : shape[1]]):
+        ref = src.transpose(-2, -1).contiguous()
+        assert kernels.transpose_available(src)
+        for got in (kernels.launch_transpose(src), _transpose_after(src, g),
+                    torch.ops.fp8tensor.transpose_after(src, g)):
+            assert got.shape == ref.shape and got.is_contiguous() and got.dtype == src.dtype
+            assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
+    torch._dynamo.reset()
+    got = torch.compile(lambda a, b: _transpose_after(a, b * 2), fullgraph=True)(q, g)
+    assert torch.equal(got.view(torch.uint8), q.transpose(-2, -1).contiguous().view(torch.uint8))
+
+
 def test_quantize_columns_after_matches_dim0_t():
     """``quantize_dim0_t_after`` (eager direct launch, the op, compiled) gives the bits of ``quantize_dim0_t``, also
     when ``after`` holds NaN or inf."""

@@ -44,6 +44,8 @@ Sizes (one command each; all variants fit in one run of < 9 minutes)::
     PYTHONPATH=. python3 benchmarks/e2e.py --size 4096      # dim 4096, FFN 14336, 32/8 heads, 4 layers, seq 8192
     PYTHONPATH=. python3 benchmarks/e2e.py --size 8192      # dim 8192, FFN 28672, 64/8 heads, 2 layers, seq 8192
     PYTHONPATH=. python3 benchmarks/e2e.py --size readme    # README example: dim 1024, 4 layers, seq 1024 x 16
+    PYTHONPATH=. python3 benchmarks/e2e.py --size moe       # the MoE model: dim 2048, 4 layers, 8 experts, top-2
+    PYTHONPATH=. python3 benchmarks/e2e.py --size moe-fine  # fine-grained MoE: 64 experts, top-8, expert hidden 768
     ... --variants bf16@fsdp,rowwise@fsdp --profile          # + top host ops of the fp8 step, chrome trace in $OUT
 
 CPU smoke run: ``--device cpu --size tiny --no-compile``.
@@ -77,7 +79,15 @@ SIZES = {
     "2048": dict(dim=2048, ffn=8192, heads=16, kv_heads=8, layers=6, seq=4096, batch=2),
     "4096": dict(dim=4096, ffn=14336, heads=32, kv_heads=8, layers=4, seq=8192, batch=1),
     "8192": dict(dim=8192, ffn=28672, heads=64, kv_heads=8, layers=2, seq=8192, batch=1),
+    # the example's MoE model (every block's MLP a token-choice top-k MoE of grouped SwiGLU experts): "moe" 8 experts,
+    # top-2, expert hidden 4096 (16384 routed rows per layer); "moe-fine" fine-grained as Qwen3-30B-A3B, 64 experts,
+    # top-8, expert hidden 768 (65536 routed rows)
+    "moe": dict(dim=2048, ffn=8192, heads=16, kv_heads=8, layers=4, seq=4096, batch=2, experts=8, top_k=2,
+                moe_hidden=4096),
+    "moe-fine": dict(dim=2048, ffn=8192, heads=16, kv_heads=8, layers=4, seq=4096, batch=2, experts=64, top_k=8,
+                     moe_hidden=768),
 }
+MOE_KEYS = ("experts", "top_k", "moe_hidden")
 DEFAULT_VARIANTS = ("bf16@fsdp,rowwise@fsdp,rowwise_gw_hp@fsdp,ao_tensorwise@fsdp,ao_rowwise@fsdp,"
                     "bf16@plain,rowwise@plain,ao_tensorwise@plain,bf16@tp,rowwise@tp")
 SETUPS = ("fsdp", "plain", "tp", "tp_plain")
@@ -86,7 +96,7 @@ SETUPS = ("fsdp", "plain", "tp", "tp_plain")
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", default="2048", choices=sorted(SIZES))
-    for k in ("dim", "ffn", "heads", "kv_heads", "layers", "seq", "batch"):
+    for k in ("dim", "ffn", "heads", "kv_heads", "layers", "seq", "batch", *MOE_KEYS):
         p.add_argument(f"--{k.replace('_', '-')}", type=int, default=None, help=f"override the size's {k}")
     p.add_argument("--variants", default=DEFAULT_VARIANTS)
     p.add_argument("--steps", type=int, default=15)
@@ -114,11 +124,21 @@ def parse(argv=None):
                    help="run one more step with torch.cuda.set_sync_debug_mode('warn') and print where it synced")
     a = p.parse_args(argv)
     size = dict(SIZES[a.size])
-    for k in size:
+    for k in ("dim", "ffn", "heads", "kv_heads", "layers", "seq", "batch", *MOE_KEYS):
         if getattr(a, k) is not None:
+            if k in MOE_KEYS and "experts" not in size:
+                p.error(f"--{k.replace('_', '-')}: only for the MoE sizes (moe, moe-fine)")
             size[k] = getattr(a, k)
     a.cfg = size
     return a
+
+
+def moe_line(c: dict) -> str:
+    """The header's MoE part of a size (empty for dense sizes)."""
+    if "experts" not in c:
+        return ""
+    return (f"; MoE: {c['experts']} experts, top-{c['top_k']}, expert hidden {c['moe_hidden']} (grouped experts in "
+            "fp8 for fp8tensor; torchao's rows convert the Linears only)")
 
 
 def setup_dist(device):
@@ -141,7 +161,9 @@ def build(precision: str, setup: str, args, mesh, device, mode=None):
 
     c = args.cfg
     margs = ModelArgs(dim=c["dim"], n_layers=c["layers"], n_heads=c["heads"], n_kv_heads=c["kv_heads"],
-                      ffn_hidden=c["ffn"], max_seq_len=max(c["seq"], 16))
+                      ffn_hidden=c["ffn"], max_seq_len=max(c["seq"], 16),
+                      **(dict(moe=True, n_experts=c["experts"], top_k=c["top_k"], moe_hidden=c["moe_hidden"])
+                         if "experts" in c else {}))
     torch.manual_seed(0)
     with torch.device(device):
         model = Llama(margs)
@@ -582,7 +604,8 @@ def main(argv=None):
     env = (f"{time.strftime('%Y-%m-%d')} · "
            f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'} · torch {torch.__version__}")
     print(f"\n# e2e step, size {args.size}: dim {c['dim']}, FFN {c['ffn'] or 'default'}, {c['heads']}/{c['kv_heads']} "
-          f"heads, {c['layers']} layers, seq {c['seq']} x batch {c['batch']}; compile "
+          f"heads, {c['layers']} layers, seq {c['seq']} x batch {c['batch']}"
+          f"{moe_line(c)}; compile "
           f"{'off' if args.no_compile else (args.mode or 'default')}"
           f"{'; parameters copied into CUDA graphs (--cudagraph-params copy)' if args.cudagraph_params == 'copy' else ''}"
           f"; {env}\n")

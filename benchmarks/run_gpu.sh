@@ -5,7 +5,7 @@
 # Usage: bash benchmarks/run_gpu.sh STAGE [STAGE ...]
 #   tests        the GPU tests (tests/gpu)
 #   graph        the whole-step CUDA-graph tests (tests/gpu/test_gpu_graph_step.py)
-#   e2e-SIZE     benchmarks/e2e.py at SIZE (2048, 4096, 8192, readme; E2E_ARGS: more flags, e.g. --profile): default compile and whole-step graph rows,
+#   e2e-SIZE     benchmarks/e2e.py at SIZE (2048, 4096, 8192, readme, moe, moe-fine; E2E_ARGS: more flags, e.g. --profile): default compile and whole-step graph rows,
 #                bf16 / fp8tensor rowwise, rowwise_gw_hp / torchao tensorwise, rowwise; plain FSDP2 and DTensor (tp)
 #   linear       benchmarks/linear.py (per-layer forward + backward, M = 16384)
 #   memory-4096  benchmarks/memory.py at dim 4096 (FSDP2, compiled blocks, one AdamW over all parameters)
@@ -38,6 +38,7 @@ e2e_variants() {  # $1: size. Default compile and whole-step graph rows, bf16 / 
   local g="bf16@fsdp+graph,rowwise@fsdp+graph,ao_tensorwise@fsdp+graph"
   case "$1" in
     2048) echo "bf16@fsdp,rowwise@fsdp,rowwise.fp8ag@fsdp,ao_tensorwise@fsdp,ao_rowwise@fsdp,bf16@tp,rowwise@tp,$g,rowwise.fp8ag@fsdp+graph,bf16@tp+graph,rowwise@tp+graph" ;;
+    moe|moe-fine) echo "bf16@fsdp,rowwise@fsdp,rowwise.fp8ag@fsdp,rowwise_gw_hp@fsdp,bf16@fsdp+graph,rowwise@fsdp+graph,rowwise.fp8ag@fsdp+graph" ;;
     readme) echo "bf16@fsdp,rowwise.sized@fsdp,rowwise.sized.fp8ag@fsdp,ao_tensorwise@fsdp,$g,rowwise.sized@fsdp+graph" ;;
     *) echo "bf16@fsdp,rowwise@fsdp,rowwise.fp8ag@fsdp,ao_tensorwise@fsdp,$g" ;;
   esac

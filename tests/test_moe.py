@@ -552,9 +552,14 @@ def test_hugging_face_experts_are_converted(conversion, impl):
         gu64, d64 = gate_up.double().requires_grad_(), down.double().requires_grad_()
         _hf_experts_f64(gu64, d64, x64, idx, wts).backward(g)
         assert _rel(x.grad, x64.grad) < 2 * TWO
+        # an expert's weight gradient: the GEMM's two rounded operands, and its token-side operand carries the
+        # forward's fp8 error too (h = silu(gate) * up from two fp8 GEMMs of two rounded operands each; the gradient
+        # of gate / up from the fp8 grad_input GEMM of down): about six roundings of relative size U, 2x for the few
+        # tokens (3 to 6) each expert sums here
+        grad_w_bound = 2 * math.sqrt(6) * U
         for e in (0, 1, 3):
-            assert _rel(experts.gate_up_proj.grad[e], gu64.grad[e]) < 2 * TWO, e
-            assert _rel(experts.down_proj.grad[e], d64.grad[e]) < 2 * TWO, e
+            assert _rel(experts.gate_up_proj.grad[e], gu64.grad[e]) < grad_w_bound, e
+            assert _rel(experts.down_proj.grad[e], d64.grad[e]) < grad_w_bound, e
         assert not experts.gate_up_proj.grad[2].any()
 
 

@@ -1,0 +1,94 @@
+"""fp8 grouped experts: cases found by a new-user review (tests/test_moe.py has the rest), against float64.
+
+Bounds (as in tests/test_moe.py): one e4m3 rounding has a relative RMS error of at most U = 2^-4 / sqrt(3), a GEMM of
+two rounded operands at most sqrt(2) U (``TWO``). A compiled fp8 grouped GEMM multiplies the same quantized operands
+as the eager one: only the float32 accumulation order differs (``EMULATION_BOUND``).
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+from fp8tensor import Fp8MasterWeight, ScaledFp8Tensor
+from fp8tensor.grouped import fp8_grouped_mm
+from fp8tensor.master import GatheredExperts
+from fp8tensor.recipes import get_recipe
+
+from conftest import EMULATION_BOUND
+
+U = 2.0**-4 / math.sqrt(3)
+TWO = math.sqrt(2) * U
+
+E, K, N = 4, 32, 48
+
+
+def _offs(sizes):
+    return torch.cumsum(torch.tensor(sizes), 0).to(torch.int32)
+
+
+def _ref(x, w, offs):
+    """float64 reference: out[rows of e] = x[rows of e] @ w[e]^T (rows past the last end: zeros)."""
+    out = torch.zeros(x.shape[0], w.shape[1], dtype=torch.float64)
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        out[start:end] = x[start:end].double() @ w[e].double().t()
+        start = end
+    return out
+
+
+def _rel(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm())
+
+
+def _weight(kind, w, recipe):
+    if kind == "plain":
+        return nn.Parameter(w.clone())
+    if kind == "master":
+        return nn.Parameter(Fp8MasterWeight(w.clone(), recipe))
+    # FSDP2's fp8 all-gather of a master: the weight used as stored, its row scales folded into grad_out
+    return nn.Parameter(GatheredExperts.of(ScaledFp8Tensor.from_hp(w), get_recipe(recipe)))
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_gw_hp"])
+@pytest.mark.parametrize("call,kind", [("fp8_grouped_mm", "plain"), ("fp8_grouped_mm", "master"),
+                                       ("torch._grouped_mm", "master"), ("torch._grouped_mm", "gathered")])
+def test_compiled_backward_under_autocast_is_the_eager_one(call, kind, recipe):
+    """A compiled call under ``torch.autocast`` (the usual AMP step: forward in the block, ``backward()`` after it):
+    torch.compile traces the backward under the autocast state around the compiled call, where autocast cast the
+    traced fp8 GEMMs' dequantized float32 operands (and rowwise_gw_hp's float32 grad_weight GEMM) to bf16: gradients
+    ~3e-3 off the eager ones. Now the eager gradients up to float32 summation order, within fp8's bound of float64;
+    every way the grouped GEMM is reached (the function, a master's and an fp8-gathered weight's ``torch._grouped_mm``)."""
+    offs = _offs([13, 0, 29, 20])
+    M = 62 + 3  # rows past the last group too
+    x, w, g = torch.randn(M, K), torch.randn(E, N, K) / K**0.5, torch.randn(M, N)
+
+    def f(a, b):
+        if call == "fp8_grouped_mm":
+            return fp8_grouped_mm(a, b.transpose(-2, -1), offs, recipe=recipe)
+        return torch._grouped_mm(a, b.transpose(-2, -1), offs=offs)
+
+    results = []
+    for fn in (f, torch.compile(f, backend="aot_eager", fullgraph=True)):
+        torch._dynamo.reset()
+        wp = _weight(kind, w, recipe)
+        xx = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = fn(xx, wp)
+        y.backward(g)
+        results.append((y.detach(), xx.grad, wp.grad))
+    (y, gx, gw), compiled = results
+    for name, c, e in zip(("output", "grad_input", "grad_weight"), compiled, (y, gx, gw)):
+        assert c.dtype == e.dtype and _rel(c, e) <= EMULATION_BOUND, f"{name}: compiled is {_rel(c, e):.3g} off eager"
+    assert _rel(y, _ref(x, w, offs)) <= TWO
+    assert _rel(gx, _ref(g, w.transpose(-2, -1), offs)) <= TWO
+    ends = offs.tolist()
+    for e, (start, end) in enumerate(zip([0] + ends[:-1], ends)):
+        if end == start:
+            assert not gw[e].any()
+        else:
+            ref = g[start:end].double().t() @ x[start:end].double()
+            assert _rel(gw[e], ref) <= (TWO if recipe == "rowwise" else 1e-6)

@@ -7,11 +7,14 @@ as the eager one: only the float32 accumulation order differs (``EMULATION_BOUND
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
+import fp8tensor
 from fp8tensor import Fp8MasterWeight, ScaledFp8Tensor
 from fp8tensor.grouped import fp8_grouped_mm
 from fp8tensor.master import GatheredExperts
@@ -92,3 +95,55 @@ def test_compiled_backward_under_autocast_is_the_eager_one(call, kind, recipe):
         else:
             ref = g[start:end].double().t() @ x[start:end].double()
             assert _rel(gw[e], ref) <= (TWO if recipe == "rowwise" else 1e-6)
+
+
+class _UserFp8Experts(nn.Module):
+    """SwiGLU-less experts whose first weight the user stores in plain float8 with a per-expert scale of their own
+    (``w1`` ``(E, H, D)`` float8_e4m3fn, ``w1_scale`` ``(E, 1, 1)``), the second in high precision."""
+
+    def __init__(self, D=32, H=64):
+        super().__init__()
+        w1 = torch.randn(E, H, D) / D**0.5
+        s = w1.abs().amax((1, 2), keepdim=True) / 448.0
+        self.w1 = nn.Parameter((w1 / s).to(torch.float8_e4m3fn), requires_grad=False)
+        self.register_buffer("w1_scale", s)
+        self.w2 = nn.Parameter(torch.randn(E, D, H) / H**0.5)
+
+    def forward(self, x, offs):
+        w1 = self.w1.float() * self.w1_scale
+        h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs))
+        return torch._grouped_mm(h, self.w2.transpose(-2, -1), offs=offs)
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(32, 32, bias=False)
+        self.experts = _UserFp8Experts()
+
+
+@pytest.mark.parametrize("conversion", ["convert_to_fp8", "quantize_weights"])
+def test_plain_float8_expert_weight_is_left_as_it_is(conversion):
+    """A grouped-experts module's 3-D plain float8 parameter (no scales fp8tensor could read it by) is left as it
+    is, with a warning and listed in ``fp8_skipped``, as a Linear's plain float8 weight: the module's other weights and
+    the model's Linears are converted. (convert_to_fp8 raised ``Fp8MasterWeight: expected a high-precision ...`` after
+    converting the Linears; quantize_weights a NotImplementedError of ``isfinite``.) The converted experts compute
+    their GEMMs against float64 within fp8's bound (w1 dequantized by the module itself, w2 in fp8)."""
+    m = _Block()
+    w1, w1_bytes = m.experts.w1, m.experts.w1.detach().view(torch.uint8).clone()
+    w1_hp = (w1.float() * m.experts.w1_scale).double()
+    w2 = m.experts.w2.detach().clone()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        getattr(fp8tensor, conversion)(m)
+    msg = "experts.w1 (a torch.float8_e4m3fn weight, not a high-precision floating-point one)"
+    assert msg in m.fp8_skipped and any(msg in str(c.message) for c in caught)
+    assert m.experts.w1 is w1 and torch.equal(w1.detach().view(torch.uint8), w1_bytes)
+    assert m.experts.fp8_expert_params == ("w2",)
+    assert isinstance(m.experts.w2, Fp8MasterWeight if conversion == "convert_to_fp8" else ScaledFp8Tensor)
+    assert isinstance(m.proj.weight, Fp8MasterWeight if conversion == "convert_to_fp8" else ScaledFp8Tensor)
+    offs = _offs([7, 0, 19, 4])
+    x = torch.randn(30, 32)
+    h = F.silu(_ref(x, w1_hp, offs))
+    y = m.experts(x, offs)
+    assert _rel(y, _ref(h, w2, offs)) <= TWO

@@ -97,6 +97,27 @@ def test_compiled_backward_under_autocast_is_the_eager_one(call, kind, recipe):
             assert _rel(gw[e], ref) <= (TWO if recipe == "rowwise" else 1e-6)
 
 
+def test_integer_weights_are_refused():
+    """Integer expert weights are not quantized silently (torch._grouped_mm refuses them too): a TypeError naming the
+    op and the dtype."""
+    x = torch.randn(8, K)
+    w = torch.randint(-3, 4, (E, N, K), dtype=torch.int32)
+    with pytest.raises(TypeError, match="fp8_grouped_mm: expected a high-precision input and weights.*torch.int32"):
+        fp8_grouped_mm(x, w.transpose(-2, -1), _offs([2, 2, 2, 2]))
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_gw_hp"])
+def test_no_experts(recipe):
+    """A weight of 0 experts (offs empty: every token in no group): the output and grad_input are zeros and the
+    weight's gradient is empty, for both recipes (rowwise's grad_weight quantization raised an IndexError)."""
+    x = torch.randn(5, K, requires_grad=True)
+    wp = nn.Parameter(Fp8MasterWeight(torch.randn(0, N, K), recipe))
+    y = fp8_grouped_mm(x, wp.transpose(-2, -1), torch.zeros(0, dtype=torch.int32), recipe=recipe)
+    y.backward(torch.randn(5, N))
+    assert torch.equal(y, torch.zeros(5, N)) and torch.equal(x.grad, torch.zeros(5, K))
+    assert wp.grad.shape == (0, N, K)
+
+
 class _UserFp8Experts(nn.Module):
     """SwiGLU-less experts whose first weight the user stores in plain float8 with a per-expert scale of their own
     (``w1`` ``(E, H, D)`` float8_e4m3fn, ``w1_scale`` ``(E, 1, 1)``), the second in high precision."""

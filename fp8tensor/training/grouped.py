@@ -199,7 +199,8 @@ def _check(a, b, offs, op: str) -> None:
     if a.shape[1] != bd.shape[1]:
         raise ValueError(f"{op}: contraction dims differ: input {tuple(a.shape)}, weights {tuple(b.shape)} "
                          "(expected (M, K) and (E, K, N))")
-    if a.dtype in FLOAT8_DTYPES or not a.dtype.is_floating_point or bd.dtype in FLOAT8_DTYPES:
+    if (a.dtype in FLOAT8_DTYPES or not a.dtype.is_floating_point or bd.dtype in FLOAT8_DTYPES
+            or not bd.dtype.is_floating_point):
         raise TypeError(f"{op}: expected a high-precision input and weights (or a ScaledFp8Tensor), got {a.dtype} "
                         f"and {bd.dtype}")
     if not isinstance(offs, torch.Tensor) or offs.dim() != 1 or offs.dtype != torch.int32:

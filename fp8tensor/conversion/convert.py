@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from ..core import compat
 from . import checkpoint as _checkpoint
-from ..numerics.quantize import E4M3, check_float8_dtype
+from ..numerics.quantize import E4M3, FLOAT8_DTYPES, check_float8_dtype
 from ..distributed.fsdp_state import check_fsdp_sharded as _check_fsdp_sharded
 from ..distributed.fsdp_state import fp8_all_gather_default, rule_changes_after_init
 from .export import add_model_export_hook, add_tp_export_hook, refuse_tp_export
@@ -68,12 +68,17 @@ def _select(module: nn.Module, module_filter_fn: Optional[FilterFn], op: str, ti
     for fqn, mod in module.named_modules():
         if isinstance(mod, nn.Linear):
             continue
-        names = [n for n, p in compat.parameters_dict(mod).items()
-                 if p is not None and p.dim() == 3 and (p.dtype.is_floating_point or isinstance(local_of(p),
-                                                                                              ScaledFp8Tensor))]
-        if (names and (isinstance(mod, Fp8GroupedExpertsMixin) or uses_grouped_mm(type(mod)))
+        weights = {n: p for n, p in compat.parameters_dict(mod).items() if p is not None and p.dim() == 3}
+        names = [n for n, p in weights.items() if isinstance(local_of(p), ScaledFp8Tensor)
+                 or (p.dtype.is_floating_point and p.dtype not in FLOAT8_DTYPES)]
+        # a plain float8 weight has no scales to read it by: left as it is, as a Linear's (own_forward)
+        plain_fp8 = [n for n, p in weights.items() if n not in names and p.dtype in FLOAT8_DTYPES]
+        if ((names or plain_fp8) and (isinstance(mod, Fp8GroupedExpertsMixin) or uses_grouped_mm(type(mod)))
                 and _wanted(module_filter_fn, mod, fqn, op)):
-            experts.append((fqn, mod, names))
+            if names:
+                experts.append((fqn, mod, names))
+            skipped += [f"{fqn + '.' if fqn else ''}{n} (a {weights[n].dtype} weight, not a high-precision "
+                        "floating-point one)" for n in plain_fp8]
     _check_fsdp_sharded([getattr(m, n) for _, m, names in experts for n in names], op)
     return chosen, skipped, redirects, experts
 

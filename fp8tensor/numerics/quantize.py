@@ -464,12 +464,12 @@ def quantize_group_cols(x: torch.Tensor, offs: torch.Tensor, M_pad: int, pad_sta
     scale = amax_to_scale(amax[:E], float8_dtype)
     scale_rows = torch.cat([scale, scale.new_ones(1, C)])[gid]  # rows outside every group: any finite scale
     y = cast_to_fp8(xf, scale_rows, float8_dtype)
-    starts = torch.cat([offs.new_zeros(1), offs[:-1]]).to(torch.int64)
-    gid_c = gid.clamp(max=max(E - 1, 0))
-    dest = torch.arange(M, device=x.device) - starts[gid_c] + pad_starts.to(torch.int64)[gid_c]
-    dest = torch.where(gid < E, dest, torch.full_like(dest, M_pad - 1))  # outside every group: the spare block
     q = torch.zeros(C, M_pad, dtype=torch.uint8, device=x.device)
-    if M and E:
+    if M and E:  # (no experts: no group start to read)
+        starts = torch.cat([offs.new_zeros(1), offs[:-1]]).to(torch.int64)
+        gid_c = gid.clamp(max=E - 1)
+        dest = torch.arange(M, device=x.device) - starts[gid_c] + pad_starts.to(torch.int64)[gid_c]
+        dest = torch.where(gid < E, dest, torch.full_like(dest, M_pad - 1))  # outside every group: the spare block
         q.index_copy_(1, dest, y.view(torch.uint8).t().contiguous())
         q[:, M_pad - align:] = 0
     return q.view(float8_dtype), scale

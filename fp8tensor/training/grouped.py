@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from ..core import compat
-from .linear import QuantizeOnUse, autocast_enabled
+from .linear import _AUTOCAST_TYPES, QuantizeOnUse, autocast_enabled
 from ..numerics.quantize import (E4M3, FLOAT8_DTYPES, quantize, quantize_expert_cols, transpose_after,
                        quantize_group_cols)
 from .recipes import Recipe, get_recipe
@@ -199,7 +199,8 @@ def _check(a, b, offs, op: str) -> None:
     if a.shape[1] != bd.shape[1]:
         raise ValueError(f"{op}: contraction dims differ: input {tuple(a.shape)}, weights {tuple(b.shape)} "
                          "(expected (M, K) and (E, K, N))")
-    if a.dtype in FLOAT8_DTYPES or not a.dtype.is_floating_point or bd.dtype in FLOAT8_DTYPES:
+    if (a.dtype in FLOAT8_DTYPES or not a.dtype.is_floating_point or bd.dtype in FLOAT8_DTYPES
+            or not bd.dtype.is_floating_point):
         raise TypeError(f"{op}: expected a high-precision input and weights (or a ScaledFp8Tensor), got {a.dtype} "
                         f"and {bd.dtype}")
     if not isinstance(offs, torch.Tensor) or offs.dim() != 1 or offs.dtype != torch.int32:
@@ -241,9 +242,11 @@ class _Fp8GroupedMM(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy):
         dev = gy.device.type
-        if not compat.is_compiling() and autocast_enabled(dev):
-            # backward() called inside an autocast block (CPU autograd runs in the caller's thread): autocast off,
-            # as in the forward (autocast would cast torch._scaled_mm's float32 scales to its dtype)
+        if autocast_enabled(dev) or (compat.is_compiling() and dev in _AUTOCAST_TYPES):
+            # backward() called inside an autocast block (CPU autograd runs in the caller's thread), or traced
+            # (torch.compile traces the backward under the autocast state around the compiled call, whatever dynamo
+            # saw when it traced this backward): autocast off, as in the forward (autocast would cast
+            # torch._scaled_mm's float32 scales, and the traced GEMMs' dequantized operands, to its dtype)
             with torch.autocast(dev, enabled=False):
                 return _Fp8GroupedMM._backward(ctx, gy)
         return _Fp8GroupedMM._backward(ctx, gy)

@@ -12,7 +12,8 @@ import torch
 from ..core import compat
 from ..numerics.quantize import FLOAT8_DTYPES
 from ..core.settings import get_config
-from ..subclass.tensor import ScaledFp8Tensor, _check_layout, _is_dtensor, local_of, make_scaled, rowwise_dims
+from ..subclass.tensor import (ScaledFp8Tensor, _check_layout, _is_dtensor, check_finite_rows, local_of, make_scaled,
+                               rowwise_dims)
 
 __all__ = ["SCALE_SUFFIX", "plain_state_dict", "load_safetensors", "state_dict_hook", "load_state_dict_pre_hook",
            "set_hf_quantization_config"]
@@ -116,12 +117,17 @@ def load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict,
     into ``q * scale`` in the weight's dtype for a high-precision (master) weight.
 
     Raises ``TypeError`` / ``ValueError`` (naming the key): the scale entry is not float32 or does not match the
-    data's shape, or a plain fp8 entry lacks its scale.
+    data's shape, a plain fp8 entry lacks its scale, or a high-precision entry for an fp8 weight holds an inf or NaN
+    (quantized, its rows would be all NaN; raised before this module's tensors change, ``assign=True`` included).
     """
     for name, p in compat.parameters_dict(module).items():
         key = prefix + name
         scale = state_dict.get(key + SCALE_SUFFIX)
         q = state_dict.get(key)
+        if (isinstance(local_of(p), ScaledFp8Tensor) and isinstance(q, torch.Tensor)
+                and not isinstance(local_of(q), ScaledFp8Tensor) and q.dtype.is_floating_point
+                and q.dtype not in FLOAT8_DTYPES):  # (high-precision values, quantized by copy_ or after assign)
+            check_finite_rows(local_of(q).detach(), f"fp8tensor load_state_dict ({key!r})")
         if not isinstance(q, torch.Tensor) or type(q) is ScaledFp8Tensor or q.dtype not in FLOAT8_DTYPES:
             continue
         local = local_of(p)

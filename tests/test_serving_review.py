@@ -5,6 +5,9 @@ module's weight, bias and outputs as they were; finite values written the same w
 the fp8 bound of a float64 reference."""
 from __future__ import annotations
 
+import contextlib
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -99,3 +102,86 @@ def test_finite_weights_written_are_seen_by_the_next_call(dtype, assign, mode):
     w4 = torch.randn(48, 64, dtype=dtype)
     model[0].weight.data = w4
     assert rel_err(_run(model, x, mode), x.double() @ w4.double().t() + b2.double()) < E4M3_GEMM_BOUND
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0.0, -1e-3])
+@pytest.mark.parametrize("assign", [False, True])
+@pytest.mark.parametrize("conversion", ["quantize_weights", "convert_to_fp8"])
+def test_plain_layout_scales_not_finite_and_positive_raise_and_change_nothing(bad, assign, conversion):
+    """A plain-layout checkpoint (``weight`` fp8 + ``weight_scale``) is checked as the public ``ScaledFp8Tensor``
+    constructor checks its parts: a NaN scale used to load as an all-NaN row, 0 as zeros, a negative one flipped it."""
+    src = _model()
+    with fp8tensor.config(state_dict_fp8="plain"):
+        state = src.state_dict()
+    state["0.weight_scale"] = state["0.weight_scale"].clone()
+    state["0.weight_scale"][11, 0] = bad
+    model = getattr(fp8tensor, conversion)(nn.Sequential(nn.Linear(64, 48).to(torch.bfloat16)))
+    lin = model[0]
+    w_type = type(lin.weight)
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        y0 = model(x)
+    with pytest.raises(ValueError, match=r"load_state_dict \('0\.weight' \+ '0\.weight_scale'\): scale must be finite "
+                                         r"and positive .* at index \(11, 0\) \(1 bad of 48\)"):
+        model.load_state_dict(state, assign=assign)
+    assert type(lin.weight) is w_type
+    after = model.state_dict()
+    for k, v in before.items():
+        if type(v) is ScaledFp8Tensor:
+            assert torch.equal(after[k].qdata.view(torch.uint8), v.qdata.view(torch.uint8))
+            assert torch.equal(after[k].scale, v.scale)
+        else:
+            assert torch.equal(after[k], v), k
+    with torch.no_grad():
+        assert same_bits(model(x), y0)
+
+
+@pytest.mark.parametrize("assign", [False, True])
+def test_plain_layout_round_trip_is_bit_exact_and_seen_by_the_next_call(assign):
+    src, model = _model(), _model()
+    x = torch.randn(1, 64, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        model(x)
+    with fp8tensor.config(state_dict_fp8="plain"):
+        state = src.state_dict()
+    model.load_state_dict(state, assign=assign)
+    with torch.no_grad():
+        assert same_bits(model(x), src(x))
+    w = src[0].weight
+    ref = x.double() @ (w.qdata.double() * w.scale.double()).t() + src[0].bias.double()
+    with torch.no_grad():
+        assert rel_err(model(x), ref) < E4M3_GEMM_BOUND
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_hugging_face_checkpoint_of_a_tied_model_loads_bit_for_bit(tmp_path, tie):
+    """``save_pretrained`` writes one name of tied parameters (``model.embed_tokens.weight``, not ``lm_head.weight``):
+    ``load_safetensors`` used to fail with ``Missing key(s) in state_dict: "lm_head.weight"`` for every tied model."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("safetensors")
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, use_cache=False,
+                                   tie_word_embeddings=tie)
+
+    def build(keep=None):
+        m = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+        if keep is not None:
+            keep.append(copy.deepcopy(m).double())  # the float64 reference: the high-precision weights
+        with pytest.warns(UserWarning, match="lm_head") if tie else contextlib.nullcontext():
+            return fp8tensor.quantize_weights(m)
+
+    hp = []
+    model = build(hp)
+    with fp8tensor.config(state_dict_fp8="plain"):
+        model.save_pretrained(tmp_path)
+    loaded = build()
+    assert not torch.equal(loaded.lm_head.weight, model.lm_head.weight)
+    fp8tensor.load_safetensors(loaded, tmp_path)
+    assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) == tie
+    ids = torch.randint(0, 128, (2, 9))
+    with torch.no_grad():
+        y = loaded(ids).logits
+        assert same_bits(y, model(ids).logits)
+    with torch.no_grad():  # five fp8 GEMMs in series (attention: v, o; MLP: up, down; head): errors in quadrature
+        assert rel_err(y, hp[0](ids).logits) < 5**0.5 * E4M3_GEMM_BOUND

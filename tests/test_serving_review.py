@@ -185,3 +185,33 @@ def test_hugging_face_checkpoint_of_a_tied_model_loads_bit_for_bit(tmp_path, tie
         assert same_bits(y, model(ids).logits)
     with torch.no_grad():  # five fp8 GEMMs in series (attention: v, o; MLP: up, down; head): errors in quadrature
         assert rel_err(y, hp[0](ids).logits) < 5**0.5 * E4M3_GEMM_BOUND
+
+
+def test_safetensors_save_model_of_linears_sharing_an_fp8_weight_loads(tmp_path):
+    """``safetensors.torch.save_model`` keeps one name of shared tensors (``a.weight`` + ``a.weight_scale``): the
+    Linear sharing it loads from that entry (it used to be a missing key)."""
+    st = pytest.importorskip("safetensors.torch")
+
+    class Shared(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(64, 64, bias=False), nn.Linear(64, 64, bias=False)
+            self.b.weight = self.a.weight
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x)))
+
+    model = fp8tensor.quantize_weights(Shared())
+    with fp8tensor.config(state_dict_fp8="plain"):
+        st.save_model(model, str(tmp_path / "m.safetensors"))
+    loaded = fp8tensor.quantize_weights(Shared())
+    fp8tensor.load_safetensors(loaded, tmp_path)
+    assert loaded.a.weight is loaded.b.weight
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        assert same_bits(loaded(x), model(x))
+    w = model.a.weight
+    wd = w.qdata.double() * w.scale.double()
+    ref = torch.relu(x.double() @ wd.t()) @ wd.t()
+    with torch.no_grad():
+        assert rel_err(loaded(x), ref) < 2**0.5 * E4M3_GEMM_BOUND  # (activations rounded at both GEMMs)

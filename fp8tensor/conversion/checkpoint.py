@@ -12,7 +12,8 @@ import torch
 from ..core import compat
 from ..numerics.quantize import FLOAT8_DTYPES
 from ..core.settings import get_config
-from ..subclass.tensor import ScaledFp8Tensor, _check_layout, _is_dtensor, local_of, make_scaled, rowwise_dims
+from ..subclass.tensor import (ScaledFp8Tensor, _is_dtensor, check_finite_rows, local_of, make_scaled, rowwise_dims,
+                               validate_parts)
 
 __all__ = ["SCALE_SUFFIX", "plain_state_dict", "load_safetensors", "state_dict_hook", "load_state_dict_pre_hook",
            "set_hf_quantization_config"]
@@ -66,7 +67,9 @@ def load_safetensors(module: torch.nn.Module, path, *, strict: bool = True):
     dtype than the model's.
 
     Args: ``module`` (e.g. a ``fp8tensor.quantize_weights`` model), ``path`` (a ``.safetensors`` file or a directory
-    holding them), ``strict`` (as in ``Module.load_state_dict``).
+    holding them), ``strict`` (as in ``Module.load_state_dict``). A parameter the model ties to another (an output
+    head sharing the embedding's weight) loads from the entry of whichever of its names the checkpoint holds
+    (``save_pretrained`` writes one).
 
     Raises ``ImportError`` (no safetensors), ``FileNotFoundError`` (no ``.safetensors`` file at ``path``), and what
     ``load_state_dict`` and the load hook raise (``RuntimeError`` / ``ValueError``: missing keys, shapes).
@@ -82,7 +85,19 @@ def load_safetensors(module: torch.nn.Module, path, *, strict: bool = True):
     state: dict = {}
     for f in files:
         state.update(load_file(str(f)))
-    own = module.state_dict()  # high-precision tensors of another dtype than the model's: load_state_dict casts them
+    own = module.state_dict(keep_vars=True)
+    # Tied parameters (an output head sharing the embedding's weight): Hugging Face's save_pretrained writes one name
+    # of each; the others load from it, as from_pretrained ties them.
+    names: dict = {}
+    for k, v in own.items():
+        names.setdefault(id(v), []).append(k)
+    for tied in (ks for ks in names.values() if len(ks) > 1):
+        saved = next((k for k in tied if k in state), None)
+        for k in tied if saved is not None else ():
+            state.setdefault(k, state[saved])
+            if saved + SCALE_SUFFIX in state:  # (a plain-layout fp8 entry)
+                state.setdefault(k + SCALE_SUFFIX, state[saved + SCALE_SUFFIX])
+    # high-precision tensors of another dtype than the model's: load_state_dict casts them
     diff = [(k, v.dtype, own[k].dtype) for k, v in state.items()
             if k in own and v.dtype.is_floating_point and v.dtype not in FLOAT8_DTYPES
             and own[k].dtype.is_floating_point and own[k].dtype not in FLOAT8_DTYPES and v.dtype != own[k].dtype]
@@ -115,13 +130,19 @@ def load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict,
     "_scale"`` float32 row scales) is merged before loading, into a ScaledFp8Tensor for an fp8 weight (bit for bit),
     into ``q * scale`` in the weight's dtype for a high-precision (master) weight.
 
-    Raises ``TypeError`` / ``ValueError`` (naming the key): the scale entry is not float32 or does not match the
-    data's shape, or a plain fp8 entry lacks its scale.
+    Raises ``TypeError`` / ``ValueError`` (naming the key): the scale entry is not float32, does not match the data's
+    shape or holds a value that is not finite and positive (as the ``ScaledFp8Tensor`` constructor), a plain fp8 entry
+    lacks its scale, or a high-precision entry for an fp8 weight holds an inf or NaN (quantized, its rows would be all
+    NaN). Raised before this module's tensors change, ``assign=True`` included.
     """
     for name, p in compat.parameters_dict(module).items():
         key = prefix + name
         scale = state_dict.get(key + SCALE_SUFFIX)
         q = state_dict.get(key)
+        if (isinstance(local_of(p), ScaledFp8Tensor) and isinstance(q, torch.Tensor)
+                and not isinstance(local_of(q), ScaledFp8Tensor) and q.dtype.is_floating_point
+                and q.dtype not in FLOAT8_DTYPES):  # (high-precision values, quantized by copy_ or after assign)
+            check_finite_rows(local_of(q).detach(), f"fp8tensor load_state_dict ({key!r})")
         if not isinstance(q, torch.Tensor) or type(q) is ScaledFp8Tensor or q.dtype not in FLOAT8_DTYPES:
             continue
         local = local_of(p)
@@ -134,8 +155,8 @@ def load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict,
             continue
         orig = local.orig_dtype if isinstance(local, ScaledFp8Tensor) else (
             p.dtype if p is not None and p.dtype not in FLOAT8_DTYPES else torch.float32)
-        dims = _check_layout(q, scale, orig, rowwise_dims(q.dim(), -1),
-                             f"fp8tensor load_state_dict ({key!r} + {key + SCALE_SUFFIX!r})")
+        dims = validate_parts(q, scale, orig, rowwise_dims(q.dim(), -1),  # (a scale that is not finite and > 0 too)
+                              f"fp8tensor load_state_dict ({key!r} + {key + SCALE_SUFFIX!r})")
         if isinstance(local, ScaledFp8Tensor):
             state_dict[key] = make_scaled(q, scale, orig, True, dims)
         else:  # a high-precision (master) weight: the dequantized values, q * scale, in its dtype

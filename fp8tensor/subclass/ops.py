@@ -8,7 +8,7 @@ import torch
 
 from ..core import compat
 from ..numerics.quantize import FLOAT8_DTYPES
-from .tensor import ScaledFp8Tensor, implements, make_scaled, quantize_like
+from .tensor import ScaledFp8Tensor, check_finite_rows, implements, make_scaled, quantize_like
 
 aten = torch.ops.aten
 
@@ -108,6 +108,8 @@ def _copy_into_data_and_scale(func, args, kwargs):
             f"rows, e.g. t.view(-1)[i] = v, data {tuple(dst.shape)}) is not supported: the tensor's own scales would "
             "not change. Write through a view that keeps the rows (t[r, c] = v, t[:, a:b] = ...), or into the "
             "high-precision tensor")
+    if not isinstance(src, ScaledFp8Tensor):  # (quantized below: an inf / NaN would make its whole row NaN)
+        check_finite_rows(src.detach(), "ScaledFp8Tensor copy_")
     if isinstance(src, ScaledFp8Tensor):
         if src.qdata.dtype == dst.qdata.dtype and _scale_fits(src.scale, dst.scale):
             q, s = src.qdata, src.scale.expand(dst.scale.shape)

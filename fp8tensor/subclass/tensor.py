@@ -353,7 +353,8 @@ class ScaledFp8Tensor(torch.Tensor):
     @data.setter
     def data(self, new: torch.Tensor) -> None:
         """``t.data = new``: ``t`` takes ``new``'s values and shape (a high-precision ``new`` quantized in ``t``'s
-        layout). Raises ``TypeError``: ``new`` is not a floating-point tensor, or is a plain fp8 tensor."""
+        layout). Raises ``TypeError``: ``new`` is not a floating-point tensor, or is a plain fp8 tensor;
+        ``ValueError``: a high-precision ``new`` holds an inf or NaN (naming the rows; ``t`` unchanged)."""
         if not isinstance(new, ScaledFp8Tensor):
             if not isinstance(new, torch.Tensor) or not new.dtype.is_floating_point or new.dtype in FLOAT8_DTYPES:
                 raise TypeError(
@@ -362,6 +363,7 @@ class ScaledFp8Tensor(torch.Tensor):
             if new.dim() != self.dim():
                 raise TypeError(f"ScaledFp8Tensor.data = ...: expected a tensor of {self.dim()} dims (this tensor's "
                                 f"scale layout), got shape {tuple(new.shape)}")
+            check_finite_rows(new.detach(), "ScaledFp8Tensor.data = ...")
             q, sc = quantize_like(new.detach().to(torch.float32), self.scaled_dims, self.qdata.dtype)
             new = make_scaled(q, sc, new.dtype, self.fast_accum, self.scaled_dims)
         compat.DATA_SETTER(self, new)

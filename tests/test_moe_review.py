@@ -6,7 +6,6 @@ as the eager one: only the float32 accumulation order differs (``EMULATION_BOUND
 """
 from __future__ import annotations
 
-import math
 import warnings
 
 import pytest
@@ -22,29 +21,7 @@ from fp8tensor.recipes import get_recipe
 
 from conftest import EMULATION_BOUND
 
-U = 2.0**-4 / math.sqrt(3)
-TWO = math.sqrt(2) * U
-
-E, K, N = 4, 32, 48
-
-
-def _offs(sizes):
-    return torch.cumsum(torch.tensor(sizes), 0).to(torch.int32)
-
-
-def _ref(x, w, offs):
-    """float64 reference: out[rows of e] = x[rows of e] @ w[e]^T (rows past the last end: zeros)."""
-    out = torch.zeros(x.shape[0], w.shape[1], dtype=torch.float64)
-    start = 0
-    for e, end in enumerate(offs.tolist()):
-        out[start:end] = x[start:end].double() @ w[e].double().t()
-        start = end
-    return out
-
-
-def _rel(a, b):
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm())
+from test_moe import E, K, N, TWO, _offs, _ref, _rel  # the shared bound and reference
 
 
 def _weight(kind, w, recipe):

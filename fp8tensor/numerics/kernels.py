@@ -22,7 +22,7 @@ __all__ = [
     "quantize_last_dim_group",
     "row_kernel_available",
     "eager_launch_ok", "transpose_available", "launch_transpose", "quantize_last_dim_group_into",
-    "group_col_kernel_available", "launch_group_cols_t",
+    "group_col_kernel_available", "group_col_layout_ok", "launch_group_cols_t",
     "w8_mm_available", "launch_w8_mm", "W8_MM_CONFIG",
 ]
 
@@ -702,17 +702,24 @@ def launch_transpose(src: torch.Tensor) -> torch.Tensor:
 GROUP_COL_CONFIG = _frozen(dict(block_m=128, block_c=32, warps=4))
 
 
-def group_col_kernel_available(x: torch.Tensor) -> bool:
-    """Whether :func:`launch_group_cols_t` takes ``x``: a 2-D fp32/bf16/fp16 CUDA tensor with unit column stride,
-    in eager mode (no tracing, no dispatch mode, a plain tensor), below 2^31 elements."""
+def group_col_layout_ok(x: torch.Tensor) -> bool:
+    """Whether the per-group column kernel can read ``x`` (traced or not): a 2-D fp32/bf16/fp16 CUDA tensor with unit
+    column stride, below 2^31 elements."""
     return (_HAS_TRITON and x.is_cuda and x.dim() == 2 and x.dtype in _KERNEL_DTYPES
-            and (x.stride(1) == 1 or x.shape[1] <= 1) and x.numel() < 2**31 and eager_launch_ok(x)
+            and (x.stride(1) == 1 or x.shape[1] <= 1) and x.numel() < 2**31)
+
+
+def group_col_kernel_available(x: torch.Tensor) -> bool:
+    """Whether :func:`launch_group_cols_t` takes ``x`` now, launched from Python: :func:`group_col_layout_ok`, in
+    eager mode (no tracing, no dispatch mode, a plain tensor)."""
+    return (group_col_layout_ok(x) and eager_launch_ok(x)
             and not (x.requires_grad and torch.is_grad_enabled()))
 
 
 def launch_group_cols_t(x: torch.Tensor, ends: torch.Tensor, dst: torch.Tensor, q: torch.Tensor,
                         scale: torch.Tensor, *, stride_qg: int, stride_qc: int, q_cols: int, align: int,
-                        float8_dtype: torch.dtype, scale_floor: float, min_pad: int = 0) -> None:
+                        float8_dtype: torch.dtype, scale_floor: float, min_pad: int = 0,
+                        traced: bool = False) -> None:
     """Per-group column quantization of ``x`` ``(M, C)`` written transposed into ``q`` (check
     :func:`group_col_kernel_available` first).
 
@@ -720,18 +727,20 @@ def launch_group_cols_t(x: torch.Tensor, ends: torch.Tensor, dst: torch.Tensor, 
     ``g == 0``). Its column scales ``max(amax / fmax, scale_floor)`` go to ``scale[g, c]`` (float32 ``(G, C)``,
     contiguous) and its ``r``-th row, quantized, to ``q.flat[g * stride_qg + c * stride_qc + dst[g] + r]`` for
     ``r < max(round_up(size, align), min_pad)`` (zeros past the group's rows) and ``dst[g] + r < q_cols``. One read
-    of ``x`` for the amax and one (mostly from L2) for the cast."""
+    of ``x`` for the amax and one (mostly from L2) for the cast. ``traced=True``: the body of a ``triton_op``
+    (``wrap_triton``; ``x`` realized once, :func:`fp8tensor.compat.one_buffer`)."""
+    if traced:
+        x = compat.one_buffer(x)
     M, C = x.shape
     G = ends.numel()
     if G == 0 or C == 0:
         return
     c = GROUP_COL_CONFIG
-    _launcher(_group_col_quant_t_kernel)(
-        (_cdiv(C, c["block_c"]), G),
-        (x, ends, dst, q, scale, M, C, x.stride(0), stride_qg, stride_qc, q_cols),
-        dict(FMAX=_fmax(float8_dtype), EPS=scale_floor, ALIGN=align, MIN_PAD=min_pad,
-             BLOCK_M=c["block_m"], BLOCK_C=c["block_c"]),
-        c["warps"], x.device)
+    _launch(_group_col_quant_t_kernel, (_cdiv(C, c["block_c"]), G),
+            (x, ends, dst, q, scale, M, C, x.stride(0), stride_qg, stride_qc, q_cols),
+            dict(FMAX=_fmax(float8_dtype), EPS=scale_floor, ALIGN=align, MIN_PAD=min_pad,
+                 BLOCK_M=c["block_m"], BLOCK_C=c["block_c"]),
+            c["warps"], x.device, traced=traced)
 
 
 # ------------------------------------------------------------------------------ small-M fp8-weight GEMM (decode)

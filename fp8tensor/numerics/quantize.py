@@ -441,21 +441,21 @@ def quantize_group_cols(x: torch.Tensor, offs: torch.Tensor, M_pad: int, pad_sta
 
     Returns:
         ``(q, scale)``: ``q`` ``(C, M_pad)`` row-major ``float8_dtype``, where group ``e``'s ``r``-th row is column
-        ``pad_starts[e] + r`` (zeros in each group's padding — ``align`` zero columns for an empty group — and in
-        the spare block at the end), and ``scale`` float32 ``(E, C)``:
+        ``pad_starts[e] + r`` (zeros in each group's padding — ``align`` zero columns for an empty group — and, in
+        eager mode, in the spare block at the end), and ``scale`` float32 ``(E, C)``:
         ``q[:, pad_starts[e] + r].float() * scale[e] ≈ x[offs[e-1] + r]``. A group of no rows gets the floor scale.
+
+    On CUDA the per-group column kernel: launched directly in eager mode, through the ``triton_op``
+    ``fp8tensor::quantize_group_cols_t`` when traced (compiled backwards) or under a mode; else the plain ops.
     """
     M, C = x.shape
     E = offs.numel()
-    if kernels.group_col_kernel_available(x):
-        q = torch.empty(C, M_pad, dtype=float8_dtype, device=x.device)
-        scale = torch.empty(E, C, dtype=torch.float32, device=x.device)
-        if M_pad:
-            q[:, M_pad - align:].view(torch.uint8).zero_()  # the spare block (read by nothing; kept defined)
-        kernels.launch_group_cols_t(x, offs, pad_starts, q, scale, stride_qg=0, stride_qc=M_pad, q_cols=M_pad,
-                                    align=align, float8_dtype=float8_dtype, scale_floor=SCALE_FLOOR, min_pad=align)
-        # the columns between the last group's padded end and the spare block are never read by the GEMM
-        return q, scale
+    if kernels.group_col_layout_ok(x) and offs.is_cuda and pad_starts.is_cuda:
+        if (kernels.group_col_kernel_available(x) and kernels.eager_launch_ok(offs)
+                and kernels.eager_launch_ok(pad_starts)):
+            return _group_cols_body(x, offs.contiguous(), pad_starts.contiguous(), M_pad, align, float8_dtype,
+                                    traced=False)
+        return torch.ops.fp8tensor.quantize_group_cols_t(x, offs, pad_starts, M_pad, align, float8_dtype)
     gid = group_ids(offs, M)  # E for rows outside every group
     xf = x.to(torch.float32)
     amax = xf.new_zeros(E + 1, C)
@@ -482,19 +482,71 @@ def quantize_expert_cols(w: torch.Tensor, float8_dtype: torch.dtype = E4M3):
     Returns:
         ``(q, scale)``: ``q`` ``(E, K, N)`` row-major ``float8_dtype`` (``q[e].t()`` quantizes ``w[e]``), ``scale``
         float32 ``(E, K)``: ``q[e].float() * scale[e][:, None] ≈ w[e].t()``.
+
+    On CUDA the per-group column kernel (traced: the ``triton_op`` ``fp8tensor::quantize_expert_cols_t``, as
+    :func:`quantize_group_cols` takes ``fp8tensor::quantize_group_cols_t``), else the plain ops.
     """
     E, N, K = w.shape
-    if N and K and kernels.group_col_kernel_available(w.reshape(E * N, K)) and w.is_contiguous():
-        x = w.reshape(E * N, K)
-        q = torch.empty(E, K, N, dtype=float8_dtype, device=w.device)
-        scale = torch.empty(E, K, dtype=torch.float32, device=w.device)
-        ends = torch.arange(1, E + 1, device=w.device, dtype=torch.int32) * N
-        dst = torch.zeros(E, device=w.device, dtype=torch.int32)
-        kernels.launch_group_cols_t(x, ends, dst, q, scale, stride_qg=K * N, stride_qc=N, q_cols=N, align=1,
-                                    float8_dtype=float8_dtype, scale_floor=SCALE_FLOOR)
-        return q, scale
+    if N and K and kernels.group_col_layout_ok(w.reshape(E * N, K)) and w.is_contiguous():
+        if kernels.group_col_kernel_available(w.reshape(E * N, K)):
+            return _expert_cols_body(w, float8_dtype, traced=False)
+        return torch.ops.fp8tensor.quantize_expert_cols_t(w, float8_dtype)
     q, s = quantize(w, -2, float8_dtype)  # (E, N, K), (E, 1, K)
     return q.transpose(-2, -1).contiguous(), s.reshape(E, K)
+
+
+def _group_cols_body(x, offs, pad_starts, M_pad, align, float8_dtype, traced=True):
+    """:func:`quantize_group_cols` by the per-group column kernel (``traced``: the body of its ``triton_op``)."""
+    C = x.shape[1]
+    q = torch.empty(C, M_pad, dtype=float8_dtype, device=x.device)
+    scale = torch.empty(offs.numel(), C, dtype=torch.float32, device=x.device)
+    if M_pad and not traced:  # the spare block, read by nothing: kept defined in eager mode (inductor cannot lower
+        q.view(torch.uint8)[:, M_pad - align:].zero_()  # a write through an fp8 tensor's uint8 view)
+    kernels.launch_group_cols_t(x, offs, pad_starts, q, scale, stride_qg=0, stride_qc=M_pad, q_cols=M_pad,
+                                align=align, float8_dtype=float8_dtype, scale_floor=SCALE_FLOOR, min_pad=align,
+                                traced=traced)
+    # the columns between the last group's padded end and the spare block are never read by the GEMM
+    return q, scale
+
+
+def _expert_cols_body(w, float8_dtype, traced=True):
+    """:func:`quantize_expert_cols` of a contiguous ``w`` by the per-group column kernel, one group per expert."""
+    E, N, K = w.shape
+    q = torch.empty(E, K, N, dtype=float8_dtype, device=w.device)
+    scale = torch.empty(E, K, dtype=torch.float32, device=w.device)
+    ends = torch.arange(1, E + 1, device=w.device, dtype=torch.int32) * N
+    dst = torch.zeros(E, device=w.device, dtype=torch.int32)
+    kernels.launch_group_cols_t(w.reshape(E * N, K), ends, dst, q, scale, stride_qg=K * N, stride_qc=N, q_cols=N,
+                                align=1, float8_dtype=float8_dtype, scale_floor=SCALE_FLOOR, traced=traced)
+    return q, scale
+
+
+# Compiled grouped-GEMM backwards launch the per-group column kernel through these ops (the plain ops' scatter-amax
+# and index copy, which inductor cannot fuse into one pass, measured 5-10x slower).
+@_register_op("fp8tensor::quantize_group_cols_t", mutates_args=())
+def _quantize_group_cols_t(x: torch.Tensor, offs: torch.Tensor, pad_starts: torch.Tensor, M_pad: int, align: int,
+                           float8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    # quantize_group_cols on CUDA, traced or under a mode
+    return _group_cols_body(x, offs.contiguous(), pad_starts.contiguous(), M_pad, align, float8_dtype)
+
+
+@_register_op("fp8tensor::quantize_expert_cols_t", mutates_args=())
+def _quantize_expert_cols_t(w: torch.Tensor, float8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    # quantize_expert_cols on CUDA, traced or under a mode
+    return _expert_cols_body(w.contiguous(), float8_dtype)
+
+
+if not kernels.HAS_TRITON:  # (the ops are only called on CUDA with Triton; a custom op needs a fake kernel)
+
+    @_quantize_group_cols_t.register_fake
+    def _(x, offs, pad_starts, M_pad, align, float8_dtype):
+        return (x.new_empty(x.shape[1], M_pad, dtype=float8_dtype),
+                x.new_empty(offs.numel(), x.shape[1], dtype=torch.float32))
+
+    @_quantize_expert_cols_t.register_fake
+    def _(w, float8_dtype):
+        E, N, K = w.shape
+        return w.new_empty(E, K, N, dtype=float8_dtype), w.new_empty(E, K, dtype=torch.float32)
 
 
 # ---------------------------------------------------------------------------------------------- FSDP2 payloads

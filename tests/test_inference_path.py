@@ -70,13 +70,14 @@ def test_decode_token_limit_has_tiles_and_matches_the_docs():
     from fp8tensor.numerics import kernels
 
     c = kernels.W8_MM_CONFIG
-    for m in range(1, c["max_m"] + 1):
+    for m in range(1, c["max_m_narrow"] + 1):
         assert max(16, 1 << (m - 1).bit_length()) in c["tiles"], m
+    assert (kernels.w8_max_m(c["narrow_n"] - 1), kernels.w8_max_m(c["narrow_n"])) == (c["max_m_narrow"], c["max_m"])
     root = Path(__file__).resolve().parents[1]
     for doc in ("README.md", "docs/serving.md", "docs/design.md"):
         text = (root / doc).read_text()
         assert f"up to {c['max_m']} tokens" in text, doc
-        assert "up to 64 tokens" not in text, doc
+        assert f"{c['max_m_narrow']} for weights of fewer than {c['narrow_n']} output features" in text, doc
 
 
 @pytest.mark.parametrize("bias", [True, False])

@@ -23,7 +23,7 @@ __all__ = [
     "row_kernel_available",
     "eager_launch_ok", "transpose_available", "launch_transpose", "quantize_last_dim_group_into",
     "group_col_kernel_available", "group_col_layout_ok", "launch_group_cols_t",
-    "w8_mm_available", "launch_w8_mm", "W8_MM_CONFIG",
+    "w8_mm_available", "w8_max_m", "launch_w8_mm", "W8_MM_CONFIG",
 ]
 
 try:  # Triton is only present with CUDA builds of torch.
@@ -807,33 +807,47 @@ if _HAS_TRITON:
 #: Tiles of the small-M fp8-weight GEMM, per row block (16, 32, 64 or 128 rows): weight tiles (``n_major``: loaded
 #: K-contiguous, transposed in registers); K is split until about ``programs_per_sm`` programs per SM stream the weight
 #: (slices of at least ``min_k_tiles`` tiles), partials summed in fixed order by a second launch (``reduce_block``
-#: elements per program). ``max_m``: the crossover, the most tokens for which the no-grad Linear takes this kernel
-#: instead of quantizing the activations for cuBLAS's fp8 x fp8 GEMM (at most the largest row block; measure with
-#: ``benchmarks/serve.py --crossover``). Tiles of 16 and 32 rows tuned on H200 over Llama3-8B shapes (sweep at commit
-#: b44f11a); 64 and 128 not tuned (the table is per row block, and at 64 rows the fastest tile measured differed from
-#: shape to shape; ``--crossover`` times candidates); from 33 rows on cuBLAS's fp8 x fp8 GEMM measured faster.
-W8_MM_CONFIG = _frozen(dict(max_m=32, reduce_block=1024, tiles={
+#: elements per program). The no-grad Linear takes this kernel instead of quantizing the activations for cuBLAS's
+#: fp8 x fp8 GEMM up to ``max_m`` tokens, and up to ``max_m_narrow`` tokens for weights of fewer than ``narrow_n``
+#: output features: cuBLAS's row-scaled fp8 GEMM has no K split and puts a 128-column tile on an SM, so a weight of
+#: fewer than about 96 columns per SM (132 SMs on H100 / H200) leaves SMs idle while this kernel splits K, and the
+#: weight-only kernel wins (``benchmarks/serve.py --crossover``; H100, at
+#: 40-64 tokens: wq/wo 15.0-15.8 µs against 18.6-19.1, wk/wv 8.4-8.5 against 18.1-18.3, w2 40.1-44.4 against
+#: 55.9-56.9; w1/w3, 14336 columns, 42.3-45.4 against 33.4-33.9). Tiles of 16 and 32 rows tuned on H200 over
+#: Llama3-8B shapes (sweep at commit b44f11a); 64 rows: the fastest of ``--crossover``'s candidates on H100 for wq/wo
+#: and w2 at 40-64 tokens and for wk/wv at 40; 128 not tuned.
+W8_MM_CONFIG = _frozen(dict(max_m=32, max_m_narrow=64, narrow_n=12288, reduce_block=1024, tiles={
     16: dict(block_n=32, block_k=128, warps=4, stages=3, programs_per_sm=4, min_k_tiles=4, n_major=False),
     32: dict(block_n=64, block_k=128, warps=4, stages=3, programs_per_sm=8, min_k_tiles=4, n_major=True),
-    64: dict(block_n=64, block_k=128, warps=4, stages=3, programs_per_sm=4, min_k_tiles=4, n_major=True),
+    64: dict(block_n=64, block_k=64, warps=4, stages=3, programs_per_sm=4, min_k_tiles=4, n_major=True),
     128: dict(block_n=64, block_k=64, warps=8, stages=3, programs_per_sm=2, min_k_tiles=8, n_major=True),
 }))
-assert W8_MM_CONFIG["max_m"] <= max(W8_MM_CONFIG["tiles"])
+assert W8_MM_CONFIG["max_m"] <= W8_MM_CONFIG["max_m_narrow"] <= max(W8_MM_CONFIG["tiles"])
 _SM_COUNT: dict = {}
 _W8_PLANS: dict = {}
 
 
+def w8_max_m(N: int) -> int:
+    """The most tokens for which the no-grad Linear takes the weight-only kernel for a weight of ``N`` output
+    features: ``W8_MM_CONFIG["max_m_narrow"]`` below ``narrow_n`` features, else ``max_m`` (see
+    :data:`W8_MM_CONFIG`)."""
+    c = W8_MM_CONFIG
+    return c["max_m_narrow"] if N < c["narrow_n"] else c["max_m"]
+
+
 def w8_mm_available(x: torch.Tensor, w8: torch.Tensor) -> bool:
     """Whether :func:`launch_w8_mm` takes ``x`` (bf16 / fp16; ``(M, K)`` with unit last stride, or ``(..., K)``
-    contiguous, ``1 <= M <= max_m`` rows in all) and the fp8 weight ``w8`` ``(N, K)`` (row-major) on one CUDA device,
-    with Triton; fake tensors (compile) included."""
+    contiguous, ``1 <= M <= w8_max_m(N)`` rows in all) and the fp8 weight ``w8`` ``(N, K)`` (row-major) on one CUDA
+    device, with Triton; fake tensors (compile) included."""
     nd = x.dim()
     if not (_HAS_TRITON and x.is_cuda and w8.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16)
             and w8.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and x.device == w8.device
             and (nd == 2 or (nd > 2 and x.is_contiguous()))):
         return False
     xs, ws = x.shape, w8.shape  # (the checks in their order; each read of .shape builds a torch.Size)
-    return (1 <= (xs[0] if nd == 2 else math.prod(xs[:-1])) <= W8_MM_CONFIG["max_m"]
+    M = xs[0] if nd == 2 else math.prod(xs[:-1])
+    return ((1 <= M <= W8_MM_CONFIG["max_m"] or (1 <= M <= W8_MM_CONFIG["max_m_narrow"]
+                                                 and ws[0] < W8_MM_CONFIG["narrow_n"]))
             and xs[-1] == ws[1] and ws[0] > 0
             and (x.stride(-1) == 1 or xs[-1] <= 1) and (w8.stride(1) == 1 or ws[1] <= 1)
             and x.numel() < 2**31 and w8.numel() < 2**31)
@@ -911,7 +925,7 @@ def launch_w8_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: O
 
     Args:
         x: ``(M, K)`` bf16 / fp16, unit last stride, ``0 <= M <=`` the largest row block of ``W8_MM_CONFIG["tiles"]``
-            (128); the no-grad Linear takes it up to ``W8_MM_CONFIG["max_m"]`` rows (check :func:`w8_mm_available`).
+            (128); the no-grad Linear takes it up to :func:`w8_max_m` rows (check :func:`w8_mm_available`).
             A contiguous ``(..., K)`` is taken as its ``M`` rows and gives ``(..., N)``.
             Or fp8 of ``w8``'s dtype with ``x_scale``: see below.
         w8: ``(N, K)`` fp8 (e4m3 / e5m2), unit last stride, on ``x``'s device.

@@ -393,12 +393,12 @@ if not kernels.HAS_TRITON:  # a triton_op is its own fake kernel; the plain cust
 # ---------------------------------------------------------------------------------------------- small-M GEMM
 def weight_only_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
                    bias: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-    """``x @ (w8 * scale).T + bias`` ``(..., N)`` in ``x``'s dtype for a decode-sized ``x`` ``(..., K)`` (``M <= 32`` rows,
+    """``x @ (w8 * scale).T + bias`` ``(..., N)`` in ``x``'s dtype for a decode-sized ``x`` ``(..., K)`` (``M <= kernels.w8_max_m(N)`` rows,
     bf16 / fp16, CUDA with Triton), reading the fp8 weight once and ``x`` unquantized (weight-bound: an fp8 x fp8
     GEMM saves nothing, and cuBLAS has no small-M row-scaled kernel); None where it does not run. ``w8`` ``(N, K)``
     fp8, ``scale`` ``(N, 1)`` float32, ``bias`` ``(N,)`` of ``x``'s dtype (a bias of another dtype promotes the
-    output, as the other routes' ``out + bias`` does: None here). The row limit is ``kernels.W8_MM_CONFIG["max_m"]``
-    (the crossover with the fp8 x fp8 GEMM). Eager: direct launches; traced: the ``triton_op`` ``fp8tensor::w8_mm``."""
+    output, as the other routes' ``out + bias`` does: None here). The row limit, 32 tokens or 64 for ``N`` below 12288
+    (``kernels.w8_max_m``), is the measured crossover with the fp8 x fp8 GEMM. Eager: direct launches; traced: the ``triton_op`` ``fp8tensor::w8_mm``."""
     if not (kernels.w8_mm_available(x, w8) and scale.dtype == torch.float32 and scale.shape == (w8.shape[0], 1)
             and scale.device == x.device
             and (bias is None or (bias.dim() == 1 and bias.shape[0] == w8.shape[0] and bias.dtype == x.dtype

@@ -410,7 +410,8 @@ def _inference_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
     """The fp8 Linear with autograd off: :func:`_forward` and the bias, without the ``autograd.Function`` (no context,
     nothing saved). Same ops and bits as :class:`_Fp8Linear`'s forward.
 
-    Decode-sized inputs (up to 32 tokens, bf16 / fp16, CUDA) with a row-scaled fp8 weight of their dtype take
+    Decode-sized inputs (up to 32 tokens, 64 for weights of fewer than 12288 output features: ``kernels.w8_max_m``;
+    bf16 / fp16, CUDA) with a row-scaled fp8 weight of their dtype take
     :func:`fp8tensor.quantize.weight_only_mm` instead, eager and compiled (``fp8tensor.config(weight_only_decode=...)``):
     ``x`` stays in its precision and the fp8 weight is read once (the step is bound by the weight's bytes)."""
     if (type(weight) is ScaledFp8Tensor and type(x) is torch.Tensor and weight.orig_dtype == x.dtype  # (its dtype)

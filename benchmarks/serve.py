@@ -307,7 +307,8 @@ def _f8f8_call(x, w):
 
 def crossover(a) -> None:
     """Where the decode GEMM should hand over to the fp8 x fp8 GEMM (``--crossover``; sets
-    ``W8_MM_CONFIG["max_m"]``), and which tiles its 64- and 128-row blocks should have.
+    ``W8_MM_CONFIG["max_m"]``, and per weight width ``max_m_narrow`` / ``narrow_n``), and which tiles its 64- and
+    128-row blocks should have.
 
     Per Llama3-8B Linear shape and token count M (``--ms``): GPU µs per GEMM of the weight-only kernel (the table's
     tiles; for M above 32 also the best of :data:`TILE_CANDIDATES`, named), of the dual-fp8 path (the
@@ -324,7 +325,8 @@ def crossover(a) -> None:
 
     ms = [int(m) for m in a.ms.split(",")]
     print(f"# decode GEMM crossover · {env_line()} · GPU µs per GEMM (CUDA graph over weight copies, median of 20); "
-          f"W8_MM_CONFIG max_m={kernels.W8_MM_CONFIG['max_m']}")
+          f"W8_MM_CONFIG max_m={kernels.W8_MM_CONFIG['max_m']}, max_m_narrow={kernels.W8_MM_CONFIG['max_m_narrow']} "
+          f"below narrow_n={kernels.W8_MM_CONFIG['narrow_n']} output features")
     print()
     print("| GEMM (N x K) | M | w8 | w8 best tile (block_n, block_k, warps, programs_per_sm, stages, min_k_tiles) "
           "| dual fp8 | fp8 x fp8, K split | bf16 | fastest |")
@@ -402,7 +404,7 @@ def crossover(a) -> None:
     upto = [m for m, ok in zip(ms, [all(wins[:i + 1]) for i in range(len(wins))]) if ok]
     print()
     print(f"weight-only fastest for a whole layer at every M up to: {upto[-1] if upto else 'none'} "
-          "(W8_MM_CONFIG max_m; M above 32 needs the winning tiles entered in W8_MM_CONFIG['tiles'])")
+          "(W8_MM_CONFIG max_m; per shape, the fastest column above gives the route: max_m_narrow / narrow_n)")
 
 
 def main():

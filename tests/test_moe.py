@@ -609,3 +609,26 @@ def test_autocast_leaves_the_fp8_grouped_gemms_alone(backward_inside):
         assert a.dtype == p.dtype and torch.equal(a, p), f"{name}: {_rel(a, p):.3g} off the same call outside autocast"
     ref = _ref(x, w, offs)
     assert _rel(auto[0][:45], ref) < E4M3_GEMM_BOUND
+
+
+def test_masked_grad_weight_gemm_ignores_unspecified_columns(monkeypatch):
+    # On CUDA the per-group column kernel leaves the columns past the last group's padding unspecified (its traced op
+    # allocates them with torch.empty): the traced (masked) 2-D x 2-D GEMM must not read them into the result, NaN
+    # bytes included (NaN * 0 is NaN). Same values as the per-group GEMMs on clean operands.
+    from fp8tensor.training import grouped as Gm
+
+    offs = _offs([5, 0, 15])
+    M = 23  # rows past the last group too
+    gy, x = torch.randn(M, 32), torch.randn(M, 48)
+    M_pad, pad_ends, pad_starts = padded_offsets(offs, M)
+    gq, gs = quantize_group_cols(gy, offs, M_pad, pad_starts)
+    xq, xs = quantize_group_cols(x, offs, M_pad, pad_starts)
+    ref = Gm.grouped_2d2d(gq, gs, xq, xs, pad_ends, torch.float32, fast_accum=False)
+    end = int(pad_ends[-1])
+    assert end < M_pad
+    for t in (gq, xq):
+        t.view(torch.uint8)[:, end:] = 0x7F  # e4m3 NaN
+    monkeypatch.setattr(Gm, "_traced", lambda o: True)
+    out = Gm.grouped_2d2d(gq, gs, xq, xs, pad_ends, torch.float32, fast_accum=False)
+    assert out.isfinite().all()
+    assert _rel(out, ref) <= 1e-6

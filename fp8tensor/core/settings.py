@@ -41,7 +41,8 @@ class Config:
             rounding). False: the same GEMM as training and ``torch.export``.
         compiled_quantization: one of :data:`COMPILED_QUANTIZATION` (default ``"kernels"``): how a compiled graph
             quantizes the token-dim operands of the grad_weight GEMMs: fp8tensor's Triton kernels, or torch ops that
-            inductor may fuse into their producers.
+            inductor may fuse into their producers. (The Linear's; the MoE grouped GEMMs' per-group column operands
+            always take fp8tensor's kernel on CUDA: their plain ops measured several times slower.)
         grouped_gemm_kernel: (default True) fp8 grouped GEMMs (MoE) run ``torch._scaled_grouped_mm`` where it exists
             (CUDA, e4m3, dims multiples of 16); False: the per-group ``torch._scaled_mm`` loop (the CPU path).
         size_rule: (default False) whether :func:`fp8tensor.convert_to_fp8` applies the size-aware choice

@@ -846,9 +846,7 @@ def w8_mm_available(x: torch.Tensor, w8: torch.Tensor) -> bool:
         return False
     xs, ws = x.shape, w8.shape  # (the checks in their order; each read of .shape builds a torch.Size)
     M = xs[0] if nd == 2 else math.prod(xs[:-1])
-    return ((1 <= M <= W8_MM_CONFIG["max_m"] or (1 <= M <= W8_MM_CONFIG["max_m_narrow"]
-                                                 and ws[0] < W8_MM_CONFIG["narrow_n"]))
-            and xs[-1] == ws[1] and ws[0] > 0
+    return (1 <= M <= W8_MM_CONFIG["max_m"] or 1 <= M <= w8_max_m(ws[0])) and (xs[-1] == ws[1] and ws[0] > 0
             and (x.stride(-1) == 1 or xs[-1] <= 1) and (w8.stride(1) == 1 or ws[1] <= 1)
             and x.numel() < 2**31 and w8.numel() < 2**31)
 

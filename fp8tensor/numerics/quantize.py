@@ -441,12 +441,14 @@ def quantize_group_cols(x: torch.Tensor, offs: torch.Tensor, M_pad: int, pad_sta
 
     Returns:
         ``(q, scale)``: ``q`` ``(C, M_pad)`` row-major ``float8_dtype``, where group ``e``'s ``r``-th row is column
-        ``pad_starts[e] + r`` (zeros in each group's padding — ``align`` zero columns for an empty group — and, in
-        eager mode, in the spare block at the end), and ``scale`` float32 ``(E, C)``:
+        ``pad_starts[e] + r`` (zeros in each group's padding — ``align`` zero columns for an empty group; on CUDA the
+        columns past the last group's padding are unspecified, except for zeros in the spare block at the end in
+        eager mode), and ``scale`` float32 ``(E, C)``:
         ``q[:, pad_starts[e] + r].float() * scale[e] ≈ x[offs[e-1] + r]``. A group of no rows gets the floor scale.
 
     On CUDA the per-group column kernel: launched directly in eager mode, through the ``triton_op``
-    ``fp8tensor::quantize_group_cols_t`` when traced (compiled backwards) or under a mode; else the plain ops.
+    ``fp8tensor::quantize_group_cols_t`` when traced (compiled backwards, whatever ``compiled_quantization`` says);
+    else (CPU, a dispatch mode, vmap, a tensor subclass, autograd recording) the plain ops.
     """
     M, C = x.shape
     E = offs.numel()
@@ -455,7 +457,8 @@ def quantize_group_cols(x: torch.Tensor, offs: torch.Tensor, M_pad: int, pad_sta
                 and kernels.eager_launch_ok(pad_starts)):
             return _group_cols_body(x, offs.contiguous(), pad_starts.contiguous(), M_pad, align, float8_dtype,
                                     traced=False)
-        return torch.ops.fp8tensor.quantize_group_cols_t(x, offs, pad_starts, M_pad, align, float8_dtype)
+        if compat.is_traced(x):  # (under a mode, vmap, a subclass or with autograd on: the plain ops below)
+            return torch.ops.fp8tensor.quantize_group_cols_t(x, offs, pad_starts, M_pad, align, float8_dtype)
     gid = group_ids(offs, M)  # E for rows outside every group
     xf = x.to(torch.float32)
     amax = xf.new_zeros(E + 1, C)
@@ -490,7 +493,8 @@ def quantize_expert_cols(w: torch.Tensor, float8_dtype: torch.dtype = E4M3):
     if N and K and kernels.group_col_layout_ok(w.reshape(E * N, K)) and w.is_contiguous():
         if kernels.group_col_kernel_available(w.reshape(E * N, K)):
             return _expert_cols_body(w, float8_dtype, traced=False)
-        return torch.ops.fp8tensor.quantize_expert_cols_t(w, float8_dtype)
+        if compat.is_traced(w):
+            return torch.ops.fp8tensor.quantize_expert_cols_t(w, float8_dtype)
     q, s = quantize(w, -2, float8_dtype)  # (E, N, K), (E, 1, K)
     return q.transpose(-2, -1).contiguous(), s.reshape(E, K)
 

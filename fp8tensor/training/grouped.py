@@ -151,8 +151,11 @@ def grouped_2d2d(aq_t, a_scale, bq_t, b_scale, pad_ends, out_dtype, *, fast_accu
                                             offs=pad_ends, out_dtype=torch.bfloat16, use_fast_accum=fast_accum),
                    out_dtype)
     if _traced(pad_ends):  # each expert's GEMM over all (padded) tokens, the others masked out
-        a = aq_t.float() * _group_masks(pad_ends, M_pad)[:, None, :]
-        return _as(torch.matmul(a, bq_t.float().t()) * a_scale[:, :, None] * b_scale[:, None, :], out_dtype)
+        # (by where, not a product: columns past the last group's padding are unspecified bytes, NaN included)
+        masks = _group_masks(pad_ends, M_pad, torch.bool)
+        a = torch.where(masks[:, None, :], aq_t.float(), 0.0)
+        b = torch.where(masks.any(0)[None, :], bq_t.float(), 0.0)
+        return _as(torch.matmul(a, b.t()) * a_scale[:, :, None] * b_scale[:, None, :], out_dtype)
     out = torch.zeros(E, N, K, dtype=out_dtype, device=aq_t.device)
     for e, start, end in _groups(pad_ends, M_pad):
         a = aq_t[:, start:end].contiguous()

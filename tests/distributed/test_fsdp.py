@@ -47,6 +47,11 @@ BLOCK_GRAD_BOUND = 4 * FP8_BOUND
 # the first GEMMs (wq / wk / wv) collect the most flips: up to 1.8% relative after two steps (seed 57576644).
 TIGHT = 1e-5
 TIGHT_AFTER_STEP = 2.5e-2
+# dp x tp at step 0: the tp ranks' partial sums of grad_input (an all-reduce) may differ from the fold reference's in
+# the last bit already, and a last-bit difference can flip single fp8 roundings of the next GEMM's grad_out (each
+# ~1e-3 of a gradient's norm here; FP8TENSOR_TEST_SEED=779802018 (spawned workers): 5.8e-4 on one weight gradient),
+# still far below an fp8-level discrepancy (> 3e-2).
+TIGHT_2D_GRAD = 3e-3
 LR, STEPS = 1e-2, 3
 
 
@@ -795,7 +800,7 @@ def test_2d_fsdp_tp(run4, order):
         assert o["reduce_ops"] == r["hp_reduce_ops"], (o["reduce_ops"], r["hp_reduce_ops"])
         c = o["fold"]
         assert c["out_equal0"], (rank, order, c["out"], _ctx(r))
-        assert max(c["grad"][0].values()) < TIGHT, (rank, order, c["grad"][0], _ctx(r))
+        assert max(c["grad"][0].values()) < TIGHT_2D_GRAD, (rank, order, c["grad"][0], _ctx(r))
         for t in range(1, len(c["out"])):
             assert c["out"][t] < TIGHT_AFTER_STEP and max(c["grad"][t].values()) < TIGHT_AFTER_STEP, (rank, t, c)
         assert not c["param"] or max(c["param"].values()) < TIGHT_AFTER_STEP, c["param"]

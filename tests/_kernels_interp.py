@@ -70,14 +70,31 @@ def main():
     x[4] = 0.0
     c = torch.rand(K) * 3
     c[10] = 0.0
-    q = torch.empty(M, K, dtype=torch.float8_e4m3fn)
-    s = torch.empty(M, 1)
-    kernels._row_quant_kernel[(triton.cdiv(M, 4),)](x, c, q, s, M, K, FMAX=448.0, EPS=SCALE_FLOOR, BLOCK_M=4,
-                                                    BLOCK_K=128, HAS_C=True, ends_ptr=x, G=0, G_BLOCK=0)
-    xf = x * c
-    rs = rowwise_scale(xf, -1, torch.float8_e4m3fn)
-    assert torch.equal(s, rs), (s - rs).abs().max()
-    _same_fp8(q, cast_to_fp8(xf, rs, torch.float8_e4m3fn))
+    for bm, bk, one_tile in ((4, 128, False), (2, 512, True)):  # two reads of 128-column tiles; whole rows once
+        q = torch.empty(M, K, dtype=torch.float8_e4m3fn)
+        s = torch.empty(M, 1)
+        kernels._row_quant_kernel[(triton.cdiv(M, bm),)](x, c, q, s, M, K, FMAX=448.0, EPS=SCALE_FLOOR, BLOCK_M=bm,
+                                                         BLOCK_K=bk, HAS_C=True, ends_ptr=x, G=0, G_BLOCK=0,
+                                                         ONE_TILE=one_tile)
+        xf = x * c
+        rs = rowwise_scale(xf, -1, torch.float8_e4m3fn)
+        assert torch.equal(s, rs), (one_tile, (s - rs).abs().max())
+        _same_fp8(q, cast_to_fp8(xf, rs, torch.float8_e4m3fn))
+    # whole rows read once without multipliers: an odd row count and width, a zero row (the floor scale), a NaN
+    # and an inf (their rows' scales non-finite, the other rows as the ops)
+    xr = x.clone()
+    xr[7, 3], xr[9, 0] = float("nan"), float("inf")
+    for bm, bk in ((1, 512), (8, 512)):
+        q = torch.empty(M, K, dtype=torch.float8_e4m3fn)
+        s = torch.empty(M, 1)
+        kernels._row_quant_kernel[(triton.cdiv(M, bm),)](xr, xr, q, s, M, K, FMAX=448.0, EPS=SCALE_FLOOR, BLOCK_M=bm,
+                                                         BLOCK_K=bk, HAS_C=False, ends_ptr=xr, G=0, G_BLOCK=0,
+                                                         ONE_TILE=True)
+        rs = rowwise_scale(xr, -1, torch.float8_e4m3fn)
+        ok = torch.isfinite(rs).reshape(-1)
+        assert int((~ok).sum()) == 2 and not torch.isfinite(s[~ok]).any(), bm
+        assert torch.equal(s[ok], rs[ok]), (bm, (s[ok] - rs[ok]).abs().max())
+        _same_fp8(q[ok], cast_to_fp8(xr[ok], rs[ok], torch.float8_e4m3fn))
     # rows times their token group's column multipliers (grad_input of fp8 expert weights): uneven groups, an empty
     # one, a group end inside a block of rows, rows past the last end (the last group's multipliers), one group
     for ends in ([3, 3, 20, 30], [37], [0, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]):
@@ -85,16 +102,17 @@ def main():
         G = len(ends)
         cg = torch.rand(G, K) * 3
         cg[0, 7] = 0.0
-        q = torch.empty(M, K, dtype=torch.float8_e4m3fn)
-        s = torch.empty(M, 1)
-        kernels._row_quant_kernel[(triton.cdiv(M, 4),)](x, cg, q, s, M, K, FMAX=448.0, EPS=SCALE_FLOOR, BLOCK_M=4,
-                                                        BLOCK_K=128, HAS_C=True, ends_ptr=ends_t, G=G,
-                                                        G_BLOCK=triton.next_power_of_2(G))
-        gid = torch.searchsorted(ends_t, torch.arange(M, dtype=torch.int32), right=True).clamp(max=G - 1)
-        xf = x * cg[gid]
-        rs = rowwise_scale(xf, -1, torch.float8_e4m3fn)
-        assert torch.equal(s, rs), (ends, (s - rs).abs().max())
-        _same_fp8(q, cast_to_fp8(xf, rs, torch.float8_e4m3fn))
+        for bm, bk, one_tile in ((4, 128, False), (4, 512, True)):
+            q = torch.empty(M, K, dtype=torch.float8_e4m3fn)
+            s = torch.empty(M, 1)
+            kernels._row_quant_kernel[(triton.cdiv(M, bm),)](x, cg, q, s, M, K, FMAX=448.0, EPS=SCALE_FLOOR,
+                                                             BLOCK_M=bm, BLOCK_K=bk, HAS_C=True, ends_ptr=ends_t, G=G,
+                                                             G_BLOCK=triton.next_power_of_2(G), ONE_TILE=one_tile)
+            gid = torch.searchsorted(ends_t, torch.arange(M, dtype=torch.int32), right=True).clamp(max=G - 1)
+            xf = x * cg[gid]
+            rs = rowwise_scale(xf, -1, torch.float8_e4m3fn)
+            assert torch.equal(s, rs), (ends, one_tile, (s - rs).abs().max())
+            _same_fp8(q, cast_to_fp8(xf, rs, torch.float8_e4m3fn))
     # the fp8 transpose, one matrix and a batch of them (expert weights): sizes off the tiles, a batch stride wider
     # than a matrix (a slice of a larger buffer), bytes moved exactly
     wide = (torch.randn(3, 70, 45) * 40).to(torch.float8_e4m3fn)

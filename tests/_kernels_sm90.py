@@ -100,6 +100,8 @@ def _record_package_tiles(seen: set, launches: list) -> None:
             for G in (1, 8, 128):  # grouped multipliers (fp8 expert weights' row scales folded into grad_out)
                 K.quantize_last_dim(x, e4m3, 1e-12, checked=True, col_scale=torch.empty(G, Kd, device=meta),
                                     col_scale_ends=torch.empty(G, dtype=torch.int32, device=meta))
+        for Kd in (1024, 28672, 40000):  # the row-wise kernel's plans: whole rows (up to 32768), two reads past
+            K.quantize_last_dim(torch.empty(4096, Kd, dtype=dtype, device=meta), e4m3, 1e-12, checked=True)
     K._device_table = lambda values, device: torch.empty(len(values), dtype=torch.int64, device=meta)
     K._launch_group([torch.empty(64, 64, dtype=torch.bfloat16, device=meta)], [0], [0], e4m3, 1e-12)
     K.launch_transpose(torch.empty(4096, 1024, dtype=e4m3, device=meta))
@@ -122,6 +124,9 @@ def _record_package_tiles(seen: set, launches: list) -> None:
                 for bias in (None, torch.empty(N, dtype=dtype, device=meta)):
                     K.launch_w8_mm(torch.empty(M, Kd, dtype=dtype, device=meta),
                                    torch.empty(N, Kd, dtype=e4m3, device=meta), torch.empty(N, 1, device=meta), bias)
+                    if bias is None and K.w8_mm_split(M, N, Kd, meta) > 1:  # the traced K split's partial sums
+                        K.launch_w8_mm_partials(torch.empty(M, Kd, dtype=dtype, device=meta),
+                                                torch.empty(N, Kd, dtype=e4m3, device=meta))
                     if "x_scale" in K.launch_w8_mm.__kwdefaults__:  # an fp8 x: the dot fp8 x fp8
                         K.launch_w8_mm(torch.empty(M, Kd, dtype=e4m3, device=meta),
                                        torch.empty(N, Kd, dtype=e4m3, device=meta), torch.empty(N, 1, device=meta),

@@ -169,7 +169,49 @@ def main():
     wide = torch.randn(2, 512, dtype=torch.bfloat16)
     dense = kernels.launch_w8_mm(wide[:, :256].contiguous(), q, s, bb)
     assert torch.equal(kernels.launch_w8_mm(wide[:, :256], q, s, bb), dense)
+    _check_partials(seed)
     print("ok")
+
+
+def _check_partials(seed):
+    """The K split's float32 partial sums (``launch_w8_mm_partials``; the traced decode GEMM sums them in the graph):
+    one slice per K slice of the plan, each the product over its slice (exact products, float32 sums: within
+    ``gamma`` of float64), and their epilogue (``_w8_mm_epilogue``) within the bound of :func:`_bound`; an unsplit
+    product and a 3-D ``x`` refused."""
+    from fp8tensor.numerics.quantize import _w8_mm_epilogue
+
+    cpu = torch.device("cpu")
+    for M, N, K, dtype, bias in [(1, 5, 1000, torch.bfloat16, True), (3, 33, 4096, torch.float16, False),
+                                 (2, 40, 1100, torch.bfloat16, False)]:
+        x = torch.randn(M, K).to(dtype)
+        q, s = quantize(torch.randn(N, K) * torch.logspace(-2, 1, N)[:, None], -1)
+        b = (torch.randn(N) * 4).to(dtype) if bias else None
+        split = kernels.w8_mm_split(M, N, K, cpu)
+        k_per = kernels._w8_mm_plan(M, N, K, cpu)[4]
+        case = (seed, M, N, K, dtype, bias, "split", split)
+        assert split > 1, case
+        p = kernels.launch_w8_mm_partials(x, q)
+        assert p.shape == (split, M, N) and p.dtype == torch.float32, (case, p.shape)
+        n_eps = k_per * 2.0**-24
+        for i in range(split):
+            ks = slice(i * k_per, min(K, (i + 1) * k_per))
+            ref = x[:, ks].double() @ q[:, ks].double().t()
+            mag = x[:, ks].double().abs() @ q[:, ks].double().abs().t()
+            assert ((p[i].double() - ref).abs() <= n_eps / (1 - n_eps) * mag + 1e-300).all(), (case, i)
+        out = _w8_mm_epilogue(p, s, b, dtype)
+        assert out.shape == (M, N) and out.dtype == dtype, case
+        ref, bound, u = _bound(x, q.double() * s.double(), b, dtype)
+        err = ((out.double() - ref).norm() / ref.norm()).item()
+        assert err <= bound and err <= 1.05 * u, (case, err, bound, u)
+    for bad, match in ((torch.randn(2, 16, dtype=torch.bfloat16), "not split over K"),
+                       (torch.randn(1, 2, 1000, dtype=torch.bfloat16), "must be \\(M, K\\)")):
+        q, s = quantize(torch.randn(5, bad.shape[-1]), -1)
+        try:
+            kernels.launch_w8_mm_partials(bad, q)
+        except ValueError as e:
+            assert __import__("re").search(match, str(e)), e
+        else:
+            raise AssertionError(f"launch_w8_mm_partials took x of shape {tuple(bad.shape)}")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ __all__ = [
     "row_kernel_available",
     "eager_launch_ok", "transpose_available", "launch_transpose", "quantize_last_dim_group_into",
     "group_col_kernel_available", "group_col_layout_ok", "launch_group_cols_t",
-    "w8_mm_available", "w8_max_m", "launch_w8_mm", "W8_MM_CONFIG",
+    "w8_mm_available", "w8_max_m", "launch_w8_mm", "w8_mm_split", "launch_w8_mm_partials", "W8_MM_CONFIG",
 ]
 
 try:  # Triton is only present with CUDA builds of torch.
@@ -125,11 +125,12 @@ if _HAS_TRITON:
     @triton.jit
     def _quantize_rows(x_ptr, q_ptr, scale_ptr, offs_m, M, K, FMAX: tl.constexpr, EPS: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, c_ptr, HAS_C: tl.constexpr, ends_ptr, G,
-                       G_BLOCK: tl.constexpr):
+                       G_BLOCK: tl.constexpr, ONE_TILE: tl.constexpr = False):
         # Rows offs_m of a row-major (M, K) tensor (HAS_C: times the float32 column multipliers c, in float32):
-        # one pass for the row amax, one (mostly from L2) to divide, saturate, cast and store. G_BLOCK > 0: c is
-        # (G, K), one row of multipliers per token group, and row m takes c's row of its group (the number of
-        # cumulative group ends ends[:G] <= m, at most G - 1: rows past the last end take the last group's).
+        # one pass for the row amax, one (mostly from L2) to divide, saturate, cast and store; ONE_TILE (K <=
+        # BLOCK_K): the rows read once, held in registers for the cast. G_BLOCK > 0: c is (G, K), one row of
+        # multipliers per token group, and row m takes c's row of its group (the number of cumulative group ends
+        # ends[:G] <= m, at most G - 1: rows past the last end take the last group's).
         mmask = offs_m < M
         rows = offs_m.to(tl.int64)[:, None] * K
         if G_BLOCK > 0:
@@ -137,9 +138,8 @@ if _HAS_TRITON:
             ends = tl.load(ends_ptr + offs_g, mask=offs_g < G, other=2**31 - 1)
             gid = tl.sum((ends[None, :] <= offs_m[:, None]).to(tl.int32), axis=1)
             c_rows = tl.minimum(gid, G - 1).to(tl.int64)[:, None] * K
-        acc = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
+        if ONE_TILE:
+            offs_k = tl.arange(0, BLOCK_K)
             mask = mmask[:, None] & (offs_k[None, :] < K)
             x = tl.load(x_ptr + rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
             if HAS_C:
@@ -148,32 +148,50 @@ if _HAS_TRITON:
                 else:
                     x = x * tl.load(c_ptr + offs_k, mask=offs_k < K, other=0.0)[None, :]
             a = tl.abs(x)
-            a = tl.where(a != a, float("inf"), a)  # NaN -> inf: the row's scale becomes inf, output non-finite
-            acc = tl.maximum(acc, tl.max(a, axis=1))
-        scale = tl.maximum(acc / FMAX, EPS)  # the dim-0 kernel's expression: equal to the eager CUDA scale
-        tl.store(scale_ptr + offs_m, scale, mask=mmask)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask = mmask[:, None] & (offs_k[None, :] < K)
-            x = tl.load(x_ptr + rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
-            if HAS_C:
-                if G_BLOCK > 0:
-                    x = x * tl.load(c_ptr + c_rows + offs_k[None, :], mask=mask, other=0.0)
-                else:
-                    x = x * tl.load(c_ptr + offs_k, mask=offs_k < K, other=0.0)[None, :]
+            a = tl.where(a != a, float("inf"), a)
+            scale = tl.maximum(tl.max(a, axis=1) / FMAX, EPS)
+            tl.store(scale_ptr + offs_m, scale, mask=mmask)
             y = tl.div_rn(x, scale[:, None])
             y = tl.clamp(y, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
             tl.store(q_ptr + rows + offs_k[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
+        else:
+            acc = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                mask = mmask[:, None] & (offs_k[None, :] < K)
+                x = tl.load(x_ptr + rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+                if HAS_C:
+                    if G_BLOCK > 0:
+                        x = x * tl.load(c_ptr + c_rows + offs_k[None, :], mask=mask, other=0.0)
+                    else:
+                        x = x * tl.load(c_ptr + offs_k, mask=offs_k < K, other=0.0)[None, :]
+                a = tl.abs(x)
+                a = tl.where(a != a, float("inf"), a)  # NaN -> inf: the row's scale becomes inf, output non-finite
+                acc = tl.maximum(acc, tl.max(a, axis=1))
+            scale = tl.maximum(acc / FMAX, EPS)  # the dim-0 kernel's expression: equal to the eager CUDA scale
+            tl.store(scale_ptr + offs_m, scale, mask=mmask)
+            for k0 in range(0, K, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                mask = mmask[:, None] & (offs_k[None, :] < K)
+                x = tl.load(x_ptr + rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+                if HAS_C:
+                    if G_BLOCK > 0:
+                        x = x * tl.load(c_ptr + c_rows + offs_k[None, :], mask=mask, other=0.0)
+                    else:
+                        x = x * tl.load(c_ptr + offs_k, mask=offs_k < K, other=0.0)[None, :]
+                y = tl.div_rn(x, scale[:, None])
+                y = tl.clamp(y, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
+                tl.store(q_ptr + rows + offs_k[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _row_quant_kernel(x_ptr, c_ptr, q_ptr, scale_ptr, M, K, FMAX: tl.constexpr, EPS: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HAS_C: tl.constexpr, ends_ptr, G,
-                          G_BLOCK: tl.constexpr):
+                          G_BLOCK: tl.constexpr, ONE_TILE: tl.constexpr = False):
         # BLOCK_M rows per program; the bits of the eager CUDA ops: x / scale as an IEEE division (div_rn; Triton's
         # plain '/' on float32 is approximate, eager CUDA divides tensor by tensor exactly).
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         _quantize_rows(x_ptr, q_ptr, scale_ptr, offs_m, M, K, FMAX, EPS, BLOCK_M, BLOCK_K, c_ptr, HAS_C, ends_ptr, G,
-                       G_BLOCK)
+                       G_BLOCK, ONE_TILE)
 
     @triton.jit
     def _row_quant_group_kernel(table_ptr, N_T: tl.constexpr, FMAX: tl.constexpr, EPS: tl.constexpr,
@@ -402,8 +420,30 @@ CONFIG = _frozen(dict(amax_block_k=64, amax_block_m=256, amax_chunk_m=256, amax_
                      cast_block_k=128, cast_warps=4))
 
 
-#: Tiles of the row-wise (last-dim) kernel.
-ROW_CONFIG = _frozen(dict(block_m=4, block_k=1024, warps=8))
+#: Tiles of the row-wise (last-dim) kernel: rows of up to ``one_tile_max_k`` elements are read once (whole rows in
+#: registers, ``one_tile_elems`` elements or one row per program and at most ``one_tile_rows`` rows, ``one_tile_warps``
+#: warps, ``wide_warps`` for rows wider than ``wide_k``); longer ones twice (``block_m`` x ``block_k`` tiles, the second
+#: read mostly from L2). Measured on H100 (8192 rows, bf16): rows of 1024-8192 at 86-95% of a copy's bandwidth read
+#: once, 58-81% twice (``benchmarks/linear.py --quant``).
+ROW_CONFIG = _frozen(dict(block_m=4, block_k=1024, warps=8, one_tile_max_k=32768, one_tile_elems=4096,
+                          one_tile_rows=16, one_tile_warps=8, wide_k=8192, wide_warps=32))
+_ROW_PLANS: dict = {}
+
+
+def _row_plan(K: int) -> tuple:
+    """``(BLOCK_M, BLOCK_K, warps, ONE_TILE)`` of the row-wise kernel for rows of ``K`` elements (memoized)."""
+    plan = _ROW_PLANS.get(K)
+    if plan is None:
+        c = ROW_CONFIG
+        if K <= c["one_tile_max_k"]:
+            bk = _next_power_of_2(max(K, 16))
+            plan = (max(1, min(c["one_tile_rows"], c["one_tile_elems"] // bk)), bk,
+                    c["one_tile_warps"] if bk <= c["wide_k"] else c["wide_warps"], True)
+        else:
+            plan = (c["block_m"], c["block_k"], c["warps"], False)
+        if len(_ROW_PLANS) < 4096:
+            _ROW_PLANS[K] = plan
+    return plan
 
 
 def row_kernel_available(x: torch.Tensor) -> bool:
@@ -460,13 +500,13 @@ def quantize_last_dim(x: torch.Tensor, float8_dtype: torch.dtype, scale_floor: f
                          f"on {x.device}")
     q = torch.empty(x.shape, dtype=float8_dtype, device=x.device)
     scale = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
-    c = ROW_CONFIG
+    bm, bk, warps, one_tile = _row_plan(K)
     _launcher(_row_quant_kernel)(
-        (_cdiv(M, c["block_m"]),), (x, x if col_scale is None else col_scale, q, scale, M, K),
-        dict(FMAX=_fmax(float8_dtype), EPS=scale_floor, BLOCK_M=c["block_m"], BLOCK_K=c["block_k"],
+        (_cdiv(M, bm),), (x, x if col_scale is None else col_scale, q, scale, M, K),
+        dict(FMAX=_fmax(float8_dtype), EPS=scale_floor, BLOCK_M=bm, BLOCK_K=bk,
              HAS_C=col_scale is not None, ends_ptr=x if col_scale_ends is None else col_scale_ends, G=G,
-             G_BLOCK=_next_power_of_2(G) if G else 0),
-        c["warps"], x.device)
+             G_BLOCK=_next_power_of_2(G) if G else 0, ONE_TILE=one_tile),
+        warps, x.device)
     return q, scale
 
 
@@ -698,8 +738,10 @@ def launch_transpose(src: torch.Tensor) -> torch.Tensor:
     return dst
 
 
-#: Tiles of the per-group column quantization kernel.
-GROUP_COL_CONFIG = _frozen(dict(block_m=128, block_c=32, warps=4))
+#: Tiles of the per-group column quantization kernel (the same bits for any). 128 x 16 measured fastest of six
+#: candidates on H100 at 16384 tokens over 8 groups (C = 768-7168) and 65536 over 128 (C = 768, 2048): 1-19% ahead
+#: of 128 x 32, the 256-row tiles up to 2.5x slower.
+GROUP_COL_CONFIG = _frozen(dict(block_m=128, block_c=16, warps=4))
 
 
 def group_col_layout_ok(x: torch.Tensor) -> bool:
@@ -874,6 +916,44 @@ def _w8_mm_plan(M: int, N: int, K: int, device: torch.device, tiles=None) -> tup
             _W8_PLANS.clear()
         _W8_PLANS[key] = plan
     return plan
+
+
+def w8_mm_split(M: int, N: int, K: int, device: torch.device) -> int:
+    """How many K slices :func:`launch_w8_mm` splits an ``(M, K) x (N, K)^T`` product into (CUDA ``device``;
+    1: its kernel writes the output, else its float32 partial sums are added by a second launch, or in the traced
+    graph: :func:`launch_w8_mm_partials`)."""
+    return _w8_mm_plan(M, N, K, device)[3]
+
+
+def launch_w8_mm_partials(x: torch.Tensor, w8: torch.Tensor, *, traced: bool = False) -> torch.Tensor:
+    """The float32 partial sums ``(split, M, N)`` of :func:`launch_w8_mm`'s K split, unscaled: slice ``s`` is
+    ``x[:, Ks] @ w8[:, Ks].T`` over the ``s``-th K slice (``split = w8_mm_split(M, N, K, x.device)``). Summed in slice
+    order, times the weight's row scales (and plus the bias) in float32, then rounded to ``x``'s dtype, they give
+    :func:`launch_w8_mm`'s output: what its reduce launch computes. The traced no-grad Linear sums them in the
+    graph, where inductor fuses the sum, the scales and the bias into the output's consumer instead of a launch
+    of their own.
+
+    Args:
+        x: ``(M, K)`` bf16 / fp16 with unit last stride, ``1 <= M <= 128``; w8: ``(N, K)`` fp8, unit last stride.
+        traced: the body of a ``triton_op`` (``wrap_triton``).
+
+    Raises:
+        ValueError: ``x`` not 2-D, ``M`` outside ``[1, 128]``, or ``split`` is 1 (call :func:`launch_w8_mm`).
+    """
+    if x.dim() != 2 or not 1 <= int(x.shape[0]) <= _W8_MAX_M:
+        raise ValueError(f"fp8tensor launch_w8_mm_partials: x must be (M, K) with 1 <= M <= {_W8_MAX_M}; got shape "
+                         f"{tuple(x.shape)}")
+    M, K, N = int(x.shape[0]), int(x.shape[1]), int(w8.shape[0])
+    grid, split, k_per, consts, warps, stages, _, _ = _w8_mm_launch(M, N, K, x.device, x.dtype, False, False)
+    if split == 1:
+        raise ValueError(f"fp8tensor launch_w8_mm_partials: ({M}, {K}) x ({N}, {K})^T is not split over K; call "
+                         "launch_w8_mm")
+    ws = torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+    if traced:  # inductor (torch 2.11) launches a user kernel with every parameter: xs_ptr unread (x not fp8)
+        consts = {**consts, "xs_ptr": ws}
+    args = (x, w8, ws, ws, ws, M, N, K, k_per, x.stride(0), w8.stride(0), N, M * N)  # (s_ptr, b_ptr unread)
+    _launch(_w8_mm_kernel, grid, args, consts, warps, x.device, stages, traced=traced)
+    return ws
 
 
 def _w8_mm_launch(M: int, N: int, K: int, device: torch.device, dtype: torch.dtype, has_bias: bool, x_fp8: bool,

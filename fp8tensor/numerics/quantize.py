@@ -408,9 +408,27 @@ def weight_only_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
     if type(w8) in plain and type(scale) in plain and (bias is None or type(bias) in plain) and (
             kernels.eager_launch_ok(x)):
         return kernels.launch_w8_mm(x, w8, scale.contiguous(), None if bias is None else bias.contiguous())
-    if x.dim() == 2:
-        return torch.ops.fp8tensor.w8_mm(x, w8, scale, bias)
-    return torch.ops.fp8tensor.w8_mm(x.reshape(-1, x.shape[-1]), w8, scale, bias).view(*x.shape[:-1], w8.shape[0])
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    N = w8.shape[0]
+    if compat.is_traced(x) and kernels.w8_mm_split(int(x2.shape[0]), int(N), int(x2.shape[1]), x.device) > 1:
+        out = _w8_mm_epilogue(torch.ops.fp8tensor.w8_mm_partials(x2, w8), scale, bias, x.dtype)
+    else:  # (one launch: no K split; or under a mode, vmap, a subclass: the op as one call)
+        out = torch.ops.fp8tensor.w8_mm(x2, w8, scale, bias)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], N)
+
+
+def _w8_mm_epilogue(partials: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor],
+                    dtype: torch.dtype) -> torch.Tensor:
+    """The decode GEMM's output from its K split's float32 partial sums ``(split, M, N)`` (traced): added in slice
+    order, times the weight's row scales, plus the bias, in float32, rounded once to ``dtype`` (the reduce
+    kernel's operations in its order). Plain ops, which inductor fuses into the output's consumer."""
+    acc = partials[0]
+    for s in range(1, partials.shape[0]):
+        acc = acc + partials[s]
+    acc = acc * scale.reshape(1, -1)
+    if bias is not None:
+        acc = acc + bias.float()
+    return acc.to(dtype)
 
 
 if kernels.HAS_TRITON:
@@ -418,9 +436,14 @@ if kernels.HAS_TRITON:
     @torch.library.triton_op("fp8tensor::w8_mm", mutates_args=())
     def _w8_mm_op(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
                   bias: Optional[torch.Tensor]) -> torch.Tensor:
-        # weight_only_mm under torch.compile: inductor launches the kernels from its generated code
+        # weight_only_mm as one op (under a mode, vmap or a subclass; traced without a K split): its launches
         return kernels.launch_w8_mm(x, w8, scale.contiguous(), None if bias is None else bias.contiguous(),
                                     traced=True)
+
+    @torch.library.triton_op("fp8tensor::w8_mm_partials", mutates_args=())
+    def _w8_mm_partials_op(x: torch.Tensor, w8: torch.Tensor) -> torch.Tensor:
+        # weight_only_mm traced with a K split: the kernel's partial sums, summed in the graph (_w8_mm_epilogue)
+        return kernels.launch_w8_mm_partials(x, w8, traced=True)
 
 
 # ---------------------------------------------------------------------------------------------- grouped (MoE) layouts

@@ -105,7 +105,8 @@ def test_quantize_dim0_t_nan_column_stays_nonfinite():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
-@pytest.mark.parametrize("shape", [(1000, 300), (4096, 512), (7, 33), (3, 5, 1030), (14336, 4096)])
+@pytest.mark.parametrize("shape", [(1000, 300), (4096, 512), (7, 33), (3, 5, 1030), (14336, 4096), (9, 14336),
+                                   (5, 28672), (4, 40000)])
 @pytest.mark.parametrize("float8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_row_kernel_bit_identical_to_eager_ops(dtype, shape, float8_dtype):
     """The fused last-dim kernel (used by eager quantize_rowwise / from_hp / FSDP2 pre-all-gather on CUDA) gives

@@ -135,3 +135,63 @@ def test_batched_input_as_its_rows(shape):
     assert torch.equal(out.reshape(-1, 96), flat)
     ref = x.double().reshape(-1, 512) @ lin.weight.to_hp(torch.float64).t() + lin.bias.double()
     assert rel_err(flat, ref) < 1e-2
+
+
+@pytest.mark.parametrize("M,N,K", [(1, 1024, 4096), (8, 4096, 4096), (33, 4096, 14336), (64, 1024, 4096)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_partials_sum_to_the_output(M, N, K, bias):
+    """``launch_w8_mm_partials`` (the traced decode GEMM's K split, summed in the graph): one float32 slice per
+    ``w8_mm_split`` slice, each the product over its K slice against float64, and their epilogue (slice order, row
+    scales, bias, one rounding) the reduce launch's output within one bf16 rounding (eager ops round the product
+    before the bias; the kernel may fuse the two)."""
+    from fp8tensor.numerics.quantize import _w8_mm_epilogue
+
+    seed = M * 7 + N + K + bias
+    x, q, s, b = _operands(M, N, K, torch.bfloat16, bias, seed)
+    split = kernels.w8_mm_split(M, N, K, x.device)
+    if split == 1:
+        with pytest.raises(ValueError, match="not split over K"):
+            kernels.launch_w8_mm_partials(x, q)
+        return
+    p = kernels.launch_w8_mm_partials(x, q)
+    assert p.shape == (split, M, N) and p.dtype == torch.float32
+    k_per = kernels._w8_mm_plan(M, N, K, x.device)[4]
+    for i in range(split):
+        ks = slice(i * k_per, min(K, (i + 1) * k_per))
+        ref = x[:, ks].double() @ q[:, ks].double().t()
+        assert rel_err(p[i], ref) < 1e-5, (seed, i)  # exact products, float32 sums
+    out = _w8_mm_epilogue(p, s, b, x.dtype)
+    full = kernels.launch_w8_mm(x, q, s, b)
+    assert rel_err(out, full.double()) < 2 ** -8, seed
+    ref = x.double() @ (q.double() * s.double()).t() + (b.double() if b is not None else 0)
+    assert rel_err(out, ref) < 4e-3, seed
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_compiled_decode_sums_the_split_in_the_graph(mode):
+    """Compiled, a K-split decode GEMM launches its kernel and no reduce kernel of its own: the partial sums'
+    epilogue is plain ops in the graph, fused by inductor into the consumer (here the SiLU); the result equals
+    eager's within one bf16 rounding, and the float64 reference within the fp8 weight's bound."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    m = fp8tensor.quantize_weights(nn.Sequential(nn.Linear(4096, 1024), nn.SiLU()).to(DEV, torch.bfloat16)).eval()
+    hp = nn.Linear(4096, 1024).to(DEV, torch.float64)
+    with torch.no_grad():
+        hp.weight.copy_(m[0].weight.to_hp(torch.float64))
+        hp.bias.copy_(m[0].bias.double())
+    torch._dynamo.reset()
+    c = torch.compile(m, mode=mode)
+    with torch.no_grad():
+        for n in (1, 8, 48):
+            assert kernels.w8_mm_split(n, 1024, 4096, torch.device(DEV)) > 1
+            x = torch.randn(n, 4096, device=DEV, dtype=torch.bfloat16)
+            if mode == "reduce-overhead":
+                torch.compiler.cudagraph_mark_step_begin()
+            y, code = run_and_get_code(c, x)
+            y = y.clone()
+            code = "\n".join(code)
+            assert "_w8_mm_kernel" in code and "_w8_mm_reduce_kernel" not in code, n
+            assert rel_err(y, m(x).double()) < 2 ** -7, n
+            assert rel_err(y, torch.nn.functional.silu(hp(x.double()))) < 4e-3, n
+    torch._dynamo.reset()

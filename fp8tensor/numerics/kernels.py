@@ -421,12 +421,13 @@ CONFIG = _frozen(dict(amax_block_k=64, amax_block_m=256, amax_chunk_m=256, amax_
 
 
 #: Tiles of the row-wise (last-dim) kernel: rows of up to ``one_tile_max_k`` elements are read once (whole rows in
-#: registers, ``one_tile_elems`` elements or one row per program and at most ``one_tile_rows`` rows, ``one_tile_warps``
-#: warps, ``wide_warps`` for rows wider than ``wide_k``); longer ones twice (``block_m`` x ``block_k`` tiles, the second
-#: read mostly from L2). Measured on H100 (8192 rows, bf16): rows of 1024-8192 at 86-95% of a copy's bandwidth read
-#: once, 58-81% twice (``benchmarks/linear.py --quant``).
-ROW_CONFIG = _frozen(dict(block_m=4, block_k=1024, warps=8, one_tile_max_k=32768, one_tile_elems=4096,
-                          one_tile_rows=16, one_tile_warps=8, wide_k=8192, wide_warps=32))
+#: registers, ``one_tile_elems`` elements or one row per program, at most ``one_tile_rows`` rows, ``one_tile_warps``
+#: warps); wider ones twice (``block_m`` x ``block_k`` tiles, the second read mostly from L2). Measured on H100
+#: (8192 rows, bf16, the bytes moved against a copy's bandwidth): rows of 1024-8192 elements at 86-95% read once (58-80%
+#: read twice by the earlier 4 x 1024 tiles); rows of 14336 and 28672 at 80% and 64% read twice by 1 x 4096 tiles
+#: (once: 70% and 60%; by 4 x 1024 tiles: 57%).
+ROW_CONFIG = _frozen(dict(block_m=1, block_k=4096, warps=8, one_tile_max_k=8192, one_tile_elems=4096,
+                          one_tile_rows=16, one_tile_warps=8))
 _ROW_PLANS: dict = {}
 
 
@@ -437,8 +438,7 @@ def _row_plan(K: int) -> tuple:
         c = ROW_CONFIG
         if K <= c["one_tile_max_k"]:
             bk = _next_power_of_2(max(K, 16))
-            plan = (max(1, min(c["one_tile_rows"], c["one_tile_elems"] // bk)), bk,
-                    c["one_tile_warps"] if bk <= c["wide_k"] else c["wide_warps"], True)
+            plan = (max(1, min(c["one_tile_rows"], c["one_tile_elems"] // bk)), bk, c["one_tile_warps"], True)
         else:
             plan = (c["block_m"], c["block_k"], c["warps"], False)
         if len(_ROW_PLANS) < 4096:

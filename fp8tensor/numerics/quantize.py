@@ -408,13 +408,9 @@ def weight_only_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
     if type(w8) in plain and type(scale) in plain and (bias is None or type(bias) in plain) and (
             kernels.eager_launch_ok(x)):
         return kernels.launch_w8_mm(x, w8, scale.contiguous(), None if bias is None else bias.contiguous())
-    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    N = w8.shape[0]
-    if compat.is_traced(x) and kernels.w8_mm_split(int(x2.shape[0]), int(N), int(x2.shape[1]), x.device) > 1:
-        out = _w8_mm_epilogue(torch.ops.fp8tensor.w8_mm_partials(x2, w8), scale, bias, x.dtype)
-    else:  # (one launch: no K split; or under a mode, vmap, a subclass: the op as one call)
-        out = torch.ops.fp8tensor.w8_mm(x2, w8, scale, bias)
-    return out if x.dim() == 2 else out.view(*x.shape[:-1], N)
+    if x.dim() == 2:
+        return torch.ops.fp8tensor.w8_mm(x, w8, scale, bias)
+    return torch.ops.fp8tensor.w8_mm(x.reshape(-1, x.shape[-1]), w8, scale, bias).view(*x.shape[:-1], w8.shape[0])
 
 
 def _w8_mm_epilogue(partials: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor],
@@ -436,14 +432,15 @@ if kernels.HAS_TRITON:
     @torch.library.triton_op("fp8tensor::w8_mm", mutates_args=())
     def _w8_mm_op(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
                   bias: Optional[torch.Tensor]) -> torch.Tensor:
-        # weight_only_mm as one op (under a mode, vmap or a subclass; traced without a K split): its launches
+        # weight_only_mm under torch.compile (and under a mode, vmap or a subclass). Traced (AOTAutograd traces a
+        # triton_op's body into the graph) with a K split: the kernel's partial sums and their epilogue as plain ops,
+        # which inductor fuses into the output's consumer instead of a reduce launch. (Decided here, at AOT time:
+        # dynamo would guard on the launch-plan memo.)
+        if compat.is_traced(x) and kernels.w8_mm_split(int(x.shape[0]), int(w8.shape[0]), int(x.shape[1]),
+                                                       x.device) > 1:
+            return _w8_mm_epilogue(kernels.launch_w8_mm_partials(x, w8, traced=True), scale, bias, x.dtype)
         return kernels.launch_w8_mm(x, w8, scale.contiguous(), None if bias is None else bias.contiguous(),
                                     traced=True)
-
-    @torch.library.triton_op("fp8tensor::w8_mm_partials", mutates_args=())
-    def _w8_mm_partials_op(x: torch.Tensor, w8: torch.Tensor) -> torch.Tensor:
-        # weight_only_mm traced with a K split: the kernel's partial sums, summed in the graph (_w8_mm_epilogue)
-        return kernels.launch_w8_mm_partials(x, w8, traced=True)
 
 
 # ---------------------------------------------------------------------------------------------- grouped (MoE) layouts

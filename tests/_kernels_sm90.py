@@ -100,7 +100,7 @@ def _record_package_tiles(seen: set, launches: list) -> None:
             for G in (1, 8, 128):  # grouped multipliers (fp8 expert weights' row scales folded into grad_out)
                 K.quantize_last_dim(x, e4m3, 1e-12, checked=True, col_scale=torch.empty(G, Kd, device=meta),
                                     col_scale_ends=torch.empty(G, dtype=torch.int32, device=meta))
-        for Kd in (1024, 28672, 40000):  # the row-wise kernel's plans: whole rows (up to 32768), two reads past
+        for Kd in (1024, 5000, 8192, 28672):  # the row-wise kernel's plans: whole rows (up to 8192), two reads past
             K.quantize_last_dim(torch.empty(4096, Kd, dtype=dtype, device=meta), e4m3, 1e-12, checked=True)
     K._device_table = lambda values, device: torch.empty(len(values), dtype=torch.int64, device=meta)
     K._launch_group([torch.empty(64, 64, dtype=torch.bfloat16, device=meta)], [0], [0], e4m3, 1e-12)

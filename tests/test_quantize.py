@@ -318,6 +318,29 @@ def test_row_kernel_reads_rows_up_to_its_limit_once():
     assert kernels._row_plan(c["one_tile_max_k"] + 1) == (c["block_m"], c["block_k"], c["warps"], False)
 
 
+def test_decode_op_traced_takes_every_shape_its_eager_launch_takes():
+    """``torch.ops.fp8tensor.w8_mm`` traced (fake tensors: its body as AOTAutograd traces it, the K split summed in the
+    graph) takes 0 rows and 0 output features as the eager launch does (empty outputs), and refuses more rows than
+    the largest row block with the launch's error; split and unsplit products give ``(M, N)`` in ``x``'s dtype."""
+    pytest.importorskip("triton")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fp8tensor import kernels
+
+    with FakeTensorMode():
+        for M, N, K, dtype in ((0, 64, 4096, torch.bfloat16), (1, 0, 4096, torch.bfloat16),
+                               (1, 64, 4096, torch.bfloat16), (3, 33, 1000, torch.float16), (2, 5, 16, torch.bfloat16)):
+            x = torch.empty(M, K, dtype=dtype)
+            w8 = torch.empty(N, K, dtype=torch.float8_e4m3fn)
+            out = torch.ops.fp8tensor.w8_mm(x, w8, torch.empty(N, 1), None)
+            assert out.shape == (M, N) and out.dtype == dtype, (M, N, K)
+        assert kernels.w8_mm_split(1, 64, 4096, torch.device("cpu")) > 1  # (the partials path was taken above)
+        assert kernels.w8_mm_split(2, 5, 16, torch.device("cpu")) == 1
+        with pytest.raises(ValueError, match="tiles for at most"):
+            torch.ops.fp8tensor.w8_mm(torch.empty(kernels.W8_MAX_M + 1, 64, dtype=torch.bfloat16),
+                                      torch.empty(8, 64, dtype=torch.float8_e4m3fn), torch.empty(8, 1), None)
+
+
 def test_decode_gemm_under_the_triton_interpreter():
     # The small-M fp8-weight GEMM (decode) run by Triton's interpreter on CPU (tests/_w8_mm_interp.py): within the
     # float64 reference's bound from the output's one rounding; M = 0 to 100 (every row block), odd N and K, bias,

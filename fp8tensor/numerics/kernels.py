@@ -422,12 +422,12 @@ CONFIG = _frozen(dict(amax_block_k=64, amax_block_m=256, amax_chunk_m=256, amax_
 
 #: Tiles of the row-wise (last-dim) kernel: rows of up to ``one_tile_max_k`` elements are read once (whole rows in
 #: registers, ``one_tile_elems`` elements or one row per program, at most ``one_tile_rows`` rows, ``one_tile_warps``
-#: warps); wider ones twice (``block_m`` x ``block_k`` tiles, the second read mostly from L2). Measured on H100
-#: (8192 rows, bf16, the bytes moved against a copy's bandwidth): rows of 1024-8192 elements at 86-95% read once (58-80%
-#: read twice by the earlier 4 x 1024 tiles); rows of 14336 and 28672 at 80% and 64% read twice by 1 x 4096 tiles
-#: (once: 70% and 60%; by 4 x 1024 tiles: 57%).
+#: warps); wider ones twice (``block_m`` x ``block_k`` tiles, the second read mostly from L2). Chosen from an A/B of
+#: candidates on H100 (8192 rows, bf16); ``benchmarks/linear.py --quant`` measures the result ("Quantization kernels"
+#: in docs/benchmarks.md). FSDP2's pre-all-gather of a parameter group (``_row_quant_group_kernel``, rows of several
+#: widths in one launch) takes ``group_block_m`` x ``group_block_k`` tiles, two reads.
 ROW_CONFIG = _frozen(dict(block_m=1, block_k=4096, warps=8, one_tile_max_k=8192, one_tile_elems=4096,
-                          one_tile_rows=16, one_tile_warps=8))
+                          one_tile_rows=16, one_tile_warps=8, group_block_m=4, group_block_k=1024, group_warps=8))
 _ROW_PLANS: dict = {}
 
 
@@ -564,7 +564,7 @@ def _launch_group(xs: list, q_ptrs: list, s_ptrs: list, float8_dtype: torch.dtyp
     Ms = [x.numel() // k for x, k in zip(xs, Ks)]
     firsts = []
     blocks = 0
-    bm = c["block_m"]
+    bm = c["group_block_m"]
     for m in Ms:
         firsts.append(blocks)
         blocks += -(-m // bm)
@@ -574,8 +574,8 @@ def _launch_group(xs: list, q_ptrs: list, s_ptrs: list, float8_dtype: torch.dtyp
     _launcher(_row_quant_group_kernel)(
         (blocks,), (table,),
         dict(N_T=n, FMAX=_fmax(float8_dtype), EPS=scale_floor, X_TY=_tl_dtype(x0.dtype),
-             Q_TY=_tl_dtype(float8_dtype), BLOCK_M=c["block_m"], BLOCK_K=c["block_k"], ALIGNED=aligned),
-        c["warps"], x0.device)
+             Q_TY=_tl_dtype(float8_dtype), BLOCK_M=bm, BLOCK_K=c["group_block_k"], ALIGNED=aligned),
+        c["group_warps"], x0.device)
 
 
 #: Device copies of the group kernel's argument tables, by content: FSDP2 quantizes the same group into buffers at
@@ -738,9 +738,9 @@ def launch_transpose(src: torch.Tensor) -> torch.Tensor:
     return dst
 
 
-#: Tiles of the per-group column quantization kernel (the same bits for any). 128 x 16 measured fastest of six
-#: candidates on H100 at 16384 tokens over 8 groups (C = 768-7168) and 65536 over 128 (C = 768, 2048): 1-19% ahead
-#: of 128 x 32, the 256-row tiles up to 2.5x slower.
+#: Tiles of the per-group column quantization kernel (the same bits for any). 128 x 16: the fastest of six candidates
+#: in an A/B on H100 at 16384 tokens over 8 groups (C = 768-7168) and 65536 over 128 (C = 768, 2048), ahead of the
+#: earlier 128 x 32 at each.
 GROUP_COL_CONFIG = _frozen(dict(block_m=128, block_c=16, warps=4))
 
 
@@ -979,7 +979,7 @@ _W8_LAUNCHES: dict = {}
 #: checks only what the key does not fix (a ``(..., K)`` x's contiguity).
 _W8_EAGER: dict = {}
 #: The most rows of :func:`launch_w8_mm` (the largest row block of the frozen tile table).
-_W8_MAX_M = max(W8_MM_CONFIG["tiles"])
+_W8_MAX_M = W8_MAX_M = max(W8_MM_CONFIG["tiles"])
 
 
 def _w8_mm_run(x, w8, scale, bias, shape, two_d, M, N, K, launch) -> torch.Tensor:
@@ -1016,11 +1016,13 @@ def launch_w8_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: O
             dual-fp8 GEMM of cuBLAS, with the K split for small M).
 
     Float32 accumulation; scale and bias applied in float32 before the one rounding. Split over K in fixed order
-    (deterministic) so small N still uses every SM; the float32 partial sums of a split are added by a second launch.
+    (deterministic) so small N still uses every SM; the float32 partial sums of a split are added by a second launch
+    (:func:`launch_w8_mm_partials`: the partial sums alone).
 
     Raises:
-        ValueError: ``M`` exceeds the largest row block; ``x`` not 2-D and not contiguous; an fp8 ``x`` without ``x_scale`` as above, of another fp8
-            dtype than ``w8``, or a ``out_dtype`` other than bf16 / fp16; ``x_scale`` with a high-precision ``x``.
+        ValueError: ``M`` exceeds the largest row block; ``x`` not 2-D and not contiguous; an fp8 ``x`` without
+            ``x_scale`` as above, of another fp8 dtype than ``w8``, or a ``out_dtype`` other than bf16 / fp16;
+            ``x_scale`` with a high-precision ``x``.
     """
     if not traced and tiles is None and x_scale is None:  # eager: the plan of this x shape, if one was made
         plan = _W8_EAGER.get((x.shape, w8.shape[0], x.dtype, x.device, bias is not None))

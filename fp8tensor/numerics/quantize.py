@@ -393,12 +393,14 @@ if not kernels.HAS_TRITON:  # a triton_op is its own fake kernel; the plain cust
 # ---------------------------------------------------------------------------------------------- small-M GEMM
 def weight_only_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
                    bias: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-    """``x @ (w8 * scale).T + bias`` ``(..., N)`` in ``x``'s dtype for a decode-sized ``x`` ``(..., K)`` (``M <= kernels.w8_max_m(N)`` rows,
-    bf16 / fp16, CUDA with Triton), reading the fp8 weight once and ``x`` unquantized (weight-bound: an fp8 x fp8
-    GEMM saves nothing, and cuBLAS has no small-M row-scaled kernel); None where it does not run. ``w8`` ``(N, K)``
-    fp8, ``scale`` ``(N, 1)`` float32, ``bias`` ``(N,)`` of ``x``'s dtype (a bias of another dtype promotes the
-    output, as the other routes' ``out + bias`` does: None here). The row limit, 32 tokens or 64 for ``N`` below 12288
-    (``kernels.w8_max_m``), is the measured crossover with the fp8 x fp8 GEMM. Eager: direct launches; traced: the ``triton_op`` ``fp8tensor::w8_mm``."""
+    """``x @ (w8 * scale).T + bias`` ``(..., N)`` in ``x``'s dtype for a decode-sized ``x`` ``(..., K)``
+    (``M <= kernels.w8_max_m(N)`` rows, bf16 / fp16, CUDA with Triton), reading the fp8 weight once and ``x``
+    unquantized (weight-bound: an fp8 x fp8 GEMM saves nothing, and cuBLAS has no small-M row-scaled kernel); None
+    where it does not run. ``w8`` ``(N, K)`` fp8, ``scale`` ``(N, 1)`` float32, ``bias`` ``(N,)`` of ``x``'s dtype (a
+    bias of another dtype promotes the output, as the other routes' ``out + bias`` does: None here). The row limit,
+    32 tokens or 64 for ``N`` below 12288 (``kernels.w8_max_m``), is the measured crossover with the fp8 x fp8 GEMM.
+    Eager: direct launches (the kernel and, for a K split, its reduce launch); traced: the ``triton_op``
+    ``fp8tensor::w8_mm``, whose traced body adds a K split's partial sums in the graph."""
     if not (kernels.w8_mm_available(x, w8) and scale.dtype == torch.float32 and scale.shape == (w8.shape[0], 1)
             and scale.device == x.device
             and (bias is None or (bias.dim() == 1 and bias.shape[0] == w8.shape[0] and bias.dtype == x.dtype
@@ -417,7 +419,9 @@ def _w8_mm_epilogue(partials: torch.Tensor, scale: torch.Tensor, bias: Optional[
                     dtype: torch.dtype) -> torch.Tensor:
     """The decode GEMM's output from its K split's float32 partial sums ``(split, M, N)`` (traced): added in slice
     order, times the weight's row scales, plus the bias, in float32, rounded once to ``dtype`` (the reduce
-    kernel's operations in its order). Plain ops, which inductor fuses into the output's consumer."""
+    kernel's operations in its order). Plain ops, which inductor fuses into the output's consumer where it can; a
+    fused consumer reads the float32 value before that rounding (inductor's treatment of a cast between fused ops,
+    as in any compiled bf16 model), so a compiled model's later layers may differ from eager's by bf16 roundings."""
     acc = partials[0]
     for s in range(1, partials.shape[0]):
         acc = acc + partials[s]
@@ -436,8 +440,8 @@ if kernels.HAS_TRITON:
         # triton_op's body into the graph) with a K split: the kernel's partial sums and their epilogue as plain ops,
         # which inductor fuses into the output's consumer instead of a reduce launch. (Decided here, at AOT time:
         # dynamo would guard on the launch-plan memo.)
-        if compat.is_traced(x) and kernels.w8_mm_split(int(x.shape[0]), int(w8.shape[0]), int(x.shape[1]),
-                                                       x.device) > 1:
+        if (compat.is_traced(x) and x.dim() == 2 and 1 <= int(x.shape[0]) <= kernels.W8_MAX_M and w8.shape[0] > 0
+                and kernels.w8_mm_split(int(x.shape[0]), int(w8.shape[0]), int(x.shape[1]), x.device) > 1):
             return _w8_mm_epilogue(kernels.launch_w8_mm_partials(x, w8, traced=True), scale, bias, x.dtype)
         return kernels.launch_w8_mm(x, w8, scale.contiguous(), None if bias is None else bias.contiguous(),
                                     traced=True)
@@ -550,13 +554,13 @@ def _expert_cols_body(w, float8_dtype, traced=True):
 @_register_op("fp8tensor::quantize_group_cols_t", mutates_args=())
 def _quantize_group_cols_t(x: torch.Tensor, offs: torch.Tensor, pad_starts: torch.Tensor, M_pad: int, align: int,
                            float8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    # quantize_group_cols on CUDA, traced or under a mode
+    # quantize_group_cols on CUDA when traced (compiled graphs)
     return _group_cols_body(x, offs.contiguous(), pad_starts.contiguous(), M_pad, align, float8_dtype)
 
 
 @_register_op("fp8tensor::quantize_expert_cols_t", mutates_args=())
 def _quantize_expert_cols_t(w: torch.Tensor, float8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    # quantize_expert_cols on CUDA, traced or under a mode
+    # quantize_expert_cols on CUDA when traced (compiled graphs)
     return _expert_cols_body(w.contiguous(), float8_dtype)
 
 

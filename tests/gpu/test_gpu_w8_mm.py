@@ -142,8 +142,9 @@ def test_batched_input_as_its_rows(shape):
 def test_partials_sum_to_the_output(M, N, K, bias):
     """``launch_w8_mm_partials`` (the traced decode GEMM's K split, summed in the graph): one float32 slice per
     ``w8_mm_split`` slice, each the product over its K slice against float64, and their epilogue (slice order, row
-    scales, bias, one rounding) the reduce launch's output within one bf16 rounding (eager ops round the product
-    before the bias; the kernel may fuse the two)."""
+    scales, bias, one rounding) the reduce launch's output: bit for bit without a bias (the same float32 operations in
+    the same order), within one bf16 rounding with one (eager ops round the product before adding the bias; the
+    kernel may fuse the two)."""
     from fp8tensor.numerics.quantize import _w8_mm_epilogue
 
     seed = M * 7 + N + K + bias
@@ -162,6 +163,8 @@ def test_partials_sum_to_the_output(M, N, K, bias):
         assert rel_err(p[i], ref) < 1e-5, (seed, i)  # exact products, float32 sums
     out = _w8_mm_epilogue(p, s, b, x.dtype)
     full = kernels.launch_w8_mm(x, q, s, b)
+    if b is None:
+        assert torch.equal(out, full), seed
     assert rel_err(out, full.double()) < 2 ** -8, seed
     ref = x.double() @ (q.double() * s.double()).t() + (b.double() if b is not None else 0)
     assert rel_err(out, ref) < 4e-3, seed

@@ -123,6 +123,29 @@ if _HAS_TRITON:
             tl.store(st_ptr + offs_k, cs, mask=kmask)
 
     @triton.jit
+    def _row_tile(x_ptr, rows, offs_k, mask, K, c_ptr, c_rows, HAS_C: tl.constexpr, G_BLOCK: tl.constexpr):
+        # The float32 tile of the rows at columns offs_k (HAS_C: times the column multipliers, per group if G_BLOCK)
+        x = tl.load(x_ptr + rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_C:
+            if G_BLOCK > 0:
+                x = x * tl.load(c_ptr + c_rows + offs_k[None, :], mask=mask, other=0.0)
+            else:
+                x = x * tl.load(c_ptr + offs_k, mask=offs_k < K, other=0.0)[None, :]
+        return x
+
+    @triton.jit
+    def _row_tile_amax(x):
+        a = tl.abs(x)
+        a = tl.where(a != a, float("inf"), a)  # NaN -> inf: the row's scale becomes inf, output non-finite
+        return tl.max(a, axis=1)
+
+    @triton.jit
+    def _store_row_tile(q_ptr, rows, offs_k, mask, x, scale, FMAX: tl.constexpr):
+        y = tl.div_rn(x, scale[:, None])
+        y = tl.clamp(y, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
+        tl.store(q_ptr + rows + offs_k[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
     def _quantize_rows(x_ptr, q_ptr, scale_ptr, offs_m, M, K, FMAX: tl.constexpr, EPS: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, c_ptr, HAS_C: tl.constexpr, ends_ptr, G,
                        G_BLOCK: tl.constexpr, ONE_TILE: tl.constexpr = False):
@@ -130,9 +153,11 @@ if _HAS_TRITON:
         # one pass for the row amax, one (mostly from L2) to divide, saturate, cast and store; ONE_TILE (K <=
         # BLOCK_K): the rows read once, held in registers for the cast. G_BLOCK > 0: c is (G, K), one row of
         # multipliers per token group, and row m takes c's row of its group (the number of cumulative group ends
-        # ends[:G] <= m, at most G - 1: rows past the last end take the last group's).
+        # ends[:G] <= m, at most G - 1: rows past the last end take the last group's). The scale is the dim-0
+        # kernel's expression, equal to the eager CUDA scale.
         mmask = offs_m < M
         rows = offs_m.to(tl.int64)[:, None] * K
+        c_rows = rows
         if G_BLOCK > 0:
             offs_g = tl.arange(0, G_BLOCK)
             ends = tl.load(ends_ptr + offs_g, mask=offs_g < G, other=2**31 - 1)
@@ -141,47 +166,24 @@ if _HAS_TRITON:
         if ONE_TILE:
             offs_k = tl.arange(0, BLOCK_K)
             mask = mmask[:, None] & (offs_k[None, :] < K)
-            x = tl.load(x_ptr + rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
-            if HAS_C:
-                if G_BLOCK > 0:
-                    x = x * tl.load(c_ptr + c_rows + offs_k[None, :], mask=mask, other=0.0)
-                else:
-                    x = x * tl.load(c_ptr + offs_k, mask=offs_k < K, other=0.0)[None, :]
-            a = tl.abs(x)
-            a = tl.where(a != a, float("inf"), a)
-            scale = tl.maximum(tl.max(a, axis=1) / FMAX, EPS)
+            x = _row_tile(x_ptr, rows, offs_k, mask, K, c_ptr, c_rows, HAS_C, G_BLOCK)
+            scale = tl.maximum(_row_tile_amax(x) / FMAX, EPS)
             tl.store(scale_ptr + offs_m, scale, mask=mmask)
-            y = tl.div_rn(x, scale[:, None])
-            y = tl.clamp(y, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
-            tl.store(q_ptr + rows + offs_k[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
+            _store_row_tile(q_ptr, rows, offs_k, mask, x, scale, FMAX)
         else:
             acc = tl.zeros([BLOCK_M], dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
                 mask = mmask[:, None] & (offs_k[None, :] < K)
-                x = tl.load(x_ptr + rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
-                if HAS_C:
-                    if G_BLOCK > 0:
-                        x = x * tl.load(c_ptr + c_rows + offs_k[None, :], mask=mask, other=0.0)
-                    else:
-                        x = x * tl.load(c_ptr + offs_k, mask=offs_k < K, other=0.0)[None, :]
-                a = tl.abs(x)
-                a = tl.where(a != a, float("inf"), a)  # NaN -> inf: the row's scale becomes inf, output non-finite
-                acc = tl.maximum(acc, tl.max(a, axis=1))
-            scale = tl.maximum(acc / FMAX, EPS)  # the dim-0 kernel's expression: equal to the eager CUDA scale
+                acc = tl.maximum(acc, _row_tile_amax(_row_tile(x_ptr, rows, offs_k, mask, K, c_ptr, c_rows, HAS_C,
+                                                                G_BLOCK)))
+            scale = tl.maximum(acc / FMAX, EPS)
             tl.store(scale_ptr + offs_m, scale, mask=mmask)
             for k0 in range(0, K, BLOCK_K):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
                 mask = mmask[:, None] & (offs_k[None, :] < K)
-                x = tl.load(x_ptr + rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
-                if HAS_C:
-                    if G_BLOCK > 0:
-                        x = x * tl.load(c_ptr + c_rows + offs_k[None, :], mask=mask, other=0.0)
-                    else:
-                        x = x * tl.load(c_ptr + offs_k, mask=offs_k < K, other=0.0)[None, :]
-                y = tl.div_rn(x, scale[:, None])
-                y = tl.clamp(y, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
-                tl.store(q_ptr + rows + offs_k[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
+                x = _row_tile(x_ptr, rows, offs_k, mask, K, c_ptr, c_rows, HAS_C, G_BLOCK)
+                _store_row_tile(q_ptr, rows, offs_k, mask, x, scale, FMAX)
 
     @triton.jit
     def _row_quant_kernel(x_ptr, c_ptr, q_ptr, scale_ptr, M, K, FMAX: tl.constexpr, EPS: tl.constexpr,

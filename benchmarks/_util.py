@@ -41,7 +41,8 @@ def env_line() -> str:
 
 
 def top_kernels(fn, n: int = 12) -> str:
-    """Profile one call of ``fn`` and return the top CUDA kernels by total time as a text table."""
+    """Profile three calls of ``fn`` (after one) and return the GPU ops (kernels, copies, sets) and GPU time per call,
+    then the top CUDA kernels by total time as a text table."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -50,7 +51,11 @@ def top_kernels(fn, n: int = 12) -> str:
         for _ in range(3):
             fn()
         torch.cuda.synchronize()
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=n, max_name_column_width=70)
+    avgs = prof.key_averages()
+    gpu = [a for a in avgs if a.self_device_time_total > 0]  # (kernels, copies and sets: only CUDA is recorded)
+    per_call = (f"GPU ops per call: {sum(a.count for a in gpu) / 3:.0f}, GPU µs per call: "
+                f"{sum(a.self_device_time_total for a in gpu) / 3:.1f}")
+    return per_call + "\n" + avgs.table(sort_by="cuda_time_total", row_limit=n, max_name_column_width=70)
 
 
 def kernel_us(fn, calls: int = 30) -> dict:

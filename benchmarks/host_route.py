@@ -2,9 +2,11 @@
 ``quantize_weights`` Linear, and the forward + backward of a ``convert_to_fp8`` (training) Linear.
 
 What is timed is fp8tensor's Python from the module call to the launches (checks, settings, launch arguments, output
-allocation), not Triton's launch, cuBLAS, nor the GPU. Stand-ins, in this process only: tensors report
-``is_cuda`` (so every route takes its CUDA branch: the Triton kernels' availability checks run as on a GPU), the
-Triton launches do nothing (their grids and arguments are still computed; outputs are allocated, unwritten), and
+allocation, the eager launcher's argument classes and cached-kernel lookup), not Triton's compiled-kernel launch,
+cuBLAS, nor the GPU. Stand-ins, in this process only: tensors report ``is_cuda`` (so every route takes its CUDA
+branch: the Triton kernels' availability checks run as on a GPU), every Triton launch goes through fp8tensor's eager
+launcher (``kernels._Launcher``) on CUDA device 0, where Triton's JIT is replaced by a compiled kernel whose ``run``
+does nothing (grids, arguments and launch keys are still computed; outputs are allocated, unwritten), and
 ``torch._scaled_mm`` returns an unwritten output of its shape. Shapes are small so that the few real CPU ops left
 (bias add, bias gradient, gradient accumulation) cost little. Per call, min over batches (µs); bf16 ``nn.Linear``
 modules of small shapes as yardsticks (they include their small GEMMs on the CPU). The real launches and GEMMs are
@@ -36,11 +38,52 @@ def per_call(fn, n: int = 50, batches: int = 400) -> float:
     return best
 
 
+class _NoOpCompiled:
+    """A compiled kernel whose launch does nothing (what Triton's JIT returns, for the launcher's cache)."""
+
+    function, packed_metadata = None, None
+
+    def __init__(self, fn, launches: list):
+        self.fn, self.launches = fn, launches
+
+    def launch_metadata(self, grid, stream, *args):
+        return None
+
+    def run(self, *args):
+        self.launches.append(self.fn)
+
+
+class _StandInJit:
+    """Triton's JIT function ``fn`` with compilation replaced: ``fn[grid](...)`` returns a :class:`_NoOpCompiled`."""
+
+    def __init__(self, fn, launches: list):
+        self.params, self.compiled = fn.params, _NoOpCompiled(fn, launches)
+
+    def __getitem__(self, grid):
+        def first_launch(*args, **kwargs):
+            self.compiled.run()
+            return self.compiled
+
+        return first_launch
+
+
 def _stand_ins(launches: list) -> None:
     """The stand-ins of the module docstring (the CPU GEMM backend is resolved first, by the real probe)."""
     gemm.choose_backend(torch.device("cpu"), torch.float8_e4m3fn, torch.float8_e4m3fn, torch.bfloat16)
-    kernels._launch = lambda fn, *a, **k: launches.append(fn)
-    kernels._launcher = lambda fn: (lambda *a, **k: launches.append(fn))
+    cuda0, launchers = torch.device("cuda", 0), {}
+
+    def launcher(fn):
+        if fn not in launchers:
+            launchers[fn] = kernels._Launcher(_StandInJit(fn, launches))
+        return launchers[fn]
+
+    def launch(fn, grid, args, consts, num_warps, device, num_stages=None, *, traced=False):
+        launcher(fn)(grid, args, consts, num_warps, cuda0, num_stages)
+
+    kernels._launch, kernels._launcher = launch, launcher
+    kernels._FAST_OK = True
+    torch.cuda.current_device = lambda: 0
+    kernels.compat.raw_cuda_stream = lambda idx: 0
     torch._scaled_mm = lambda a, b, *, out_dtype=None, **k: torch.empty(a.shape[0], b.shape[1], dtype=out_dtype)
     torch.Tensor.is_cuda = property(lambda self: True)
 

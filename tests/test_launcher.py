@@ -130,3 +130,43 @@ def test_launch_hook_gets_metadata(fake_cuda, monkeypatch):
     launch((2,), (x, x, 64, 32), dict(BLOCK=16), 4, fake_cuda)
     launch((2,), (x, x, 64, 32), dict(BLOCK=16), 4, fake_cuda)
     assert seen == [(2,)] and fn.runs[0][6] == "meta"
+
+
+def test_empty_hook_chains_pass_no_hooks(fake_cuda, monkeypatch):
+    """Triton >= 3.5 keeps its launch hooks as chains, never None: with no hook in either chain the launch builds no
+    launch metadata and passes no hooks (what the chains would call is nothing); a hook in either chain gets them."""
+    from triton import knobs
+
+    if kernels._HOOK_CHAIN is None:
+        pytest.skip("Triton without hook chains")
+    seen = []
+    fn = _FakeJit()
+    fn.compiled.launch_metadata = types.MethodType(lambda self, grid, stream, *a: seen.append(grid) or "meta",
+                                                   fn.compiled)
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", kernels._HOOK_CHAIN())
+    monkeypatch.setattr(knobs.runtime, "launch_exit_hook", kernels._HOOK_CHAIN(reversed=True))
+    launch = kernels._Launcher(fn)
+    x = torch.zeros(64, dtype=torch.uint8)
+    for _ in range(2):
+        launch((2,), (x, x, 64, 32), dict(BLOCK=16), 4, fake_cuda)
+    assert seen == [] and fn.runs[0][6:9] == (None, None, None)
+    called = []
+    knobs.runtime.launch_exit_hook.add(called.append)
+    launch((2,), (x, x, 64, 32), dict(BLOCK=16), 4, fake_cuda)
+    r = fn.runs[-1]
+    assert seen == [(2,)] and r[6] == "meta" and r[7] is knobs.runtime.launch_enter_hook
+    assert r[8] is knobs.runtime.launch_exit_hook
+
+
+def test_read_only_consts_are_read_once_per_mapping(fake_cuda):
+    """A read-only ``consts`` mapping (the memoized launch plans') gives its constexprs once; another mapping of other
+    values is another class, and a plain dict is read on every call."""
+    fn = _FakeJit()
+    launch = kernels._Launcher(fn)
+    x = torch.zeros(64, dtype=torch.uint8)
+    a, b = types.MappingProxyType(dict(BLOCK=16)), types.MappingProxyType(dict(BLOCK=16, FLAG=2))
+    for consts in (a, a, b, b, dict(BLOCK=16, FLAG=2), a):
+        launch((1,), (x, x, 64, 32), consts, 4, fake_cuda)
+    assert len(fn.jit_calls) == 2  # a's class, then b's (the dict is b's class)
+    assert [r[-2:] for r in fn.runs] == [(16, 7), (16, 2), (16, 2), (16, 7)]
+    assert len(launch.tails) == 2

@@ -283,6 +283,9 @@ try:
 except Exception:  # pragma: no cover - unknown Triton layout
     _KNOBS = None
 _FAST_OK = _KNOBS is not None
+#: Triton's hook-chain class (``knobs.runtime.launch_enter_hook`` is one, never None, from Triton 3.5): a chain
+#: with no hook calls nothing, so the launch passes no hooks and builds no launch metadata (as before 3.5).
+_HOOK_CHAIN = getattr(_KNOBS, "HookChain", None)
 _LAUNCHERS: dict = {}
 
 
@@ -340,9 +343,13 @@ def _next_power_of_2(n: int) -> int:
 
 class _Launcher:
     """Eager launches of one ``@triton.jit`` kernel: the first launch of each argument class (a superset of what
-    Triton specializes on) goes through Triton's JIT, later ones call the compiled kernel's ``run`` directly."""
+    Triton specializes on) goes through Triton's JIT, later ones call the compiled kernel's ``run`` directly.
 
-    __slots__ = ("fn", "names", "is_constexpr", "defaults", "cache")
+    The parameters after ``args`` (constexprs and defaults) are read from ``consts`` once per read-only ``consts``
+    mapping (the memoized launch plans pass the same ``MappingProxyType`` on every call), with their part of the
+    key; a plain dict is read on every call."""
+
+    __slots__ = ("fn", "names", "is_constexpr", "defaults", "cache", "tails")
 
     def __init__(self, fn):
         self.fn = fn
@@ -351,8 +358,16 @@ class _Launcher:
         self.is_constexpr = [bool(p.is_constexpr) for p in params]
         self.defaults = {p.name: p.default for p in params if getattr(p, "has_default", False)}
         self.cache: dict = {}
+        self.tails: dict = {}
 
-    def __call__(self, grid: tuple, args: tuple, consts: dict, num_warps: int, device: torch.device,
+    def _tail(self, n: int, consts) -> tuple:
+        """``(values, key)`` of the parameters after the first ``n``: their values in signature order (from
+        ``consts``, else the defaults) and their part of the launch key."""
+        names, defaults = self.names, self.defaults
+        values = tuple(consts[name] if name in consts else defaults[name] for name in names[n:])
+        return values, _arg_classes(values, self.is_constexpr[n:])
+
+    def __call__(self, grid: tuple, args: tuple, consts, num_warps: int, device: torch.device,
                  num_stages: Optional[int] = None) -> None:
         cur = torch.cuda.current_device()
         idx = cur if device.index is None else device.index
@@ -364,29 +379,17 @@ class _Launcher:
                                                                             num_stages=num_stages)
             self.fn[grid](*args, **consts, **opts)
             return None
-        names, n = self.names, len(args)
-        if n < len(names):  # every argument in signature order: the constexprs and defaults after args
-            defaults = self.defaults
-            full = [*args, *[consts[name] if name in consts else defaults[name] for name in names[n:]]]
+        n = len(args)
+        if type(consts) is types.MappingProxyType:  # read-only: its tail once (the entry keeps it alive)
+            memo = self.tails.get(id(consts))
+            if memo is None or memo[0] is not consts or memo[1] != n:
+                if len(self.tails) >= 256:
+                    self.tails.clear()
+                memo = self.tails[id(consts)] = (consts, n, *self._tail(n, consts))
+            tail, tail_key = memo[2], memo[3]
         else:
-            full = args
-        key = [idx, num_warps, num_stages]
-        add, int_classes = key.append, _INT_CLASSES
-        for a, const in zip(full, self.is_constexpr):
-            if const:
-                add(a)
-            elif type(a) is int:
-                c = int_classes.get(a)
-                if c is None:
-                    c = (a == 1, a % 16 == 0, _INT32[0] <= a < _INT32[1], a < 2**63)
-                    if len(int_classes) < 4096:
-                        int_classes[a] = c
-                add(c)
-            elif isinstance(a, torch.Tensor):
-                add((a.dtype, not a.data_ptr() & 15))
-            else:
-                add((type(a), a))
-        key = tuple(key)
+            tail, tail_key = self._tail(n, consts)
+        key = (idx, num_warps, num_stages, tail_key, _arg_classes(args, self.is_constexpr))
         kernel = self.cache.get(key)
         if kernel is None:
             opts = dict(num_warps=num_warps) if num_stages is None else dict(num_warps=num_warps,
@@ -401,9 +404,36 @@ class _Launcher:
         gx, gy, gz = (*grid, 1, 1)[:3]
         runtime = _KNOBS.runtime
         enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
-        meta = kernel.launch_metadata(grid, stream, *full) if enter is not None else None
-        kernel.run(gx, gy, gz, stream, kernel.function, kernel.packed_metadata, meta, enter, leave, *full)
+        if ((enter is None or (type(enter) is _HOOK_CHAIN and not enter.calls))
+                and (leave is None or (type(leave) is _HOOK_CHAIN and not leave.calls))):
+            kernel.run(gx, gy, gz, stream, kernel.function, kernel.packed_metadata, None, None, None, *args, *tail)
+            return None
+        meta = kernel.launch_metadata(grid, stream, *args, *tail) if enter is not None else None
+        kernel.run(gx, gy, gz, stream, kernel.function, kernel.packed_metadata, meta, enter, leave, *args, *tail)
         return None
+
+
+def _arg_classes(values, is_constexpr) -> tuple:
+    """The launch-key part of launch arguments ``values`` (``is_constexpr`` per value, from the first): a
+    constexpr's value, an integer's specialization class, a tensor's dtype and 16-byte alignment, else type and
+    value."""
+    key = []
+    add, int_classes = key.append, _INT_CLASSES
+    for a, const in zip(values, is_constexpr):
+        if const:
+            add(a)
+        elif type(a) is int:
+            c = int_classes.get(a)
+            if c is None:
+                c = (a == 1, a % 16 == 0, _INT32[0] <= a < _INT32[1], a < 2**63)
+                if len(int_classes) < 4096:
+                    int_classes[a] = c
+            add(c)
+        elif isinstance(a, torch.Tensor):
+            add((a.dtype, not a.data_ptr() & 15))
+        else:
+            add((type(a), a))
+    return tuple(key)
 
 
 #: Triton's specialization class of an integer argument (1, a multiple of 16, 32- or 64-bit), by value: a memo of a

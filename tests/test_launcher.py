@@ -150,23 +150,35 @@ def test_empty_hook_chains_pass_no_hooks(fake_cuda, monkeypatch):
     for _ in range(2):
         launch((2,), (x, x, 64, 32), dict(BLOCK=16), 4, fake_cuda)
     assert seen == [] and fn.runs[0][6:9] == (None, None, None)
-    called = []
-    knobs.runtime.launch_exit_hook.add(called.append)
+    knobs.runtime.launch_exit_hook.add(lambda meta: None)
     launch((2,), (x, x, 64, 32), dict(BLOCK=16), 4, fake_cuda)
     r = fn.runs[-1]
     assert seen == [(2,)] and r[6] == "meta" and r[7] is knobs.runtime.launch_enter_hook
     assert r[8] is knobs.runtime.launch_exit_hook
 
 
-def test_read_only_consts_are_read_once_per_mapping(fake_cuda):
-    """A read-only ``consts`` mapping (the memoized launch plans') gives its constexprs once; another mapping of other
-    values is another class, and a plain dict is read on every call."""
+def test_launch_consts_are_read_once_per_object(fake_cuda, monkeypatch):
+    """A :class:`kernels.LaunchConsts` (the memoized launch plans') gives its constexprs once per object; another
+    object of other values is another class; any other mapping (a dict, a read-only view of a dict that may change)
+    is read on every call."""
+    reads = []
+    tail = kernels._Launcher._tail
+    monkeypatch.setattr(kernels._Launcher, "_tail",
+                        lambda self, n, consts: reads.append(consts) or tail(self, n, consts))
     fn = _FakeJit()
     launch = kernels._Launcher(fn)
     x = torch.zeros(64, dtype=torch.uint8)
-    a, b = types.MappingProxyType(dict(BLOCK=16)), types.MappingProxyType(dict(BLOCK=16, FLAG=2))
-    for consts in (a, a, b, b, dict(BLOCK=16, FLAG=2), a):
+    a, b = kernels.LaunchConsts(dict(BLOCK=16)), kernels.LaunchConsts(dict(BLOCK=16, FLAG=2))
+    backing = dict(BLOCK=16)
+    view = types.MappingProxyType(backing)
+    for consts in (a, a, b, b, dict(BLOCK=16, FLAG=2), a, view):
         launch((1,), (x, x, 64, 32), consts, 4, fake_cuda)
-    assert len(fn.jit_calls) == 2  # a's class, then b's (the dict is b's class)
-    assert [r[-2:] for r in fn.runs] == [(16, 7), (16, 2), (16, 2), (16, 7)]
+    assert len(fn.jit_calls) == 2  # a's class, then b's (the dict is b's class, the view a's)
+    assert [r[-2:] for r in fn.runs] == [(16, 7), (16, 2), (16, 2), (16, 7), (16, 7)]
+    assert [id(c) for c in reads] == [id(a), id(b), id(reads[2]), id(view)] and reads[2] == dict(BLOCK=16, FLAG=2)
+    backing["BLOCK"] = 32  # the view now shows other values: a new class, not a stale memo
+    launch((1,), (x, x, 64, 32), view, 4, fake_cuda)
+    assert len(fn.jit_calls) == 3 and fn.jit_calls[-1][2]["BLOCK"] == 32
     assert len(launch.tails) == 2
+    with pytest.raises(TypeError):
+        a["BLOCK"] = 32  # noqa: the mapping has no way to change

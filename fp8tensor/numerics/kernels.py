@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import math
 import types
+from collections.abc import Mapping
 from typing import Optional
 
 import torch
@@ -345,9 +346,9 @@ class _Launcher:
     """Eager launches of one ``@triton.jit`` kernel: the first launch of each argument class (a superset of what
     Triton specializes on) goes through Triton's JIT, later ones call the compiled kernel's ``run`` directly.
 
-    The parameters after ``args`` (constexprs and defaults) are read from ``consts`` once per read-only ``consts``
-    mapping (the memoized launch plans pass the same ``MappingProxyType`` on every call), with their part of the
-    key; a plain dict is read on every call."""
+    The parameters after ``args`` (constexprs and defaults) are read from ``consts`` once per :class:`LaunchConsts`
+    (immutable; the memoized launch plans pass the same one on every call), with their part of the key; any other
+    mapping is read on every call."""
 
     __slots__ = ("fn", "names", "is_constexpr", "defaults", "cache", "tails")
 
@@ -380,7 +381,7 @@ class _Launcher:
             self.fn[grid](*args, **consts, **opts)
             return None
         n = len(args)
-        if type(consts) is types.MappingProxyType:  # read-only: its tail once (the entry keeps it alive)
+        if type(consts) is LaunchConsts:  # immutable: its tail once (the entry keeps it alive)
             memo = self.tails.get(id(consts))
             if memo is None or memo[0] is not consts or memo[1] != n:
                 if len(self.tails) >= 256:
@@ -411,6 +412,31 @@ class _Launcher:
         meta = kernel.launch_metadata(grid, stream, *args, *tail) if enter is not None else None
         kernel.run(gx, gy, gz, stream, kernel.function, kernel.packed_metadata, meta, enter, leave, *args, *tail)
         return None
+
+
+class LaunchConsts(Mapping):
+    """A launch's constexprs as an immutable mapping (a copy of ``values``; no method changes it): the eager
+    launcher reads the launch-key part of one such object once (:class:`_Launcher`)."""
+
+    __slots__ = ("_values",)
+
+    def __init__(self, values: dict):
+        self._values = dict(values)
+
+    def __getitem__(self, name):
+        return self._values[name]
+
+    def __contains__(self, name) -> bool:
+        return name in self._values
+
+    def __iter__(self):
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        return f"LaunchConsts({self._values!r})"
 
 
 def _arg_classes(values, is_constexpr) -> tuple:
@@ -999,8 +1025,8 @@ def _w8_mm_launch(M: int, N: int, K: int, device: torch.device, dtype: torch.dty
                   BLOCK_K=c["block_k"], N_MAJOR=c.get("n_major", False), X_FP8=x_fp8)
     rblock = W8_MM_CONFIG["reduce_block"]
     rconsts = dict(SPLIT=split, HAS_BIAS=has_bias, O_TY=ty, BLOCK=rblock)
-    return (grid, split, k_per, types.MappingProxyType(consts), c["warps"], c["stages"],
-            ((M * N + rblock - 1) // rblock,), types.MappingProxyType(rconsts))
+    return (grid, split, k_per, LaunchConsts(consts), c["warps"], c["stages"],
+            ((M * N + rblock - 1) // rblock,), LaunchConsts(rconsts))
 
 
 #: Memo of :func:`_w8_mm_launch` (bounded; a pure function of its key).

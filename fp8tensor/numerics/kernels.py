@@ -418,25 +418,25 @@ class LaunchConsts(Mapping):
     """A launch's constexprs as an immutable mapping (a copy of ``values``; no method changes it): the eager
     launcher reads the launch-key part of one such object once (:class:`_Launcher`)."""
 
-    __slots__ = ("_values",)
+    __slots__ = ("_items",)
 
     def __init__(self, values: dict):
-        self._values = dict(values)
+        self._items = dict(values)
 
     def __getitem__(self, name):
-        return self._values[name]
+        return self._items[name]
 
     def __contains__(self, name) -> bool:
-        return name in self._values
+        return name in self._items
 
     def __iter__(self):
-        return iter(self._values)
+        return iter(self._items)
 
     def __len__(self) -> int:
-        return len(self._values)
+        return len(self._items)
 
     def __repr__(self) -> str:
-        return f"LaunchConsts({self._values!r})"
+        return f"LaunchConsts({self._items!r})"
 
 
 def _arg_classes(values, is_constexpr) -> tuple:

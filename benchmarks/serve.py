@@ -293,7 +293,14 @@ def _graph_us(calls: list, reps: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _f8f8_call(x, w):
+#: Tile candidates of the fp8 x fp8 form (the 32- and 64-row blocks): ``(block_n, block_k, warps, programs_per_sm,
+#: stages, min_k_tiles, swap_ab)``.
+FP8X_CANDIDATES = ((64, 128, 4, 4, 3, 4, True), (64, 256, 4, 4, 3, 2, True), (64, 256, 4, 4, 4, 2, True),
+                   (64, 256, 4, 8, 3, 2, True), (128, 256, 8, 2, 3, 2, True), (64, 512, 4, 4, 2, 1, True),
+                   (64, 128, 4, 4, 3, 4, False), (64, 256, 4, 4, 3, 2, False), (32, 256, 4, 4, 3, 2, False))
+
+
+def _f8f8_call(x, w, tiles=None):
     """One no-grad Linear of ``quantize_weights`` weight ``w`` through the decode GEMM's fp8 x fp8 form: ``x``
     quantized per row by the row kernel, then ``launch_w8_mm`` with ``x_scale`` (its K split for small M)."""
     from fp8tensor import kernels
@@ -301,17 +308,18 @@ def _f8f8_call(x, w):
 
     def call():
         xq, xs = kernels.quantize_last_dim(x, w.qdata.dtype, SCALE_FLOOR, checked=True)
-        return kernels.launch_w8_mm(xq, w.qdata, w.scale, None, x_scale=xs, out_dtype=x.dtype)
+        return kernels.launch_w8_mm(xq, w.qdata, w.scale, None, x_scale=xs, out_dtype=x.dtype, tiles=tiles)
     return call
 
 
 def crossover(a) -> None:
-    """Where the decode GEMM should hand over to the fp8 x fp8 GEMM (``--crossover``; sets
-    ``W8_MM_CONFIG["max_m"]``, and per weight width ``max_m_narrow`` / ``narrow_n``), and which tiles its 64- and
-    128-row blocks should have.
+    """Where the decode GEMM's weight-only form should hand over to its fp8 x fp8 form, and that to cuBLAS's dual-fp8
+    GEMM (``--crossover``; sets ``W8_MM_CONFIG["max_m"]`` and ``max_m_fp8x``), and which tiles the row blocks should
+    have.
 
     Per Llama3-8B Linear shape and token count M (``--ms``): GPU µs per GEMM of the weight-only kernel (the table's
-    tiles; for M above 32 also the best of :data:`TILE_CANDIDATES`, named), of the dual-fp8 path (the
+    tiles; with ``--sweep-all`` also the best of :data:`TILE_CANDIDATES` and :data:`DEEP_CANDIDATES`, named; past
+    ``max_m`` the best of :data:`FP8X_CANDIDATES` for the fp8 x fp8 form instead), of the dual-fp8 path (the
     no-grad Linear with ``weight_only_decode=False``: the activations' row-wise quantization and ``torch._scaled_mm``),
     of the decode GEMM's fp8 x fp8 form (the activations quantized per row by the row kernel, then ``launch_w8_mm``
     with ``x_scale``: cuBLAS's dual-fp8 GEMM has no K split for small M) and of bf16 ``F.linear``. Each is one CUDA graph over enough copies of the weight (at least 2, and 512 MB of fp8
@@ -325,8 +333,7 @@ def crossover(a) -> None:
 
     ms = [int(m) for m in a.ms.split(",")]
     print(f"# decode GEMM crossover · {env_line()} · GPU µs per GEMM (CUDA graph over weight copies, median of 20); "
-          f"W8_MM_CONFIG max_m={kernels.W8_MM_CONFIG['max_m']}, max_m_narrow={kernels.W8_MM_CONFIG['max_m_narrow']} "
-          f"below narrow_n={kernels.W8_MM_CONFIG['narrow_n']} output features")
+          f"W8_MM_CONFIG max_m={kernels.W8_MM_CONFIG['max_m']}, max_m_fp8x={kernels.W8_MM_CONFIG['max_m_fp8x']}")
     print()
     print("| GEMM (N x K) | M | w8 | w8 best tile (block_n, block_k, warps, programs_per_sm, stages, min_k_tiles) "
           "| dual fp8 | fp8 x fp8, K split | bf16 | fastest |")
@@ -353,17 +360,21 @@ def crossover(a) -> None:
             except Exception as e:  # noqa: BLE001
                 cell["w8"] = f"{type(e).__name__}"
             best = "-"
-            if m > 32 or a.sweep_all:
+            fp8x = m > kernels.W8_MM_CONFIG["max_m"]
+            if fp8x or a.sweep_all:
                 base = kernels.W8_MM_CONFIG["tiles"][bm]
-                cands = [(bn, bk, w, pps, base["stages"], base["min_k_tiles"]) for bn, bk, w, pps in TILE_CANDIDATES]
-                if a.sweep_all:
-                    cands += list(DEEP_CANDIDATES)
+                if fp8x:
+                    cands = list(FP8X_CANDIDATES)
+                else:
+                    cands = [(bn, bk, w, pps, base["stages"], base["min_k_tiles"], False)
+                             for bn, bk, w, pps in TILE_CANDIDATES] + [(*c, False) for c in DEEP_CANDIDATES]
                 timed = []
-                for bn, bk, warps, pps, stages, mkt in cands:
+                for bn, bk, warps, pps, stages, mkt, swap in cands:
                     tiles = dict(base, block_n=bn, block_k=bk, warps=warps, programs_per_sm=pps, stages=stages,
-                                 min_k_tiles=mkt)
+                                 min_k_tiles=mkt, swap_ab=swap)
                     try:
-                        timed.append((w8(tiles), (bn, bk, warps, pps, stages, mkt)))
+                        t = (_graph_us([_f8f8_call(x, f.weight, tiles) for f in fp8]) if fp8x else w8(tiles))
+                        timed.append((t, (bn, bk, warps, pps, stages, mkt, swap)))
                     except Exception:  # noqa: BLE001 (out of shared memory / registers: not a candidate)
                         pass
                 if timed:
@@ -381,11 +392,14 @@ def crossover(a) -> None:
                 cell["f8f8"] = f"{type(e).__name__}"
             cell["bf16"] = _graph_us([lambda w=w: torch.nn.functional.linear(x, w) for w in bf16_w])
             nums = {k: v for k, v in cell.items() if isinstance(v, float)}
-            w8_best = min([v for k, v in nums.items() if k in ("w8", "best")], default=math.inf)
-            label = {"w8": "w8", "best": "w8 best tile", "dual": "dual fp8", "f8f8": "fp8 x fp8, K split",
-                     "bf16": "bf16"}
+            own = "f8f8" if fp8x else "w8"  # (the form whose tiles were swept)
+            w8_best = min([v for k, v in nums.items() if k == "w8" or (k == "best" and own == "w8")], default=math.inf)
+            f8_best = min([v for k, v in nums.items() if k == "f8f8" or (k == "best" and own == "f8f8")],
+                          default=math.inf)
+            label = {"w8": "w8", "best": "fp8 x fp8 best tile" if fp8x else "w8 best tile", "dual": "dual fp8",
+                     "f8f8": "fp8 x fp8, K split", "bf16": "bf16"}
             fastest = label[min(nums, key=nums.get)] if nums else "-"
-            for k, v in (("w8", w8_best), ("dual", cell["dual"]), ("f8f8", cell["f8f8"]), ("bf16", cell["bf16"])):
+            for k, v in (("w8", w8_best), ("dual", cell["dual"]), ("f8f8", f8_best), ("bf16", cell["bf16"])):
                 layer[m][k] += count * v if isinstance(v, float) else math.inf
             fmt = lambda v: f"{v:.1f}" if isinstance(v, float) else str(v)  # noqa: E731
             print(f"| {name} ({N} x {K}) | {m} | {fmt(cell['w8'])} | {best} | {fmt(cell['dual'])} | "
@@ -393,18 +407,22 @@ def crossover(a) -> None:
         del fp8, bf16_w
         torch.cuda.empty_cache()
     print()
-    print("| M | layer: w8 (best) µs | dual fp8 µs | fp8 x fp8, K split µs | bf16 µs | w8 / dual |")
+    print("| M | layer: w8 (best) µs | dual fp8 µs | fp8 x fp8, K split (best) µs | bf16 µs | best fp8 / bf16 |")
     print("|---|---|---|---|---|---|")
-    wins = []
+    w8_wins, f8_wins = [], []
     for m in ms:
         v = layer[m]
-        wins.append(v["w8"] <= v["dual"])
+        w8_wins.append(v["w8"] <= min(v["dual"], v["f8f8"]))
+        f8_wins.append(min(v["w8"], v["f8f8"]) <= v["dual"])
         print(f"| {m} | {v['w8']:.1f} | {v['dual']:.1f} | {v['f8f8']:.1f} | {v['bf16']:.1f} | "
-              f"{v['w8'] / v['dual']:.3f} |", flush=True)
-    upto = [m for m, ok in zip(ms, [all(wins[:i + 1]) for i in range(len(wins))]) if ok]
+              f"{min(v['w8'], v['dual'], v['f8f8']) / v['bf16']:.3f} |", flush=True)
+
+    def upto(wins):
+        ok = [m for m, good in zip(ms, [all(wins[:i + 1]) for i in range(len(wins))]) if good]
+        return ok[-1] if ok else "none"
     print()
-    print(f"weight-only fastest for a whole layer at every M up to: {upto[-1] if upto else 'none'} "
-          "(W8_MM_CONFIG max_m; per shape, the fastest column above gives the route: max_m_narrow / narrow_n)")
+    print(f"weight-only fastest for a whole layer at every M up to: {upto(w8_wins)} (W8_MM_CONFIG max_m); the decode "
+          f"GEMM (either form) ahead of cuBLAS's dual fp8 at every M up to: {upto(f8_wins)} (max_m_fp8x)")
 
 
 def main():

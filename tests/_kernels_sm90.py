@@ -131,6 +131,10 @@ def _record_package_tiles(seen: set, launches: list) -> None:
                         K.launch_w8_mm(torch.empty(M, Kd, dtype=e4m3, device=meta),
                                        torch.empty(N, Kd, dtype=e4m3, device=meta), torch.empty(N, 1, device=meta),
                                        bias, x_scale=torch.empty(M, 1, device=meta), out_dtype=dtype)
+                        if bias is None and K.w8_mm_split(M, N, Kd, meta) > 1:
+                            K.launch_w8_mm_partials(torch.empty(M, Kd, dtype=e4m3, device=meta),
+                                                    torch.empty(N, Kd, dtype=e4m3, device=meta),
+                                                    x_scale=torch.empty(M, 1, device=meta))
 
 
 def _run_main(name: str, seed: int) -> None:

@@ -81,6 +81,17 @@ def _check_fp8_x(seed, M, N, K, dtype, bias, tiles=None):
     case = (seed, M, N, K, dtype, bias, "fp8 x", "split", plan[3])
     assert out.shape == (M, N) and out.dtype == dtype, case
     assert torch.equal(kernels.launch_w8_mm(xq, q, s, b, tiles=tiles, x_scale=xs, out_dtype=dtype), out), case
+    if plan[3] > 1:  # the partial sums alone (each row's times its scale): summed, scaled and biased as the reduce does
+        parts = kernels.launch_w8_mm_partials(xq, q, x_scale=xs, tiles=tiles)
+        assert parts.shape == (plan[3], M, N) and parts.dtype == torch.float32, case
+        acc = parts[0]
+        for p in parts[1:]:
+            acc = acc + p
+        acc = acc * s.reshape(1, -1) + (0 if b is None else b.float())
+        if dtype == torch.float16:  # (bf16: the interpreter's cast truncates, torch's rounds)
+            assert torch.equal(acc.to(dtype), out), case
+        else:
+            assert ((acc.to(dtype).double() - out.double()).abs() <= out.double().abs() * 2.0**-7).all(), case
     ref, bound, u = _bound(xq.double() * xs.double(), q.double() * s.double(), b, dtype)
     err = ((out.double() - ref).norm() / ref.norm()).item()
     assert err <= bound and err <= 1.05 * u, (case, err, bound, u)
@@ -103,6 +114,10 @@ def main():
             (100, 7, 200, False, dict(kernels.W8_MM_CONFIG["tiles"][128], programs_per_sm=8, min_k_tiles=1)),
             (0, 5, 64, True, many),         # no rows: an empty output, nothing launched
             (2, 3, 16, True, many),         # one slice (K within one tile): the direct store
+            (5, 70, 700, True, dict(many, swap_ab=True)),   # the weight tile on the MMA's row side
+            (40, 9, 260, False, dict(kernels.W8_MM_CONFIG["tiles"][64], programs_per_sm=8, min_k_tiles=1,
+                                     swap_ab=True)),
+            (3, 20, 16, False, dict(many, swap_ab=True)),
         ]:
             splits.add(_check(seed, M, N, K, dtype, bias, tiles))
     assert {1, 2, 3, 8} <= splits, splits
@@ -114,6 +129,9 @@ def main():
             (40, 9, 260, True, dict(kernels.W8_MM_CONFIG["tiles"][64], programs_per_sm=8, min_k_tiles=1)),
             (64, 70, 4096, False, None),
             (100, 7, 200, True, dict(kernels.W8_MM_CONFIG["tiles"][128], programs_per_sm=8, min_k_tiles=1)),
+            (40, 9, 260, False, dict(kernels.W8_MM_CONFIG["tiles"][64], programs_per_sm=8, min_k_tiles=1,
+                                     swap_ab=True)),
+            (33, 70, 300, True, dict(many, swap_ab=True)),
         ]:
             splits.add(_check_fp8_x(seed, M, N, K, dtype, bias, tiles))
     assert len(splits) >= 2, splits

@@ -70,14 +70,13 @@ def test_decode_token_limit_has_tiles_and_matches_the_docs():
     from fp8tensor.numerics import kernels
 
     c = kernels.W8_MM_CONFIG
-    for m in range(1, c["max_m_narrow"] + 1):
+    for m in range(1, c["max_m_fp8x"] + 1):
         assert max(16, 1 << (m - 1).bit_length()) in c["tiles"], m
-    assert (kernels.w8_max_m(c["narrow_n"] - 1), kernels.w8_max_m(c["narrow_n"])) == (c["max_m_narrow"], c["max_m"])
     root = Path(__file__).resolve().parents[1]
     for doc in ("README.md", "docs/serving.md", "docs/design.md"):
-        text = (root / doc).read_text()
+        text = " ".join((root / doc).read_text().split())
         assert f"up to {c['max_m']} tokens" in text, doc
-        assert f"{c['max_m_narrow']} for weights of fewer than {c['narrow_n']} output features" in text, doc
+        assert f"up to {c['max_m_fp8x']} tokens" in text, doc
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -100,6 +99,38 @@ def test_eager_decode_launches_directly_with_a_bias_parameter(monkeypatch, bias)
     with torch.no_grad():
         m(torch.randn(2, 64, dtype=torch.bfloat16))
     assert calls == [False], calls
+
+
+@pytest.mark.parametrize("rows", [1, 16, 17, 40, 64])
+def test_eager_decode_quantizes_x_past_max_m(monkeypatch, rows):
+    """The decode route's two forms: up to ``W8_MM_CONFIG["max_m"]`` rows ``x`` goes to the kernel in its precision;
+    past that (up to ``max_m_fp8x``) quantized per row to e4m3 with its row scales, the quantization of the ordinary
+    fp8 Linear (``quantize(x, -1)``), as 2-D rows whatever ``x``'s leading dims. Availability and the launch are
+    recorders here (the kernels are CUDA-only)."""
+    from fp8tensor.numerics import kernels
+    from fp8tensor.quantize import quantize
+
+    seen = []
+
+    def launch(x, w8, scale, b, *, traced=False, x_scale=None, out_dtype=torch.bfloat16, **kw):
+        seen.append((x, x_scale, out_dtype))
+        return torch.zeros(*x.shape[:-1], w8.shape[0], dtype=out_dtype if x_scale is not None else x.dtype)
+
+    monkeypatch.setattr(kernels, "w8_mm_available", lambda x, w8: True)
+    monkeypatch.setattr(kernels, "launch_w8_mm", launch)
+    m = fp8tensor.quantize_weights(nn.Sequential(nn.Linear(64, 32, dtype=torch.bfloat16)))[0]
+    torch.manual_seed(rows)
+    x = torch.randn(1, rows, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        y = m(x)
+    assert y.shape == (1, rows, 32) and y.dtype == torch.bfloat16
+    (xk, xs, out_dtype), = seen
+    if rows <= kernels.W8_MM_CONFIG["max_m"]:
+        assert xk is x and xs is None
+    else:
+        q, s = quantize(x.reshape(rows, 64), -1)
+        assert xk.shape == (rows, 64) and xs.shape == (rows, 1) and out_dtype == torch.bfloat16
+        assert same_bits(xk.view(torch.uint8), q.view(torch.uint8)) and same_bits(xs, s)
 
 
 @pytest.mark.parametrize("bias_dtype", [torch.float32, torch.float16])

@@ -35,11 +35,11 @@ class Config:
         gemm_backend: one of :data:`GEMM_BACKENDS` (default ``"auto"``).
         unknown_ops: one of :data:`UNKNOWN_OPS` (default ``"warn"``): what an out-of-place op without an fp8
             implementation does (it runs on the dequantized tensors; ``"raise"`` proves a path stays in fp8).
-        weight_only_decode: (default True) with autograd off, a decode-sized input (up to 32 tokens, 64 for weights
-            of fewer than 12288 output features; bf16 / fp16, CUDA with Triton) of a per-row fp8 weight is
-            multiplied in its own precision by the fp8 weight (:func:`fp8tensor.quantize.weight_only_mm`) instead
-            of quantized to e4m3 (faster, no activation rounding). False: the same GEMM as training and
-            ``torch.export``.
+        weight_only_decode: (default True) with autograd off, a decode-sized input (up to 64 tokens; bf16 / fp16,
+            CUDA with Triton) of a per-row fp8 weight takes the small-M GEMM of
+            :func:`fp8tensor.quantize.decode_mm`, split over K: up to 16 tokens multiplied in its own precision by
+            the fp8 weight (no activation rounding), up to 64 quantized per row to e4m3 and multiplied fp8 x fp8.
+            False: the same GEMM as training and ``torch.export`` (cuBLAS's row-scaled fp8 GEMM).
         compiled_quantization: one of :data:`COMPILED_QUANTIZATION` (default ``"kernels"``): how a compiled graph
             quantizes the token-dim operands of the grad_weight GEMMs: fp8tensor's Triton kernels, or torch ops that
             inductor may fuse into their producers. (The Linear's; the MoE grouped GEMMs' per-group column operands

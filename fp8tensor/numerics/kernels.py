@@ -24,7 +24,7 @@ __all__ = [
     "row_kernel_available",
     "eager_launch_ok", "transpose_available", "launch_transpose", "quantize_last_dim_group_into",
     "group_col_kernel_available", "group_col_layout_ok", "launch_group_cols_t",
-    "w8_mm_available", "w8_max_m", "launch_w8_mm", "w8_mm_split", "launch_w8_mm_partials", "W8_MM_CONFIG",
+    "w8_mm_available", "launch_w8_mm", "w8_mm_split", "launch_w8_mm_partials", "W8_MM_CONFIG",
 ]
 
 try:  # Triton is only present with CUDA builds of torch.
@@ -850,32 +850,49 @@ if _HAS_TRITON:
     def _w8_mm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, M, N, K, K_PER, stride_xm, stride_wn, stride_om,
                       stride_os, HAS_BIAS: tl.constexpr, FINAL: tl.constexpr, X_TY: tl.constexpr,
                       O_TY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      N_MAJOR: tl.constexpr = False, xs_ptr=None, X_FP8: tl.constexpr = False):
+                      N_MAJOR: tl.constexpr = False, xs_ptr=None, X_FP8: tl.constexpr = False,
+                      SWAP_AB: tl.constexpr = False):
         # Program (n, s): output columns [n * BLOCK_N, ...) over the K slice s, all M rows; the fp8 weight widened
         # to x's dtype (exact) with fp32 accumulation. X_FP8: x is fp8 too (row scales xs), the dot fp8 x fp8 with
         # fp32 accumulation and each row's partial sum times its scale. FINAL: scales (and bias) applied and stored,
-        # else the fp32 partial sum goes to slice s of the workspace.
+        # else the fp32 partial sum goes to slice s of the workspace. SWAP_AB: the product taken as w @ x.T, the
+        # weight tile the MMA's row side (widened in registers, wgmma's register operand) and the tokens its column
+        # side, the (BLOCK_N, BLOCK_M) result transposed in registers for the same epilogue.
         pid_n = tl.program_id(0)
         pid_s = tl.program_id(1)
         rm = tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         k_start = pid_s * K_PER
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kk in range(0, K_PER, BLOCK_K):
-            k = k_start + kk + rk
-            x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=(rm[:, None] < M) & (k[None, :] < K),
-                        other=0.0)
-            if N_MAJOR:  # the weight tile loaded (BLOCK_N, BLOCK_K), K contiguous, and transposed in registers
-                w = tl.trans(tl.load(w_ptr + rn[:, None] * stride_wn + k[None, :],
-                                     mask=(rn[:, None] < N) & (k[None, :] < K), other=0.0))
-            else:
-                w = tl.load(w_ptr + rn[None, :] * stride_wn + k[:, None], mask=(rn[None, :] < N) & (k[:, None] < K),
+        if SWAP_AB:
+            acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for kk in range(0, K_PER, BLOCK_K):
+                k = k_start + kk + rk
+                w = tl.load(w_ptr + rn[:, None] * stride_wn + k[None, :], mask=(rn[:, None] < N) & (k[None, :] < K),
                             other=0.0)
-            if X_FP8:
-                acc += tl.dot(x, w)
-            else:
-                acc += tl.dot(x.to(X_TY), w.to(X_TY))
+                xt = tl.load(x_ptr + rm[None, :] * stride_xm + k[:, None], mask=(rm[None, :] < M) & (k[:, None] < K),
+                             other=0.0)
+                if X_FP8:
+                    acc_t += tl.dot(w, xt)
+                else:
+                    acc_t += tl.dot(w.to(X_TY), xt.to(X_TY))
+            acc = tl.trans(acc_t)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for kk in range(0, K_PER, BLOCK_K):
+                k = k_start + kk + rk
+                x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=(rm[:, None] < M) & (k[None, :] < K),
+                            other=0.0)
+                if N_MAJOR:  # the weight tile loaded (BLOCK_N, BLOCK_K), K contiguous, and transposed in registers
+                    w = tl.trans(tl.load(w_ptr + rn[:, None] * stride_wn + k[None, :],
+                                         mask=(rn[:, None] < N) & (k[None, :] < K), other=0.0))
+                else:
+                    w = tl.load(w_ptr + rn[None, :] * stride_wn + k[:, None],
+                                mask=(rn[None, :] < N) & (k[:, None] < K), other=0.0)
+                if X_FP8:
+                    acc += tl.dot(x, w)
+                else:
+                    acc += tl.dot(x.to(X_TY), w.to(X_TY))
         if X_FP8:
             acc = acc * tl.load(xs_ptr + rm, mask=rm < M, other=0.0)[:, None]
         omask = (rm[:, None] < M) & (rn[None, :] < N)
@@ -905,40 +922,37 @@ if _HAS_TRITON:
 
 
 #: Tiles of the small-M fp8-weight GEMM, per row block (16, 32, 64 or 128 rows): weight tiles (``n_major``: loaded
-#: K-contiguous, transposed in registers); K is split until about ``programs_per_sm`` programs per SM stream the weight
-#: (slices of at least ``min_k_tiles`` tiles), partials summed in fixed order by a second launch (``reduce_block``
-#: elements per program). The no-grad Linear takes this kernel instead of quantizing the activations for cuBLAS's
-#: fp8 x fp8 GEMM up to ``max_m`` tokens, and up to ``max_m_narrow`` tokens for weights of fewer than ``narrow_n``
-#: output features: cuBLAS's row-scaled fp8 GEMM has no K split and puts a 128-column tile on an SM, so a weight of
-#: fewer than about 96 columns per SM (132 SMs on H100 / H200) leaves SMs idle while this kernel splits K, and the
-#: weight-only kernel wins (``benchmarks/serve.py --crossover``; H100, at
-#: 40-64 tokens: wq/wo 15.0-15.8 µs against 18.6-19.1, wk/wv 8.4-8.5 against 18.1-18.3, w2 40.1-44.4 against
-#: 55.9-56.9; w1/w3, 14336 columns, 42.3-45.4 against 33.4-33.9). Tiles of 16 and 32 rows tuned on H200 over
-#: Llama3-8B shapes (sweep at commit b44f11a); 64 rows: the fastest of ``--crossover``'s candidates on H100 for wq/wo
-#: and w2 at 40-64 tokens and for wk/wv at 40; 128 not tuned.
-W8_MM_CONFIG = _frozen(dict(max_m=32, max_m_narrow=64, narrow_n=12288, reduce_block=1024, tiles={
+#: K-contiguous, transposed in registers; ``swap_ab``: the product taken as ``w8 @ x.T``, the weight tile on the MMA's
+#: row side and the tokens on its column side); K is split until about ``programs_per_sm`` programs per SM stream the
+#: weight (slices of at least ``min_k_tiles`` tiles), partials summed in fixed order by a second launch
+#: (``reduce_block`` elements per program).
+#:
+#: The no-grad Linear's decode route (:func:`fp8tensor.quantize.decode_mm`): up to ``max_m`` tokens ``x`` in its own
+#: precision times the widened fp8 weight (weight-only: the step reads the weight's bytes, and ``x`` is not rounded);
+#: from ``max_m + 1`` to ``max_m_fp8x`` tokens ``x`` quantized per row to e4m3 and the dot fp8 x fp8 (twice the
+#: MMA rate and half of ``x``'s bytes per weight tile). Both split K where cuBLAS's row-scaled fp8 GEMM has no split
+#: for small M. Measured on H100 (GPU µs per GEMM, partial sums only, Llama3-8B shapes wq / wk / w1 / w2): at 16
+#: tokens weight-only 9.5 / 4.4 / 24.8 / 26.3 against fp8 x 7.9-8.3 / 3.9-4.1 / 24.0-24.1 / 23.3-23.7 (level, and
+#: weight-only does not round x); at 32 tokens 10.9 / 5.8 / 36.0 / 33.6 against 8.6 / 4.3 / 26.6 / 25.2; at 64
+#: tokens 13.0 / 6.0 / 47.5 / 41.5 against 11.9 / 4.6 / 30.8 / 28.1 (cuBLAS's dual fp8: 15.9 / 15.4 / 29.6 / 45.8).
+#: Tiles of 16 rows tuned on H200 over Llama3-8B shapes (sweep at commit b44f11a); 32 and 64 rows (the fp8 x form):
+#: the fastest over a layer of nine candidates on H100; 128 not tuned.
+W8_MM_CONFIG = _frozen(dict(max_m=16, max_m_fp8x=64, reduce_block=1024, tiles={
     16: dict(block_n=32, block_k=128, warps=4, stages=3, programs_per_sm=4, min_k_tiles=4, n_major=False),
-    32: dict(block_n=64, block_k=128, warps=4, stages=3, programs_per_sm=8, min_k_tiles=4, n_major=True),
-    64: dict(block_n=64, block_k=64, warps=4, stages=3, programs_per_sm=4, min_k_tiles=4, n_major=True),
+    32: dict(block_n=64, block_k=128, warps=4, stages=3, programs_per_sm=4, min_k_tiles=4, swap_ab=True),
+    64: dict(block_n=64, block_k=256, warps=4, stages=3, programs_per_sm=4, min_k_tiles=2, n_major=True),
     128: dict(block_n=64, block_k=64, warps=8, stages=3, programs_per_sm=2, min_k_tiles=8, n_major=True),
 }))
-assert W8_MM_CONFIG["max_m"] <= W8_MM_CONFIG["max_m_narrow"] <= max(W8_MM_CONFIG["tiles"])
+assert W8_MM_CONFIG["max_m"] <= W8_MM_CONFIG["max_m_fp8x"] <= max(W8_MM_CONFIG["tiles"])
 _SM_COUNT: dict = {}
 _W8_PLANS: dict = {}
 
 
-def w8_max_m(N: int) -> int:
-    """The most tokens for which the no-grad Linear takes the weight-only kernel for a weight of ``N`` output
-    features: ``W8_MM_CONFIG["max_m_narrow"]`` below ``narrow_n`` features, else ``max_m`` (see
-    :data:`W8_MM_CONFIG`)."""
-    c = W8_MM_CONFIG
-    return c["max_m_narrow"] if N < c["narrow_n"] else c["max_m"]
-
-
 def w8_mm_available(x: torch.Tensor, w8: torch.Tensor) -> bool:
-    """Whether :func:`launch_w8_mm` takes ``x`` (bf16 / fp16; ``(M, K)`` with unit last stride, or ``(..., K)``
-    contiguous, ``1 <= M <= w8_max_m(N)`` rows in all) and the fp8 weight ``w8`` ``(N, K)`` (row-major) on one CUDA
-    device, with Triton; fake tensors (compile) included."""
+    """Whether the no-grad Linear's decode route takes ``x`` (bf16 / fp16; ``(M, K)`` with unit last stride, or
+    ``(..., K)`` contiguous, ``1 <= M <= W8_MM_CONFIG["max_m_fp8x"]`` rows in all) and the fp8 weight ``w8``
+    ``(N, K)`` (row-major) on one CUDA device, with Triton; fake tensors (compile) included. Past
+    ``W8_MM_CONFIG["max_m"]`` rows the route quantizes ``x`` to the weight's dtype, which must then be e4m3."""
     nd = x.dim()
     if not (_HAS_TRITON and x.is_cuda and w8.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16)
             and w8.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and x.device == w8.device
@@ -946,8 +960,9 @@ def w8_mm_available(x: torch.Tensor, w8: torch.Tensor) -> bool:
         return False
     xs, ws = x.shape, w8.shape  # (the checks in their order; each read of .shape builds a torch.Size)
     M = xs[0] if nd == 2 else math.prod(xs[:-1])
-    return (1 <= M <= W8_MM_CONFIG["max_m"] or 1 <= M <= w8_max_m(ws[0])) and (xs[-1] == ws[1] and ws[0] > 0
-            and (x.stride(-1) == 1 or xs[-1] <= 1) and (w8.stride(1) == 1 or ws[1] <= 1)
+    c = W8_MM_CONFIG
+    return (1 <= M <= c["max_m"] or (1 <= M <= c["max_m_fp8x"] and w8.dtype == torch.float8_e4m3fn)) and (
+            xs[-1] == ws[1] and ws[0] > 0 and (x.stride(-1) == 1 or xs[-1] <= 1) and (w8.stride(1) == 1 or ws[1] <= 1)
             and x.numel() < 2**31 and w8.numel() < 2**31)
 
 
@@ -983,7 +998,8 @@ def w8_mm_split(M: int, N: int, K: int, device: torch.device) -> int:
     return _w8_mm_plan(M, N, K, device)[3]
 
 
-def launch_w8_mm_partials(x: torch.Tensor, w8: torch.Tensor, *, traced: bool = False) -> torch.Tensor:
+def launch_w8_mm_partials(x: torch.Tensor, w8: torch.Tensor, *, traced: bool = False,
+                          x_scale: Optional[torch.Tensor] = None, tiles=None) -> torch.Tensor:
     """The float32 partial sums ``(split, M, N)`` of :func:`launch_w8_mm`'s K split, unscaled: slice ``s`` is
     ``x[:, Ks] @ w8[:, Ks].T`` over the ``s``-th K slice (``split = w8_mm_split(M, N, K, x.device)``). Summed in slice
     order, times the weight's row scales (and plus the bias) in float32, then rounded to ``x``'s dtype, they give
@@ -992,23 +1008,35 @@ def launch_w8_mm_partials(x: torch.Tensor, w8: torch.Tensor, *, traced: bool = F
     of their own.
 
     Args:
-        x: ``(M, K)`` bf16 / fp16 with unit last stride, ``1 <= M <= 128``; w8: ``(N, K)`` fp8, unit last stride.
+        x: ``(M, K)`` bf16 / fp16 with unit last stride, ``1 <= M <= 128``; or fp8 of ``w8``'s dtype with
+            ``x_scale``, its ``(M, 1)`` contiguous float32 row scales (each row's partial sums are then times its
+            scale: the slices of :func:`launch_w8_mm`'s fp8 ``x`` product). w8: ``(N, K)`` fp8, unit last stride.
         traced: the body of a ``triton_op`` (``wrap_triton``).
+        tiles: one row block's tile dict instead of the table's (tile sweeps).
 
     Raises:
-        ValueError: ``x`` not 2-D, ``M`` outside ``[1, 128]``, or ``split`` is 1 (call :func:`launch_w8_mm`).
+        ValueError: ``x`` not 2-D, ``M`` outside ``[1, 128]``, an fp8 ``x`` without ``x_scale`` as above, or
+            ``split`` is 1 (call :func:`launch_w8_mm`).
     """
     if x.dim() != 2 or not 1 <= int(x.shape[0]) <= _W8_MAX_M:
         raise ValueError(f"fp8tensor launch_w8_mm_partials: x must be (M, K) with 1 <= M <= {_W8_MAX_M}; got shape "
                          f"{tuple(x.shape)}")
     M, K, N = int(x.shape[0]), int(x.shape[1]), int(w8.shape[0])
-    grid, split, k_per, consts, warps, stages, _, _ = _w8_mm_launch(M, N, K, x.device, x.dtype, False, False)
+    x_fp8 = x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    if x_fp8 != (x_scale is not None) or x_fp8 and not (
+            x.dtype == w8.dtype and x_scale.dtype == torch.float32 and tuple(x_scale.shape) == (M, 1)
+            and x_scale.is_contiguous()):
+        raise ValueError(f"fp8tensor launch_w8_mm_partials: x_scale ({M}, 1) contiguous float32 goes with an fp8 x "
+                         f"of the weight's dtype ({w8.dtype}); got x {x.dtype}, x_scale "
+                         f"{None if x_scale is None else (x_scale.dtype, tuple(x_scale.shape))}")
+    grid, split, k_per, consts, warps, stages, _, _ = _w8_mm_launch(
+        M, N, K, x.device, torch.float32 if x_fp8 else x.dtype, False, x_fp8, tiles)
     if split == 1:
         raise ValueError(f"fp8tensor launch_w8_mm_partials: ({M}, {K}) x ({N}, {K})^T is not split over K; call "
                          "launch_w8_mm")
     ws = torch.empty(split, M, N, dtype=torch.float32, device=x.device)
-    if traced:  # inductor (torch 2.11) launches a user kernel with every parameter: xs_ptr unread (x not fp8)
-        consts = {**consts, "xs_ptr": ws}
+    if x_fp8 or traced:  # inductor (torch 2.11) launches a user kernel with every parameter: xs_ptr unread if not fp8
+        consts = {**consts, "xs_ptr": x_scale if x_fp8 else ws}
     args = (x, w8, ws, ws, ws, M, N, K, k_per, x.stride(0), w8.stride(0), N, M * N)  # (s_ptr, b_ptr unread)
     _launch(_w8_mm_kernel, grid, args, consts, warps, x.device, stages, traced=traced)
     return ws
@@ -1022,7 +1050,8 @@ def _w8_mm_launch(M: int, N: int, K: int, device: torch.device, dtype: torch.dty
     bm, c, grid, split, k_per = _w8_mm_plan(M, N, K, device, tiles)
     ty = _tl_dtype(dtype)
     consts = dict(HAS_BIAS=has_bias, FINAL=split == 1, X_TY=ty, O_TY=ty, BLOCK_M=bm, BLOCK_N=c["block_n"],
-                  BLOCK_K=c["block_k"], N_MAJOR=c.get("n_major", False), X_FP8=x_fp8)
+                  BLOCK_K=c["block_k"], N_MAJOR=c.get("n_major", False), X_FP8=x_fp8,
+                  SWAP_AB=c.get("swap_ab", False))
     rblock = W8_MM_CONFIG["reduce_block"]
     rconsts = dict(SPLIT=split, HAS_BIAS=has_bias, O_TY=ty, BLOCK=rblock)
     return (grid, split, k_per, LaunchConsts(consts), c["warps"], c["stages"],
@@ -1061,7 +1090,7 @@ def launch_w8_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: O
 
     Args:
         x: ``(M, K)`` bf16 / fp16, unit last stride, ``0 <= M <=`` the largest row block of ``W8_MM_CONFIG["tiles"]``
-            (128); the no-grad Linear takes it up to :func:`w8_max_m` rows (check :func:`w8_mm_available`).
+            (128); the no-grad Linear takes it up to ``W8_MM_CONFIG["max_m"]`` rows (check :func:`w8_mm_available`).
             A contiguous ``(..., K)`` is taken as its ``M`` rows and gives ``(..., N)``.
             Or fp8 of ``w8``'s dtype with ``x_scale``: see below.
         w8: ``(N, K)`` fp8 (e4m3 / e5m2), unit last stride, on ``x``'s device.

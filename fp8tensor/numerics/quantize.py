@@ -29,7 +29,7 @@ from . import kernels
 __all__ = [
     "quantize", "quantize_group_cols", "quantize_expert_cols", "group_ids", "quantize_rows_into", "transpose_after",
     "quantize_group", "quantize_dim0_t", "quantize_dim0_t_after", "after_dep", "quantize_tokens",
-    "quantize_token_layouts", "weight_only_mm",
+    "quantize_token_layouts", "decode_mm", "weight_only_mm",
     "FLOAT8_DTYPES", "E4M3", "E5M2", "check_float8_dtype", "amax_to_scale", "rowwise_scale", "cast_to_fp8",
     "quantize_rowwise",
 ]
@@ -391,28 +391,53 @@ if not kernels.HAS_TRITON:  # a triton_op is its own fake kernel; the plain cust
 
 
 # ---------------------------------------------------------------------------------------------- small-M GEMM
-def weight_only_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
-                   bias: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-    """``x @ (w8 * scale).T + bias`` ``(..., N)`` in ``x``'s dtype for a decode-sized ``x`` ``(..., K)``
-    (``M <= kernels.w8_max_m(N)`` rows, bf16 / fp16, CUDA with Triton), reading the fp8 weight once and ``x``
-    unquantized (weight-bound: an fp8 x fp8 GEMM saves nothing, and cuBLAS has no small-M row-scaled kernel); None
-    where it does not run. ``w8`` ``(N, K)`` fp8, ``scale`` ``(N, 1)`` float32, ``bias`` ``(N,)`` of ``x``'s dtype (a
-    bias of another dtype promotes the output, as the other routes' ``out + bias`` does: None here). The row limit,
-    32 tokens or 64 for ``N`` below 12288 (``kernels.w8_max_m``), is the measured crossover with the fp8 x fp8 GEMM.
-    Eager: direct launches (the kernel and, for a K split, its reduce launch); traced: the ``triton_op``
-    ``fp8tensor::w8_mm``, whose traced body adds a K split's partial sums in the graph."""
+def decode_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
+              bias: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """``x @ (w8 * scale).T + bias`` ``(..., N)`` in ``x``'s dtype for a decode-sized ``x`` ``(..., K)`` (bf16 / fp16,
+    CUDA with Triton): the no-grad Linear's decode route, by the small-M fp8-weight GEMM of
+    :mod:`fp8tensor.kernels`, split over K where cuBLAS's row-scaled fp8 GEMM is not. None where it does not run
+    (``kernels.w8_mm_available``), and the caller takes the ordinary fp8 Linear.
+
+    * Up to ``W8_MM_CONFIG["max_m"]`` (16) rows: weight-only. ``x`` stays in its precision and the fp8 weight is
+      widened in registers (exact), so the only rounding is the output's; the GEMM reads the weight once.
+    * Up to ``W8_MM_CONFIG["max_m_fp8x"]`` (64) rows, e4m3 weights: ``x`` quantized per row to e4m3 (as the
+      ordinary fp8 Linear quantizes it) and the dot fp8 x fp8, each row's partial sums times its scale.
+
+    ``w8`` ``(N, K)`` fp8, ``scale`` ``(N, 1)`` float32, ``bias`` ``(N,)`` of ``x``'s dtype (a bias of another dtype
+    promotes the output, as the other routes' ``out + bias`` does: None here). The row limits are measured
+    crossovers (:data:`fp8tensor.kernels.W8_MM_CONFIG`). Float32 accumulation; scale and bias applied in float32
+    before the one rounding; fixed summation order (deterministic). Eager: direct launches (the row quantization,
+    the kernel and, for a K split, its reduce launch); traced: the ``triton_op`` ``fp8tensor::w8_mm`` (or
+    ``fp8tensor::w8_mm_fp8x`` after the quantization's plain ops, which inductor fuses into ``x``'s producer), whose
+    traced body adds a K split's partial sums in the graph."""
     if not (kernels.w8_mm_available(x, w8) and scale.dtype == torch.float32 and scale.shape == (w8.shape[0], 1)
             and scale.device == x.device
             and (bias is None or (bias.dim() == 1 and bias.shape[0] == w8.shape[0] and bias.dtype == x.dtype
                                   and bias.device == x.device))):  # (another dtype: promoted by ``out + bias``)
         return None
+    K = x.shape[-1]
+    M = x.shape[0] if x.dim() == 2 else math.prod(x.shape[:-1])
     plain = kernels.PLAIN_TYPES  # (a bias is usually an nn.Parameter)
-    if type(w8) in plain and type(scale) in plain and (bias is None or type(bias) in plain) and (
-            kernels.eager_launch_ok(x)):
-        return kernels.launch_w8_mm(x, w8, scale.contiguous(), None if bias is None else bias.contiguous())
-    if x.dim() == 2:
-        return torch.ops.fp8tensor.w8_mm(x, w8, scale, bias)
-    return torch.ops.fp8tensor.w8_mm(x.reshape(-1, x.shape[-1]), w8, scale, bias).view(*x.shape[:-1], w8.shape[0])
+    eager = (type(w8) in plain and type(scale) in plain and (bias is None or type(bias) in plain)
+             and kernels.eager_launch_ok(x))
+    if M <= kernels.W8_MM_CONFIG["max_m"]:
+        if eager:
+            return kernels.launch_w8_mm(x, w8, scale.contiguous(), None if bias is None else bias.contiguous())
+        if x.dim() == 2:
+            return torch.ops.fp8tensor.w8_mm(x, w8, scale, bias)
+        return torch.ops.fp8tensor.w8_mm(x.reshape(-1, K), w8, scale, bias).view(*x.shape[:-1], w8.shape[0])
+    x2 = x if x.dim() == 2 else x.reshape(-1, K)
+    xq, xs = quantize(x2, -1, E4M3)  # (eager: the row kernel; traced: plain ops for inductor to fuse)
+    if eager:
+        out = kernels.launch_w8_mm(xq, w8, scale.contiguous(), None if bias is None else bias.contiguous(),
+                                   x_scale=xs, out_dtype=x.dtype)
+    else:
+        out = torch.ops.fp8tensor.w8_mm_fp8x(xq, xs, w8, scale, bias, x.dtype)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], w8.shape[0])
+
+
+#: The former name of :func:`decode_mm` (weight-only up to 16 rows; the fp8 x form beyond).
+weight_only_mm = decode_mm
 
 
 def _w8_mm_epilogue(partials: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor],
@@ -436,7 +461,7 @@ if kernels.HAS_TRITON:
     @torch.library.triton_op("fp8tensor::w8_mm", mutates_args=())
     def _w8_mm_op(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
                   bias: Optional[torch.Tensor]) -> torch.Tensor:
-        # weight_only_mm under torch.compile (and under a mode, vmap or a subclass). Traced (AOTAutograd traces a
+        # decode_mm's weight-only form under torch.compile (and under a mode, vmap or a subclass). Traced (AOTAutograd traces a
         # triton_op's body into the graph) with a K split: the kernel's partial sums and their epilogue as plain ops,
         # which inductor fuses into the output's consumer instead of a reduce launch. (Decided here, at AOT time:
         # dynamo would guard on the launch-plan memo.)
@@ -445,6 +470,20 @@ if kernels.HAS_TRITON:
             return _w8_mm_epilogue(kernels.launch_w8_mm_partials(x, w8, traced=True), scale, bias, x.dtype)
         return kernels.launch_w8_mm(x, w8, scale.contiguous(), None if bias is None else bias.contiguous(),
                                     traced=True)
+
+    @torch.library.triton_op("fp8tensor::w8_mm_fp8x", mutates_args=())
+    def _w8_mm_fp8x_op(xq: torch.Tensor, xs: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
+                       bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+        # decode_mm's fp8 x form under torch.compile (and under a mode, vmap or a subclass): xq (M, K) fp8 with row
+        # scales xs (M, 1); traced with a K split, the kernel's partial sums (each row's times its scale) and the
+        # epilogue as plain ops, as fp8tensor::w8_mm.
+        xs = xs.contiguous()
+        if (compat.is_traced(xq) and 1 <= int(xq.shape[0]) <= kernels.W8_MAX_M and w8.shape[0] > 0
+                and kernels.w8_mm_split(int(xq.shape[0]), int(w8.shape[0]), int(xq.shape[1]), xq.device) > 1):
+            return _w8_mm_epilogue(kernels.launch_w8_mm_partials(xq, w8, traced=True, x_scale=xs), scale, bias,
+                                   out_dtype)
+        return kernels.launch_w8_mm(xq, w8, scale.contiguous(), None if bias is None else bias.contiguous(),
+                                    traced=True, x_scale=xs, out_dtype=out_dtype)
 
 
 # ---------------------------------------------------------------------------------------------- grouped (MoE) layouts

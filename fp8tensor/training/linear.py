@@ -18,7 +18,7 @@ from ..core import compat
 from ..subclass.gemm import fp8_mm
 from ..subclass.ops import t_view
 from ..numerics.quantize import (E4M3, FLOAT8_DTYPES, quantize, quantize_dim0_t_after, quantize_token_layouts,
-                                 quantize_tokens, transpose_after, weight_only_mm)
+                                 quantize_tokens, transpose_after, decode_mm)
 from .recipes import Gemm, Recipe, get_recipe
 from ..core.settings import get_config, scope_token, swap_scope
 from ..subclass.tensor import ScaledFp8Tensor, _is_dtensor, make_scaled, map_local, map_local_each, rowwise_dims
@@ -410,13 +410,14 @@ def _inference_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
     """The fp8 Linear with autograd off: :func:`_forward` and the bias, without the ``autograd.Function`` (no context,
     nothing saved). Same ops and bits as :class:`_Fp8Linear`'s forward.
 
-    Decode-sized inputs (up to 32 tokens, 64 for weights of fewer than 12288 output features: ``kernels.w8_max_m``;
-    bf16 / fp16, CUDA) with a row-scaled fp8 weight of their dtype take
-    :func:`fp8tensor.quantize.weight_only_mm` instead, eager and compiled (``fp8tensor.config(weight_only_decode=...)``):
-    ``x`` stays in its precision and the fp8 weight is read once (the step is bound by the weight's bytes)."""
+    Decode-sized inputs (up to 64 tokens: ``kernels.W8_MM_CONFIG``; bf16 / fp16, CUDA) with a row-scaled fp8 weight of
+    their dtype take :func:`fp8tensor.quantize.decode_mm` instead, eager and compiled
+    (``fp8tensor.config(weight_only_decode=...)``): up to 16 tokens ``x`` stays in its precision and the fp8 weight
+    is read once (the step is bound by the weight's bytes); up to 64, ``x`` quantized per row and the small-M GEMM's
+    fp8 x fp8 form, split over K."""
     if (type(weight) is ScaledFp8Tensor and type(x) is torch.Tensor and weight.orig_dtype == x.dtype  # (its dtype)
             and get_config().weight_only_decode):
-        out = weight_only_mm(x, weight.qdata, weight.scale, bias)  # (..., K) as it is: no reshape in eager
+        out = decode_mm(x, weight.qdata, weight.scale, bias)  # (..., K) as it is: no reshape in eager
         if out is not None:
             return out
     wd = weight._data if isinstance(weight, QuantizeOnUse) else weight

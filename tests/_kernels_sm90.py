@@ -122,15 +122,19 @@ def _record_package_tiles(seen: set, launches: list) -> None:
         for M in (1, *sorted(K.W8_MM_CONFIG["tiles"])):
             for N, Kd in ((6144, 4096), (4096, 4096), (14336, 4096), (4096, 14336)):
                 for bias in (None, torch.empty(N, dtype=dtype, device=meta)):
-                    K.launch_w8_mm(torch.empty(M, Kd, dtype=dtype, device=meta),
-                                   torch.empty(N, Kd, dtype=e4m3, device=meta), torch.empty(N, 1, device=meta), bias)
+                    for one in (True, False):  # (eager outside capture: one launch; captured: the split's two)
+                        K.launch_w8_mm(torch.empty(M, Kd, dtype=dtype, device=meta),
+                                       torch.empty(N, Kd, dtype=e4m3, device=meta), torch.empty(N, 1, device=meta),
+                                       bias, one_launch=one)
                     if bias is None and K.w8_mm_split(M, N, Kd, meta) > 1:  # the traced K split's partial sums
                         K.launch_w8_mm_partials(torch.empty(M, Kd, dtype=dtype, device=meta),
                                                 torch.empty(N, Kd, dtype=e4m3, device=meta))
                     if "x_scale" in K.launch_w8_mm.__kwdefaults__:  # an fp8 x: the dot fp8 x fp8
-                        K.launch_w8_mm(torch.empty(M, Kd, dtype=e4m3, device=meta),
-                                       torch.empty(N, Kd, dtype=e4m3, device=meta), torch.empty(N, 1, device=meta),
-                                       bias, x_scale=torch.empty(M, 1, device=meta), out_dtype=dtype)
+                        for one in (True, False):
+                            K.launch_w8_mm(torch.empty(M, Kd, dtype=e4m3, device=meta),
+                                           torch.empty(N, Kd, dtype=e4m3, device=meta),
+                                           torch.empty(N, 1, device=meta), bias,
+                                           x_scale=torch.empty(M, 1, device=meta), out_dtype=dtype, one_launch=one)
                         if bias is None and K.w8_mm_split(M, N, Kd, meta) > 1:
                             K.launch_w8_mm_partials(torch.empty(M, Kd, dtype=e4m3, device=meta),
                                                     torch.empty(N, Kd, dtype=e4m3, device=meta),

@@ -58,6 +58,8 @@ def _check(seed, M, N, K, dtype, bias, tiles=None):
     case = (seed, M, N, K, dtype, bias, "split", plan[3])
     assert out.shape == (M, N) and out.dtype == dtype, case
     assert torch.equal(kernels.launch_w8_mm(x, q, s, b, tiles=tiles), out), case  # fixed summation order
+    # eager outside capture: one launch adding the slices itself; the split's two launches give the same bits
+    assert torch.equal(kernels.launch_w8_mm(x, q, s, b, tiles=tiles, one_launch=False), out), case
     if M == 0:
         return plan[3]
     ref, bound, u = _bound(x, q.double() * s.double(), b, dtype)
@@ -81,6 +83,8 @@ def _check_fp8_x(seed, M, N, K, dtype, bias, tiles=None):
     case = (seed, M, N, K, dtype, bias, "fp8 x", "split", plan[3])
     assert out.shape == (M, N) and out.dtype == dtype, case
     assert torch.equal(kernels.launch_w8_mm(xq, q, s, b, tiles=tiles, x_scale=xs, out_dtype=dtype), out), case
+    assert torch.equal(kernels.launch_w8_mm(xq, q, s, b, tiles=tiles, x_scale=xs, out_dtype=dtype,
+                                            one_launch=False), out), case
     if plan[3] > 1:  # the partial sums alone (each row's times its scale): summed, scaled and biased as the reduce does
         parts = kernels.launch_w8_mm_partials(xq, q, x_scale=xs, tiles=tiles)
         assert parts.shape == (plan[3], M, N) and parts.dtype == torch.float32, case

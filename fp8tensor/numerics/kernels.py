@@ -847,23 +847,11 @@ def launch_group_cols_t(x: torch.Tensor, ends: torch.Tensor, dst: torch.Tensor, 
 if _HAS_TRITON:
 
     @triton.jit
-    def _w8_mm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, M, N, K, K_PER, stride_xm, stride_wn, stride_om,
-                      stride_os, HAS_BIAS: tl.constexpr, FINAL: tl.constexpr, X_TY: tl.constexpr,
-                      O_TY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      N_MAJOR: tl.constexpr = False, xs_ptr=None, X_FP8: tl.constexpr = False,
-                      SWAP_AB: tl.constexpr = False):
-        # Program (n, s): output columns [n * BLOCK_N, ...) over the K slice s, all M rows; the fp8 weight widened
-        # to x's dtype (exact) with fp32 accumulation. X_FP8: x is fp8 too (row scales xs), the dot fp8 x fp8 with
-        # fp32 accumulation and each row's partial sum times its scale. FINAL: scales (and bias) applied and stored,
-        # else the fp32 partial sum goes to slice s of the workspace. SWAP_AB: the product taken as w @ x.T, the
-        # weight tile the MMA's row side (widened in registers, wgmma's register operand) and the tokens its column
-        # side, the (BLOCK_N, BLOCK_M) result transposed in registers for the same epilogue.
-        pid_n = tl.program_id(0)
-        pid_s = tl.program_id(1)
-        rm = tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
-        k_start = pid_s * K_PER
+    def _w8_mm_slice(x_ptr, w_ptr, xs_ptr, rm, rn, rk, k_start, M, N, K, K_PER, stride_xm, stride_wn,
+                     X_TY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     N_MAJOR: tl.constexpr, X_FP8: tl.constexpr, SWAP_AB: tl.constexpr):
+        # The float32 partial sum (BLOCK_M, BLOCK_N) of x @ w.T over K slice [k_start, k_start + K_PER), each row
+        # times its scale for an fp8 x.
         if SWAP_AB:
             acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             for kk in range(0, K_PER, BLOCK_K):
@@ -895,6 +883,35 @@ if _HAS_TRITON:
                     acc += tl.dot(x.to(X_TY), w.to(X_TY))
         if X_FP8:
             acc = acc * tl.load(xs_ptr + rm, mask=rm < M, other=0.0)[:, None]
+        return acc
+
+    @triton.jit
+    def _w8_mm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, M, N, K, K_PER, stride_xm, stride_wn, stride_om,
+                      stride_os, HAS_BIAS: tl.constexpr, FINAL: tl.constexpr, X_TY: tl.constexpr,
+                      O_TY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      N_MAJOR: tl.constexpr = False, xs_ptr=None, X_FP8: tl.constexpr = False,
+                      SWAP_AB: tl.constexpr = False, ONE_LAUNCH: tl.constexpr = False):
+        # Program (n, s): output columns [n * BLOCK_N, ...) over the K slice s, all M rows; the fp8 weight widened
+        # to x's dtype (exact) with fp32 accumulation. X_FP8: x is fp8 too (row scales xs), the dot fp8 x fp8 with
+        # fp32 accumulation and each row's partial sum times its scale. FINAL: scales (and bias) applied and stored,
+        # else the fp32 partial sum goes to slice s of the workspace. SWAP_AB: the product taken as w @ x.T, the
+        # weight tile the MMA's row side and the tokens its column side, the (BLOCK_N, BLOCK_M) result transposed in
+        # registers for the same epilogue. ONE_LAUNCH (with FINAL; grid (n, 1)): the program computes every K slice
+        # of K_PER in turn and adds their partial sums in slice order, from zero, as the reduce kernel does: the
+        # same bits as the split and its reduce launch, in one launch (less parallelism).
+        pid_n = tl.program_id(0)
+        pid_s = tl.program_id(1)
+        rm = tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        if ONE_LAUNCH:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for ks in range(0, K, K_PER):
+                acc += _w8_mm_slice(x_ptr, w_ptr, xs_ptr, rm, rn, rk, ks, M, N, K, K_PER, stride_xm, stride_wn,
+                                    X_TY, BLOCK_M, BLOCK_N, BLOCK_K, N_MAJOR, X_FP8, SWAP_AB)
+        else:
+            acc = _w8_mm_slice(x_ptr, w_ptr, xs_ptr, rm, rn, rk, pid_s * K_PER, M, N, K, K_PER, stride_xm, stride_wn,
+                               X_TY, BLOCK_M, BLOCK_N, BLOCK_K, N_MAJOR, X_FP8, SWAP_AB)
         omask = (rm[:, None] < M) & (rn[None, :] < N)
         if FINAL:
             s = tl.load(s_ptr + rn, mask=rn < N, other=0.0)
@@ -1043,15 +1060,20 @@ def launch_w8_mm_partials(x: torch.Tensor, w8: torch.Tensor, *, traced: bool = F
 
 
 def _w8_mm_launch(M: int, N: int, K: int, device: torch.device, dtype: torch.dtype, has_bias: bool, x_fp8: bool,
-                  tiles=None) -> tuple:
-    """What :func:`launch_w8_mm` passes its launches besides the tensors: ``(grid, split, k_per, consts, warps,
-    stages, reduce grid, reduce consts)``, a pure function of its arguments (memoized in ``_W8_LAUNCHES`` per device,
-    shape, output dtype, bias and fp8 ``x``: the eager call builds no dicts)."""
+                  tiles=None, one_launch: bool = False) -> tuple:
+    """What :func:`launch_w8_mm` passes its launches besides the tensors: ``(grid, launches' split, k_per, consts,
+    warps, stages, reduce grid, reduce consts)``, a pure function of its arguments (memoized in ``_W8_LAUNCHES`` per
+    device, shape, output dtype, bias, fp8 ``x`` and ``one_launch``: the eager call builds no dicts). ``one_launch``
+    with a K split: one program per column block adds the slices itself (the same bits; the split given as 1, no
+    workspace and no reduce launch)."""
     bm, c, grid, split, k_per = _w8_mm_plan(M, N, K, device, tiles)
+    one = one_launch and split > 1
+    if one:
+        grid, split = (grid[0], 1), 1
     ty = _tl_dtype(dtype)
     consts = dict(HAS_BIAS=has_bias, FINAL=split == 1, X_TY=ty, O_TY=ty, BLOCK_M=bm, BLOCK_N=c["block_n"],
                   BLOCK_K=c["block_k"], N_MAJOR=c.get("n_major", False), X_FP8=x_fp8,
-                  SWAP_AB=c.get("swap_ab", False))
+                  SWAP_AB=c.get("swap_ab", False), ONE_LAUNCH=one)
     rblock = W8_MM_CONFIG["reduce_block"]
     rconsts = dict(SPLIT=split, HAS_BIAS=has_bias, O_TY=ty, BLOCK=rblock)
     return (grid, split, k_per, LaunchConsts(consts), c["warps"], c["stages"],
@@ -1060,7 +1082,7 @@ def _w8_mm_launch(M: int, N: int, K: int, device: torch.device, dtype: torch.dty
 
 #: Memo of :func:`_w8_mm_launch` (bounded; a pure function of its key).
 _W8_LAUNCHES: dict = {}
-#: The eager launches' plans by ``(x.shape, N, x.dtype, device, bias or not)``: ``(output shape, whether x is 2-D
+#: The eager launches' plans by ``(x.shape, N, x.dtype, device, bias or not, one launch)``: ``(output shape, whether x is 2-D
 #: (else a contiguous ``(..., K)``), M, N, K, the :func:`_w8_mm_launch` tuple)``, a pure function of the key
 #: (bounded). Filled by :func:`launch_w8_mm` after a call of that key passed its checks (M, N >= 1), so a hit
 #: checks only what the key does not fix (a ``(..., K)`` x's contiguity).
@@ -1085,7 +1107,7 @@ def _w8_mm_run(x, w8, scale, bias, shape, two_d, M, N, K, launch) -> torch.Tenso
 
 def launch_w8_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor],
                  *, traced: bool = False, tiles=None, x_scale: Optional[torch.Tensor] = None,
-                 out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                 out_dtype: torch.dtype = torch.bfloat16, one_launch: Optional[bool] = None) -> torch.Tensor:
     """``(x @ w8.T) * scale.T (+ bias)`` ``(M, N)`` in ``x``'s dtype, reading the fp8 weight ``w8`` ``(N, K)`` once.
 
     Args:
@@ -1101,18 +1123,24 @@ def launch_w8_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: O
         x_scale: ``(M, 1)`` contiguous float32 row scales of an fp8 ``x`` (quantized per row): the product
             ``((x * x_scale) @ (w8 * scale).T) (+ bias)`` in ``out_dtype`` (bf16 / fp16), the dot fp8 x fp8 (the
             dual-fp8 GEMM of cuBLAS, with the K split for small M).
+        one_launch: whether a K split runs as one launch, each program adding its column block's slices in turn
+            (the same bits as the split's two launches, with less parallelism: one launch less of host time where
+            the host, not the GPU, bounds the step). None (default): eagerly outside CUDA graph capture (an eager
+            step is bound by its launches' host time); traced or captured, the split and its reduce launch.
 
     Float32 accumulation; scale and bias applied in float32 before the one rounding. Split over K in fixed order
     (deterministic) so small N still uses every SM; the float32 partial sums of a split are added by a second launch
-    (:func:`launch_w8_mm_partials`: the partial sums alone).
+    (:func:`launch_w8_mm_partials`: the partial sums alone) or, with ``one_launch``, in the same launch.
 
     Raises:
         ValueError: ``M`` exceeds the largest row block; ``x`` not 2-D and not contiguous; an fp8 ``x`` without
             ``x_scale`` as above, of another fp8 dtype than ``w8``, or a ``out_dtype`` other than bf16 / fp16;
             ``x_scale`` with a high-precision ``x``.
     """
+    if one_launch is None:
+        one_launch = not traced and not (x.is_cuda and torch.cuda.is_current_stream_capturing())
     if not traced and tiles is None and x_scale is None:  # eager: the plan of this x shape, if one was made
-        plan = _W8_EAGER.get((x.shape, w8.shape[0], x.dtype, x.device, bias is not None))
+        plan = _W8_EAGER.get((x.shape, w8.shape[0], x.dtype, x.device, bias is not None, one_launch))
         if plan is not None and (plan[1] or x.is_contiguous()):
             return _w8_mm_run(x, w8, scale, bias, *plan)
     K, N = int(x.shape[-1]), int(w8.shape[0])  # (specialized under torch.compile)
@@ -1141,10 +1169,10 @@ def launch_w8_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: O
     if M == 0 or N == 0:
         return out
     has_bias = bias is not None
-    key = (x.device, M, N, K, dtype, has_bias, x_fp8)
+    key = (x.device, M, N, K, dtype, has_bias, x_fp8, one_launch)
     launch = _W8_LAUNCHES.get(key) if tiles is None else None
     if launch is None:
-        launch = _w8_mm_launch(M, N, K, x.device, dtype, has_bias, x_fp8, tiles)
+        launch = _w8_mm_launch(M, N, K, x.device, dtype, has_bias, x_fp8, tiles, one_launch)
         if tiles is None:
             if len(_W8_LAUNCHES) >= 4096:
                 _W8_LAUNCHES.clear()
@@ -1152,7 +1180,7 @@ def launch_w8_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: O
     if not (x_fp8 or traced or tiles is not None):
         if len(_W8_EAGER) >= 4096:
             _W8_EAGER.clear()
-        _W8_EAGER[(x.shape, N, dtype, x.device, has_bias)] = (shape, x.dim() == 2, M, N, K, launch)
+        _W8_EAGER[(x.shape, N, dtype, x.device, has_bias, one_launch)] = (shape, x.dim() == 2, M, N, K, launch)
     grid, split, k_per, consts, warps, stages, rgrid, rconsts = launch
     b = bias if has_bias else scale  # (scale (N, 1) and x_scale (M, 1) contiguous: the kernels read them flat)
     ws = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)

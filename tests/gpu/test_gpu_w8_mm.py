@@ -121,6 +121,26 @@ def test_cuda_graph_capture(monkeypatch):
             assert torch.equal(out, ri)
 
 
+@pytest.mark.parametrize("M", [1, 8, 40])
+def test_eager_one_launch_same_bits_as_the_split(monkeypatch, M):
+    """Eagerly, outside CUDA graph capture, a K-split decode GEMM runs as one launch (each program adds its column
+    block's slices in slice order): the same bits as the split's kernel and reduce launches, bf16 and fp8 x."""
+    torch.manual_seed(M)
+    N, K = 1024, 4096
+    x, q, s, b = _operands(M, N, K, torch.bfloat16, True, M)
+    assert kernels.w8_mm_split(M, N, K, x.device) > 1
+    launches = []
+    real = kernels._launch
+    monkeypatch.setattr(kernels, "_launch", lambda fn, *a, **k: launches.append(fn) or real(fn, *a, **k))
+    out = kernels.launch_w8_mm(x, q, s, b)
+    assert launches == [kernels._w8_mm_kernel]
+    assert torch.equal(kernels.launch_w8_mm(x, q, s, b, one_launch=False), out)
+    assert launches[1:] == [kernels._w8_mm_kernel, kernels._w8_mm_reduce_kernel]
+    xq, xs = quantize(x, -1)
+    f8 = kernels.launch_w8_mm(xq, q, s, b, x_scale=xs, out_dtype=torch.bfloat16)
+    assert torch.equal(kernels.launch_w8_mm(xq, q, s, b, x_scale=xs, out_dtype=torch.bfloat16, one_launch=False), f8)
+
+
 @pytest.mark.parametrize("shape", [(2, 3), (1, 1), (4, 8)])
 def test_batched_input_as_its_rows(shape):
     """A quantize_weights Linear given a contiguous ``(..., K)`` decode input launches the decode GEMM on it as it is

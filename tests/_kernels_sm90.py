@@ -137,8 +137,7 @@ def _record_package_tiles(seen: set, launches: list) -> None:
                                            x_scale=torch.empty(M, 1, device=meta), out_dtype=dtype, one_launch=one)
                         if bias is None and K.w8_mm_split(M, N, Kd, meta) > 1:
                             K.launch_w8_mm_partials(torch.empty(M, Kd, dtype=e4m3, device=meta),
-                                                    torch.empty(N, Kd, dtype=e4m3, device=meta),
-                                                    x_scale=torch.empty(M, 1, device=meta))
+                                                    torch.empty(N, Kd, dtype=e4m3, device=meta))
 
 
 def _run_main(name: str, seed: int) -> None:

@@ -85,13 +85,13 @@ def _check_fp8_x(seed, M, N, K, dtype, bias, tiles=None):
     assert torch.equal(kernels.launch_w8_mm(xq, q, s, b, tiles=tiles, x_scale=xs, out_dtype=dtype), out), case
     assert torch.equal(kernels.launch_w8_mm(xq, q, s, b, tiles=tiles, x_scale=xs, out_dtype=dtype,
                                             one_launch=False), out), case
-    if plan[3] > 1:  # the partial sums alone (each row's times its scale): summed, scaled and biased as the reduce does
-        parts = kernels.launch_w8_mm_partials(xq, q, x_scale=xs, tiles=tiles)
+    if plan[3] > 1:  # the partial sums alone (unscaled): summed, scaled and biased as the reduce does
+        parts = kernels.launch_w8_mm_partials(xq, q, tiles=tiles)
         assert parts.shape == (plan[3], M, N) and parts.dtype == torch.float32, case
         acc = parts[0]
         for p in parts[1:]:
             acc = acc + p
-        acc = acc * s.reshape(1, -1) + (0 if b is None else b.float())
+        acc = acc * xs * s.reshape(1, -1) + (0 if b is None else b.float())
         if dtype == torch.float16:  # (bf16: the interpreter's cast truncates, torch's rounds)
             assert torch.equal(acc.to(dtype), out), case
         else:

@@ -10,6 +10,7 @@ import torch.nn as nn
 
 import fp8tensor
 import fp8tensor.linear as linear_mod
+from fp8tensor import ScaledFp8Tensor
 from conftest import E4M3_GEMM_BOUND, rel_err, same_bits
 
 
@@ -131,6 +132,35 @@ def test_eager_decode_quantizes_x_past_max_m(monkeypatch, rows):
         q, s = quantize(x.reshape(rows, 64), -1)
         assert xk.shape == (rows, 64) and xs.shape == (rows, 1) and out_dtype == torch.bfloat16
         assert same_bits(xk.view(torch.uint8), q.view(torch.uint8)) and same_bits(xs, s)
+
+
+@pytest.mark.parametrize("rows", [8, 40])
+def test_decode_route_keeps_x_unquantized_for_a_high_precision_output_recipe(monkeypatch, rows):
+    """A recipe whose output GEMM is high precision never rounds ``x``: the decode route's weight-only form up to
+    ``max_m`` rows, and past that the ordinary route (its high-precision GEMM), not the fp8 x fp8 form. Availability
+    and the launch are recorders here (the kernels are CUDA-only)."""
+    from fp8tensor.numerics import kernels
+    from fp8tensor.training.recipes import Gemm, Recipe
+
+    seen = []
+
+    def launch(x, w8, scale, b, *, traced=False, x_scale=None, out_dtype=torch.bfloat16, **kw):
+        seen.append(x_scale)
+        return torch.zeros(*x.shape[:-1], w8.shape[0], dtype=x.dtype)
+
+    monkeypatch.setattr(kernels, "w8_mm_available", lambda x, w8: True)
+    monkeypatch.setattr(kernels, "launch_w8_mm", launch)
+    torch.manual_seed(rows)
+    w = ScaledFp8Tensor.from_hp(torch.randn(32, 64, dtype=torch.bfloat16))
+    x = torch.randn(rows, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        y = fp8tensor.fp8_linear(x, w, recipe=Recipe("hp_output", output=Gemm("hp", "hp")))
+    if rows <= kernels.W8_MM_CONFIG["max_m"]:
+        assert seen == [None]
+    else:
+        assert seen == []
+        ref = x.double() @ w.to_hp(torch.float64).t()
+        assert rel_err(y, ref) < 1e-2  # (no activation rounding: bf16's own)
 
 
 @pytest.mark.parametrize("bias_dtype", [torch.float32, torch.float16])

@@ -850,8 +850,7 @@ if _HAS_TRITON:
     def _w8_mm_slice(x_ptr, w_ptr, xs_ptr, rm, rn, rk, k_start, M, N, K, K_PER, stride_xm, stride_wn,
                      X_TY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      N_MAJOR: tl.constexpr, X_FP8: tl.constexpr, SWAP_AB: tl.constexpr):
-        # The float32 partial sum (BLOCK_M, BLOCK_N) of x @ w.T over K slice [k_start, k_start + K_PER), each row
-        # times its scale for an fp8 x.
+        # The float32 partial sum (BLOCK_M, BLOCK_N) of x @ w.T over K slice [k_start, k_start + K_PER), unscaled.
         if SWAP_AB:
             acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             for kk in range(0, K_PER, BLOCK_K):
@@ -881,8 +880,6 @@ if _HAS_TRITON:
                     acc += tl.dot(x, w)
                 else:
                     acc += tl.dot(x.to(X_TY), w.to(X_TY))
-        if X_FP8:
-            acc = acc * tl.load(xs_ptr + rm, mask=rm < M, other=0.0)[:, None]
         return acc
 
     @triton.jit
@@ -893,12 +890,13 @@ if _HAS_TRITON:
                       SWAP_AB: tl.constexpr = False, ONE_LAUNCH: tl.constexpr = False):
         # Program (n, s): output columns [n * BLOCK_N, ...) over the K slice s, all M rows; the fp8 weight widened
         # to x's dtype (exact) with fp32 accumulation. X_FP8: x is fp8 too (row scales xs), the dot fp8 x fp8 with
-        # fp32 accumulation and each row's partial sum times its scale. FINAL: scales (and bias) applied and stored,
-        # else the fp32 partial sum goes to slice s of the workspace. SWAP_AB: the product taken as w @ x.T, the
-        # weight tile the MMA's row side and the tokens its column side, the (BLOCK_N, BLOCK_M) result transposed in
-        # registers for the same epilogue. ONE_LAUNCH (with FINAL; grid (n, 1)): the program computes every K slice
-        # of K_PER in turn and adds their partial sums in slice order, from zero, as the reduce kernel does: the
-        # same bits as the split and its reduce launch, in one launch (less parallelism).
+        # fp32 accumulation. FINAL: the row scales of an fp8 x, then the weight's scales (and bias) applied and
+        # stored, else the unscaled fp32 partial sum goes to slice s of the workspace (the reduce kernel applies the
+        # scales after the sum, in the same order). SWAP_AB: the product taken as w @ x.T, the weight tile the MMA's
+        # row side and the tokens its column side, the (BLOCK_N, BLOCK_M) result transposed in registers for the
+        # same epilogue. ONE_LAUNCH (with FINAL; grid (n, 1)): the program computes every K slice of K_PER in turn
+        # and adds their partial sums in slice order, from zero, as the reduce kernel does (plain adds, nothing to
+        # fuse into a multiply-add): the same bits as the split and its reduce launch, in one launch.
         pid_n = tl.program_id(0)
         pid_s = tl.program_id(1)
         rm = tl.arange(0, BLOCK_M)
@@ -914,6 +912,8 @@ if _HAS_TRITON:
                                X_TY, BLOCK_M, BLOCK_N, BLOCK_K, N_MAJOR, X_FP8, SWAP_AB)
         omask = (rm[:, None] < M) & (rn[None, :] < N)
         if FINAL:
+            if X_FP8:
+                acc = acc * tl.load(xs_ptr + rm, mask=rm < M, other=0.0)[:, None]
             s = tl.load(s_ptr + rn, mask=rn < N, other=0.0)
             acc = acc * s[None, :]
             if HAS_BIAS:
@@ -924,13 +924,16 @@ if _HAS_TRITON:
 
     @triton.jit
     def _w8_mm_reduce_kernel(ws_ptr, s_ptr, b_ptr, o_ptr, MN, N, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                             O_TY: tl.constexpr, BLOCK: tl.constexpr):
-        # out = (sum over the SPLIT partial sums) * scale[n] (+ bias[n]), fixed summation order: deterministic
+                             O_TY: tl.constexpr, BLOCK: tl.constexpr, xs_ptr=None, X_FP8: tl.constexpr = False):
+        # out = (sum over the SPLIT partial sums) (* xs[m]) * scale[n] (+ bias[n]), fixed summation order:
+        # deterministic
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < MN
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
         for s in tl.static_range(SPLIT):
             acc += tl.load(ws_ptr + s * MN + offs, mask=mask, other=0.0)
+        if X_FP8:
+            acc = acc * tl.load(xs_ptr + offs // N, mask=mask, other=0.0)
         n = offs % N
         acc = acc * tl.load(s_ptr + n, mask=mask, other=0.0)
         if HAS_BIAS:
@@ -1010,29 +1013,27 @@ def _w8_mm_plan(M: int, N: int, K: int, device: torch.device, tiles=None) -> tup
 
 def w8_mm_split(M: int, N: int, K: int, device: torch.device) -> int:
     """How many K slices :func:`launch_w8_mm` splits an ``(M, K) x (N, K)^T`` product into (CUDA ``device``;
-    1: its kernel writes the output, else its float32 partial sums are added by a second launch, or in the traced
-    graph: :func:`launch_w8_mm_partials`)."""
+    1: its kernel writes the output, else its float32 partial sums are added by a second launch, by the same launch
+    (``one_launch``), or in the traced graph: :func:`launch_w8_mm_partials`)."""
     return _w8_mm_plan(M, N, K, device)[3]
 
 
-def launch_w8_mm_partials(x: torch.Tensor, w8: torch.Tensor, *, traced: bool = False,
-                          x_scale: Optional[torch.Tensor] = None, tiles=None) -> torch.Tensor:
+def launch_w8_mm_partials(x: torch.Tensor, w8: torch.Tensor, *, traced: bool = False, tiles=None) -> torch.Tensor:
     """The float32 partial sums ``(split, M, N)`` of :func:`launch_w8_mm`'s K split, unscaled: slice ``s`` is
     ``x[:, Ks] @ w8[:, Ks].T`` over the ``s``-th K slice (``split = w8_mm_split(M, N, K, x.device)``). Summed in slice
-    order, times the weight's row scales (and plus the bias) in float32, then rounded to ``x``'s dtype, they give
-    :func:`launch_w8_mm`'s output: what its reduce launch computes. The traced no-grad Linear sums them in the
-    graph, where inductor fuses the sum, the scales and the bias into the output's consumer instead of a launch
-    of their own.
+    order, times an fp8 ``x``'s row scales, times the weight's row scales (and plus the bias) in float32, then
+    rounded to the output dtype, they give :func:`launch_w8_mm`'s output: what its reduce launch computes. The traced
+    no-grad Linear sums them in the graph, where inductor fuses the sum, the scales and the bias into the output's
+    consumer instead of a launch of their own.
 
     Args:
-        x: ``(M, K)`` bf16 / fp16 with unit last stride, ``1 <= M <= 128``; or fp8 of ``w8``'s dtype with
-            ``x_scale``, its ``(M, 1)`` contiguous float32 row scales (each row's partial sums are then times its
-            scale: the slices of :func:`launch_w8_mm`'s fp8 ``x`` product). w8: ``(N, K)`` fp8, unit last stride.
+        x: ``(M, K)`` bf16 / fp16, or fp8 of ``w8``'s dtype (the dot fp8 x fp8), with unit last stride,
+            ``1 <= M <= 128``. w8: ``(N, K)`` fp8, unit last stride.
         traced: the body of a ``triton_op`` (``wrap_triton``).
         tiles: one row block's tile dict instead of the table's (tile sweeps).
 
     Raises:
-        ValueError: ``x`` not 2-D, ``M`` outside ``[1, 128]``, an fp8 ``x`` without ``x_scale`` as above, or
+        ValueError: ``x`` not 2-D, ``M`` outside ``[1, 128]``, an fp8 ``x`` of another dtype than ``w8``, or
             ``split`` is 1 (call :func:`launch_w8_mm`).
     """
     if x.dim() != 2 or not 1 <= int(x.shape[0]) <= _W8_MAX_M:
@@ -1040,20 +1041,17 @@ def launch_w8_mm_partials(x: torch.Tensor, w8: torch.Tensor, *, traced: bool = F
                          f"{tuple(x.shape)}")
     M, K, N = int(x.shape[0]), int(x.shape[1]), int(w8.shape[0])
     x_fp8 = x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-    if x_fp8 != (x_scale is not None) or x_fp8 and not (
-            x.dtype == w8.dtype and x_scale.dtype == torch.float32 and tuple(x_scale.shape) == (M, 1)
-            and x_scale.is_contiguous()):
-        raise ValueError(f"fp8tensor launch_w8_mm_partials: x_scale ({M}, 1) contiguous float32 goes with an fp8 x "
-                         f"of the weight's dtype ({w8.dtype}); got x {x.dtype}, x_scale "
-                         f"{None if x_scale is None else (x_scale.dtype, tuple(x_scale.shape))}")
+    if x_fp8 and x.dtype != w8.dtype:
+        raise ValueError(f"fp8tensor launch_w8_mm_partials: an fp8 x ({x.dtype}) needs the weight's fp8 dtype "
+                         f"({w8.dtype})")
     grid, split, k_per, consts, warps, stages, _, _ = _w8_mm_launch(
         M, N, K, x.device, torch.float32 if x_fp8 else x.dtype, False, x_fp8, tiles)
     if split == 1:
         raise ValueError(f"fp8tensor launch_w8_mm_partials: ({M}, {K}) x ({N}, {K})^T is not split over K; call "
                          "launch_w8_mm")
     ws = torch.empty(split, M, N, dtype=torch.float32, device=x.device)
-    if x_fp8 or traced:  # inductor (torch 2.11) launches a user kernel with every parameter: xs_ptr unread if not fp8
-        consts = {**consts, "xs_ptr": x_scale if x_fp8 else ws}
+    if traced:  # inductor (torch 2.11) launches a user kernel with every parameter: xs_ptr unread (no scales here)
+        consts = {**consts, "xs_ptr": ws}
     args = (x, w8, ws, ws, ws, M, N, K, k_per, x.stride(0), w8.stride(0), N, M * N)  # (s_ptr, b_ptr unread)
     _launch(_w8_mm_kernel, grid, args, consts, warps, x.device, stages, traced=traced)
     return ws
@@ -1075,7 +1073,7 @@ def _w8_mm_launch(M: int, N: int, K: int, device: torch.device, dtype: torch.dty
                   BLOCK_K=c["block_k"], N_MAJOR=c.get("n_major", False), X_FP8=x_fp8,
                   SWAP_AB=c.get("swap_ab", False), ONE_LAUNCH=one)
     rblock = W8_MM_CONFIG["reduce_block"]
-    rconsts = dict(SPLIT=split, HAS_BIAS=has_bias, O_TY=ty, BLOCK=rblock)
+    rconsts = dict(SPLIT=split, HAS_BIAS=has_bias, O_TY=ty, BLOCK=rblock, X_FP8=x_fp8)
     return (grid, split, k_per, LaunchConsts(consts), c["warps"], c["stages"],
             ((M * N + rblock - 1) // rblock,), LaunchConsts(rconsts))
 
@@ -1112,7 +1110,8 @@ def launch_w8_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: O
 
     Args:
         x: ``(M, K)`` bf16 / fp16, unit last stride, ``0 <= M <=`` the largest row block of ``W8_MM_CONFIG["tiles"]``
-            (128); the no-grad Linear takes it up to ``W8_MM_CONFIG["max_m"]`` rows (check :func:`w8_mm_available`).
+            (128); the no-grad Linear takes it up to ``W8_MM_CONFIG["max_m"]`` rows, and with an fp8 ``x`` up to
+            ``max_m_fp8x`` (check :func:`w8_mm_available`).
             A contiguous ``(..., K)`` is taken as its ``M`` rows and gives ``(..., N)``.
             Or fp8 of ``w8``'s dtype with ``x_scale``: see below.
         w8: ``(N, K)`` fp8 (e4m3 / e5m2), unit last stride, on ``x``'s device.
@@ -1173,6 +1172,10 @@ def launch_w8_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: O
     launch = _W8_LAUNCHES.get(key) if tiles is None else None
     if launch is None:
         launch = _w8_mm_launch(M, N, K, x.device, dtype, has_bias, x_fp8, tiles, one_launch)
+        if one_launch and not traced and launch[3] != _w8_mm_plan(M, N, K, x.device, tiles)[3]:
+            # The split's launches once as well (the result dropped): a CUDA graph captured after an eager warm-up
+            # launches them, and loading a kernel's module while a stream captures is not permitted.
+            launch_w8_mm(x, w8, scale, bias, tiles=tiles, x_scale=x_scale, out_dtype=out_dtype, one_launch=False)
         if tiles is None:
             if len(_W8_LAUNCHES) >= 4096:
                 _W8_LAUNCHES.clear()
@@ -1186,6 +1189,7 @@ def launch_w8_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: O
     ws = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
     if x_fp8 or traced:  # inductor (torch 2.11) launches a user kernel with every parameter: xs_ptr unread if not fp8
         consts = {**consts, "xs_ptr": x_scale if x_fp8 else scale}
+        rconsts = {**rconsts, "xs_ptr": x_scale if x_fp8 else scale}
     args = (x, w8, scale, b, ws, M, N, K, k_per, stride_xm, w8.stride(0), N, M * N)
     _launch(_w8_mm_kernel, grid, args, consts, warps, x.device, stages, traced=traced)
     if split > 1:

@@ -392,7 +392,7 @@ if not kernels.HAS_TRITON:  # a triton_op is its own fake kernel; the plain cust
 
 # ---------------------------------------------------------------------------------------------- small-M GEMM
 def decode_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
-              bias: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+              bias: Optional[torch.Tensor] = None, *, fp8_x: bool = True) -> Optional[torch.Tensor]:
     """``x @ (w8 * scale).T + bias`` ``(..., N)`` in ``x``'s dtype for a decode-sized ``x`` ``(..., K)`` (bf16 / fp16,
     CUDA with Triton): the no-grad Linear's decode route, by the small-M fp8-weight GEMM of
     :mod:`fp8tensor.kernels`, split over K where cuBLAS's row-scaled fp8 GEMM is not. None where it does not run
@@ -400,8 +400,9 @@ def decode_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
 
     * Up to ``W8_MM_CONFIG["max_m"]`` (16) rows: weight-only. ``x`` stays in its precision and the fp8 weight is
       widened in registers (exact), so the only rounding is the output's; the GEMM reads the weight once.
-    * Up to ``W8_MM_CONFIG["max_m_fp8x"]`` (64) rows, e4m3 weights: ``x`` quantized per row to e4m3 (as the
-      ordinary fp8 Linear quantizes it) and the dot fp8 x fp8, each row's partial sums times its scale.
+    * Up to ``W8_MM_CONFIG["max_m_fp8x"]`` (64) rows, e4m3 weights and ``fp8_x`` (the caller's recipe quantizes
+      ``x`` for this GEMM): ``x`` quantized per row to e4m3 (as the ordinary fp8 Linear quantizes it) and the dot
+      fp8 x fp8, the sum over K times each row's scale.
 
     ``w8`` ``(N, K)`` fp8, ``scale`` ``(N, 1)`` float32, ``bias`` ``(N,)`` of ``x``'s dtype (a bias of another dtype
     promotes the output, as the other routes' ``out + bias`` does: None here). The row limits are measured
@@ -426,6 +427,8 @@ def decode_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
         if x.dim() == 2:
             return torch.ops.fp8tensor.w8_mm(x, w8, scale, bias)
         return torch.ops.fp8tensor.w8_mm(x.reshape(-1, K), w8, scale, bias).view(*x.shape[:-1], w8.shape[0])
+    if not fp8_x:
+        return None
     x2 = x if x.dim() == 2 else x.reshape(-1, K)
     xq, xs = quantize(x2, -1, E4M3)  # (eager: the row kernel; traced: plain ops for inductor to fuse)
     if eager:
@@ -441,15 +444,17 @@ weight_only_mm = decode_mm
 
 
 def _w8_mm_epilogue(partials: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor],
-                    dtype: torch.dtype) -> torch.Tensor:
+                    dtype: torch.dtype, x_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The decode GEMM's output from its K split's float32 partial sums ``(split, M, N)`` (traced): added in slice
-    order, times the weight's row scales, plus the bias, in float32, rounded once to ``dtype`` (the reduce
-    kernel's operations in its order). Plain ops, which inductor fuses into the output's consumer where it can; a
+    order, times an fp8 x's row scales ``x_scale`` ``(M, 1)`` if given, times the weight's row scales, plus the
+    bias, in float32, rounded once to ``dtype`` (the reduce kernel's operations in its order). Plain ops, which inductor fuses into the output's consumer where it can; a
     fused consumer reads the float32 value before that rounding (inductor's treatment of a cast between fused ops,
     as in any compiled bf16 model), so a compiled model's later layers may differ from eager's by bf16 roundings."""
     acc = partials[0]
     for s in range(1, partials.shape[0]):
         acc = acc + partials[s]
+    if x_scale is not None:  # an fp8 x's row scales (M, 1), after the sum as the reduce kernel applies them
+        acc = acc * x_scale
     acc = acc * scale.reshape(1, -1)
     if bias is not None:
         acc = acc + bias.float()
@@ -480,8 +485,8 @@ if kernels.HAS_TRITON:
         xs = xs.contiguous()
         if (compat.is_traced(xq) and 1 <= int(xq.shape[0]) <= kernels.W8_MAX_M and w8.shape[0] > 0
                 and kernels.w8_mm_split(int(xq.shape[0]), int(w8.shape[0]), int(xq.shape[1]), xq.device) > 1):
-            return _w8_mm_epilogue(kernels.launch_w8_mm_partials(xq, w8, traced=True, x_scale=xs), scale, bias,
-                                   out_dtype)
+            return _w8_mm_epilogue(kernels.launch_w8_mm_partials(xq, w8, traced=True), scale, bias, out_dtype,
+                                   x_scale=xs)
         return kernels.launch_w8_mm(xq, w8, scale.contiguous(), None if bias is None else bias.contiguous(),
                                     traced=True, x_scale=xs, out_dtype=out_dtype)
 

@@ -417,7 +417,8 @@ def _inference_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
     fp8 x fp8 form, split over K."""
     if (type(weight) is ScaledFp8Tensor and type(x) is torch.Tensor and weight.orig_dtype == x.dtype  # (its dtype)
             and get_config().weight_only_decode):
-        out = decode_mm(x, weight.qdata, weight.scale, bias)  # (..., K) as it is: no reshape in eager
+        # (..., K) as it is: no reshape in eager; x quantized past 16 rows only where the recipe quantizes it
+        out = decode_mm(x, weight.qdata, weight.scale, bias, fp8_x=recipe.output.fp8)
         if out is not None:
             return out
     wd = weight._data if isinstance(weight, QuantizeOnUse) else weight

@@ -16,7 +16,7 @@ from fp8tensor.quantize import quantize
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 DEV = "cuda"
-from conftest import rel_err  # noqa: E402
+from conftest import E4M3_GEMM_BOUND, rel_err  # noqa: E402
 
 
 def _operands(M, N, K, dtype, bias, seed):
@@ -129,6 +129,7 @@ def test_eager_one_launch_same_bits_as_the_split(monkeypatch, M):
     N, K = 1024, 4096
     x, q, s, b = _operands(M, N, K, torch.bfloat16, True, M)
     assert kernels.w8_mm_split(M, N, K, x.device) > 1
+    kernels.launch_w8_mm(x, q, s, b)  # (the first call of a plan also launches the split once: a later capture's)
     launches = []
     real = kernels._launch
     monkeypatch.setattr(kernels, "_launch", lambda fn, *a, **k: launches.append(fn) or real(fn, *a, **k))
@@ -154,7 +155,8 @@ def test_batched_input_as_its_rows(shape):
     assert out.shape == (*shape, 96)
     assert torch.equal(out.reshape(-1, 96), flat)
     ref = x.double().reshape(-1, 512) @ lin.weight.to_hp(torch.float64).t() + lin.bias.double()
-    assert rel_err(flat, ref) < 1e-2
+    rows = flat.shape[0]  # (past max_m rows x is quantized per row to e4m3 as well: the fp8 GEMM's bound)
+    assert rel_err(flat, ref) < (1e-2 if rows <= kernels.W8_MM_CONFIG["max_m"] else E4M3_GEMM_BOUND)
 
 
 @pytest.mark.parametrize("M,N,K", [(1, 1024, 4096), (8, 4096, 4096), (33, 4096, 14336), (64, 1024, 4096)])
@@ -216,5 +218,7 @@ def test_compiled_decode_sums_the_split_in_the_graph(mode):
             code = "\n".join(code)
             assert "_w8_mm_kernel" in code and "_w8_mm_reduce_kernel" not in code, n
             assert rel_err(y, m(x).double()) < 2 ** -7, n
-            assert rel_err(y, torch.nn.functional.silu(hp(x.double()))) < 4e-3, n
+            # the weight-only form rounds only the weight; past max_m rows x is quantized per row to e4m3 as well
+            bound = 4e-3 if n <= kernels.W8_MM_CONFIG["max_m"] else E4M3_GEMM_BOUND
+            assert rel_err(y, torch.nn.functional.silu(hp(x.double()))) < bound, n
     torch._dynamo.reset()

@@ -87,6 +87,7 @@ def _stand_ins(launches: list) -> None:
     kernels._launch, kernels._launcher = launch, launcher
     kernels._FAST_OK = True
     torch.cuda.current_device = lambda: 0
+    torch.cuda.is_current_stream_capturing = lambda: False
     kernels.compat.raw_cuda_stream = lambda idx: 0
     torch._scaled_mm = lambda a, b, *, out_dtype=None, **k: torch.empty(a.shape[0], b.shape[1], dtype=out_dtype)
     torch.Tensor.is_cuda = property(lambda self: True)
@@ -100,13 +101,15 @@ def main() -> None:
     xt = torch.randn(1, 16, dtype=dt)
     x2 = torch.randn(1, 4096, dtype=dt)
     x3 = x2.view(1, 1, 4096)
+    x64 = torch.randn(64, 4096, dtype=dt)
     ref = nn.Linear(64, 64, dtype=dt)
     train = fp8tensor.convert_to_fp8(nn.Sequential(nn.Linear(64, 64, dtype=dt)))[0]
     xg = torch.randn(16, 64, dtype=dt, requires_grad=True)  # (an inner layer: grad_input is computed)
     gy = torch.randn(16, 64, dtype=dt)
     decode = [("nn.Linear bf16 16 -> 16, one token (no grad)", lambda: tiny(xt)),
               ("fp8 Linear 4096 -> 4096 (bias), x (1, 4096) (no grad)", lambda: lin(x2)),
-              ("fp8 Linear 4096 -> 4096 (bias), x (1, 1, 4096) (no grad)", lambda: lin(x3))]
+              ("fp8 Linear 4096 -> 4096 (bias), x (1, 1, 4096) (no grad)", lambda: lin(x3)),
+              ("fp8 Linear 4096 -> 4096 (bias), x (64, 4096) (no grad; x quantized per row)", lambda: lin(x64))]
     training = [("nn.Linear bf16 64 -> 64, 16 tokens, forward + backward", lambda: ref(xg).backward(gy)),
                 ("fp8 training Linear 64 -> 64 (bias), 16 tokens, forward + backward", lambda: train(xg).backward(gy)),
                 ("fp8 training Linear 64 -> 64 (bias), 16 tokens, forward (grad mode)", lambda: train(xg))]

@@ -364,7 +364,7 @@ def test_traced_decode_gemm_launches_name_every_kernel_parameter(monkeypatch, x_
         pytest.skip("needs Triton")
     launches = []
     monkeypatch.setattr(kernels, "_launch", lambda fn, grid, args, consts, *a, **k: launches.append(
-        (fn, len(args), dict(consts), k.get("traced"))))
+        (fn, len(args), dict(consts), args, k.get("traced"))))
     from fp8tensor.quantize import quantize
 
     M, N, K = 5, 48, 384
@@ -377,11 +377,13 @@ def test_traced_decode_gemm_launches_name_every_kernel_parameter(monkeypatch, x_
     tiles["programs_per_sm"] = 10**6 if split > 1 else 1  # (the CPU plan sees one SM)
     kernels.launch_w8_mm(x, w8, s, torch.randn(N, dtype=torch.bfloat16), traced=True, tiles=tiles, x_scale=xs)
     assert [t for *_, t in launches] == [True] * len(launches) and len(launches) == (1 if split == 1 else 2)
-    for fn, n_args, consts, _ in launches:
+    for fn, n_args, consts, _, _ in launches:
         names = [p.name for p in fn.params]
         assert set(names[:n_args]).isdisjoint(consts) and set(names[n_args:]) == set(consts), (names, consts)
-    if x_fp8:
-        assert launches[0][2]["X_FP8"] is True and launches[0][2]["xs_ptr"] is xs
+    if x_fp8:  # (x's row scales: a positional argument of the GEMM and of the reduce kernel)
+        assert launches[0][2]["X_FP8"] is True
+        for fn, _, _, args, _ in launches:
+            assert args[[p.name for p in fn.params].index("xs_ptr")] is xs
 
 
 @pytest.mark.parametrize("shape", [(5, 3), (0, 4), (3, 7, 2), (2, 0, 5), (4, 1, 1)])

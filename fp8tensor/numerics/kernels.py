@@ -847,7 +847,7 @@ def launch_group_cols_t(x: torch.Tensor, ends: torch.Tensor, dst: torch.Tensor, 
 if _HAS_TRITON:
 
     @triton.jit
-    def _w8_mm_slice(x_ptr, w_ptr, xs_ptr, rm, rn, rk, k_start, M, N, K, K_PER, stride_xm, stride_wn,
+    def _w8_mm_slice(x_ptr, w_ptr, rm, rn, rk, k_start, M, N, K, K_PER, stride_xm, stride_wn,
                      X_TY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      N_MAJOR: tl.constexpr, X_FP8: tl.constexpr, SWAP_AB: tl.constexpr):
         # The float32 partial sum (BLOCK_M, BLOCK_N) of x @ w.T over K slice [k_start, k_start + K_PER), unscaled.
@@ -884,9 +884,9 @@ if _HAS_TRITON:
 
     @triton.jit
     def _w8_mm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, M, N, K, K_PER, stride_xm, stride_wn, stride_om,
-                      stride_os, HAS_BIAS: tl.constexpr, FINAL: tl.constexpr, X_TY: tl.constexpr,
+                      stride_os, xs_ptr, HAS_BIAS: tl.constexpr, FINAL: tl.constexpr, X_TY: tl.constexpr,
                       O_TY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      N_MAJOR: tl.constexpr = False, xs_ptr=None, X_FP8: tl.constexpr = False,
+                      N_MAJOR: tl.constexpr = False, X_FP8: tl.constexpr = False,
                       SWAP_AB: tl.constexpr = False, ONE_LAUNCH: tl.constexpr = False):
         # Program (n, s): output columns [n * BLOCK_N, ...) over the K slice s, all M rows; the fp8 weight widened
         # to x's dtype (exact) with fp32 accumulation. X_FP8: x is fp8 too (row scales xs), the dot fp8 x fp8 with
@@ -905,10 +905,10 @@ if _HAS_TRITON:
         if ONE_LAUNCH:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for ks in range(0, K, K_PER):
-                acc += _w8_mm_slice(x_ptr, w_ptr, xs_ptr, rm, rn, rk, ks, M, N, K, K_PER, stride_xm, stride_wn,
+                acc += _w8_mm_slice(x_ptr, w_ptr, rm, rn, rk, ks, M, N, K, K_PER, stride_xm, stride_wn,
                                     X_TY, BLOCK_M, BLOCK_N, BLOCK_K, N_MAJOR, X_FP8, SWAP_AB)
         else:
-            acc = _w8_mm_slice(x_ptr, w_ptr, xs_ptr, rm, rn, rk, pid_s * K_PER, M, N, K, K_PER, stride_xm, stride_wn,
+            acc = _w8_mm_slice(x_ptr, w_ptr, rm, rn, rk, pid_s * K_PER, M, N, K, K_PER, stride_xm, stride_wn,
                                X_TY, BLOCK_M, BLOCK_N, BLOCK_K, N_MAJOR, X_FP8, SWAP_AB)
         omask = (rm[:, None] < M) & (rn[None, :] < N)
         if FINAL:
@@ -923,8 +923,8 @@ if _HAS_TRITON:
             tl.store(o_ptr + pid_s * stride_os + rm[:, None] * stride_om + rn[None, :], acc, mask=omask)
 
     @triton.jit
-    def _w8_mm_reduce_kernel(ws_ptr, s_ptr, b_ptr, o_ptr, MN, N, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                             O_TY: tl.constexpr, BLOCK: tl.constexpr, xs_ptr=None, X_FP8: tl.constexpr = False):
+    def _w8_mm_reduce_kernel(ws_ptr, s_ptr, b_ptr, o_ptr, MN, N, xs_ptr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                             O_TY: tl.constexpr, BLOCK: tl.constexpr, X_FP8: tl.constexpr = False):
         # out = (sum over the SPLIT partial sums) (* xs[m]) * scale[n] (+ bias[n]), fixed summation order:
         # deterministic
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -1050,9 +1050,7 @@ def launch_w8_mm_partials(x: torch.Tensor, w8: torch.Tensor, *, traced: bool = F
         raise ValueError(f"fp8tensor launch_w8_mm_partials: ({M}, {K}) x ({N}, {K})^T is not split over K; call "
                          "launch_w8_mm")
     ws = torch.empty(split, M, N, dtype=torch.float32, device=x.device)
-    if traced:  # inductor (torch 2.11) launches a user kernel with every parameter: xs_ptr unread (no scales here)
-        consts = {**consts, "xs_ptr": ws}
-    args = (x, w8, ws, ws, ws, M, N, K, k_per, x.stride(0), w8.stride(0), N, M * N)  # (s_ptr, b_ptr unread)
+    args = (x, w8, ws, ws, ws, M, N, K, k_per, x.stride(0), w8.stride(0), N, M * N, ws)  # (s_ptr, b_ptr, xs_ptr unread)
     _launch(_w8_mm_kernel, grid, args, consts, warps, x.device, stages, traced=traced)
     return ws
 
@@ -1089,17 +1087,19 @@ _W8_EAGER: dict = {}
 _W8_MAX_M = W8_MAX_M = max(W8_MM_CONFIG["tiles"])
 
 
-def _w8_mm_run(x, w8, scale, bias, shape, two_d, M, N, K, launch) -> torch.Tensor:
-    """The launches of :func:`launch_w8_mm` from a plan of :data:`_W8_EAGER` (``two_d``: whether ``x`` is 2-D)."""
+def _w8_mm_run(x, w8, scale, bias, x_scale, dtype, shape, two_d, M, N, K, launch) -> torch.Tensor:
+    """The launches of :func:`launch_w8_mm` from a plan of :data:`_W8_EAGER` (``two_d``: whether ``x`` is 2-D;
+    ``dtype``: the output's)."""
     dev = x.device
-    out = torch.empty(shape, dtype=x.dtype, device=dev)
+    out = torch.empty(shape, dtype=dtype, device=dev)
     grid, split, k_per, consts, warps, stages, rgrid, rconsts = launch
     b = scale if bias is None else bias
+    xs = scale if x_scale is None else x_scale  # (scale (N, 1) and x_scale (M, 1) contiguous: read flat)
     ws = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=dev)
-    args = (x, w8, scale, b, ws, M, N, K, k_per, x.stride(0) if two_d else K, w8.stride(0), N, M * N)
+    args = (x, w8, scale, b, ws, M, N, K, k_per, x.stride(0) if two_d else K, w8.stride(0), N, M * N, xs)
     _launch(_w8_mm_kernel, grid, args, consts, warps, dev, stages)
     if split > 1:
-        _launch(_w8_mm_reduce_kernel, rgrid, (ws, scale, b, out, M * N, N), rconsts, 4, dev)
+        _launch(_w8_mm_reduce_kernel, rgrid, (ws, scale, b, out, M * N, N, xs), rconsts, 4, dev)
     return out
 
 
@@ -1138,10 +1138,13 @@ def launch_w8_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: O
     """
     if one_launch is None:
         one_launch = not traced and not (x.is_cuda and torch.cuda.is_current_stream_capturing())
-    if not traced and tiles is None and x_scale is None:  # eager: the plan of this x shape, if one was made
-        plan = _W8_EAGER.get((x.shape, w8.shape[0], x.dtype, x.device, bias is not None, one_launch))
-        if plan is not None and (plan[1] or x.is_contiguous()):
-            return _w8_mm_run(x, w8, scale, bias, *plan)
+    if not traced and tiles is None:  # eager: the plan of this x shape, if one was made
+        plan = _W8_EAGER.get((x.shape, w8.shape[0], x.dtype, x.device, bias is not None, one_launch,
+                              None if x_scale is None else out_dtype))
+        if plan is not None and (plan[1] or x.is_contiguous()) and (x_scale is None or (
+                x.dtype == w8.dtype and x_scale.dtype == torch.float32 and x_scale.shape == (plan[2], 1)
+                and x_scale.is_contiguous())):  # (what the key does not fix; a high-precision x has no scales)
+            return _w8_mm_run(x, w8, scale, bias, x_scale, out_dtype if x_scale is not None else x.dtype, *plan)
     K, N = int(x.shape[-1]), int(w8.shape[0])  # (specialized under torch.compile)
     if x.dim() == 2:
         M = int(x.shape[0])
@@ -1180,18 +1183,17 @@ def launch_w8_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: O
             if len(_W8_LAUNCHES) >= 4096:
                 _W8_LAUNCHES.clear()
             _W8_LAUNCHES[key] = launch
-    if not (x_fp8 or traced or tiles is not None):
+    if not (traced or tiles is not None):
         if len(_W8_EAGER) >= 4096:
             _W8_EAGER.clear()
-        _W8_EAGER[(x.shape, N, dtype, x.device, has_bias, one_launch)] = (shape, x.dim() == 2, M, N, K, launch)
+        _W8_EAGER[(x.shape, N, x.dtype, x.device, has_bias, one_launch, dtype if x_fp8 else None)] = (
+            shape, x.dim() == 2, M, N, K, launch)
     grid, split, k_per, consts, warps, stages, rgrid, rconsts = launch
     b = bias if has_bias else scale  # (scale (N, 1) and x_scale (M, 1) contiguous: the kernels read them flat)
+    xs = x_scale if x_fp8 else scale  # (unread without an fp8 x)
     ws = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
-    if x_fp8 or traced:  # inductor (torch 2.11) launches a user kernel with every parameter: xs_ptr unread if not fp8
-        consts = {**consts, "xs_ptr": x_scale if x_fp8 else scale}
-        rconsts = {**rconsts, "xs_ptr": x_scale if x_fp8 else scale}
-    args = (x, w8, scale, b, ws, M, N, K, k_per, stride_xm, w8.stride(0), N, M * N)
+    args = (x, w8, scale, b, ws, M, N, K, k_per, stride_xm, w8.stride(0), N, M * N, xs)
     _launch(_w8_mm_kernel, grid, args, consts, warps, x.device, stages, traced=traced)
     if split > 1:
-        _launch(_w8_mm_reduce_kernel, rgrid, (ws, scale, b, out, M * N, N), rconsts, 4, x.device, traced=traced)
+        _launch(_w8_mm_reduce_kernel, rgrid, (ws, scale, b, out, M * N, N, xs), rconsts, 4, x.device, traced=traced)
     return out

@@ -39,10 +39,12 @@ STATE = {
     "numerics/kernels.py:_W8_PLANS": "launch plans of the decode GEMM, a pure function of (device, M, N, K) and the "
                                      "read-only tile table; at most 4096, then cleared",
     "numerics/kernels.py:_W8_LAUNCHES": "the decode GEMM's launch arguments besides its tensors (grid, split, "
-                                        "constexprs), a pure function of (device, M, N, K, dtype, bias, fp8 x) and "
+                                        "constexprs), a pure function of (device, M, N, K, dtype, bias, fp8 x, one "
+                                        "launch) and "
                                         "the read-only tile table; at most 4096, then cleared",
     "numerics/kernels.py:_W8_EAGER": "the eager decode GEMM's plan (output shape, M, N, K, launch arguments), a "
-                                     "pure function of (x shape, N, dtype, device, bias) and the read-only tile "
+                                     "pure function of (x shape, N, dtype, device, bias, one launch, the output "
+                                     "dtype of an fp8 x) and the read-only tile "
                                      "table, stored after a call of that key passed its checks; at most 4096, then "
                                      "cleared",
     "numerics/kernels.py:_INT_CLASSES": "Triton's specialization class of an integer launch argument, a pure function "

@@ -354,7 +354,7 @@ def test_decode_gemm_under_the_triton_interpreter():
 @pytest.mark.parametrize("split", [1, 3])
 def test_traced_decode_gemm_launches_name_every_kernel_parameter(monkeypatch, x_fp8, split):
     # Under torch.compile the decode GEMM's launches go through wrap_triton, and inductor (torch 2.11) launches a user
-    # kernel with exactly the arguments it was given: a parameter left to its default (xs_ptr, X_FP8) made the
+    # kernel with exactly the arguments it was given: a parameter left to its default (X_FP8, say) made the
     # compiled call fail ("launcher() missing 2 required positional arguments"). Every traced launch names all of
     # its kernel's parameters; the eager launcher fills defaults itself.
     pytest.importorskip("triton")

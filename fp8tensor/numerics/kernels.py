@@ -1078,10 +1078,11 @@ def _w8_mm_launch(M: int, N: int, K: int, device: torch.device, dtype: torch.dty
 
 #: Memo of :func:`_w8_mm_launch` (bounded; a pure function of its key).
 _W8_LAUNCHES: dict = {}
-#: The eager launches' plans by ``(x.shape, N, x.dtype, device, bias or not, one launch)``: ``(output shape, whether x is 2-D
-#: (else a contiguous ``(..., K)``), M, N, K, the :func:`_w8_mm_launch` tuple)``, a pure function of the key
-#: (bounded). Filled by :func:`launch_w8_mm` after a call of that key passed its checks (M, N >= 1), so a hit
-#: checks only what the key does not fix (a ``(..., K)`` x's contiguity).
+#: The eager launches' plans by ``(x.shape, N, x.dtype, device, bias or not, one launch, the output dtype for an fp8
+#: x else None)``: ``(output shape, whether x is 2-D (else a contiguous ``(..., K)``), M, N, K, the
+#: :func:`_w8_mm_launch` tuple)``, a pure function of the key (bounded). Filled by :func:`launch_w8_mm` after a call
+#: of that key passed its checks (M, N >= 1), so a hit checks only what the key does not fix (a ``(..., K)`` x's
+#: contiguity; for an fp8 x, its dtype against the weight's and ``x_scale``: float32, ``(M, 1)``, contiguous).
 _W8_EAGER: dict = {}
 #: The most rows of :func:`launch_w8_mm` (the largest row block of the frozen tile table).
 _W8_MAX_M = W8_MAX_M = max(W8_MM_CONFIG["tiles"])

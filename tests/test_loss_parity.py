@@ -5,8 +5,12 @@ Model: ``examples/llama.py`` (RMSNorm, rotary attention with grouped-query heads
 initial weights and see the same batches; the transformer blocks' Linears are converted with
 ``fp8_module_filter`` (embedding and output head stay bf16), as in ``examples/train.py``.
 
-Pass criteria: the final held-out loss of the fp8 run is within 1.5 % (relative) of the bf16
-run's, and no training loss is ever NaN/inf. Measured on this configuration: gap ≈ 0.01-0.3 %.
+Pass criteria, over three seeds (the test's seed and the next two; each seed gives both runs the same initial
+weights and batches): the mean over seeds of the relative gap between the fp8 run's final held-out loss and the bf16
+run's is within 1 %, the same for the mean training loss of the last 20 steps, and no training loss is ever NaN/inf.
+One run's gap is not a verdict: measured on this configuration, the gap is within 0.21 % for 14 of 15 seeds and
+1.59 % for one (seed 1484962972, where the two runs drift apart from about step 120), so a single-run bound either
+fails now and then or is too loose to catch a systematic shift.
 """
 from __future__ import annotations
 
@@ -72,13 +76,17 @@ def test_fp8_rowwise_loss_matches_bf16(_fresh_seed, one_thread):
     corpus = data.load_corpus(max_bytes=1 << 20)
     train_bytes, val_bytes = data.split_corpus(corpus)
     val_batches = data.fixed_windows(val_bytes, num_batches=4, batch_size=16, seq_len=SEQ)
-    seed = _fresh_seed
-    losses_bf16, val_bf16 = _train(False, train_bytes, val_batches, seed)
-    losses_fp8, val_fp8 = _train(True, train_bytes, val_batches, seed)
-    print(f"final val loss: bf16 {val_bf16:.4f}  fp8 {val_fp8:.4f}  gap {(val_fp8 - val_bf16) / val_bf16:+.3%}")
-    # the model did learn (uniform over bytes is ln 256 = 5.55), so parity is not trivially met
-    assert losses_bf16[0] > 4.5 and val_bf16 < 3.3, (losses_bf16[0], val_bf16)
-    assert all(math.isfinite(v) for v in losses_fp8 + losses_bf16)
-    assert abs(val_fp8 - val_bf16) <= 0.015 * val_bf16, (val_fp8, val_bf16)
-    tail = lambda ls: sum(ls[-20:]) / 20
-    assert abs(tail(losses_fp8) - tail(losses_bf16)) <= 0.015 * tail(losses_bf16)
+    tail = lambda ls: sum(ls[-20:]) / 20  # noqa: E731
+    val_gaps, tail_gaps = [], []
+    for seed in (_fresh_seed + i for i in range(3)):
+        losses_bf16, val_bf16 = _train(False, train_bytes, val_batches, seed)
+        losses_fp8, val_fp8 = _train(True, train_bytes, val_batches, seed)
+        print(f"seed {seed}: final val loss bf16 {val_bf16:.4f}  fp8 {val_fp8:.4f}  "
+              f"gap {(val_fp8 - val_bf16) / val_bf16:+.3%}")
+        # the model did learn (uniform over bytes is ln 256 = 5.55), so parity is not trivially met
+        assert losses_bf16[0] > 4.5 and val_bf16 < 3.3, (seed, losses_bf16[0], val_bf16)
+        assert all(math.isfinite(v) for v in losses_fp8 + losses_bf16), seed
+        val_gaps.append(abs(val_fp8 - val_bf16) / val_bf16)
+        tail_gaps.append(abs(tail(losses_fp8) - tail(losses_bf16)) / tail(losses_bf16))
+    assert sum(val_gaps) / 3 <= 0.01, val_gaps
+    assert sum(tail_gaps) / 3 <= 0.01, tail_gaps

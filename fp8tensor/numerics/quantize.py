@@ -408,7 +408,8 @@ def decode_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
     promotes the output, as the other routes' ``out + bias`` does: None here). The row limits are measured
     crossovers (:data:`fp8tensor.kernels.W8_MM_CONFIG`). Float32 accumulation; scale and bias applied in float32
     before the one rounding; fixed summation order (deterministic). Eager: direct launches (the row quantization,
-    the kernel and, for a K split, its reduce launch); traced: the ``triton_op`` ``fp8tensor::w8_mm`` (or
+    then the kernel, which adds a K split's slices itself, or under CUDA graph capture the kernel and its reduce
+    launch: the same bits); traced: the ``triton_op`` ``fp8tensor::w8_mm`` (or
     ``fp8tensor::w8_mm_fp8x`` after the quantization's plain ops, which inductor fuses into ``x``'s producer), whose
     traced body adds a K split's partial sums in the graph."""
     if not (kernels.w8_mm_available(x, w8) and scale.dtype == torch.float32 and scale.shape == (w8.shape[0], 1)

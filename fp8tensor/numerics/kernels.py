@@ -955,12 +955,15 @@ if _HAS_TRITON:
 #: tokens weight-only 9.5 / 4.4 / 24.8 / 26.3 against fp8 x 7.9-8.3 / 3.9-4.1 / 24.0-24.1 / 23.3-23.7 (level, and
 #: weight-only does not round x); at 32 tokens 10.9 / 5.8 / 36.0 / 33.6 against 8.6 / 4.3 / 26.6 / 25.2; at 64
 #: tokens 13.0 / 6.0 / 47.5 / 41.5 against 11.9 / 4.6 / 30.8 / 28.1 (cuBLAS's dual fp8: 15.9 / 15.4 / 29.6 / 45.8).
-#: Tiles of 16 rows tuned on H200 over Llama3-8B shapes (sweep at commit b44f11a); 32 and 64 rows (the fp8 x form):
-#: the fastest over a layer of nine candidates on H100; 128 not tuned.
+#: Tiles of 16 rows tuned on H200 over Llama3-8B shapes (sweep at commit b44f11a); 32 rows (the fp8 x form): the
+#: fastest over a layer of nine candidates on H100. 64 rows: one program per SM before the K split (programs_per_sm
+#: 1, slices of at least 4 tiles), from a sweep of 60 kernels x 7 grids on H100 at 64 tokens: w1 / w3 then run
+#: unsplit (224 column blocks), 24.4 µs against 29.8 with three slices, and a layer's GEMMs (partial sums, as in a
+#: compiled graph) take about 100 µs against 118.6 (best per shape 98.7). 128 not tuned.
 W8_MM_CONFIG = _frozen(dict(max_m=16, max_m_fp8x=64, reduce_block=1024, tiles={
     16: dict(block_n=32, block_k=128, warps=4, stages=3, programs_per_sm=4, min_k_tiles=4, n_major=False),
     32: dict(block_n=64, block_k=128, warps=4, stages=3, programs_per_sm=4, min_k_tiles=4, swap_ab=True),
-    64: dict(block_n=64, block_k=256, warps=4, stages=3, programs_per_sm=4, min_k_tiles=2, n_major=True),
+    64: dict(block_n=64, block_k=256, warps=4, stages=3, programs_per_sm=1, min_k_tiles=4, n_major=True),
     128: dict(block_n=64, block_k=64, warps=8, stages=3, programs_per_sm=2, min_k_tiles=8, n_major=True),
 }))
 assert W8_MM_CONFIG["max_m"] <= W8_MM_CONFIG["max_m_fp8x"] <= max(W8_MM_CONFIG["tiles"])

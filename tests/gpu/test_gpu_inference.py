@@ -87,8 +87,14 @@ def test_linear_no_grad_takes_it_up_to_max_m_tokens(tokens, monkeypatch):
         assert rel_err(y_w8a8, ref) < 2 * E4M3_GEMM_BOUND
         if n > MAX_M_FP8X:
             assert torch.equal(y, y_w8a8)
-        elif n > MAX_M:  # the same quantized operands as cuBLAS's dual-fp8 GEMM, summed in another order
-            assert rel_err(y, y_w8a8) < 1e-2
+        elif n > MAX_M:  # the first Linear: the same quantized operands as cuBLAS's dual-fp8 GEMM, summed in another
+            # order (one bf16 rounding apart). Not the model's output: a bf16 ulp of difference in the first output
+            # flips some of the second Linear's e4m3 roundings of its input (1.5% measured at 33 to 65 tokens)
+            with torch.no_grad():
+                y1 = m[0](x)
+                with fp8tensor.config(weight_only_decode=False):
+                    y1_w8a8 = m[0](x)
+            assert rel_err(y1, y1_w8a8) < 4e-3
 
 
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])

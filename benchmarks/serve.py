@@ -17,6 +17,7 @@ compiling beside them).
                                [--parallel]
     python benchmarks/serve.py --host    # host time per eager call: F.linear, nn.Linear, a quantize_weights Linear
     python benchmarks/serve.py --crossover [--ms 16,32,48,64,96,128] [--sweep-all]   # decode GEMM vs dual fp8 per M
+    python benchmarks/serve.py --host-compiled decode1 [--variants bf16,fp8tensor]   # compiled: host vs GPU per call
     python benchmarks/serve.py --agreement [--device cpu|cuda] [--seq 64] [--no-aoti]   # export / AOTI vs eager
 """
 from __future__ import annotations
@@ -250,6 +251,74 @@ def host_per_call() -> None:
             print(f"| {k} | {per_call(fn):.1f} |", flush=True)
 
 
+def host_compiled(args: ModelArgs, bf16: torch.nn.Module, names: list, row: str) -> None:
+    """Where a compiled forward's wall time goes when it exceeds its kernel time (``--host-compiled ROW``): per
+    variant, ``torch.compile(mode="reduce-overhead")`` at that row, then per call (µs): the host time to issue it
+    (300 calls back to back, timed until the last returns), the wall time (CUDA events around the same 300 calls),
+    the GPU time of its kernels (torch profiler, three calls) and, where torch's AOTAutograd unwraps tensor-subclass
+    graph inputs in Python on every call (torch 2.11; 2.12 and later generate that code), the time of that unwrap
+    (``runtime_unwrap_tensor_subclasses``, timed around each call). Last, the top host functions of 200 calls of the
+    last variant under cProfile."""
+    import cProfile
+    import io
+    import pstats
+
+    unwrap = [0.0, 0]
+    try:  # torch 2.11: a Python function of the runtime wrapper (absent where the unwrap is generated code)
+        import torch._functorch._aot_autograd.runtime_wrappers as rw
+
+        real = getattr(rw, "runtime_unwrap_tensor_subclasses", None)
+        if real is not None:
+            def timed(*args_, **kw):
+                t = time.perf_counter()
+                out = real(*args_, **kw)
+                unwrap[0] += time.perf_counter() - t
+                unwrap[1] += 1
+                return out
+            rw.runtime_unwrap_tensor_subclasses = timed
+    except ImportError:
+        pass
+    B, T = ROWS[row]
+    ids = torch.randint(0, args.vocab_size, (B, T), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    print(f"# compiled forward, host vs GPU · {row} ({B} x {T}) · {env_line()} · µs per call\n")
+    print("| variant | issue (host) | wall | GPU kernels | subclass unwrap (AOTAutograd, calls per forward) |")
+    print("|---|---|---|---|---|")
+    call = None
+    for n in names:
+        torch._dynamo.reset()
+        c = torch.compile(variant(n, bf16), mode="reduce-overhead")  # noqa: F811 (call: the last variant's)
+
+        def call(f=c):
+            torch.compiler.cudagraph_mark_step_begin()
+            with torch.no_grad():
+                return f(ids)
+        for _ in range(5):
+            call()
+        torch.cuda.synchronize()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        unwrap[:] = [0.0, 0]
+        t0 = time.perf_counter()
+        s.record()
+        for _ in range(300):
+            call()
+        e.record()
+        issue = (time.perf_counter() - t0) / 300 * 1e6
+        torch.cuda.synchronize()
+        wall = s.elapsed_time(e) / 300 * 1e3
+        un = f"{unwrap[0] / 300 * 1e6:.1f} ({unwrap[1] / 300:.0f})" if unwrap[1] else "- (generated code)"
+        gpu = top_kernels(call, n=1).splitlines()[0].split("GPU µs per call: ")[-1]
+        print(f"| {n} | {issue:.1f} | {wall:.1f} | {gpu} | {un} |", flush=True)
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(200):
+        call()
+    pr.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(20)
+    print(f"\n<!-- {names[-1]}: cProfile of 200 compiled calls\n{out.getvalue()[:6000]}\n-->")
+
+
 #: Llama3-8B's Linear shapes ``(name, N, K)`` and how many of each a layer has (``--crossover``).
 GEMMS_8B = (("wq, wo", 4096, 4096, 2), ("wk, wv", 1024, 4096, 2), ("w1, w3", 14336, 4096, 2), ("w2", 4096, 14336, 1))
 #: Tile candidates ``(block_n, block_k, warps, programs_per_sm)`` timed for the 64- and 128-row blocks (``--crossover``;
@@ -452,6 +521,9 @@ def main():
     ap.add_argument("--peers", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--start", type=float, default=0.0, help=argparse.SUPPRESS)
     ap.add_argument("--barrier-s", type=float, default=0.0, help=argparse.SUPPRESS)
+    ap.add_argument("--host-compiled", default=None, metavar="ROW",
+                    help="only the compiled forward's host time, wall time, kernel time and subclass unwrap per call "
+                         "at ROW, per variant (see host_compiled)")
     ap.add_argument("--json", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.agreement:
@@ -543,6 +615,9 @@ def main():
     torch.manual_seed(0)
     args = ModelArgs(**MODELS[a.model])
     bf16 = Llama(args).to("cuda", torch.bfloat16).eval()
+    if a.host_compiled:
+        host_compiled(args, bf16, a.variants.split(","), a.host_compiled)
+        return
     measure(a, args, bf16, names, rows, modes, emit)
 
 

@@ -251,14 +251,14 @@ def host_per_call() -> None:
             print(f"| {k} | {per_call(fn):.1f} |", flush=True)
 
 
-def host_compiled(args: ModelArgs, bf16: torch.nn.Module, names: list, row: str) -> None:
+def host_compiled(args: ModelArgs, names: list, row: str) -> None:
     """Where a compiled forward's wall time goes when it exceeds its kernel time (``--host-compiled ROW``): per
     variant, ``torch.compile(mode="reduce-overhead")`` at that row, then per call (µs): the host time to issue it
     (300 calls back to back, timed until the last returns), the wall time (CUDA events around the same 300 calls),
     the GPU time of its kernels (torch profiler, three calls) and, where torch's AOTAutograd unwraps tensor-subclass
     graph inputs in Python on every call (torch 2.11; 2.12 and later generate that code), the time of that unwrap
-    (``runtime_unwrap_tensor_subclasses``, timed around each call). Last, the top host functions of 200 calls of the
-    last variant under cProfile."""
+    (``runtime_unwrap_tensor_subclasses``, timed around each call). Last, the top host functions of 200 calls of
+    fp8tensor's compiled forward (of the last variant if fp8tensor is not among them) under cProfile."""
     import cProfile
     import io
     import pstats
@@ -279,14 +279,15 @@ def host_compiled(args: ModelArgs, bf16: torch.nn.Module, names: list, row: str)
     except ImportError:
         pass
     B, T = ROWS[row]
+    bf16 = Llama(args).to("cuda", torch.bfloat16).eval()
     ids = torch.randint(0, args.vocab_size, (B, T), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     print(f"# compiled forward, host vs GPU · {row} ({B} x {T}) · {env_line()} · µs per call\n")
     print("| variant | issue (host) | wall | GPU kernels | subclass unwrap (AOTAutograd, calls per forward) |")
     print("|---|---|---|---|---|")
-    call = None
+    profiled, target = None, "fp8tensor" if "fp8tensor" in names else names[-1]
     for n in names:
         torch._dynamo.reset()
-        c = torch.compile(variant(n, bf16), mode="reduce-overhead")  # noqa: F811 (call: the last variant's)
+        c = torch.compile(variant(n, bf16), mode="reduce-overhead")
 
         def call(f=c):
             torch.compiler.cudagraph_mark_step_begin()
@@ -308,21 +309,24 @@ def host_compiled(args: ModelArgs, bf16: torch.nn.Module, names: list, row: str)
         un = f"{unwrap[0] / 300 * 1e6:.1f} ({unwrap[1] / 300:.0f})" if unwrap[1] else "- (generated code)"
         gpu = top_kernels(call, n=1).splitlines()[0].split("GPU µs per call: ")[-1]
         print(f"| {n} | {issue:.1f} | {wall:.1f} | {gpu} | {un} |", flush=True)
-    pr = cProfile.Profile()
-    pr.enable()
-    for _ in range(200):
-        call()
-    pr.disable()
-    torch.cuda.synchronize()
-    out = io.StringIO()
-    pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(20)
-    print(f"\n<!-- {names[-1]}: cProfile of 200 compiled calls\n{out.getvalue()[:6000]}\n-->")
+        if n == target:  # (before the next variant's dynamo reset, which would make this one compile again)
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(200):
+                call()
+            pr.disable()
+            torch.cuda.synchronize()
+            out = io.StringIO()
+            pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(20)
+            profiled = f"<!-- {n}: cProfile of 200 compiled calls\n{out.getvalue()[:6000]}\n-->"
+    if profiled:
+        print("\n" + profiled)
 
 
 #: Llama3-8B's Linear shapes ``(name, N, K)`` and how many of each a layer has (``--crossover``).
 GEMMS_8B = (("wq, wo", 4096, 4096, 2), ("wk, wv", 1024, 4096, 2), ("w1, w3", 14336, 4096, 2), ("w2", 4096, 14336, 1))
-#: Tile candidates ``(block_n, block_k, warps, programs_per_sm)`` timed for the 64- and 128-row blocks (``--crossover``;
-#: those rows of ``W8_MM_CONFIG["tiles"]`` are untuned); the table's stages and min_k_tiles.
+#: Tile candidates ``(block_n, block_k, warps, programs_per_sm)`` of the weight-only form, timed with ``--sweep-all``
+#: (the 64- and 128-row blocks' weight-only tiles; the table's stages and min_k_tiles).
 TILE_CANDIDATES = ((32, 128, 4, 4), (64, 128, 4, 4), (64, 128, 4, 8), (128, 128, 8, 4), (64, 64, 4, 4),
                    (128, 64, 8, 2), (64, 128, 8, 2), (128, 128, 4, 2))
 #: With ``--sweep-all``, also timed at every M, the 16- and 32-row blocks included: deeper pipelines
@@ -366,7 +370,8 @@ def _graph_us(calls: list, reps: int = 20) -> float:
 #: stages, min_k_tiles, swap_ab)``.
 FP8X_CANDIDATES = ((64, 128, 4, 4, 3, 4, True), (64, 256, 4, 4, 3, 2, True), (64, 256, 4, 4, 4, 2, True),
                    (64, 256, 4, 8, 3, 2, True), (128, 256, 8, 2, 3, 2, True), (64, 512, 4, 4, 2, 1, True),
-                   (64, 128, 4, 4, 3, 4, False), (64, 256, 4, 4, 3, 2, False), (32, 256, 4, 4, 3, 2, False))
+                   (64, 128, 4, 4, 3, 4, False), (64, 256, 4, 4, 3, 2, False), (32, 256, 4, 4, 3, 2, False),
+                   (64, 256, 4, 1, 3, 4, False), (64, 256, 4, 2, 3, 2, False), (32, 256, 4, 1, 4, 4, False))
 
 
 def _f8f8_call(x, w, tiles=None):
@@ -521,7 +526,7 @@ def main():
     ap.add_argument("--peers", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--start", type=float, default=0.0, help=argparse.SUPPRESS)
     ap.add_argument("--barrier-s", type=float, default=0.0, help=argparse.SUPPRESS)
-    ap.add_argument("--host-compiled", default=None, metavar="ROW",
+    ap.add_argument("--host-compiled", default=None, metavar="ROW", choices=list(ROWS),
                     help="only the compiled forward's host time, wall time, kernel time and subclass unwrap per call "
                          "at ROW, per variant (see host_compiled)")
     ap.add_argument("--json", default=None, help=argparse.SUPPRESS)
@@ -537,6 +542,9 @@ def main():
         return
     if a.crossover:
         crossover(a)
+        return
+    if a.host_compiled:
+        host_compiled(ModelArgs(**MODELS[a.model]), a.variants.split(","), a.host_compiled)
         return
     rows, modes, names = a.rows.split(","), a.modes.split(","), a.variants.split(",")
     torch._dynamo.config.automatic_dynamic_shapes = False  # one static graph per row (as a server's fixed buckets)
@@ -615,9 +623,6 @@ def main():
     torch.manual_seed(0)
     args = ModelArgs(**MODELS[a.model])
     bf16 = Llama(args).to("cuda", torch.bfloat16).eval()
-    if a.host_compiled:
-        host_compiled(args, bf16, a.variants.split(","), a.host_compiled)
-        return
     measure(a, args, bf16, names, rows, modes, emit)
 
 

@@ -255,7 +255,8 @@ def host_compiled(args: ModelArgs, names: list, row: str) -> None:
     """Where a compiled forward's wall time goes when it exceeds its kernel time (``--host-compiled ROW``): per
     variant, ``torch.compile(mode="reduce-overhead")`` at that row, then per call (µs): the host time to issue it
     (300 calls back to back, timed until the last returns), the wall time (CUDA events around the same 300 calls),
-    the GPU time of its kernels (torch profiler, three calls) and, where torch's AOTAutograd unwraps tensor-subclass
+    the GPU time of its kernels and their count (torch profiler, three calls), the compiled graphs that ran without a
+    CUDA graph (inductor's ``cudagraph_skips``) and, where torch's AOTAutograd unwraps tensor-subclass
     graph inputs in Python on every call (torch 2.11; 2.12 and later generate that code), the time of that unwrap
     (``runtime_unwrap_tensor_subclasses``, timed around each call). Last, the top host functions of 200 calls of
     fp8tensor's compiled forward (of the last variant if fp8tensor is not among them) under cProfile."""
@@ -282,11 +283,15 @@ def host_compiled(args: ModelArgs, names: list, row: str) -> None:
     bf16 = Llama(args).to("cuda", torch.bfloat16).eval()
     ids = torch.randint(0, args.vocab_size, (B, T), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     print(f"# compiled forward, host vs GPU · {row} ({B} x {T}) · {env_line()} · µs per call\n")
-    print("| variant | issue (host) | wall | GPU kernels | subclass unwrap (AOTAutograd, calls per forward) |")
-    print("|---|---|---|---|---|")
+    print("| variant | issue (host) | wall | GPU kernels | GPU ops | CUDA-graph skips | subclass unwrap (AOTAutograd, calls "
+          "per forward) |")
+    print("|---|---|---|---|---|---|---|")
     profiled, target = None, "fp8tensor" if "fp8tensor" in names else names[-1]
+    from torch._dynamo.utils import counters
+
     for n in names:
         torch._dynamo.reset()
+        counters.clear()
         c = torch.compile(variant(n, bf16), mode="reduce-overhead")
 
         def call(f=c):
@@ -307,8 +312,9 @@ def host_compiled(args: ModelArgs, names: list, row: str) -> None:
         torch.cuda.synchronize()
         wall = s.elapsed_time(e) / 300 * 1e3
         un = f"{unwrap[0] / 300 * 1e6:.1f} ({unwrap[1] / 300:.0f})" if unwrap[1] else "- (generated code)"
-        gpu = top_kernels(call, n=1).splitlines()[0].split("GPU µs per call: ")[-1]
-        print(f"| {n} | {issue:.1f} | {wall:.1f} | {gpu} | {un} |", flush=True)
+        ops, gpu = top_kernels(call, n=1).splitlines()[0].split("GPU ops per call: ")[-1].split(", GPU µs per call: ")
+        skips = counters["inductor"]["cudagraph_skips"]
+        print(f"| {n} | {issue:.1f} | {wall:.1f} | {gpu} | {ops} | {skips} | {un} |", flush=True)
         if n == target:  # (before the next variant's dynamo reset, which would make this one compile again)
             pr = cProfile.Profile()
             pr.enable()

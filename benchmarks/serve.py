@@ -251,12 +251,35 @@ def host_per_call() -> None:
             print(f"| {k} | {per_call(fn):.1f} |", flush=True)
 
 
+def _guard_check_us(model: torch.nn.Module, tokens: torch.Tensor) -> str:
+    """µs per check of the guards of ``model``'s compiled ``forward(tokens)`` (its most recent dynamo cache entry's
+    guard manager, called 1000 times without grad, as the compiled calls run); ``-`` where this torch has no such
+    entry to call."""
+    try:
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+        entries = _debug_get_cache_entry_list(type(model).forward.__code__)
+        if not entries:
+            return "-"
+        check, frame = entries[0].guard_manager.check, {"self": model, "tokens": tokens}
+        with torch.no_grad():
+            if not check(frame):
+                return "- (guards fail outside the call)"
+            t0 = time.perf_counter()
+            for _ in range(1000):
+                check(frame)
+        return f"{(time.perf_counter() - t0) * 1e3:.1f}"
+    except (ImportError, AttributeError, TypeError):
+        return "-"
+
+
 def host_compiled(args: ModelArgs, names: list, row: str) -> None:
     """Where a compiled forward's wall time goes when it exceeds its kernel time (``--host-compiled ROW``): per
     variant, ``torch.compile(mode="reduce-overhead")`` at that row, then per call (µs): the host time to issue it
-    (300 calls back to back, timed until the last returns), the wall time (CUDA events around the same 300 calls),
-    the GPU time of its kernels and their count (torch profiler, three calls), the compiled graphs that ran without a
-    CUDA graph (inductor's ``cudagraph_skips``) and, where torch's AOTAutograd unwraps tensor-subclass
+    (100 calls while a ``torch.cuda._sleep`` holds the GPU, so that no call waits for the GPU; median of 5), the time
+    of dynamo's guard check of the compiled forward (its guard manager called directly, 1000 times), the wall time
+    (CUDA events around 300 calls back to back), the GPU time of its kernels and their count (torch profiler, three
+    calls), the compiled graphs that ran without a CUDA graph (inductor's ``cudagraph_skips``) and, where torch's AOTAutograd unwraps tensor-subclass
     graph inputs in Python on every call (torch 2.11; 2.12 and later generate that code), the time of that unwrap
     (``runtime_unwrap_tensor_subclasses``, timed around each call). Last, the top host functions of 200 calls of
     fp8tensor's compiled forward (of the last variant if fp8tensor is not among them) under cProfile."""
@@ -283,9 +306,9 @@ def host_compiled(args: ModelArgs, names: list, row: str) -> None:
     bf16 = Llama(args).to("cuda", torch.bfloat16).eval()
     ids = torch.randint(0, args.vocab_size, (B, T), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     print(f"# compiled forward, host vs GPU · {row} ({B} x {T}) · {env_line()} · µs per call\n")
-    print("| variant | issue (host) | wall | GPU kernels | GPU ops | CUDA-graph skips | subclass unwrap (AOTAutograd, calls "
-          "per forward) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| variant | issue (host) | guard check | wall | GPU kernels | GPU ops | CUDA-graph skips | subclass unwrap "
+          "(AOTAutograd, calls per forward) |")
+    print("|---|---|---|---|---|---|---|---|")
     profiled, target = None, "fp8tensor" if "fp8tensor" in names else names[-1]
     from torch._dynamo.utils import counters
 
@@ -301,20 +324,28 @@ def host_compiled(args: ModelArgs, names: list, row: str) -> None:
         for _ in range(5):
             call()
         torch.cuda.synchronize()
+        issues = []
+        for _ in range(5):  # the GPU held busy (about 0.2 s) while the host issues 100 calls: none waits for the GPU
+            torch.cuda._sleep(int(3e8))
+            t0 = time.perf_counter()
+            for _ in range(100):
+                call()
+            issues.append((time.perf_counter() - t0) / 100 * 1e6)
+            torch.cuda.synchronize()
+        issue = sorted(issues)[2]
+        guards = _guard_check_us(c._orig_mod, ids)
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         unwrap[:] = [0.0, 0]
-        t0 = time.perf_counter()
         s.record()
         for _ in range(300):
             call()
         e.record()
-        issue = (time.perf_counter() - t0) / 300 * 1e6
         torch.cuda.synchronize()
         wall = s.elapsed_time(e) / 300 * 1e3
         un = f"{unwrap[0] / 300 * 1e6:.1f} ({unwrap[1] / 300:.0f})" if unwrap[1] else "- (generated code)"
         ops, gpu = top_kernels(call, n=1).splitlines()[0].split("GPU ops per call: ")[-1].split(", GPU µs per call: ")
         skips = counters["inductor"]["cudagraph_skips"]
-        print(f"| {n} | {issue:.1f} | {wall:.1f} | {gpu} | {ops} | {skips} | {un} |", flush=True)
+        print(f"| {n} | {issue:.1f} | {guards} | {wall:.1f} | {gpu} | {ops} | {skips} | {un} |", flush=True)
         if n == target:  # (before the next variant's dynamo reset, which would make this one compile again)
             pr = cProfile.Profile()
             pr.enable()

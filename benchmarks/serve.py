@@ -287,7 +287,7 @@ def host_compiled(args: ModelArgs, names: list, row: str) -> None:
     import io
     import pstats
 
-    unwrap = [0.0, 0]
+    unwrap, python_unwrap = [0.0, 0], False
     try:  # torch 2.11: a Python function of the runtime wrapper (absent where the unwrap is generated code)
         import torch._functorch._aot_autograd.runtime_wrappers as rw
 
@@ -300,6 +300,7 @@ def host_compiled(args: ModelArgs, names: list, row: str) -> None:
                 unwrap[1] += 1
                 return out
             rw.runtime_unwrap_tensor_subclasses = timed
+            python_unwrap = True
     except ImportError:
         pass
     B, T = ROWS[row]
@@ -342,7 +343,10 @@ def host_compiled(args: ModelArgs, names: list, row: str) -> None:
         e.record()
         torch.cuda.synchronize()
         wall = s.elapsed_time(e) / 300 * 1e3
-        un = f"{unwrap[0] / 300 * 1e6:.1f} ({unwrap[1] / 300:.0f})" if unwrap[1] else "- (generated code)"
+        if unwrap[1]:
+            un = f"{unwrap[0] / 300 * 1e6:.1f} ({unwrap[1] / 300:.0f})"
+        else:  # (torch 2.11 with no subclass among the graph's inputs; 2.12 and later: generated code, not timed)
+            un = "0 (no subclass input)" if python_unwrap else "- (generated code)"
         ops, gpu = top_kernels(call, n=1).splitlines()[0].split("GPU ops per call: ")[-1].split(", GPU µs per call: ")
         skips = counters["inductor"]["cudagraph_skips"]
         print(f"| {n} | {issue:.1f} | {guards} | {wall:.1f} | {gpu} | {ops} | {skips} | {un} |", flush=True)

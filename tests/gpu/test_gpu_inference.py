@@ -122,3 +122,51 @@ def test_compiled_equals_eager(mode):
             else:  # the second Linear's row quantization fused with the first's epilogue reads its float32 value
                 assert rel_err(y, m(x)) < 1e-2, n  # (before the rounding to bf16): an fp8 step apart at most
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("n", [1, MAX_M_FP8X])
+def test_compiled_decode_graph_takes_each_weights_parts_as_plain_inputs(n):
+    """The compiled decode route reads each fp8 weight's ``qdata`` and ``scale``, so dynamo hands the graph those
+    plain tensors, never the ScaledFp8Tensor: AOTAutograd then unwraps no tensor subclass on each call (torch 2.11
+    does that in Python, per subclass input: docs/benchmarks.md, "Serving"), and reduce-overhead runs every graph as a
+    CUDA graph. The output is the eager model's (one bf16 rounding apart past ``max_m``, as in
+    ``test_compiled_equals_eager``)."""
+    from torch._dynamo.utils import counters
+
+    from fp8tensor import ScaledFp8Tensor
+
+    torch.manual_seed(n)
+    m = fp8tensor.quantize_weights(nn.Sequential(nn.Linear(512, 1024), nn.Linear(1024, 256, bias=False)).to(
+        DEV, torch.bfloat16)).eval()
+    x = torch.randn(n, 512, device=DEV, dtype=torch.bfloat16)
+    graph_tensors = []
+
+    def backend(gm, inputs):  # the graph's inputs and any tensor it holds as an attribute
+        graph_tensors.extend(t for t in inputs if isinstance(t, torch.Tensor))
+        graph_tensors.extend(gm.parameters())
+        graph_tensors.extend(gm.buffers())
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        y = torch.compile(m, backend=backend)(x)
+        ref = m(x)
+    assert graph_tensors, "no graph compiled"
+    assert not any(isinstance(t, ScaledFp8Tensor) for t in graph_tensors), [type(t).__name__ for t in graph_tensors]
+    ptrs = {t.data_ptr() for t in graph_tensors}
+    for i, lin in enumerate(m):
+        assert lin.weight.qdata.data_ptr() in ptrs and lin.weight.scale.data_ptr() in ptrs, i
+    # (as test_compiled_equals_eager past max_m: a bf16 rounding of the first output can move the second Linear's
+    # e4m3 rounding of it by one step on a few elements; up to max_m the graph's ops are eager's)
+    assert rel_err(y, ref) < 1e-2, n
+
+    torch._dynamo.reset()
+    counters.clear()
+    c = torch.compile(m, mode="reduce-overhead")
+    with torch.no_grad():
+        for _ in range(3):
+            torch.compiler.cudagraph_mark_step_begin()
+            y = c(x).clone()
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+    assert rel_err(y, ref) < 1e-2, n
+    torch._dynamo.reset()

@@ -9,7 +9,7 @@ Rows: decode at batch 1, 8, 64 (one token per sequence) and prefill of 1 and 4 s
 the same mode. Every variant runs in its own ``try``: a failure prints an error cell and the table goes on.
 ``--profile ROW``: the top CUDA kernels of each variant's forward at that row (eager: also the top host ops).
 ``--parallel``: one process per variant, row and mode, compiling side by side; once all have compiled and warmed up (or
-failed, or 85% of ``--time-limit`` has passed) they take turns (a file lock) for the timed part; meant for ``--modes compile`` (eager rows are bound by the host, so they are timed without other processes
+failed, or 85% of ``--time-limit`` has passed: the cells timed then are listed below the table) they take turns (a file lock) for the timed part; meant for ``--modes compile`` (eager rows are bound by the host, so they are timed without other processes
 compiling beside them).
 
     python benchmarks/serve.py [--model 8b|readme] [--rows decode1,decode8,decode64,prefill1,prefill4]
@@ -96,14 +96,19 @@ def _mark_ready(a) -> None:
         open(os.path.join(os.path.dirname(a.lock), f"ready.{os.getpid()}"), "w").close()
 
 
-def _barrier(a) -> None:
-    """With ``--parallel``: mark this process ready, then wait until every process is (or the barrier time passes)."""
+def _barrier(a) -> bool:
+    """With ``--parallel``: mark this process ready, then wait until every process is (or the barrier time passes).
+    Returns whether every process was ready (True without ``--parallel``): False means this process is timed while
+    others may still compile on the host's cores, which slows a forward bound by its host time."""
     if not a.lock:
-        return
+        return True
     _mark_ready(a)
     d = os.path.dirname(a.lock)
-    while (len([f for f in os.listdir(d) if f.startswith("ready.")]) < a.peers
-           and time.time() < a.start + a.barrier_s):
+    while True:
+        if len([f for f in os.listdir(d) if f.startswith("ready.")]) >= a.peers:
+            return True
+        if time.time() >= a.start + a.barrier_s:
+            return False
         time.sleep(0.2)
 
 
@@ -116,7 +121,7 @@ def measure(a, args: ModelArgs, bf16: torch.nn.Module, names: list, rows: list, 
         except Exception as e:  # noqa: BLE001
             traceback.print_exc(file=sys.stderr)
             models[n] = f"{type(e).__name__}"
-    out = {}
+    out, settled = {}, {}
     for mode in modes:
         for r in rows:  # one static graph per row and variant
             B, T = ROWS[r]
@@ -142,7 +147,9 @@ def measure(a, args: ModelArgs, bf16: torch.nn.Module, names: list, rows: list, 
                     for _ in range(3):  # compile, record the graphs (outside the GPU lock)
                         call()
                     torch.cuda.synchronize()
-                    _barrier(a)  # (--parallel: no process times while another still compiles and warms up)
+                    # (--parallel: no process times while another still compiles and warms up, unless the barrier's
+                    # time passed first)
+                    settled[(mode, r, n)] = _barrier(a)
                     ready = True
                     with _GpuLock(a.lock):
                         v[n] = bench(call)
@@ -163,7 +170,8 @@ def measure(a, args: ModelArgs, bf16: torch.nn.Module, names: list, rows: list, 
                 import json
 
                 with open(a.json + ".tmp", "w") as f:
-                    json.dump({f"{k[0]}|{k[1]}": w[names[0]] for k, w in out.items()}, f)
+                    json.dump({**{f"{k[0]}|{k[1]}": w[names[0]] for k, w in out.items()},
+                               **{f"settled|{k[0]}|{k[1]}": ok for k, ok in settled.items() if k[2] == names[0]}}, f)
                 os.replace(a.json + ".tmp", a.json)
         torch._dynamo.reset()
     return out
@@ -642,17 +650,24 @@ def main():
                     killed.add(key)
                 break
             time.sleep(0.2)
-        res = {}
+        res, unsettled = {}, []
         for (n, r, mode), p in procs.items():
             try:
                 with open(os.path.join(tmp, f"{n}.{r}.{mode}.json")) as f:
-                    res[(n, r, mode)] = json.load(f)[f"{mode}|{r}"]
+                    got = json.load(f)
+                res[(n, r, mode)] = got[f"{mode}|{r}"]
+                if not got.get(f"settled|{mode}|{r}", True):
+                    unsettled.append(f"{n} {mode} {r}")
             except (FileNotFoundError, KeyError):
                 res[(n, r, mode)] = ("stopped at the time limit" if (n, r, mode) in killed
                                      else f"process failed (exit code {p.returncode})")
         for mode in modes:
             for r in rows:
                 emit(mode, r, {n: res[(n, r, mode)] for n in names})
+        if unsettled:
+            print(f"\nTimed before every process had compiled (the barrier's {barrier_s:.0f} s passed first; other "
+                  "processes compiling on the host's cores slow a host-bound forward): " + "; ".join(unsettled) + ".",
+                  flush=True)
         if a.profile:
             for n, r, mode in jobs:
                 with open(os.path.join(tmp, f"{n}.{r}.{mode}.log")) as f:

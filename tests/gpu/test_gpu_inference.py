@@ -128,13 +128,15 @@ def test_compiled_equals_eager(mode):
 def test_compiled_decode_graph_takes_each_weights_parts_as_plain_inputs(n):
     """The compiled decode route reads each fp8 weight's ``qdata`` and ``scale``, so dynamo hands the graph those
     plain tensors, never the ScaledFp8Tensor: AOTAutograd then unwraps no tensor subclass on each call (torch 2.11
-    does that in Python, per subclass input: docs/benchmarks.md, "Serving"), and reduce-overhead runs every graph as a
-    CUDA graph. The output is the eager model's (one bf16 rounding apart past ``max_m``, as in
-    ``test_compiled_equals_eager``)."""
+    does that in Python, per subclass input: docs/benchmarks.md, "Serving"). The model compiles into one graph without
+    a graph break, which reduce-overhead runs as a CUDA graph. The output is the eager model's within one bf16
+    rounding up to ``max_m`` tokens (the graph sums the decode kernel's K slices in float32 ops of its own, eager in
+    one launch: the same order, perhaps contracted differently); past it as in ``test_compiled_equals_eager``."""
     from torch._dynamo.utils import counters
 
     from fp8tensor import ScaledFp8Tensor
 
+    bound = 2.0**-8 if n <= MAX_M else 1e-2
     torch.manual_seed(n)
     m = fp8tensor.quantize_weights(nn.Sequential(nn.Linear(512, 1024), nn.Linear(1024, 256, bias=False)).to(
         DEV, torch.bfloat16)).eval()
@@ -147,26 +149,30 @@ def test_compiled_decode_graph_takes_each_weights_parts_as_plain_inputs(n):
         graph_tensors.extend(gm.buffers())
         return gm.forward
 
-    torch._dynamo.reset()
-    with torch.no_grad():
-        y = torch.compile(m, backend=backend)(x)
-        ref = m(x)
-    assert graph_tensors, "no graph compiled"
-    assert not any(isinstance(t, ScaledFp8Tensor) for t in graph_tensors), [type(t).__name__ for t in graph_tensors]
-    ptrs = {t.data_ptr() for t in graph_tensors}
-    for i, lin in enumerate(m):
-        assert lin.weight.qdata.data_ptr() in ptrs and lin.weight.scale.data_ptr() in ptrs, i
-    # (as test_compiled_equals_eager past max_m: a bf16 rounding of the first output can move the second Linear's
-    # e4m3 rounding of it by one step on a few elements; up to max_m the graph's ops are eager's)
-    assert rel_err(y, ref) < 1e-2, n
+    try:
+        torch._dynamo.reset()
+        counters.clear()
+        with torch.no_grad():
+            y = torch.compile(m, backend=backend)(x)
+            ref = m(x)
+        assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], (
+            dict(counters["stats"]), dict(counters["graph_break"]))
+        assert not any(isinstance(t, ScaledFp8Tensor) for t in graph_tensors), [type(t).__name__ for t in graph_tensors]
+        ptrs = {t.data_ptr() for t in graph_tensors}
+        for i, lin in enumerate(m):
+            assert lin.weight.qdata.data_ptr() in ptrs and lin.weight.scale.data_ptr() in ptrs, i
+        assert rel_err(y, ref) < bound, n
 
-    torch._dynamo.reset()
-    counters.clear()
-    c = torch.compile(m, mode="reduce-overhead")
-    with torch.no_grad():
-        for _ in range(3):
-            torch.compiler.cudagraph_mark_step_begin()
-            y = c(x).clone()
-    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
-    assert rel_err(y, ref) < 1e-2, n
-    torch._dynamo.reset()
+        torch._dynamo.reset()
+        counters.clear()
+        c = torch.compile(m, mode="reduce-overhead")
+        with torch.no_grad():
+            for _ in range(3):
+                torch.compiler.cudagraph_mark_step_begin()
+                y = c(x).clone()
+        assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+        assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], (
+            dict(counters["stats"]), dict(counters["graph_break"]))
+        assert rel_err(y, ref) < bound, n
+    finally:
+        torch._dynamo.reset()

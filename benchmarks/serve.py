@@ -112,6 +112,14 @@ def _barrier(a) -> bool:
         time.sleep(0.2)
 
 
+def _all_ready(a) -> bool:
+    """With ``--parallel``: whether every process has marked itself ready (True without ``--parallel``)."""
+    if not a.lock:
+        return True
+    d = os.path.dirname(a.lock)
+    return len([f for f in os.listdir(d) if f.startswith("ready.")]) >= a.peers
+
+
 def measure(a, args: ModelArgs, bf16: torch.nn.Module, names: list, rows: list, modes: list, emit) -> dict:
     """``{(mode, row): {variant: ms or error text}}``; ``emit(mode, row, cells)`` after each row."""
     models = {}
@@ -152,6 +160,8 @@ def measure(a, args: ModelArgs, bf16: torch.nn.Module, names: list, rows: list, 
                     settled[(mode, r, n)] = _barrier(a)
                     ready = True
                     with _GpuLock(a.lock):
+                        if not settled[(mode, r, n)]:  # (the others may have become ready while this one waited)
+                            settled[(mode, r, n)] = _all_ready(a)
                         v[n] = bench(call)
                         if a.profile == r:
                             print(f"<!-- {n} {mode} {r}: top kernels\n{top_kernels(call)}\n-->", flush=True)
@@ -676,9 +686,9 @@ def main():
             for r in rows:
                 emit(mode, r, {n: res[(n, r, mode)] for n in names})
         if unsettled:
-            print(f"\nTimed before every process had compiled (the barrier's {barrier_s:.0f} s passed first; other "
-                  "processes compiling on the host's cores slow a host-bound forward): " + "; ".join(unsettled) + ".",
-                  flush=True)
+            print(f"\nTimed before every process had compiled (the barrier's {barrier_s:.0f} s passed first; the "
+                  "others may have shared the host's cores and the GPU, compiling and warming up): "
+                  + "; ".join(unsettled) + ".", flush=True)
         if a.profile:
             for n, r, mode in jobs:
                 with open(os.path.join(tmp, f"{n}.{r}.{mode}.log")) as f:

@@ -96,28 +96,26 @@ def _mark_ready(a) -> None:
         open(os.path.join(os.path.dirname(a.lock), f"ready.{os.getpid()}"), "w").close()
 
 
-def _barrier(a) -> bool:
-    """With ``--parallel``: mark this process ready, then wait until every process is (or the barrier time passes).
-    Returns whether every process was ready (True without ``--parallel``): False means this process is timed while
-    others may still compile on the host's cores, which slows a forward bound by its host time."""
-    if not a.lock:
-        return True
-    _mark_ready(a)
-    d = os.path.dirname(a.lock)
-    while True:
-        if len([f for f in os.listdir(d) if f.startswith("ready.")]) >= a.peers:
-            return True
-        if time.time() >= a.start + a.barrier_s:
-            return False
-        time.sleep(0.2)
-
-
 def _all_ready(a) -> bool:
     """With ``--parallel``: whether every process has marked itself ready (True without ``--parallel``)."""
     if not a.lock:
         return True
     d = os.path.dirname(a.lock)
     return len([f for f in os.listdir(d) if f.startswith("ready.")]) >= a.peers
+
+
+def _barrier(a) -> bool:
+    """With ``--parallel``: mark this process ready, then wait until every process is (or the barrier time passes).
+    Returns whether every process was ready (True without ``--parallel``): False means this process may be timed
+    while others still compile and warm up, sharing the host's cores and the GPU."""
+    if not a.lock:
+        return True
+    _mark_ready(a)
+    while not _all_ready(a):
+        if time.time() >= a.start + a.barrier_s:
+            return False
+        time.sleep(0.2)
+    return True
 
 
 def measure(a, args: ModelArgs, bf16: torch.nn.Module, names: list, rows: list, modes: list, emit) -> dict:

@@ -187,8 +187,8 @@ if _HAS_TRITON:
                 _store_row_tile(q_ptr, rows, offs_k, mask, x, scale, FMAX)
 
     @triton.jit
-    def _row_quant_kernel(x_ptr, c_ptr, q_ptr, scale_ptr, M, K, FMAX: tl.constexpr, EPS: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HAS_C: tl.constexpr, ends_ptr, G,
+    def _row_quant_kernel(x_ptr, c_ptr, q_ptr, scale_ptr, M, K, ends_ptr, G, FMAX: tl.constexpr, EPS: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HAS_C: tl.constexpr,
                           G_BLOCK: tl.constexpr, ONE_TILE: tl.constexpr = False):
         # BLOCK_M rows per program; the bits of the eager CUDA ops: x / scale as an IEEE division (div_rn; Triton's
         # plain '/' on float32 is approximate, eager CUDA divides tensor by tensor exactly).
@@ -487,6 +487,8 @@ CONFIG = _frozen(dict(amax_block_k=64, amax_block_m=256, amax_chunk_m=256, amax_
 ROW_CONFIG = _frozen(dict(block_m=1, block_k=4096, warps=8, one_tile_max_k=8192, one_tile_elems=4096,
                           one_tile_rows=16, one_tile_warps=8, group_block_m=4, group_block_k=1024, group_warps=8))
 _ROW_PLANS: dict = {}
+#: (K, fp8 dtype, scale floor, multipliers, groups) -> the row kernel's constexprs (:func:`quantize_last_dim`).
+_ROW_CONSTS: dict = {}
 
 
 def _row_plan(K: int) -> tuple:
@@ -559,12 +561,19 @@ def quantize_last_dim(x: torch.Tensor, float8_dtype: torch.dtype, scale_floor: f
     q = torch.empty(x.shape, dtype=float8_dtype, device=x.device)
     scale = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
     bm, bk, warps, one_tile = _row_plan(K)
+    has_c = col_scale is not None
+    key = (K, float8_dtype, scale_floor, has_c, G)
+    consts = _ROW_CONSTS.get(key)
+    if consts is None:  # (one immutable mapping per key: the eager launcher reads its launch-key part once)
+        consts = LaunchConsts(dict(FMAX=_fmax(float8_dtype), EPS=scale_floor, BLOCK_M=bm, BLOCK_K=bk, HAS_C=has_c,
+                                   G_BLOCK=_next_power_of_2(G) if G else 0, ONE_TILE=one_tile))
+        if len(_ROW_CONSTS) >= 4096:
+            _ROW_CONSTS.clear()
+        _ROW_CONSTS[key] = consts
     _launcher(_row_quant_kernel)(
-        (_cdiv(M, bm),), (x, x if col_scale is None else col_scale, q, scale, M, K),
-        dict(FMAX=_fmax(float8_dtype), EPS=scale_floor, BLOCK_M=bm, BLOCK_K=bk,
-             HAS_C=col_scale is not None, ends_ptr=x if col_scale_ends is None else col_scale_ends, G=G,
-             G_BLOCK=_next_power_of_2(G) if G else 0, ONE_TILE=one_tile),
-        warps, x.device)
+        (_cdiv(M, bm),),
+        (x, col_scale if has_c else x, q, scale, M, K, x if col_scale_ends is None else col_scale_ends, G),
+        consts, warps, x.device)
     return q, scale
 
 

@@ -107,6 +107,7 @@ def main():
     torch.manual_seed(seed)
     splits = set()
     many = dict(kernels.W8_MM_CONFIG["tiles"][16], programs_per_sm=64, min_k_tiles=1)  # as many slices as K tiles
+    gemv_many = dict(block_n=16, block_k=128, warps=4, stages=1, programs_per_sm=64, min_k_tiles=1, gemv=1)
     for dtype in (torch.bfloat16, torch.float16):
         for M, N, K, bias, tiles in [
             (1, 5, 1000, True, many),       # one column tile, 8 slices, the last one short
@@ -122,6 +123,10 @@ def main():
             (40, 9, 260, False, dict(kernels.W8_MM_CONFIG["tiles"][64], programs_per_sm=8, min_k_tiles=1,
                                      swap_ab=True)),
             (3, 20, 16, False, dict(many, swap_ab=True)),
+            (1, 37, 1000, True, dict(gemv_many)),     # no MMA (gemv): one row, K split, the last slice short
+            (3, 20, 300, False, dict(gemv_many)),     # three rows (a 4-row block), uneven N
+            (1, 9, 40, True, dict(gemv_many, block_k=64)),  # one slice: the direct store
+            (2, 33, 1000, False, dict(gemv_many, gemv=2)),  # each tile's products summed as they come
         ]:
             splits.add(_check(seed, M, N, K, dtype, bias, tiles))
     assert {1, 2, 3, 8} <= splits, splits
@@ -136,6 +141,7 @@ def main():
             (40, 9, 260, False, dict(kernels.W8_MM_CONFIG["tiles"][64], programs_per_sm=8, min_k_tiles=1,
                                      swap_ab=True)),
             (33, 70, 300, True, dict(many, swap_ab=True)),
+            (2, 21, 700, True, dict(gemv_many)),
         ]:
             splits.add(_check_fp8_x(seed, M, N, K, dtype, bias, tiles))
     assert len(splits) >= 2, splits

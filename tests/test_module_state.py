@@ -36,6 +36,9 @@ STATE = {
     "numerics/kernels.py:_SM_COUNT": "each device's SM count (a hardware fact)",
     "numerics/kernels.py:_ROW_PLANS": "the row-wise kernel's tiles per row width, a pure function of the width and "
                                       "the read-only tile table (the same bits for any); at most 4096 widths",
+    "numerics/kernels.py:_ROW_CONSTS": "the row-wise kernel's constexprs, a pure function of (K, fp8 dtype, scale "
+                                       "floor, multipliers, groups) and the read-only tile table; at most 4096, then "
+                                       "cleared",
     "numerics/kernels.py:_W8_PLANS": "launch plans of the decode GEMM, a pure function of (device, M, N, K) and the "
                                      "read-only tile table; at most 4096, then cleared",
     "numerics/kernels.py:_W8_LAUNCHES": "the decode GEMM's launch arguments besides its tensors (grid, split, "

@@ -858,9 +858,28 @@ if _HAS_TRITON:
     @triton.jit
     def _w8_mm_slice(x_ptr, w_ptr, rm, rn, rk, k_start, M, N, K, K_PER, stride_xm, stride_wn,
                      X_TY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     N_MAJOR: tl.constexpr, X_FP8: tl.constexpr, SWAP_AB: tl.constexpr):
+                     N_MAJOR: tl.constexpr, X_FP8: tl.constexpr, SWAP_AB: tl.constexpr, GEMV: tl.constexpr):
         # The float32 partial sum (BLOCK_M, BLOCK_N) of x @ w.T over K slice [k_start, k_start + K_PER), unscaled.
-        if SWAP_AB:
+        if GEMV == 1:  # no MMA: both tiles widened to float32 (exact), products added per K lane, lanes summed last
+            acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+            for kk in range(0, K_PER, BLOCK_K):
+                k = k_start + kk + rk
+                w = tl.load(w_ptr + rn[:, None] * stride_wn + k[None, :], mask=(rn[:, None] < N) & (k[None, :] < K),
+                            other=0.0).to(tl.float32)
+                x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=(rm[:, None] < M) & (k[None, :] < K),
+                            other=0.0).to(tl.float32)
+                acc3 += x[:, None, :] * w[None, :, :]
+            acc = tl.sum(acc3, axis=2)
+        elif GEMV == 2:  # no MMA, each tile's products summed over K as it comes (fewer registers, more shuffles)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for kk in range(0, K_PER, BLOCK_K):
+                k = k_start + kk + rk
+                w = tl.load(w_ptr + rn[:, None] * stride_wn + k[None, :], mask=(rn[:, None] < N) & (k[None, :] < K),
+                            other=0.0).to(tl.float32)
+                x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=(rm[:, None] < M) & (k[None, :] < K),
+                            other=0.0).to(tl.float32)
+                acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+        elif SWAP_AB:
             acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             for kk in range(0, K_PER, BLOCK_K):
                 k = k_start + kk + rk
@@ -896,7 +915,7 @@ if _HAS_TRITON:
                       stride_os, xs_ptr, HAS_BIAS: tl.constexpr, FINAL: tl.constexpr, X_TY: tl.constexpr,
                       O_TY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       N_MAJOR: tl.constexpr = False, X_FP8: tl.constexpr = False,
-                      SWAP_AB: tl.constexpr = False, ONE_LAUNCH: tl.constexpr = False):
+                      SWAP_AB: tl.constexpr = False, ONE_LAUNCH: tl.constexpr = False, GEMV: tl.constexpr = 0):
         # Program (n, s): output columns [n * BLOCK_N, ...) over the K slice s, all M rows; the fp8 weight widened
         # to x's dtype (exact) with fp32 accumulation. X_FP8: x is fp8 too (row scales xs), the dot fp8 x fp8 with
         # fp32 accumulation. FINAL: the row scales of an fp8 x, then the weight's scales (and bias) applied and
@@ -915,10 +934,10 @@ if _HAS_TRITON:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for ks in range(0, K, K_PER):
                 acc += _w8_mm_slice(x_ptr, w_ptr, rm, rn, rk, ks, M, N, K, K_PER, stride_xm, stride_wn,
-                                    X_TY, BLOCK_M, BLOCK_N, BLOCK_K, N_MAJOR, X_FP8, SWAP_AB)
+                                    X_TY, BLOCK_M, BLOCK_N, BLOCK_K, N_MAJOR, X_FP8, SWAP_AB, GEMV)
         else:
             acc = _w8_mm_slice(x_ptr, w_ptr, rm, rn, rk, pid_s * K_PER, M, N, K, K_PER, stride_xm, stride_wn,
-                               X_TY, BLOCK_M, BLOCK_N, BLOCK_K, N_MAJOR, X_FP8, SWAP_AB)
+                               X_TY, BLOCK_M, BLOCK_N, BLOCK_K, N_MAJOR, X_FP8, SWAP_AB, GEMV)
         omask = (rm[:, None] < M) & (rn[None, :] < N)
         if FINAL:
             if X_FP8:
@@ -970,6 +989,7 @@ if _HAS_TRITON:
 #: unsplit (224 column blocks), 24.4 µs against 29.8 with three slices, and a layer's GEMMs (partial sums, as in a
 #: compiled graph) take about 100 µs against 118.6 (best per shape 98.7). 128 not tuned.
 W8_MM_CONFIG = _frozen(dict(max_m=16, max_m_fp8x=64, reduce_block=1024, tiles={
+    1: dict(block_n=16, block_k=256, warps=4, stages=1, programs_per_sm=4, min_k_tiles=1, gemv=1),
     16: dict(block_n=32, block_k=128, warps=4, stages=3, programs_per_sm=4, min_k_tiles=4, n_major=False),
     32: dict(block_n=64, block_k=128, warps=4, stages=3, programs_per_sm=4, min_k_tiles=4, swap_ab=True),
     64: dict(block_n=64, block_k=256, warps=4, stages=3, programs_per_sm=1, min_k_tiles=4, n_major=True),
@@ -998,6 +1018,11 @@ def w8_mm_available(x: torch.Tensor, w8: torch.Tensor) -> bool:
             and x.numel() < 2**31 and w8.numel() < 2**31)
 
 
+def _w8_mm_bucket(M: int) -> int:
+    """The row block of :data:`W8_MM_CONFIG`'s tile table that takes ``M`` rows: the smallest key ``>= M``."""
+    return min(k for k in W8_MM_CONFIG["tiles"] if k >= M)
+
+
 def _w8_mm_plan(M: int, N: int, K: int, device: torch.device, tiles=None) -> tuple:
     """``(BLOCK_M, tiles, grid, split, k_per)`` of :func:`launch_w8_mm` for an ``(M, K) x (N, K)^T`` product
     (``tiles``: one row block's tile dict instead of the table's, not cached)."""
@@ -1009,8 +1034,8 @@ def _w8_mm_plan(M: int, N: int, K: int, device: torch.device, tiles=None) -> tup
     sms = _SM_COUNT.get(idx)
     if sms is None:
         sms = _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count if idx >= 0 else 1
-    bm = max(16, _next_power_of_2(M))
-    c = W8_MM_CONFIG["tiles"][bm] if tiles is None else tiles
+    c = W8_MM_CONFIG["tiles"][_w8_mm_bucket(M)] if tiles is None else tiles
+    bm = _next_power_of_2(M) if c.get("gemv", False) else max(16, _next_power_of_2(M))
     nb, kt = _cdiv(N, c["block_n"]), _cdiv(K, c["block_k"])
     split = max(1, min(_cdiv(sms * c["programs_per_sm"], nb), kt // c["min_k_tiles"]))
     k_per = _cdiv(kt, split) * c["block_k"]
@@ -1081,7 +1106,7 @@ def _w8_mm_launch(M: int, N: int, K: int, device: torch.device, dtype: torch.dty
     ty = _tl_dtype(dtype)
     consts = dict(HAS_BIAS=has_bias, FINAL=split == 1, X_TY=ty, O_TY=ty, BLOCK_M=bm, BLOCK_N=c["block_n"],
                   BLOCK_K=c["block_k"], N_MAJOR=c.get("n_major", False), X_FP8=x_fp8,
-                  SWAP_AB=c.get("swap_ab", False), ONE_LAUNCH=one)
+                  SWAP_AB=c.get("swap_ab", False), ONE_LAUNCH=one, GEMV=int(c.get("gemv", 0)))
     rblock = W8_MM_CONFIG["reduce_block"]
     rconsts = dict(SPLIT=split, HAS_BIAS=has_bias, O_TY=ty, BLOCK=rblock, X_FP8=x_fp8)
     return (grid, split, k_per, LaunchConsts(consts), c["warps"], c["stages"],

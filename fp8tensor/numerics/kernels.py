@@ -860,7 +860,22 @@ if _HAS_TRITON:
                      X_TY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      N_MAJOR: tl.constexpr, X_FP8: tl.constexpr, SWAP_AB: tl.constexpr, GEMV: tl.constexpr):
         # The float32 partial sum (BLOCK_M, BLOCK_N) of x @ w.T over K slice [k_start, k_start + K_PER), unscaled.
-        if GEMV == 1:  # no MMA: both tiles widened to float32 (exact), products added per K lane, lanes summed last
+        if GEMV != 0 and BLOCK_M == 1:  # one row, no MMA: the weight tile times x's vector, per K lane (or per tile)
+            acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+            acc1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for kk in range(0, K_PER, BLOCK_K):
+                k = k_start + kk + rk
+                w = tl.load(w_ptr + rn[:, None] * stride_wn + k[None, :], mask=(rn[:, None] < N) & (k[None, :] < K),
+                            other=0.0).to(tl.float32)
+                xv = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+                if GEMV == 1:
+                    acc2 += w * xv[None, :]
+                else:
+                    acc1 += tl.sum(w * xv[None, :], axis=1)
+            if GEMV == 1:
+                acc1 = tl.sum(acc2, axis=1)
+            acc = acc1[None, :]
+        elif GEMV == 1:  # no MMA: both tiles widened to float32 (exact), products added per K lane, lanes summed last
             acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
             for kk in range(0, K_PER, BLOCK_K):
                 k = k_start + kk + rk

@@ -127,6 +127,9 @@ def main():
             (3, 20, 300, False, dict(gemv_many)),     # three rows (a 4-row block), uneven N
             (1, 9, 40, True, dict(gemv_many, block_k=64)),  # one slice: the direct store
             (2, 33, 1000, False, dict(gemv_many, gemv=2)),  # each tile's products summed as they come
+            (1, 33, 1000, True, dict(gemv_many, gemv=2)),
+            (1, 21, 700, False, dict(gemv_many, gemv=3)),   # x's vector loaded in the weight tile's layout
+            (3, 21, 700, True, dict(gemv_many, gemv=3)),    # (more rows: as gemv=2)
         ]:
             splits.add(_check(seed, M, N, K, dtype, bias, tiles))
     assert {1, 2, 3, 8} <= splits, splits

@@ -867,11 +867,16 @@ if _HAS_TRITON:
                 k = k_start + kk + rk
                 w = tl.load(w_ptr + rn[:, None] * stride_wn + k[None, :], mask=(rn[:, None] < N) & (k[None, :] < K),
                             other=0.0).to(tl.float32)
-                xv = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-                if GEMV == 1:
-                    acc2 += w * xv[None, :]
+                if GEMV == 3:  # x's vector loaded per weight row (L1 hits), in the weight tile's layout
+                    xb = tl.load(x_ptr + rn[:, None] * 0 + k[None, :], mask=(rn[:, None] < N) & (k[None, :] < K),
+                                 other=0.0).to(tl.float32)
+                    acc1 += tl.sum(w * xb, axis=1)
                 else:
-                    acc1 += tl.sum(w * xv[None, :], axis=1)
+                    xv = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+                    if GEMV == 1:
+                        acc2 += w * xv[None, :]
+                    else:
+                        acc1 += tl.sum(w * xv[None, :], axis=1)
             if GEMV == 1:
                 acc1 = tl.sum(acc2, axis=1)
             acc = acc1[None, :]
@@ -885,7 +890,7 @@ if _HAS_TRITON:
                             other=0.0).to(tl.float32)
                 acc3 += x[:, None, :] * w[None, :, :]
             acc = tl.sum(acc3, axis=2)
-        elif GEMV == 2:  # no MMA, each tile's products summed over K as it comes (fewer registers, more shuffles)
+        elif GEMV != 0:  # (2, 3) no MMA, each tile's products summed over K as it comes (fewer registers)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for kk in range(0, K_PER, BLOCK_K):
                 k = k_start + kk + rk

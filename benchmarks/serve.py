@@ -406,6 +406,14 @@ DEEP_CANDIDATES = ((32, 256, 4, 2, 4, 2), (32, 256, 4, 4, 4, 2), (64, 256, 4, 2,
                    (16, 256, 4, 4, 4, 2))
 
 
+#: With ``--sweep-all``, also timed up to 8 tokens: gemv tiles (no MMA; ``gemv`` 1: products summed per K lane at
+#: the end, 2: per tile, 3: one row, x's vector loaded in the weight tile's layout)
+#: ``(block_n, block_k, warps, programs_per_sm, min_k_tiles, gemv)``, one pipeline stage.
+GEMV_CANDIDATES = ((16, 256, 4, 4, 1, 1), (16, 512, 4, 4, 1, 2), (16, 512, 4, 4, 1, 3), (8, 512, 4, 8, 1, 2),
+                   (32, 256, 8, 4, 1, 1), (16, 1024, 8, 4, 1, 2), (32, 512, 4, 4, 1, 3), (16, 256, 4, 8, 2, 3),
+                   (8, 1024, 4, 4, 1, 3), (64, 256, 8, 2, 1, 2), (8, 256, 4, 8, 1, 2), (16, 128, 4, 8, 2, 2))
+
+
 def _graph_us(calls: list, reps: int = 20) -> float:
     """GPU µs per call of ``calls`` (one per weight copy), captured as one CUDA graph on a side stream after a warm-up
     there (Triton's compiles), median of ``reps`` replays."""
@@ -477,8 +485,8 @@ def crossover(a) -> None:
     print(f"# decode GEMM crossover · {env_line()} · GPU µs per GEMM (CUDA graph over weight copies, median of 20); "
           f"W8_MM_CONFIG max_m={kernels.W8_MM_CONFIG['max_m']}, max_m_fp8x={kernels.W8_MM_CONFIG['max_m_fp8x']}")
     print()
-    print("| GEMM (N x K) | M | w8 | w8 best tile (block_n, block_k, warps, programs_per_sm, stages, min_k_tiles) "
-          "| dual fp8 | fp8 x fp8, K split | bf16 | fastest |")
+    print("| GEMM (N x K) | M | w8 | w8 best tile (block_n, block_k, warps, programs_per_sm, stages, min_k_tiles, "
+          "swap_ab[, gemv]) | dual fp8 | fp8 x fp8, K split | bf16 | fastest |")
     print("|---|---|---|---|---|---|---|---|", flush=True)
     layer = {m: {"w8": 0.0, "dual": 0.0, "f8f8": 0.0, "bf16": 0.0} for m in ms}
     for name, N, K, count in GEMMS_8B:
@@ -496,7 +504,7 @@ def crossover(a) -> None:
                 return _graph_us([lambda f=f: kernels.launch_w8_mm(x, f.weight.qdata, f.weight.scale, None,
                                                                    tiles=tiles) for f in fp8])
 
-            bm = max(16, 1 << (m - 1).bit_length())
+            bm = kernels._w8_mm_bucket(m)  # (the table's row block of m tokens)
             try:
                 cell["w8"] = w8()
             except Exception as e:  # noqa: BLE001
@@ -508,15 +516,18 @@ def crossover(a) -> None:
                 if fp8x:
                     cands = list(FP8X_CANDIDATES)
                 else:
-                    cands = [(bn, bk, w, pps, base["stages"], base["min_k_tiles"], False)
+                    mma = kernels.W8_MM_CONFIG["tiles"][max(16, bm)]  # (the MMA candidates: stages, min_k_tiles)
+                    cands = [(bn, bk, w, pps, mma["stages"], mma["min_k_tiles"], False)
                              for bn, bk, w, pps in TILE_CANDIDATES] + [(*c, False) for c in DEEP_CANDIDATES]
+                    if m <= 8:
+                        cands += [(bn, bk, w, pps, 1, mkt, False, g) for bn, bk, w, pps, mkt, g in GEMV_CANDIDATES]
                 timed = []
-                for bn, bk, warps, pps, stages, mkt, swap in cands:
+                for bn, bk, warps, pps, stages, mkt, swap, *gemv in cands:
                     tiles = dict(base, block_n=bn, block_k=bk, warps=warps, programs_per_sm=pps, stages=stages,
-                                 min_k_tiles=mkt, swap_ab=swap)
+                                 min_k_tiles=mkt, swap_ab=swap, gemv=gemv[0] if gemv else 0)
                     try:
                         t = (_graph_us([_f8f8_call(x, f.weight, tiles) for f in fp8]) if fp8x else w8(tiles))
-                        timed.append((t, (bn, bk, warps, pps, stages, mkt, swap)))
+                        timed.append((t, (bn, bk, warps, pps, stages, mkt, swap, *(f"gemv={g}" for g in gemv))))
                     except Exception:  # noqa: BLE001 (out of shared memory / registers: not a candidate)
                         pass
                 if timed:

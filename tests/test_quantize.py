@@ -329,12 +329,14 @@ def test_decode_op_traced_takes_every_shape_its_eager_launch_takes():
 
     with FakeTensorMode():
         for M, N, K, dtype in ((0, 64, 4096, torch.bfloat16), (1, 0, 4096, torch.bfloat16),
-                               (1, 64, 4096, torch.bfloat16), (3, 33, 1000, torch.float16), (2, 5, 16, torch.bfloat16)):
+                               (1, 16, 4096, torch.bfloat16), (2, 64, 4096, torch.bfloat16),
+                               (3, 33, 1000, torch.float16), (2, 5, 16, torch.bfloat16)):
             x = torch.empty(M, K, dtype=dtype)
             w8 = torch.empty(N, K, dtype=torch.float8_e4m3fn)
             out = torch.ops.fp8tensor.w8_mm(x, w8, torch.empty(N, 1), None)
             assert out.shape == (M, N) and out.dtype == dtype, (M, N, K)
-        assert kernels.w8_mm_split(1, 64, 4096, torch.device("cpu")) > 1  # (the partials path was taken above)
+        assert kernels.w8_mm_split(1, 16, 4096, torch.device("cpu")) > 1  # (the partials path was taken above)
+        assert kernels.w8_mm_split(2, 64, 4096, torch.device("cpu")) > 1
         assert kernels.w8_mm_split(2, 5, 16, torch.device("cpu")) == 1
         with pytest.raises(ValueError, match="tiles for at most"):
             torch.ops.fp8tensor.w8_mm(torch.empty(kernels.W8_MAX_M + 1, 64, dtype=torch.bfloat16),

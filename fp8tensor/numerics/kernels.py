@@ -1039,8 +1039,20 @@ def w8_mm_available(x: torch.Tensor, w8: torch.Tensor) -> bool:
 
 
 def _w8_mm_bucket(M: int) -> int:
-    """The row block of :data:`W8_MM_CONFIG`'s tile table that takes ``M`` rows: the smallest key ``>= M``."""
-    return min(k for k in W8_MM_CONFIG["tiles"] if k >= M)
+    """The row block of :data:`W8_MM_CONFIG`'s tile table that takes ``M`` rows: the smallest key ``>= M``.
+
+    Raises:
+        ValueError: ``M`` exceeds the largest row block."""
+    for k in _W8_BUCKETS:
+        if k >= M:
+            return k
+    raise ValueError(f"fp8tensor launch_w8_mm: {M} rows; the decode GEMM has tiles for at most {_W8_BUCKETS[-1]} "
+                     "(W8_MM_CONFIG['tiles'])")
+
+
+#: The most float32 products per K step ``rows x block_n x block_k`` of a gemv tile (no MMA) of more than one row:
+#: its ``(rows, block_n, block_k)`` products live in registers (more spill, then fail to compile, on sm_90).
+W8_GEMV_MAX_ELEMENTS = 16384
 
 
 def _w8_mm_plan(M: int, N: int, K: int, device: torch.device, tiles=None) -> tuple:
@@ -1055,7 +1067,14 @@ def _w8_mm_plan(M: int, N: int, K: int, device: torch.device, tiles=None) -> tup
     if sms is None:
         sms = _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count if idx >= 0 else 1
     c = W8_MM_CONFIG["tiles"][_w8_mm_bucket(M)] if tiles is None else tiles
-    bm = _next_power_of_2(M) if c.get("gemv", False) else max(16, _next_power_of_2(M))
+    if c.get("gemv", 0):
+        bm = max(1, _next_power_of_2(M))
+        if bm * c["block_n"] * c["block_k"] > W8_GEMV_MAX_ELEMENTS and bm > 1:
+            raise ValueError(f"fp8tensor launch_w8_mm: a gemv tile (no MMA) of {c['block_n']} x {c['block_k']} takes "
+                             f"at most {W8_GEMV_MAX_ELEMENTS} products per K step (rows x block_n x block_k); "
+                             f"{M} rows")
+    else:
+        bm = max(16, _next_power_of_2(M))
     nb, kt = _cdiv(N, c["block_n"]), _cdiv(K, c["block_k"])
     split = max(1, min(_cdiv(sms * c["programs_per_sm"], nb), kt // c["min_k_tiles"]))
     k_per = _cdiv(kt, split) * c["block_k"]
@@ -1143,6 +1162,8 @@ _W8_LAUNCHES: dict = {}
 _W8_EAGER: dict = {}
 #: The most rows of :func:`launch_w8_mm` (the largest row block of the frozen tile table).
 _W8_MAX_M = W8_MAX_M = max(W8_MM_CONFIG["tiles"])
+#: The row blocks of the tile table, ascending.
+_W8_BUCKETS = tuple(sorted(W8_MM_CONFIG["tiles"]))
 
 
 def _w8_mm_run(x, w8, scale, bias, x_scale, dtype, shape, two_d, M, N, K, launch) -> torch.Tensor:

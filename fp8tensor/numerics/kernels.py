@@ -937,7 +937,7 @@ if _HAS_TRITON:
                       N_MAJOR: tl.constexpr = False, X_FP8: tl.constexpr = False,
                       SWAP_AB: tl.constexpr = False, ONE_LAUNCH: tl.constexpr = False, GEMV: tl.constexpr = 0):
         # Program (n, s): output columns [n * BLOCK_N, ...) over the K slice s, all M rows; the fp8 weight widened
-        # to x's dtype (exact) with fp32 accumulation. X_FP8: x is fp8 too (row scales xs), the dot fp8 x fp8 with
+        # to x's dtype (exact) with fp32 accumulation (GEMV: no MMA, both widened to fp32, elementwise products). X_FP8: x is fp8 too (row scales xs), the dot fp8 x fp8 with
         # fp32 accumulation. FINAL: the row scales of an fp8 x, then the weight's scales (and bias) applied and
         # stored, else the unscaled fp32 partial sum goes to slice s of the workspace (the reduce kernel applies the
         # scales after the sum, in the same order). SWAP_AB: the product taken as w @ x.T, the weight tile the MMA's
@@ -989,9 +989,14 @@ if _HAS_TRITON:
         tl.store(o_ptr + offs, acc.to(O_TY), mask=mask)
 
 
-#: Tiles of the small-M fp8-weight GEMM, per row block (16, 32, 64 or 128 rows): weight tiles (``n_major``: loaded
-#: K-contiguous, transposed in registers; ``swap_ab``: the product taken as ``w8 @ x.T``, the weight tile on the MMA's
-#: row side and the tokens on its column side); K is split until about ``programs_per_sm`` programs per SM stream the
+#: Tiles of the small-M fp8-weight GEMM, per row block (16, 32, 64 or 128 rows; a key under 16 would take the
+#: tokens up to it, with a ``gemv`` tile): weight tiles (``n_major``: loaded K-contiguous, transposed in registers;
+#: ``swap_ab``: the product taken as ``w8 @ x.T``, the weight tile on the MMA's row side and the tokens on its column
+#: side; ``gemv``: no MMA, both tiles widened to float32 and multiplied elementwise, the products summed over K per
+#: lane at the end (1) or per tile (2), or for one row with x's vector loaded in the weight tile's layout (3); rows
+#: in blocks of the next power of two, at most :data:`W8_GEMV_MAX_ELEMENTS` products per K step past one row; no row
+#: block takes it until a GPU sweep shows it pays, ``benchmarks/serve.py --crossover --sweep-all`` times it up to 8
+#: tokens); K is split until about ``programs_per_sm`` programs per SM stream the
 #: weight (slices of at least ``min_k_tiles`` tiles), partials summed in fixed order by a second launch
 #: (``reduce_block`` elements per program).
 #:
@@ -1009,7 +1014,6 @@ if _HAS_TRITON:
 #: unsplit (224 column blocks), 24.4 µs against 29.8 with three slices, and a layer's GEMMs (partial sums, as in a
 #: compiled graph) take about 100 µs against 118.6 (best per shape 98.7). 128 not tuned.
 W8_MM_CONFIG = _frozen(dict(max_m=16, max_m_fp8x=64, reduce_block=1024, tiles={
-    1: dict(block_n=16, block_k=256, warps=4, stages=1, programs_per_sm=4, min_k_tiles=1, gemv=1),
     16: dict(block_n=32, block_k=128, warps=4, stages=3, programs_per_sm=4, min_k_tiles=4, n_major=False),
     32: dict(block_n=64, block_k=128, warps=4, stages=3, programs_per_sm=4, min_k_tiles=4, swap_ab=True),
     64: dict(block_n=64, block_k=256, warps=4, stages=3, programs_per_sm=1, min_k_tiles=4, n_major=True),
@@ -1196,8 +1200,8 @@ def launch_w8_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: O
         w8: ``(N, K)`` fp8 (e4m3 / e5m2), unit last stride, on ``x``'s device.
         scale: ``(N, 1)`` contiguous float32 row scales; bias: ``(N,)`` contiguous or None.
         traced: the body of a ``triton_op`` (``wrap_triton``).
-        tiles: one row block's tile dict (the keys of ``W8_MM_CONFIG["tiles"][16]``) instead of the table's, for tile
-            sweeps (``benchmarks/serve.py --crossover``).
+        tiles: one row block's tile dict (the keys of ``W8_MM_CONFIG["tiles"][16]``, and ``gemv``: see the table)
+            instead of the table's, for tile sweeps (``benchmarks/serve.py --crossover``).
         x_scale: ``(M, 1)`` contiguous float32 row scales of an fp8 ``x`` (quantized per row): the product
             ``((x * x_scale) @ (w8 * scale).T) (+ bias)`` in ``out_dtype`` (bf16 / fp16), the dot fp8 x fp8 (the
             dual-fp8 GEMM of cuBLAS, with the K split for small M).
@@ -1211,7 +1215,8 @@ def launch_w8_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: O
     (:func:`launch_w8_mm_partials`: the partial sums alone) or, with ``one_launch``, in the same launch.
 
     Raises:
-        ValueError: ``M`` exceeds the largest row block; ``x`` not 2-D and not contiguous; an fp8 ``x`` without
+        ValueError: ``M`` exceeds the largest row block, or a ``gemv`` tile's limit; ``x`` not 2-D and not
+            contiguous; an fp8 ``x`` without
             ``x_scale`` as above, of another fp8 dtype than ``w8``, or a ``out_dtype`` other than bf16 / fp16;
             ``x_scale`` with a high-precision ``x``.
     """

@@ -406,12 +406,10 @@ DEEP_CANDIDATES = ((32, 256, 4, 2, 4, 2), (32, 256, 4, 4, 4, 2), (64, 256, 4, 2,
                    (16, 256, 4, 4, 4, 2))
 
 
-#: With ``--sweep-all``, also timed up to 8 tokens: gemv tiles (no MMA; ``gemv`` 1: products summed per K lane at
-#: the end, 2: per tile, 3: one row, x's vector loaded in the weight tile's layout)
-#: ``(block_n, block_k, warps, programs_per_sm, min_k_tiles, gemv)``, one pipeline stage.
-GEMV_CANDIDATES = ((16, 256, 4, 4, 1, 1), (16, 512, 4, 4, 1, 2), (16, 512, 4, 4, 1, 3), (8, 512, 4, 8, 1, 2),
-                   (32, 256, 8, 4, 1, 1), (16, 1024, 8, 4, 1, 2), (32, 512, 4, 4, 1, 3), (16, 256, 4, 8, 2, 3),
-                   (8, 1024, 4, 4, 1, 3), (64, 256, 8, 2, 1, 2), (8, 256, 4, 8, 1, 2), (16, 128, 4, 8, 2, 2))
+#: With ``--sweep-all``, also timed at one token: gemv tiles (no MMA; one row)
+#: ``(block_n, block_k, warps, programs_per_sm, min_k_tiles)``, one pipeline stage.
+GEMV_CANDIDATES = ((8, 1024, 4, 4, 1), (32, 256, 4, 4, 1), (32, 256, 4, 8, 1), (16, 512, 4, 4, 1),
+                   (16, 512, 4, 8, 1), (64, 256, 8, 8, 1), (16, 256, 4, 8, 1), (32, 512, 8, 2, 1))
 
 
 def _graph_us(calls: list, reps: int = 20) -> float:
@@ -519,15 +517,15 @@ def crossover(a) -> None:
                     mma = kernels.W8_MM_CONFIG["tiles"][max(16, bm)]  # (the MMA candidates: stages, min_k_tiles)
                     cands = [(bn, bk, w, pps, mma["stages"], mma["min_k_tiles"], False)
                              for bn, bk, w, pps in TILE_CANDIDATES] + [(*c, False) for c in DEEP_CANDIDATES]
-                    if m <= 8:
-                        cands += [(bn, bk, w, pps, 1, mkt, False, g) for bn, bk, w, pps, mkt, g in GEMV_CANDIDATES]
+                    if m == 1:
+                        cands += [(bn, bk, w, pps, 1, mkt, False, True) for bn, bk, w, pps, mkt in GEMV_CANDIDATES]
                 timed = []
                 for bn, bk, warps, pps, stages, mkt, swap, *gemv in cands:
                     tiles = dict(base, block_n=bn, block_k=bk, warps=warps, programs_per_sm=pps, stages=stages,
-                                 min_k_tiles=mkt, swap_ab=swap, gemv=gemv[0] if gemv else 0)
+                                 min_k_tiles=mkt, swap_ab=swap, gemv=bool(gemv))
                     try:
                         t = (_graph_us([_f8f8_call(x, f.weight, tiles) for f in fp8]) if fp8x else w8(tiles))
-                        timed.append((t, (bn, bk, warps, pps, stages, mkt, swap, *(f"gemv={g}" for g in gemv))))
+                        timed.append((t, (bn, bk, warps, pps, stages, mkt, swap, *(["gemv"] if gemv else []))))
                     except Exception:  # noqa: BLE001 (out of shared memory / registers: not a candidate)
                         pass
                 if timed:

@@ -118,12 +118,6 @@ def _record_package_tiles(seen: set, launches: list) -> None:
                                           align=align, float8_dtype=e4m3, scale_floor=1e-12, min_pad=pad)
         finally:
             K.GROUP_COL_CONFIG = saved
-    for gemv in (1, 2, 3):  # the gemv forms (no MMA) as tile sweeps pass them, one to eight rows
-        for M in (1, 2, 8):
-            t = dict(block_n=16, block_k=256 if M < 8 else 128, warps=4, stages=1, programs_per_sm=4, min_k_tiles=1,
-                     gemv=gemv)
-            K.launch_w8_mm_partials(torch.empty(M, 4096, dtype=torch.bfloat16, device=meta),
-                                    torch.empty(4096, 4096, dtype=e4m3, device=meta), tiles=t)
     for dtype in (torch.bfloat16, torch.float16):
         for M in sorted({1, *K.W8_MM_CONFIG["tiles"]}):
             for N, Kd in ((6144, 4096), (4096, 4096), (14336, 4096), (4096, 14336)):

@@ -860,45 +860,15 @@ if _HAS_TRITON:
                      X_TY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      N_MAJOR: tl.constexpr, X_FP8: tl.constexpr, SWAP_AB: tl.constexpr, GEMV: tl.constexpr):
         # The float32 partial sum (BLOCK_M, BLOCK_N) of x @ w.T over K slice [k_start, k_start + K_PER), unscaled.
-        if GEMV != 0 and BLOCK_M == 1:  # one row, no MMA: the weight tile times x's vector, per K lane (or per tile)
-            acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        if GEMV:  # one row (BLOCK_M 1), no MMA: each weight tile widened to fp32 times x's vector, summed over K
             acc1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
             for kk in range(0, K_PER, BLOCK_K):
                 k = k_start + kk + rk
                 w = tl.load(w_ptr + rn[:, None] * stride_wn + k[None, :], mask=(rn[:, None] < N) & (k[None, :] < K),
                             other=0.0).to(tl.float32)
-                if GEMV == 3:  # x's vector loaded per weight row (L1 hits), in the weight tile's layout
-                    xb = tl.load(x_ptr + rn[:, None] * 0 + k[None, :], mask=(rn[:, None] < N) & (k[None, :] < K),
-                                 other=0.0).to(tl.float32)
-                    acc1 += tl.sum(w * xb, axis=1)
-                else:
-                    xv = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-                    if GEMV == 1:
-                        acc2 += w * xv[None, :]
-                    else:
-                        acc1 += tl.sum(w * xv[None, :], axis=1)
-            if GEMV == 1:
-                acc1 = tl.sum(acc2, axis=1)
+                xv = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+                acc1 += tl.sum(w * xv[None, :], axis=1)
             acc = acc1[None, :]
-        elif GEMV == 1:  # no MMA: both tiles widened to float32 (exact), products added per K lane, lanes summed last
-            acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-            for kk in range(0, K_PER, BLOCK_K):
-                k = k_start + kk + rk
-                w = tl.load(w_ptr + rn[:, None] * stride_wn + k[None, :], mask=(rn[:, None] < N) & (k[None, :] < K),
-                            other=0.0).to(tl.float32)
-                x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=(rm[:, None] < M) & (k[None, :] < K),
-                            other=0.0).to(tl.float32)
-                acc3 += x[:, None, :] * w[None, :, :]
-            acc = tl.sum(acc3, axis=2)
-        elif GEMV != 0:  # (2, 3) no MMA, each tile's products summed over K as it comes (fewer registers)
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for kk in range(0, K_PER, BLOCK_K):
-                k = k_start + kk + rk
-                w = tl.load(w_ptr + rn[:, None] * stride_wn + k[None, :], mask=(rn[:, None] < N) & (k[None, :] < K),
-                            other=0.0).to(tl.float32)
-                x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=(rm[:, None] < M) & (k[None, :] < K),
-                            other=0.0).to(tl.float32)
-                acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
         elif SWAP_AB:
             acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             for kk in range(0, K_PER, BLOCK_K):
@@ -935,7 +905,7 @@ if _HAS_TRITON:
                       stride_os, xs_ptr, HAS_BIAS: tl.constexpr, FINAL: tl.constexpr, X_TY: tl.constexpr,
                       O_TY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       N_MAJOR: tl.constexpr = False, X_FP8: tl.constexpr = False,
-                      SWAP_AB: tl.constexpr = False, ONE_LAUNCH: tl.constexpr = False, GEMV: tl.constexpr = 0):
+                      SWAP_AB: tl.constexpr = False, ONE_LAUNCH: tl.constexpr = False, GEMV: tl.constexpr = False):
         # Program (n, s): output columns [n * BLOCK_N, ...) over the K slice s, all M rows; the fp8 weight widened
         # to x's dtype (exact) with fp32 accumulation (GEMV: no MMA, both widened to fp32, elementwise products). X_FP8: x is fp8 too (row scales xs), the dot fp8 x fp8 with
         # fp32 accumulation. FINAL: the row scales of an fp8 x, then the weight's scales (and bias) applied and
@@ -989,14 +959,11 @@ if _HAS_TRITON:
         tl.store(o_ptr + offs, acc.to(O_TY), mask=mask)
 
 
-#: Tiles of the small-M fp8-weight GEMM, per row block (16, 32, 64 or 128 rows; a key under 16 would take the
-#: tokens up to it, with a ``gemv`` tile): weight tiles (``n_major``: loaded K-contiguous, transposed in registers;
-#: ``swap_ab``: the product taken as ``w8 @ x.T``, the weight tile on the MMA's row side and the tokens on its column
-#: side; ``gemv``: no MMA, both tiles widened to float32 and multiplied elementwise, the products summed over K per
-#: lane at the end (1) or per tile (2), or for one row with x's vector loaded in the weight tile's layout (3); rows
-#: in blocks of the next power of two, at most :data:`W8_GEMV_MAX_ELEMENTS` products per K step past one row; no row
-#: block takes it until a GPU sweep shows it pays, ``benchmarks/serve.py --crossover --sweep-all`` times it up to 8
-#: tokens); K is split until about ``programs_per_sm`` programs per SM stream the
+#: Tiles of the small-M fp8-weight GEMM, per row block (1, 16, 32, 64 or 128 rows; a block takes the token counts
+#: above the next smaller one): weight tiles (``n_major``: loaded K-contiguous, transposed in registers; ``swap_ab``:
+#: the product taken as ``w8 @ x.T``, the weight tile on the MMA's row side and the tokens on its column side;
+#: ``gemv``, one row only: no MMA, each weight tile widened to float32 and multiplied by x's vector, summed over the
+#: tile's K); K is split until about ``programs_per_sm`` programs per SM stream the
 #: weight (slices of at least ``min_k_tiles`` tiles), partials summed in fixed order by a second launch
 #: (``reduce_block`` elements per program).
 #:
@@ -1012,8 +979,13 @@ if _HAS_TRITON:
 #: fastest over a layer of nine candidates on H100. 64 rows: one program per SM before the K split (programs_per_sm
 #: 1, slices of at least 4 tiles), from a sweep of 60 kernels x 7 grids on H100 at 64 tokens: w1 / w3 then run
 #: unsplit (224 column blocks), 24.4 µs against 29.8 with three slices, and a layer's GEMMs (partial sums, as in a
-#: compiled graph) take about 100 µs against 118.6 (best per shape 98.7). 128 not tuned.
+#: compiled graph) take about 100 µs against 118.6 (best per shape 98.7). 128 not tuned. One row (one token): the
+#: gemv tile, from a sweep of 362 gemv tiles and grids on H100 (torch 2.11): a layer's GEMMs (partial sums) take
+#: 90.4 µs against 102.9 with the 16-row MMA tile (bf16 180.2); per GEMM wq 7.7 / wk 3.5 / w1 22.4 / w2 22.4 µs
+#: against 9.8 / 4.4 / 24.4 / 25.7, 2.2-2.6 TB/s on the larger weights. gemv tiles of two to eight rows (a 3-D product)
+#: ran 5-20 times slower than the MMA tile in the same sweep, so the kernel takes them for one row only.
 W8_MM_CONFIG = _frozen(dict(max_m=16, max_m_fp8x=64, reduce_block=1024, tiles={
+    1: dict(block_n=8, block_k=1024, warps=4, stages=1, programs_per_sm=4, min_k_tiles=1, gemv=True),
     16: dict(block_n=32, block_k=128, warps=4, stages=3, programs_per_sm=4, min_k_tiles=4, n_major=False),
     32: dict(block_n=64, block_k=128, warps=4, stages=3, programs_per_sm=4, min_k_tiles=4, swap_ab=True),
     64: dict(block_n=64, block_k=256, warps=4, stages=3, programs_per_sm=1, min_k_tiles=4, n_major=True),
@@ -1054,10 +1026,6 @@ def _w8_mm_bucket(M: int) -> int:
                      "(W8_MM_CONFIG['tiles'])")
 
 
-#: The most float32 products per K step ``rows x block_n x block_k`` of a gemv tile (no MMA) of more than one row:
-#: its ``(rows, block_n, block_k)`` products live in registers (more spill, then fail to compile, on sm_90).
-W8_GEMV_MAX_ELEMENTS = 16384
-
 
 def _w8_mm_plan(M: int, N: int, K: int, device: torch.device, tiles=None) -> tuple:
     """``(BLOCK_M, tiles, grid, split, k_per)`` of :func:`launch_w8_mm` for an ``(M, K) x (N, K)^T`` product
@@ -1071,12 +1039,10 @@ def _w8_mm_plan(M: int, N: int, K: int, device: torch.device, tiles=None) -> tup
     if sms is None:
         sms = _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count if idx >= 0 else 1
     c = W8_MM_CONFIG["tiles"][_w8_mm_bucket(M)] if tiles is None else tiles
-    if c.get("gemv", 0):
-        bm = max(1, _next_power_of_2(M))
-        if bm * c["block_n"] * c["block_k"] > W8_GEMV_MAX_ELEMENTS and bm > 1:
-            raise ValueError(f"fp8tensor launch_w8_mm: a gemv tile (no MMA) of {c['block_n']} x {c['block_k']} takes "
-                             f"at most {W8_GEMV_MAX_ELEMENTS} products per K step (rows x block_n x block_k); "
-                             f"{M} rows")
+    if c.get("gemv", False):
+        if M > 1:
+            raise ValueError(f"fp8tensor launch_w8_mm: a gemv tile (no MMA) takes one row; {M} rows")
+        bm = 1
     else:
         bm = max(16, _next_power_of_2(M))
     nb, kt = _cdiv(N, c["block_n"]), _cdiv(K, c["block_k"])
@@ -1149,7 +1115,7 @@ def _w8_mm_launch(M: int, N: int, K: int, device: torch.device, dtype: torch.dty
     ty = _tl_dtype(dtype)
     consts = dict(HAS_BIAS=has_bias, FINAL=split == 1, X_TY=ty, O_TY=ty, BLOCK_M=bm, BLOCK_N=c["block_n"],
                   BLOCK_K=c["block_k"], N_MAJOR=c.get("n_major", False), X_FP8=x_fp8,
-                  SWAP_AB=c.get("swap_ab", False), ONE_LAUNCH=one, GEMV=int(c.get("gemv", 0)))
+                  SWAP_AB=c.get("swap_ab", False), ONE_LAUNCH=one, GEMV=c.get("gemv", False))
     rblock = W8_MM_CONFIG["reduce_block"]
     rconsts = dict(SPLIT=split, HAS_BIAS=has_bias, O_TY=ty, BLOCK=rblock, X_FP8=x_fp8)
     return (grid, split, k_per, LaunchConsts(consts), c["warps"], c["stages"],

@@ -980,10 +980,10 @@ if _HAS_TRITON:
 #: 1, slices of at least 4 tiles), from a sweep of 60 kernels x 7 grids on H100 at 64 tokens: w1 / w3 then run
 #: unsplit (224 column blocks), 24.4 µs against 29.8 with three slices, and a layer's GEMMs (partial sums, as in a
 #: compiled graph) take about 100 µs against 118.6 (best per shape 98.7). 128 not tuned. One row (one token): the
-#: gemv tile, from a sweep of 362 gemv tiles and grids on H100 (torch 2.11): a layer's GEMMs (partial sums) take
-#: 90.4 µs against 102.9 with the 16-row MMA tile (bf16 180.2); per GEMM wq 7.7 / wk 3.5 / w1 22.4 / w2 22.4 µs
-#: against 9.8 / 4.4 / 24.4 / 25.7, 2.2-2.6 TB/s on the larger weights. gemv tiles of two to eight rows (a 3-D product)
-#: ran 5-20 times slower than the MMA tile in the same sweep, so the kernel takes them for one row only.
+#: gemv tile, from a sweep of 362 gemv tiles and grids on H100 (torch 2.11; docs/results/decode_gemv_sweep_h100.json):
+#: a layer's GEMMs (partial sums) take 90.4 µs against 102.9 with the 16-row MMA tile (bf16 180.2; the best gemv tile
+#: per shape 88.8), the larger weights read at 2.2-2.6 TB/s. gemv tiles of four and eight rows (a 3-D product) ran
+#: 5-20 times slower than the MMA tile in the same sweep, so the kernel takes them for one row only.
 W8_MM_CONFIG = _frozen(dict(max_m=16, max_m_fp8x=64, reduce_block=1024, tiles={
     1: dict(block_n=8, block_k=1024, warps=4, stages=1, programs_per_sm=4, min_k_tiles=1, gemv=True),
     16: dict(block_n=32, block_k=128, warps=4, stages=3, programs_per_sm=4, min_k_tiles=4, n_major=False),

@@ -73,9 +73,10 @@ def test_decode_token_limit_has_tiles_and_matches_the_docs():
     c = kernels.W8_MM_CONFIG
     for m in range(1, c["max_m_fp8x"] + 1):
         tiles = c["tiles"][kernels._w8_mm_bucket(m)]
-        # (row blocks under 16 rows are gemv tiles, within the gemv limit; MMA tiles take 16 rows or more)
+        # (a gemv tile takes one row: only the 1-row block may hold one; MMA tiles take blocks of 16 rows or more)
         assert kernels._w8_mm_plan(m, 4096, 4096, torch.device("cpu"))[0] == (
-            max(1, 1 << (m - 1).bit_length()) if tiles.get("gemv") else max(16, 1 << (m - 1).bit_length())), m
+            1 if tiles.get("gemv") else max(16, 1 << (m - 1).bit_length())), m
+        assert m == 1 or not tiles.get("gemv"), m
     root = Path(__file__).resolve().parents[1]
     for doc in ("README.md", "docs/serving.md", "docs/design.md"):
         text = " ".join((root / doc).read_text().split())

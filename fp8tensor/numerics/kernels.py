@@ -861,6 +861,7 @@ if _HAS_TRITON:
                      N_MAJOR: tl.constexpr, X_FP8: tl.constexpr, SWAP_AB: tl.constexpr, GEMV: tl.constexpr):
         # The float32 partial sum (BLOCK_M, BLOCK_N) of x @ w.T over K slice [k_start, k_start + K_PER), unscaled.
         if GEMV:  # one row (BLOCK_M 1), no MMA: each weight tile widened to fp32 times x's vector, summed over K
+            tl.static_assert(BLOCK_M == 1, "a gemv tile takes one row")
             acc1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
             for kk in range(0, K_PER, BLOCK_K):
                 k = k_start + kk + rk
@@ -907,7 +908,8 @@ if _HAS_TRITON:
                       N_MAJOR: tl.constexpr = False, X_FP8: tl.constexpr = False,
                       SWAP_AB: tl.constexpr = False, ONE_LAUNCH: tl.constexpr = False, GEMV: tl.constexpr = False):
         # Program (n, s): output columns [n * BLOCK_N, ...) over the K slice s, all M rows; the fp8 weight widened
-        # to x's dtype (exact) with fp32 accumulation (GEMV: no MMA, both widened to fp32, elementwise products). X_FP8: x is fp8 too (row scales xs), the dot fp8 x fp8 with
+        # to x's dtype (exact) with fp32 accumulation (GEMV, one row: no MMA, the weight tile widened to fp32
+        # times x's vector). X_FP8: x is fp8 too (row scales xs), the dot fp8 x fp8 with
         # fp32 accumulation. FINAL: the row scales of an fp8 x, then the weight's scales (and bias) applied and
         # stored, else the unscaled fp32 partial sum goes to slice s of the workspace (the reduce kernel applies the
         # scales after the sum, in the same order). SWAP_AB: the product taken as w @ x.T, the weight tile the MMA's
@@ -982,7 +984,7 @@ if _HAS_TRITON:
 #: compiled graph) take about 100 µs against 118.6 (best per shape 98.7). 128 not tuned. One row (one token): the
 #: gemv tile, from a sweep of 362 gemv tiles and grids on H100 (torch 2.11; docs/results/decode_gemv_sweep_h100.json):
 #: a layer's GEMMs (partial sums) take 90.4 µs against 102.9 with the 16-row MMA tile (bf16 180.2; the best gemv tile
-#: per shape 88.8), the larger weights read at 2.2-2.6 TB/s. gemv tiles of four and eight rows (a 3-D product) ran
+#: per shape 88.8); w1 / w3 / w2 read at about 2.6 TB/s. gemv tiles of four and eight rows (a 3-D product) ran
 #: 5-20 times slower than the MMA tile in the same sweep, so the kernel takes them for one row only.
 W8_MM_CONFIG = _frozen(dict(max_m=16, max_m_fp8x=64, reduce_block=1024, tiles={
     1: dict(block_n=8, block_k=1024, warps=4, stages=1, programs_per_sm=4, min_k_tiles=1, gemv=True),
@@ -1024,7 +1026,6 @@ def _w8_mm_bucket(M: int) -> int:
             return k
     raise ValueError(f"fp8tensor launch_w8_mm: {M} rows; the decode GEMM has tiles for at most {_W8_BUCKETS[-1]} "
                      "(W8_MM_CONFIG['tiles'])")
-
 
 
 def _w8_mm_plan(M: int, N: int, K: int, device: torch.device, tiles=None) -> tuple:

@@ -43,10 +43,24 @@ def _check(x, q, s, b, tiles=None):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("M,N,K", [(33, 70, 300), (48, 1024, 4096), (64, 4096, 4096), (100, 1000, 2000),
-                                   (128, 4096, 14336), (64, 14336, 4096), (0, 64, 64)])
+                                   (128, 4096, 14336), (64, 14336, 4096), (0, 64, 64), (1, 4096, 4096),
+                                   (1, 14336, 4096), (1, 4096, 14336), (1, 70, 300)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_row_blocks_against_float64(dtype, M, N, K, bias):
+    # (one row: the table's gemv tile, no MMA)
     _check(*_operands(M, N, K, dtype, bias, M * 7 + N + K))
+
+
+@pytest.mark.parametrize("block_n,block_k,warps,programs_per_sm", [(8, 1024, 4, 4), (32, 256, 4, 8), (16, 512, 8, 2)])
+@pytest.mark.parametrize("N,K", [(4096, 4096), (1024, 4096), (4096, 14336), (70, 300)])
+def test_gemv_tiles_given_against_float64(block_n, block_k, warps, programs_per_sm, N, K):
+    # one row through gemv tiles (no MMA) other than the table's; two rows refused with a clear error
+    tiles = dict(block_n=block_n, block_k=block_k, warps=warps, stages=1, programs_per_sm=programs_per_sm,
+                 min_k_tiles=1, gemv=True)
+    _check(*_operands(1, N, K, torch.bfloat16, True, N + K), tiles=tiles)
+    x, q, s, b = _operands(2, N, K, torch.bfloat16, True, N + K)
+    with pytest.raises(ValueError, match="takes one row"):
+        kernels.launch_w8_mm(x, q, s, b, tiles=tiles)
 
 
 @pytest.mark.parametrize("block_n,block_k,warps,programs_per_sm", [(128, 128, 4, 2), (32, 128, 4, 4),

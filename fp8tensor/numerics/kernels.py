@@ -1182,7 +1182,7 @@ def launch_w8_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: O
     (:func:`launch_w8_mm_partials`: the partial sums alone) or, with ``one_launch``, in the same launch.
 
     Raises:
-        ValueError: ``M`` exceeds the largest row block, or a ``gemv`` tile's limit; ``x`` not 2-D and not
+        ValueError: ``M`` exceeds the largest row block, or one row with a ``gemv`` tile; ``x`` not 2-D and not
             contiguous; an fp8 ``x`` without
             ``x_scale`` as above, of another fp8 dtype than ``w8``, or a ``out_dtype`` other than bf16 / fp16;
             ``x_scale`` with a high-precision ``x``.

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import fp8tensor
 from fp8tensor import E4M3, E5M2, ScaledFp8Tensor
 from fp8tensor.tensor import OP_TABLE
 
@@ -62,6 +63,9 @@ CASES = [
     ("as_strided_identity", lambda t: t.as_strided(t.shape, t.stride()), "view", W2),
     ("detach", lambda t: t.detach(), "view", W2),
     ("alias", lambda t: aten.alias.default(t), "view", W2),
+    ("expand_rows", lambda t: t[:1].expand(5, 80), "view", W2),
+    ("expand_leading", lambda t: t.expand(3, 48, 80), "view", W2),
+    ("expand_identity", lambda t: t.expand(-1, 80), "view", W2),
     # 3-D
     ("3d_view_2d", lambda t: t.view(48, 80), "view", W3),
     ("3d_select0", lambda t: t[1], "view", W3),
@@ -89,7 +93,6 @@ CASES = [
     ("fallback_sum", lambda t: t.sum(dim=1), "plain", W2),
     ("fallback_softmax", lambda t: torch.softmax(t, dim=-1), "plain", W2),
     ("fallback_index", lambda t: t[torch.tensor([1, 3, 5])], "plain", W2),
-    ("fallback_expand", lambda t: t[:1].expand(5, 80), "plain", W2),
     ("fallback_repeat", lambda t: t.repeat(2, 1), "plain", W2),
     ("fallback_stack", lambda t: torch.stack([t, t]), "plain", W2),
     ("fallback_abs", lambda t: torch.abs(t), "plain", W2),
@@ -328,6 +331,38 @@ def test_fallback_result_matches_dequantized_value_closely():
     out = t.exp()
     assert type(out) is torch.Tensor
     assert rel_err(out, x.double().exp()) < 2.0**-4 * 0.1 * 2
+
+
+@pytest.mark.parametrize("view", [lambda t: t.diagonal(), lambda t: t.unfold(1, 2, 2), lambda t: t.view(torch.uint8),
+                                  lambda t: torch.view_as_real(t)], ids=["diagonal", "unfold", "view_dtype", "view_as_real"])
+def test_view_op_without_fp8_form_raises(view):
+    """A view op the table lacks raises ``NotImplementedError`` naming it (under every ``unknown_ops`` policy): a view
+    of the dequantized values would not share the fp8 data, and writes through it would be lost silently."""
+    t = ScaledFp8Tensor.from_hp(torch.randn(8, 8))
+    before = t.qdata.view(torch.uint8).clone()
+    for policy in ("warn", "allow"):
+        with fp8tensor.config(unknown_ops=policy), pytest.raises(NotImplementedError, match="view op aten"):
+            view(t)
+    assert torch.equal(t.qdata.view(torch.uint8), before)
+    d = fp8tensor.dequantize(t).diagonal()  # (the way the message gives)
+    assert torch.equal(d, t.to_hp().diagonal())
+
+
+def test_write_through_expand_reaches_the_data_or_raises():
+    """``expand`` is a view: a write through one that broadcasts nothing reaches the fp8 data (row re-quantized, the
+    other rows untouched); one that broadcasts raises, as it does for a plain tensor, and changes nothing."""
+    t = ScaledFp8Tensor.from_hp(torch.randn(6, 8))
+    ref = t.to_hp().clone()
+    with torch.no_grad():
+        t[2:3].expand(1, 8).fill_(100.0)
+    got = t.to_hp()
+    assert torch.equal(got[2], torch.full((8,), 100.0)) and torch.equal(got[:2], ref[:2]) and torch.equal(got[3:], ref[3:])
+    before = t.qdata.view(torch.uint8).clone(), t.scale.clone()
+    with pytest.raises(RuntimeError, match="more than one element"):
+        t.expand(3, 6, 8).copy_(torch.randn(3, 6, 8))
+    with pytest.raises(RuntimeError, match="more than one element"):
+        t[:1].expand(4, 8).fill_(1.0)
+    assert torch.equal(t.qdata.view(torch.uint8), before[0]) and torch.equal(t.scale, before[1])
 
 
 def test_copy_into_column_slices_with_conflicting_row_scales_raises():

@@ -54,7 +54,7 @@ def _norm_dim(d: int, ndim: int) -> int:
 
 
 # --------------------------------------------------------------------------------------------- aliases / copies
-@implements([aten.detach.default, aten.alias.default])
+@implements([aten.detach.default, aten.alias.default, aten.lift_fresh.default])
 def _same_scale_alias(func, args, kwargs):
     t = args[0]
     return _wrap(func(t.qdata), t.scale, t)
@@ -102,6 +102,11 @@ def _copy_into_data_and_scale(func, args, kwargs):
     if tuple(dst.shape) != tuple(src.shape):
         raise RuntimeError(
             f"ScaledFp8Tensor copy_: shape mismatch, destination {tuple(dst.shape)} and source {tuple(src.shape)}")
+    if any(st == 0 and n > 1 for n, st in zip(dst.qdata.shape, dst.qdata.stride())):
+        raise RuntimeError(
+            "ScaledFp8Tensor copy_: unsupported operation: more than one element of the destination refers to a "
+            f"single memory location (an expanded view, data {tuple(dst.shape)} with strides {dst.qdata.stride()}); "
+            "clone it first, as for a plain tensor")
     if dst.__dict__.get(_SCALE_COPY):
         raise NotImplementedError(
             "ScaledFp8Tensor copy_: writing through a view whose scales are a copy (a view that merges the scaled "
@@ -254,6 +259,22 @@ def _unsqueeze_scale(func, args, kwargs):
     t, d = args[0], _norm_dim(args[1], args[0].dim() + 1)
     dims = t.scaled_dims[:d] + (False,) + t.scaled_dims[d:]
     return _wrap(t.qdata.unsqueeze(d), t.scale.unsqueeze(d), t, dims=dims)
+
+
+@implements([aten.expand.default])
+def _expand_scale(func, args, kwargs):
+    """``t.expand(size)``: data and scale expanded (new leading dims and broadcast size-1 dims unscaled where the
+    scale has size 1 there, broadcast with the data where it is scaled). Writing through a view that broadcasts
+    raises, as for plain tensors (``copy_``)."""
+    t, size = args[0], list(args[1])
+    q = func(t.qdata, size, **kwargs)  # (torch's own checks of the size)
+    lead = q.dim() - t.dim()
+    dims = (False,) * lead + tuple(t.scaled_dims)
+    s = t.scale
+    for _ in range(lead):  # (views: the result shares t's scale memory)
+        s = s.unsqueeze(0)
+    s = s.expand([n if b else 1 for b, n in zip(dims, q.shape)])
+    return _wrap(q, s, t, dims=dims)
 
 
 @implements([aten.as_strided.default])

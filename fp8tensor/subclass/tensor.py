@@ -74,9 +74,21 @@ def _dispatch(cls, func, types, args=(), kwargs=None):
             f"ScaledFp8Tensor: in-place op {name} would modify fp8-stored data, which loses updates to rounding. "
             "Train with a high-precision master weight (fp8tensor.convert_to_fp8) and quantize on use instead."
         )
+    if _returns_view(func):
+        # (a view of the dequantized copy would look like a view of t to autograd, and writes through it would
+        # change the copy only: silently lost)
+        raise NotImplementedError(
+            f"ScaledFp8Tensor: view op {name} has no fp8 implementation; a view of the dequantized values would not "
+            "share the fp8 data, so writes through it would be lost. Take a high-precision copy first "
+            "(fp8tensor.dequantize(t)) and view that")
     _unknown_op(name)
     args, kwargs = compat.tree_map_only(ScaledFp8Tensor, lambda t: t.to_hp(), (args, kwargs))
     return func(*args, **kwargs)
+
+
+def _returns_view(func) -> bool:
+    """Whether op ``func`` returns an alias of an input (a view op; in-place and ``out=`` returns excluded)."""
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in compat.op_schema(func).returns)
 
 
 #: Ops already warned about by :func:`_unknown_op` (once per op and process).

@@ -500,3 +500,50 @@ def test_inductor_quantization_is_seen_where_aot_traces_below_the_subclass():
         assert q._inductor_quantizes(fake) and not q._inductor_quantizes(real)
     with fp8tensor.config(compiled_quantization="kernels"):
         assert not q._inductor_quantizes(fake) and not q._inductor_quantizes(real)
+
+
+def _recording_backend(graphs: list):
+    from torch._dynamo.backends.common import aot_autograd
+
+    def fw(gm, inputs):
+        graphs.append(sorted({str(n.target) for n in gm.graph.nodes if n.op == "call_function" and "mm" in str(n.target)}))
+        return gm.forward
+
+    return aot_autograd(fw_compiler=fw)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+@pytest.mark.parametrize("how", ["set_config", "block"])
+@pytest.mark.parametrize("model", ["quantize_weights", "convert_to_fp8"])
+def test_compiled_model_follows_a_later_change_of_a_traced_setting(grad, how, model):
+    """The GEMM backend is read below dynamo (in the subclass's dispatch, while AOTAutograd traces): a compiled
+    converted Linear recompiles when ``set_config`` or a ``config`` block changes it (and the other settings a graph
+    bakes in), instead of running the graph traced under the old value; unchanged settings do not recompile."""
+    torch._dynamo.reset()
+    lin = getattr(fp8tensor, model)(torch.nn.Linear(64, 32))
+    graphs: list = []
+    f = torch.compile(lin, backend=_recording_backend(graphs))
+    x = torch.randn(4, 64)
+    try:
+        with torch.set_grad_enabled(grad):
+            f(x)
+            f(x)
+            assert len(graphs) == 1, graphs  # (no recompile while nothing changed)
+            assert graphs[0] == ["aten._scaled_mm.default"], graphs
+            if how == "block":
+                with fp8tensor.config(gemm_backend="emulated"):
+                    y = f(x)
+            else:
+                fp8tensor.set_config(gemm_backend="emulated")
+                try:
+                    y = f(x)
+                finally:
+                    fp8tensor.set_config(gemm_backend="auto")
+            assert len(graphs) == 2 and "aten._scaled_mm.default" not in graphs[1], graphs
+            with fp8tensor.config(gemm_backend="emulated"):
+                want = lin(x)
+            assert torch.equal(y, want)
+            f(x)  # back to the first graph's settings: its graph again
+            assert len(graphs) == 2, graphs
+    finally:
+        torch._dynamo.reset()

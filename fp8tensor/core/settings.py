@@ -91,7 +91,14 @@ class Config:
             raise ValueError(f"fp8tensor.config: fp8_all_gather_min_numel must be a positive integer, got {n!r}")
 
 
+#: The settings a compiled graph bakes in that dynamo does not see read: the GEMM backend, the unknown-op policy and
+#: the compiled quantization are read inside the subclass's dispatch and the autograd Function while AOTAutograd
+#: traces, below dynamo (see :func:`read_traced_settings`).
+TRACED_SETTINGS = ("gemm_backend", "unknown_ops", "weight_only_decode", "compiled_quantization", "grouped_gemm_kernel")
+
+
 _global = Config()
+_DEFAULT_TRACED = tuple(getattr(_global, name) for name in TRACED_SETTINGS)
 class _ThreadState(threading.local):
     """This thread's :func:`config` state. Every field is set on the instance in each thread (``__init__`` runs in a
     thread at its first access), never left to a class-level default: reading one is a plain attribute lookup
@@ -126,6 +133,21 @@ def get_config() -> Config:
         if not torch.compiler.is_compiling():
             _local.block = (overrides, _global, merged)
     return merged
+
+
+
+
+def read_traced_settings() -> tuple:
+    """Read (and return) every field of :data:`TRACED_SETTINGS` from :func:`get_config`. Called from the fp8 Linear
+    and grouped GEMM entry points under ``torch.compile``: dynamo guards on each value it sees read, so a later
+    ``set_config`` or ``config`` block that changes one recompiles instead of running a graph traced under the old
+    value."""
+    cfg = get_config()
+    values = (cfg.gemm_backend, cfg.unknown_ops, cfg.weight_only_decode, cfg.compiled_quantization,
+              cfg.grouped_gemm_kernel)
+    if values == _DEFAULT_TRACED:  # (dynamo installs a value's guard where traced code compares it, not at a read)
+        return _DEFAULT_TRACED
+    return values
 
 
 def scope_token():

@@ -12,7 +12,7 @@ from .linear import _AUTOCAST_TYPES, QuantizeOnUse, autocast_enabled
 from ..numerics.quantize import (E4M3, FLOAT8_DTYPES, quantize, quantize_expert_cols, transpose_after,
                        quantize_group_cols)
 from .recipes import Recipe, get_recipe
-from ..core.settings import get_config
+from ..core.settings import get_config, read_traced_settings
 from ..subclass.gemm import scaled_mm
 from ..subclass.tensor import ScaledFp8Tensor, implements
 
@@ -318,6 +318,8 @@ def fp8_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, *, reci
     """
     op = "fp8_grouped_mm"
     r = get_recipe(recipe)
+    if compat.is_compiling():
+        read_traced_settings()  # (dynamo guards on them: a later change recompiles)
     _check(a, b, offs, op)
     bd = b._data if isinstance(b, QuantizeOnUse) else b
     if out_dtype is None:

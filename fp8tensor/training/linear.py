@@ -20,7 +20,7 @@ from ..subclass.ops import t_view
 from ..numerics.quantize import (E4M3, FLOAT8_DTYPES, quantize, quantize_dim0_t_after, quantize_token_layouts,
                                  quantize_tokens, transpose_after, decode_mm)
 from .recipes import Gemm, Recipe, get_recipe
-from ..core.settings import get_config, scope_token, swap_scope
+from ..core.settings import get_config, read_traced_settings, scope_token, swap_scope
 from ..subclass.tensor import ScaledFp8Tensor, _is_dtensor, make_scaled, map_local, map_local_each, rowwise_dims
 
 __all__ = ["QuantizeOnUse", "fp8_linear", "tp_export_message"]
@@ -332,7 +332,9 @@ def fp8_linear(
             integer or complex operand or operands on different devices.
     """
     r = get_recipe(recipe)
-    if not compat.is_compiling() and type(weight) is ScaledFp8Tensor and type(input) is torch.Tensor and (
+    if compat.is_compiling():
+        read_traced_settings()  # (dynamo guards on them: a later change recompiles)
+    elif type(weight) is ScaledFp8Tensor and type(input) is torch.Tensor and (
             not torch.is_grad_enabled()):
         if _eager_no_grad(input, weight, bias):  # (the decode step's route: its checks in one pass)
             return _inference_forward(input, weight, bias, r)

@@ -363,3 +363,35 @@ def test_plain_fp8_operand_raises_clear_error(which):
         w = w.to(torch.float8_e4m3fn)
     with pytest.raises(TypeError, match=f"fp8_linear: {which} is a plain torch.float8_e4m3fn tensor"):
         fp8tensor.fp8_linear(x, w)
+
+
+def _write_shared_weight(lin, new, done):
+    with torch.no_grad():
+        lin.weight.copy_(new)
+    done.put(True)
+
+
+def test_share_memory_of_an_fp8_model_shares_data_and_scales():
+    """``nn.Module.share_memory()`` of a ``quantize_weights`` model (torch's own implementation crashes on a wrapper
+    subclass): its fp8 data and scales move to shared memory, outputs unchanged, and a write in a forked process
+    reaches the parent's weight."""
+    import multiprocessing
+
+    torch.manual_seed(0)
+    lin = fp8tensor.quantize_weights(nn.Linear(32, 16))
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        before = lin(x)
+    assert lin.share_memory() is lin
+    w = lin.weight
+    assert type(w) is fp8tensor.ScaledFp8Tensor and w.is_shared() and w.qdata.is_shared() and w.scale.is_shared()
+    with torch.no_grad():
+        assert torch.equal(lin(x), before)
+    new = torch.randn(16, 32)
+    ctx = multiprocessing.get_context("fork")
+    done = ctx.Queue()
+    p = ctx.Process(target=_write_shared_weight, args=(lin, new, done))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0 and done.get(timeout=5)
+    assert torch.equal(fp8tensor.dequantize(lin.weight), fp8tensor.dequantize(fp8tensor.ScaledFp8Tensor.from_hp(new)))

@@ -355,6 +355,18 @@ class ScaledFp8Tensor(torch.Tensor):
         """Raises ``RuntimeError`` naming the plain layout: the values live in two tensors, not one storage."""
         raise RuntimeError(_NO_STORAGE)
 
+    def share_memory_(self) -> "ScaledFp8Tensor":
+        """``Tensor.share_memory_`` (``nn.Module.share_memory``): moves the fp8 data and the scales to shared memory
+        (a no-op on CUDA) and returns this tensor. (The wrapper has no storage of its own: torch's implementation
+        would crash on it.)"""
+        self.qdata.share_memory_()
+        self.scale.share_memory_()
+        return self
+
+    def is_shared(self) -> bool:
+        """``Tensor.is_shared``: whether the fp8 data and the scales are in shared memory."""
+        return self.qdata.is_shared() and self.scale.is_shared()
+
     __torch_function__ = compat.DISABLED_TORCH_FUNCTION
 
     @property

@@ -194,3 +194,44 @@ def test_fp8_linear_rejects_bad_operands_in_eager(kind):
             fn(torch.randn(4, 64, device="meta"))
         with pytest.raises(RuntimeError, match=r"aten\.mm: expected floating-point operands, got torch\.int64"):
             fn(torch.ones(4, 64, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("conversion", ["quantize_weights", "convert_to_fp8"])
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_converted_linear_names_itself_for_a_non_tensor_or_sparse_input(conversion, grad):
+    """A list or a sparse input gets a ``TypeError`` naming ``fp8_linear``, not an AttributeError or a backend's
+    message; the weights are unchanged."""
+    import fp8tensor
+
+    lin = getattr(fp8tensor, conversion)(torch.nn.Linear(32, 16))
+    assert type(lin).__name__.startswith("Fp8")
+    before = {k: v.clone() for k, v in lin.state_dict().items()}
+    with torch.set_grad_enabled(grad):
+        with pytest.raises(TypeError, match="fp8_linear: input must be a Tensor, got list"):
+            lin([[1.0] * 32])
+        with pytest.raises(TypeError, match="fp8_linear: input must be a dense"):
+            lin(torch.randn(3, 32).to_sparse())
+    after = lin.state_dict()
+    assert all(torch.equal(fp8tensor.dequantize(after[k]) if isinstance(after[k], ScaledFp8Tensor) else after[k],
+                           fp8tensor.dequantize(v) if isinstance(v, ScaledFp8Tensor) else v) for k, v in before.items())
+
+
+@pytest.mark.parametrize("src_dtype", [torch.bool, torch.int32, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_copy_of_integer_bool_or_plain_fp8_values_into_an_fp8_weight(src_dtype):
+    """``weight.copy_(src)`` converts ``src``'s values as ``copy_`` does for a high-precision weight (bool, integers,
+    a plain fp8 tensor's values): the weight then holds them quantized per row, within e4m3's rounding."""
+    w = ScaledFp8Tensor.from_hp(torch.randn(4, 8))
+    vals = torch.randn(4, 8) * 3
+    src = (vals > 0) if src_dtype is torch.bool else vals.to(src_dtype)
+    want = src.to(torch.float64)
+    w.copy_(src)
+    got = w.to_hp(torch.float64)
+    assert ((got - want).abs() <= 2.0**-4 * want.abs().amax(dim=1, keepdim=True)).all(), (got, want)
+
+
+def test_copy_of_complex_values_into_an_fp8_weight_raises_and_changes_nothing():
+    w = ScaledFp8Tensor.from_hp(torch.randn(4, 8))
+    before = w.qdata.view(torch.uint8).clone(), w.scale.clone()
+    with pytest.raises(TypeError, match="copy_: a complex source"):
+        w.copy_(torch.randn(4, 8, dtype=torch.complex64))
+    assert torch.equal(w.qdata.view(torch.uint8), before[0]) and torch.equal(w.scale, before[1])

@@ -113,8 +113,13 @@ def _copy_into_data_and_scale(func, args, kwargs):
             f"rows, e.g. t.view(-1)[i] = v, data {tuple(dst.shape)}) is not supported: the tensor's own scales would "
             "not change. Write through a view that keeps the rows (t[r, c] = v, t[:, a:b] = ...), or into the "
             "high-precision tensor")
-    if not isinstance(src, ScaledFp8Tensor):  # (quantized below: an inf / NaN would make its whole row NaN)
-        check_finite_rows(src.detach(), "ScaledFp8Tensor copy_")
+    if not isinstance(src, ScaledFp8Tensor):
+        if src.is_complex():
+            raise TypeError(f"ScaledFp8Tensor copy_: a complex source ({src.dtype}) cannot be quantized to fp8; "
+                            "copy its real part (src.real)")
+        if not src.is_floating_point() or src.dtype in FLOAT8_DTYPES:
+            src = src.to(torch.float32)  # (its values, as copy_ converts them: bool, integers, plain fp8 data)
+        check_finite_rows(src.detach(), "ScaledFp8Tensor copy_")  # (quantized, an inf / NaN row would be all NaN)
     if isinstance(src, ScaledFp8Tensor):
         if src.qdata.dtype == dst.qdata.dtype and _scale_fits(src.scale, dst.scale):
             q, s = src.qdata, src.scale.expand(dst.scale.shape)

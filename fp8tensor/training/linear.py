@@ -322,7 +322,8 @@ def fp8_linear(
 
     Raises:
         ValueError: unknown recipe.
-        TypeError: ``input`` or ``weight`` is a plain float8 tensor (no scales to read it by).
+        TypeError: ``input`` is not a dense (strided) tensor, or ``input`` or ``weight`` is a plain float8 tensor (no
+            scales to read it by).
         NotImplementedError: called under a ``torch.func`` transform (``grad``, ``vmap``, ...) or with a
             forward-mode AD tangent, which this ``autograd.Function`` does not support; also, raised by the backward,
             double backward (``create_graph=True``).
@@ -338,6 +339,11 @@ def fp8_linear(
             not torch.is_grad_enabled()):
         if _eager_no_grad(input, weight, bias):  # (the decode step's route: its checks in one pass)
             return _inference_forward(input, weight, bias, r)
+    if not isinstance(input, torch.Tensor):
+        raise TypeError(f"fp8_linear: input must be a Tensor, got {type(input).__name__}")
+    if input.layout is not torch.strided:
+        raise TypeError(f"fp8_linear: input must be a dense (strided) tensor, got layout {input.layout}; "
+                        "densify it first (input.to_dense())")
     wd = weight._data if isinstance(weight, QuantizeOnUse) else weight  # (its metadata without torch_function)
     if wd.dim() != 2:
         raise RuntimeError(f"fp8_linear: weight must be 2-D (out_features, in_features), got shape {tuple(weight.shape)}")
@@ -397,6 +403,7 @@ def _eager_no_grad(x: torch.Tensor, weight: ScaledFp8Tensor, bias: Optional[torc
     ``__torch_function__`` lookup each. Nothing is kept between calls."""
     w8 = weight.qdata
     return (x.dim() >= 1 and w8.dim() == 2 and weight.orig_dtype == x.dtype and x.shape[-1] == w8.shape[1]
+            and x.layout is torch.strided
             and (bias is None or (bias.dim() == 1 and bias.shape[0] == w8.shape[0]))
             and not (compat.is_exporting() or compat.functorch_active() or compat.forward_ad_active()
                      or autocast_enabled("cuda" if x.is_cuda else x.device.type)))

@@ -39,6 +39,26 @@ def test_from_hp_raises_naming_rows(bad):
     assert torch.equal(x.nan_to_num(0.0, 1.0, -1.0), before.nan_to_num(0.0, 1.0, -1.0))  # input untouched
 
 
+def test_float64_values_beyond_float32_range_are_refused_as_non_finite():
+    """The scales are float32: a float64 row with a value beyond float32's range would get an inf scale and
+    dequantize to NaN, so conversion refuses it as it refuses inf / NaN (naming the rows, the model unchanged); a row
+    just inside the range converts within e4m3's rounding."""
+    x = torch.randn(5, 8, dtype=torch.float64)
+    x[2, 1] = 1e39
+    with pytest.raises(ValueError, match=r"beyond float32's range .* in 1 row\(s\) of a tensor of shape \(5, 8\): rows \[2\]"):
+        ScaledFp8Tensor.from_hp(x)
+    lin = nn.Linear(8, 5).double()
+    with torch.no_grad():
+        lin.weight.copy_(x)
+    w = lin.weight
+    with pytest.raises(ValueError, match=r"quantize_weights: weight: .*beyond float32's range"):
+        fp8tensor.quantize_weights(lin)
+    assert lin.weight is w and type(lin) is nn.Linear
+    x[2, 1] = 3e38
+    t = ScaledFp8Tensor.from_hp(x)
+    assert bool(torch.isfinite(t.scale).all()) and _within_e4m3(t.to_hp(torch.float64), x, t.scale)
+
+
 def test_from_hp_names_rows_of_a_3d_tensor_and_caps_the_list():
     x = torch.randn(2, 3, 8)
     x[1, 2, 5] = float("nan")

@@ -446,20 +446,26 @@ def quantize_like(x: torch.Tensor, scaled_dims, float8_dtype: torch.dtype) -> tu
 
 
 def check_finite_rows(t: torch.Tensor, what: str) -> None:
-    """Raise ``ValueError`` (starting with ``what``) naming the rows of plain ``t`` that hold an inf or NaN (a host
-    sync on CUDA; skipped for empty, meta or fake tensors, while tracing and capturing)."""
+    """Raise ``ValueError`` (starting with ``what``) naming the rows of plain ``t`` that hold an inf or NaN, or for
+    float64 ``t`` a value beyond float32's range (its float32 scale would be inf) (a host sync on CUDA; skipped for
+    empty, meta or fake tensors, while tracing and capturing)."""
     if (t.numel() == 0 or t.ndim < 1 or t.device.type == "meta" or compat.is_fake(t) or compat.is_compiling()
             or compat.is_functorch_wrapped(t) or (t.is_cuda and torch.cuda.is_current_stream_capturing())):
         return
-    bad = ~torch.isfinite(t).all(dim=-1)
+    wide = t.dtype == torch.float64  # (its finite values can pass float32's range, where the float32 scale is inf)
+    bad = ~(t.abs() <= _FLOAT32_MAX).all(dim=-1) if wide else ~torch.isfinite(t).all(dim=-1)
     if not bool(bad.any()):
         return
     idx = bad.nonzero()
     rows = [int(i[0]) if len(i) == 1 else tuple(int(v) for v in i) for i in idx[:8].tolist()]
     more = f" (first 8 of {len(idx)})" if len(idx) > 8 else ""
+    what_bad = "inf, NaN or values beyond float32's range (the scales are float32)" if wide else "inf or NaN"
     raise ValueError(
-        f"{what}: inf or NaN in {len(idx)} row(s) of a tensor of shape {tuple(t.shape)}: rows {rows}{more}; "
+        f"{what}: {what_bad} in {len(idx)} row(s) of a tensor of shape {tuple(t.shape)}: rows {rows}{more}; "
         "quantized, each such row would be all NaN (its scale is non-finite). Fix or zero those values first")
+
+
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def rowwise_dims(ndim: int, dim: int) -> tuple:

@@ -292,6 +292,37 @@ def test_assign_of_high_precision_weights_stores_fp8_again():
     assert ((m(x).double() - ref).norm() / ref.norm()).item() < 1e-1
 
 
+@pytest.mark.parametrize("where", ["root", "submodule_first"])
+def test_assign_of_a_tied_weight_keeps_the_tie(where):
+    """Two Linears sharing one weight, ``quantize_weights``, then ``load_state_dict(assign=True)`` of a state dict
+    holding one tensor under both keys: the two Linears hold one fp8 Parameter again (as ``nn.Linear``s would hold
+    one memory), so a later write through one is seen by the other. Weights loaded from different tensors stay
+    apart, also when their values are equal; a load of a submodule alone (no re-tie there) leaves no record that
+    ties anything at the model's next load."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16))
+    m[1].weight = m[0].weight
+    quantize_weights(m)
+    assert m[0].weight is m[1].weight
+    if where == "submodule_first":
+        v = torch.randn(16, 16)
+        m[2].load_state_dict({"weight": v, "bias": torch.zeros(16)}, assign=True)
+    w, w_equal = torch.randn(16, 16), torch.randn(16, 16)
+    m.load_state_dict({"0.weight": w, "0.bias": torch.zeros(16), "1.weight": w, "1.bias": torch.zeros(16),
+                       "2.weight": w_equal, "2.bias": torch.zeros(16)}, assign=True)
+    assert m[0].weight is m[1].weight and m[2].weight is not m[0].weight
+    assert _same_fp8(m[0].weight.detach(), ScaledFp8Tensor.from_hp(w))
+    with torch.no_grad():
+        m[0].weight.copy_(torch.randn(16, 16) * 5)
+    assert torch.equal(fp8tensor.dequantize(m[1].weight), fp8tensor.dequantize(m[0].weight))
+    # equal values, separate tensors: separate Parameters
+    m2 = quantize_weights(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16)))
+    m2.load_state_dict({"0.weight": w, "0.bias": torch.zeros(16), "1.weight": w.clone(), "1.bias": torch.zeros(16)},
+                       assign=True)
+    assert m2[0].weight is not m2[1].weight
+    assert not any(hasattr(mod, "_fp8_loaded_from") for mod in (*m.modules(), *m2.modules()))
+
+
 def test_names_that_earlier_pickles_refer_to_still_resolve():
     """Whole-model pickles and ``weights_only`` state dicts of earlier versions name flat module paths
     (``fp8tensor.convert._refuse_tp_export``, ``fp8tensor.tensor._rebuild_scaled_fp8``): they still resolve."""

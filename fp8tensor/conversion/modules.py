@@ -22,7 +22,7 @@ from ..subclass.tensor import ScaledFp8Tensor, _is_dtensor, local_of, map_local,
 __all__ = ["fp8_linear_forward", "Fp8LinearMixin", "Fp8Linear", "Fp8GroupedExpertsMixin", "converted_class",
            "fp8_class", "experts_class", "uses_grouped_mm", "own_forward", "instance_forward", "install_fp8_forward",
            "swap_local", "plain_state_dict_hook", "rewrap_after_load", "add_fp8_checkpoint_hooks",
-           "quantize_expert_weight", "requantize_after_load"]
+           "quantize_expert_weight", "requantize_after_load", "add_retie_hooks", "retie_after_load"]
 
 
 def fp8_linear_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
@@ -292,6 +292,48 @@ def requantize_after_load(module, incompatible_keys):
             continue
         q = quantize_expert_weight(w.detach(), dt) if w.dim() == 3 else ScaledFp8Tensor.from_hp(w.detach(), dt)
         setattr(module, name, nn.Parameter(q, requires_grad=False))
+        # (where it was loaded from, for retie_after_load: weights loaded from one tensor share one fp8 Parameter)
+        module.__dict__.setdefault(_LOADED_FROM, {})[name] = (w.data_ptr(), tuple(w.shape), tuple(w.stride()),
+                                                              w.dtype, w.device)
+
+
+#: Attribute of a module whose fp8 weights :func:`requantize_after_load` made in the current ``load_state_dict``
+#: call: ``{name: (data pointer, shape, stride, dtype, device) of the high-precision tensor it was loaded from}``.
+_LOADED_FROM = "_fp8_loaded_from"
+
+
+def add_retie_hooks(root: nn.Module) -> None:
+    """Once per model: the ``load_state_dict`` hooks of :func:`retie_after_load` on ``root`` (the module
+    :func:`fp8tensor.quantize_weights` converted)."""
+    if not getattr(root, "_fp8_retie_hooks", False):
+        root.register_load_state_dict_pre_hook(_forget_loaded_from)
+        root.register_load_state_dict_post_hook(retie_after_load)
+        root._fp8_retie_hooks = True
+
+
+def _forget_loaded_from(module, *args) -> None:
+    """Pre-hook of the model's ``load_state_dict``: records of an earlier load (of a submodule, which runs no
+    :func:`retie_after_load`) are dropped before this one starts."""
+    for mod in module.modules():
+        mod.__dict__.pop(_LOADED_FROM, None)
+
+
+def retie_after_load(module, incompatible_keys) -> None:
+    """Post-hook of the model's ``load_state_dict``: after ``assign=True`` loaded high-precision weights that
+    :func:`requantize_after_load` stored in fp8 one module at a time, weights loaded from one tensor (the same memory
+    under several keys, as a tied weight's state dict holds) share one fp8 Parameter again, as their
+    high-precision tensors shared memory: a later write to one is seen by every module holding it."""
+    first: dict = {}
+    for mod in module.modules():
+        loaded = mod.__dict__.pop(_LOADED_FROM, None)
+        for name, key in (loaded or {}).items():
+            p = compat.parameters_dict(mod).get(name)
+            if type(p) is not ScaledFp8Tensor:
+                continue
+            kept = first.setdefault(key, p)
+            if kept is not p and torch.equal(kept.qdata.view(torch.uint8), p.qdata.view(torch.uint8)) and (
+                    torch.equal(kept.scale, p.scale)):
+                setattr(mod, name, kept)
 
 
 def quantize_expert_weight(lt: torch.Tensor, float8_dtype: torch.dtype) -> ScaledFp8Tensor:

@@ -547,3 +547,24 @@ def test_compiled_model_follows_a_later_change_of_a_traced_setting(grad, how, mo
             assert len(graphs) == 2, graphs
     finally:
         torch._dynamo.reset()
+
+
+def test_a_block_made_in_one_thread_and_entered_in_another():
+    """A ``config`` block made in one thread and entered in another (a worker pool): its settings hold in the worker,
+    and the thread that made it is not told it was never entered; one never entered anywhere is still reported."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    w = ScaledFp8Tensor.from_hp(torch.randn(16, 32))
+    cfg = fp8tensor.config(gemm_backend="emulated")
+
+    def work():
+        with cfg:
+            return fp8tensor.get_config().gemm_backend, (torch.randn(2, 32) @ w.t()).shape
+
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(work).result() == ("emulated", torch.Size([2, 16]))
+    assert fp8tensor.get_config().gemm_backend == "auto"  # (no false "called without `with`" error here)
+    torch.randn(2, 32) @ w.t()
+    dropped = fp8tensor.config(gemm_backend="emulated")  # noqa: F841 (made, never entered)
+    with pytest.raises(RuntimeError, match="without `with`"):
+        fp8tensor.get_config()

@@ -195,10 +195,11 @@ class _Scope:
     """What :func:`config` returns: a context manager whose settings hold inside its ``with`` block (recorded weakly
     until entered)."""
 
-    __slots__ = ("changes", "__weakref__")
+    __slots__ = ("changes", "pending", "__weakref__")
 
     def __init__(self, changes: dict):
         self.changes = changes
+        self.pending = None  # (the creating thread's pending list and this scope's entry in it, until entered)
 
     def __enter__(self) -> Config:
         stack = getattr(_local, "stack", None)
@@ -206,9 +207,13 @@ class _Scope:
             stack = _local.stack = []
         if any(sc is self for sc, _ in stack):
             raise RuntimeError("fp8tensor.config(...): this block is already entered; make a new one to nest")
-        pending = getattr(_local, "pending", None)
-        if pending:
-            pending[:] = [r for r in pending if r() is not self]
+        if self.pending is not None:  # entered: no longer pending in the thread that made it (maybe not this one)
+            owner, ref = self.pending
+            self.pending = None
+            try:
+                owner.remove(ref)  # (atomic: the owner thread may append to its list meanwhile)
+            except ValueError:
+                pass
         stack.append((self, self.changes))
         _apply_stack()
         return _local.block[2]
@@ -229,8 +234,9 @@ def config(**changes) -> _Scope:
         with fp8tensor.config(gemm_backend="emulated") as cfg:   # cfg: the Config in force inside
             model(x)
 
-    The result must be entered (``with``) before the thread's next fp8tensor operation. Enter blocks around the
-    call of a compiled model: settings are read when a graph is traced.
+    The result must be entered (``with``) before the thread's next fp8tensor operation (in this thread or another;
+    its settings hold in the thread that enters it). A compiled model recompiles when a block changes a setting its
+    graph was traced under.
 
     Raises:
         TypeError: an unknown field. ValueError: an unknown value (both when called, before any ``with``).
@@ -243,7 +249,9 @@ def config(**changes) -> _Scope:
         _raise_pending()
     _replace(_global, changes)  # validates now
     scope = _Scope(changes)
-    pending.append(weakref.ref(scope))
+    ref = weakref.ref(scope)
+    scope.pending = (pending, ref)
+    pending.append(ref)
     return scope
 
 

@@ -343,3 +343,17 @@ def test_compile_fullgraph_linear_with_fp8_weight_equals_eager(backend):
         assert rel_err(out, eager) <= EMULATION_BOUND
     x2 = torch.randn(2, 8, 64)
     assert rel_err(compiled(x2), lin(x2)) <= EMULATION_BOUND
+
+
+def test_cpu_backend_probe_ignores_the_default_dtype():
+    """The CPU backend is probed once per process and cached: a first GEMM under ``torch.set_default_dtype(float64)``
+    gets the same answer as one under float32 (the probe's tensors name their dtype)."""
+    import subprocess
+    import sys
+
+    code = ("import torch, fp8tensor; from fp8tensor.gemm import choose_backend; torch.set_default_dtype({dt}); "
+            "print(choose_backend(torch.device('cpu'), torch.float8_e4m3fn, torch.float8_e4m3fn, torch.bfloat16))")
+    got = [subprocess.run([sys.executable, "-c", code.format(dt=dt)], capture_output=True, text=True, timeout=300)
+           for dt in ("torch.float64", "torch.float32")]
+    assert all(g.returncode == 0 for g in got), [g.stderr[-2000:] for g in got]
+    assert got[0].stdout.strip() == got[1].stdout.strip() != "", [g.stdout for g in got]

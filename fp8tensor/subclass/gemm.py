@@ -54,12 +54,15 @@ def _cpu_scaled_mm_works(a_dtype: torch.dtype, b_dtype: torch.dtype, rowwise: bo
     """Probe once whether ``torch._scaled_mm`` runs on CPU for these fp8 dtypes (real tensors, no modes)."""
     try:
         with compat.disable_current_modes():
-            a = torch.ones(16, 16).to(a_dtype)
-            b = torch.ones(16, 16).to(b_dtype).t()
-            sa = torch.ones(16, 1) if rowwise else torch.ones(())
-            sb = torch.ones(1, 16) if rowwise else torch.ones(())
-            out = torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.float32)
-            return bool(torch.allclose(out, torch.full((16, 16), 16.0)))
+            # (every dtype and device explicit: the answer is cached for the process, so no transient setting such
+            # as torch.set_default_dtype / set_default_device may shape it)
+            f32, cpu = torch.float32, torch.device("cpu")
+            a = torch.ones(16, 16, dtype=f32, device=cpu).to(a_dtype)
+            b = torch.ones(16, 16, dtype=f32, device=cpu).to(b_dtype).t()
+            sa = torch.ones(16, 1, dtype=f32, device=cpu) if rowwise else torch.ones((), dtype=f32, device=cpu)
+            sb = torch.ones(1, 16, dtype=f32, device=cpu) if rowwise else torch.ones((), dtype=f32, device=cpu)
+            out = torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=f32)
+            return bool(torch.equal(out, torch.full((16, 16), 16.0, dtype=f32, device=cpu)))
     except Exception:
         return False
 

@@ -425,3 +425,27 @@ def test_weights_that_cannot_be_quantized_are_skipped_before_anything_changes(ho
         y = model(x)
         assert type(model[1]) is nn.Linear and y.shape == (3, 32)
         assert rel_err(model[0](x), ref) <= E4M3_GEMM_BOUND
+
+
+def test_optimizer_built_before_conversion_keeps_training_or_is_warned_about():
+    """An optimizer built before ``convert_to_fp8`` keeps updating the model (the master is swapped into the old
+    Parameter). Where the swap cannot happen (a weak reference to the weight is alive), the module gets a new
+    Parameter and ``convert_to_fp8`` warns, naming the weight, that the old one no longer updates the model."""
+    import weakref
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(64, 32))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        convert_to_fp8(m)
+    before = m[0].weight._data.clone()
+    m(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    assert opt.param_groups[0]["params"][0] is m[0].weight and not torch.equal(m[0].weight._data, before)
+
+    m2 = nn.Sequential(nn.Linear(64, 32))
+    keep = weakref.ref(m2[0].weight)  # (blocks torch.utils.swap_tensors)
+    with pytest.warns(UserWarning, match=r"convert_to_fp8: 0\.weight \(32, 64\) could not be swapped in place.*optimizer"):
+        convert_to_fp8(m2)
+    assert type(m2[0].weight) is Fp8MasterWeight and keep() is not m2[0].weight

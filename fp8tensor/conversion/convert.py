@@ -135,16 +135,22 @@ def _tied_outside_linears(root: nn.Module, chosen) -> set:
             for p in compat.parameters_dict(mod).values() if p is not None and id(p) in weights}
 
 
-def _adopt_parameter(root: nn.Module, old: nn.Parameter, new: nn.Parameter) -> None:
-    """Make every holder of ``old`` hold the master ``new`` (``swap_tensors``, else set in every module of ``root``);
-    a non-Linear holder (a tied embedding) gets the plain state-dict hook."""
+def _adopt_parameter(root: nn.Module, old: nn.Parameter, new: nn.Parameter, where: str = "") -> None:
+    """Make every holder of ``old`` hold the master ``new`` (``swap_tensors``, else set in every module of ``root``
+    with a warning: an optimizer built before keeps ``old``); a non-Linear holder (a tied embedding) gets the plain
+    state-dict hook."""
     for k, v in old.__dict__.items():  # attributes users and frameworks set on the Parameter (no_weight_decay, ...)
         new.__dict__.setdefault(k, v)
     try:
         torch.utils.swap_tensors(old, new)
         holder = old
-    except RuntimeError:
+    except RuntimeError as e:
         holder = new
+        warnings.warn(
+            f"convert_to_fp8: {where or 'a weight'} {tuple(old.shape)} could not be swapped in place "
+            f"({str(e).splitlines()[0][:160]}; a weak reference or a view of it is alive), so the module now holds a "
+            "new Parameter: an optimizer (or anything else) holding the old one no longer updates the model. Build "
+            "the optimizer after convert_to_fp8, or drop the references and views first", UserWarning, stacklevel=4)
         for mod in root.modules():
             for name, p in list(compat.parameters_dict(mod).items()):
                 if p is old:
@@ -171,7 +177,7 @@ def _convert_experts(root: nn.Module, chosen, r, skipped: list) -> None:
                     continue
                 new = swap_local(w, lambda lt: Fp8MasterWeight(lt, r))
                 if new is not None:
-                    _adopt_parameter(root, w, new)
+                    _adopt_parameter(root, w, new, f"{fqn + '.' if fqn else ''}{name}")
             done.append(name)
         if done:
             if not getattr(mod, "_fp8_hooks", False):
@@ -269,7 +275,7 @@ def convert_to_fp8(
         elif fp8_all_gather or (big is not None and lin.in_features * lin.out_features >= big):
             new = swap_local(w, lambda lt, lr=lr: Fp8MasterWeight(lt, lr))
             if new is not None:  # a plain Parameter: every holder of it gets the master (tied weights)
-                _adopt_parameter(module, w, new)
+                _adopt_parameter(module, w, new, f"{fqn + '.' if fqn else ''}weight")
         if lr is not r:
             gw_hp.append(label + ")")
         if not getattr(lin, "_fp8_hooks", False):  # state-dict hooks once per module

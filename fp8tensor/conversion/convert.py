@@ -223,7 +223,9 @@ def convert_to_fp8(
             its row scales. False: a plain Parameter all-gathered in its ``param_dtype``, quantized on use. None
             (default): :func:`fp8tensor.distributed.fsdp_state.fp8_all_gather_default` (False on one host over NCCL,
             except for weights of at least ``get_config().fp8_all_gather_min_numel`` elements; docs/fsdp.md). Stored
-            as ``module.fp8_all_gather``. Expert weights and existing masters stay masters (a warning if False).
+            as ``module.fp8_all_gather``. Expert weights and existing masters stay masters (a warning if False). A
+            weight that a module other than a Linear also holds (an output head tied to the embedding) stays a plain
+            Parameter whatever this says: the embedding reads it in high precision, under FSDP2 too.
 
     Raises:
         TypeError: ``module`` is not an ``nn.Module``, the filter is not callable, the recipe is neither a name
@@ -248,6 +250,9 @@ def convert_to_fp8(
     use_size_rule = get_config().size_rule if size_rule is None else size_rule
     chosen, skipped, redirects, experts = _select(module, module_filter_fn, op, ties=True)
     classes = {fqn: fp8_class(type(lin)) for fqn, lin in chosen}  # before any change: a failure leaves no trace
+    # (a weight an embedding also holds stays plain, quantized on use: FSDP2 all-gathers it in high precision, and the
+    # embedding reads it exactly, as without FSDP2; a master's fp8 all-gather would hand it fp8-rounded rows)
+    tied = _tied_outside_linears(module, chosen)
     gw_hp = []  # Linears the size rule gives rowwise_gw_hp instead of rowwise
     stay_fp8 = []  # Linears converted before that the size rule would have kept in high precision
     keep_masters = []  # Linears converted before with the fp8 all-gather, now asked for fp8_all_gather=False
@@ -272,7 +277,8 @@ def convert_to_fp8(
         elif lr is None:
             skipped.append(label + ", size rule)")
             continue
-        elif fp8_all_gather or (big is not None and lin.in_features * lin.out_features >= big):
+        elif (fp8_all_gather or (big is not None and lin.in_features * lin.out_features >= big)) and (
+                id(w) not in tied):
             new = swap_local(w, lambda lt, lr=lr: Fp8MasterWeight(lt, lr))
             if new is not None:  # a plain Parameter: every holder of it gets the master (tied weights)
                 _adopt_parameter(module, w, new, f"{fqn + '.' if fqn else ''}weight")

@@ -8,7 +8,9 @@ Per rank, on an fp32 model converted with ``convert_to_fp8``, under ``torch.auto
 * FSDP2 (``fully_shard`` per Linear and at the root, fp32 parameters, fp8 all-gather of the master rows): bf16
   output; two SGD steps track the float64 model trained on the same global batch (both ranks' data);
 * a tied pair of Linears under FSDP2 (one Parameter used twice, converted before ``fully_shard``): one master,
-  and its gradient against the float64 sum of both uses.
+  and its gradient against the float64 sum of both uses;
+* an embedding tied to the output head under FSDP2 with the fp8 all-gather asked for: the embedding reads the
+  exact high-precision rows.
 
 Weights and data are fresh per run (``FP8TENSOR_TEST_SEED`` replays).
 """
@@ -119,6 +121,29 @@ def gloo_entry(rank: int, world: int, seed: int) -> dict:
     tied(x_all[rank]).mul(gy_all[rank]).sum().backward()
     sum((tref(x_all[k].double()) * gy_all[k].double()).sum() for k in range(world)).div(world).backward()
     out["tied_grad_vs_f64"] = _rel(_full(tied[0].weight.grad), tref[0].weight.grad)
+
+    # ---- an embedding tied to the output head under FSDP2 (fp8 all-gather asked for): the embedding reads the
+    # weight's high-precision rows, as without FSDP2
+    class TiedLM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = nn.Embedding(64, D), nn.Linear(D, 64, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, t):
+            return self.head(self.emb(t))
+
+    lm = TiedLM()
+    rows = lm.emb.weight.detach().clone()
+    fp8tensor.convert_to_fp8(lm, fp8_all_gather=True)
+    fully_shard(lm, mesh=mesh)
+    seen = {}
+    lm.emb.register_forward_hook(lambda mod, i, o: seen.__setitem__("emb", o.detach()))
+    idx = torch.arange(8)[None]
+    y = lm(idx)
+    y.float().mul(torch.randn(y.shape)).sum().backward()
+    out["tied_emb_exact"] = torch.equal(seen["emb"][0], rows[:8])
+    out["tied_emb_head_vs_f64"] = _rel(y, rows.double()[:8] @ rows.double().t())
     dist.barrier()
     return out
 
@@ -151,3 +176,12 @@ def test_tied_linears_under_fsdp2(results):
     for res in results:
         assert res["tied_same_before"] and res["tied_n_params"] == 1
         assert res["tied_grad_vs_f64"] <= BOUND * 2
+
+
+def test_embedding_tied_to_the_head_reads_high_precision_under_fsdp2(results):
+    """``convert_to_fp8(fp8_all_gather=True)`` leaves a weight an embedding also holds a plain Parameter: FSDP2
+    all-gathers it in high precision, the embedding's output is its exact rows, the head's output within one fp8
+    GEMM's bound of float64."""
+    for res in results:
+        assert res["tied_emb_exact"]
+        assert res["tied_emb_head_vs_f64"] <= BOUND

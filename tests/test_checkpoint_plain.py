@@ -323,6 +323,36 @@ def test_assign_of_a_tied_weight_keeps_the_tie(where):
     assert not any(hasattr(mod, "_fp8_loaded_from") for mod in (*m.modules(), *m2.modules()))
 
 
+def test_assign_of_an_fp8_checkpoint_into_a_training_model_trains():
+    """A ``quantize_weights`` checkpoint (``ScaledFp8Tensor`` weights) loaded with ``assign=True`` into a
+    ``convert_to_fp8`` model: each weight becomes a trainable master holding the checkpoint's dequantized values
+    (as the load without ``assign`` gives), and an optimizer step updates it (it left an fp8 Parameter requiring
+    grad, which failed at the step). A model stored in fp8 itself keeps the fp8 weights."""
+    torch.manual_seed(0)
+    base = _mlp(torch.float32)
+    ckpt = quantize_weights(copy_module(base)).state_dict()
+    m = fp8tensor.convert_to_fp8(copy_module(base))
+    m.load_state_dict(ckpt, assign=True)
+    for i in (0, 2):
+        w = m[i].weight
+        assert type(w) is fp8tensor.Fp8MasterWeight and w.requires_grad and w.dtype == torch.float32
+        assert torch.equal(w._data, ckpt[f"{i}.weight"].to_hp())
+    before = m[0].weight._data.clone()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    m(torch.randn(5, 48)).sum().backward()
+    opt.step()
+    assert not torch.equal(m[0].weight._data, before)
+    served = quantize_weights(fp8tensor.convert_to_fp8(copy_module(base)))
+    served.load_state_dict(ckpt, assign=True)
+    assert all(type(served[i].weight) is ScaledFp8Tensor for i in (0, 2))
+
+
+def copy_module(m):
+    import copy
+
+    return copy.deepcopy(m)
+
+
 def test_names_that_earlier_pickles_refer_to_still_resolve():
     """Whole-model pickles and ``weights_only`` state dicts of earlier versions name flat module paths
     (``fp8tensor.convert._refuse_tp_export``, ``fp8tensor.tensor._rebuild_scaled_fp8``): they still resolve."""

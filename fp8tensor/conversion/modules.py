@@ -260,10 +260,21 @@ def plain_state_dict_hook(module, state_dict, prefix, local_metadata):
 
 def rewrap_after_load(module, incompatible_keys):
     """After ``load_state_dict(assign=True)`` replaced a converted weight (a Linear's ``weight``, a grouped-experts
-    module's ``fp8_expert_params``) with a plain tensor, make it a master weight again."""
+    module's ``fp8_expert_params``) with a plain tensor, make it a master weight again. An fp8 weight assigned into a
+    training module (a ``quantize_weights`` checkpoint's ``ScaledFp8Tensor``; the module not stored in fp8 itself) is
+    dequantized into its high-precision dtype first: the module trains it, as it does the values such a checkpoint
+    loads without ``assign``."""
+    stored_fp8 = hasattr(module, "_fp8_float8_dtype")  # (quantize_weights made this module's weights fp8)
     for name in getattr(module, "fp8_expert_params", None) or ("weight",):
         w = getattr(module, name)
-        if isinstance(local_of(w), (Fp8MasterWeight, ScaledFp8Tensor)) or not getattr(module, "fp8_all_gather", True):
+        lw = local_of(w)
+        if isinstance(lw, ScaledFp8Tensor) and not stored_fp8:
+            hp = swap_local(w, lambda lt: lt.to_hp())  # (a DTensor's shard in place)
+            if hp is not None:
+                setattr(module, name, hp)
+                w = hp
+            lw = local_of(w)
+        if isinstance(lw, (Fp8MasterWeight, ScaledFp8Tensor)) or not getattr(module, "fp8_all_gather", True):
             continue
         new = swap_local(w, lambda lt: Fp8MasterWeight(lt, module.fp8_recipe))
         if new is not None:

@@ -141,6 +141,26 @@ def test_compiled_functional_fp8_grouped_mm_matches_float64():
             assert torch.count_nonzero(wp.grad[e]) == 0
 
 
+@pytest.mark.parametrize("bad", [[5, 3, 7, 10], [2, 4, 6, 12], [-3, 4, 6, 10]],
+                         ids=["decreasing", "past_M", "negative"])
+def test_compiled_grouped_mm_checks_offsets_on_cpu(bad):
+    """Bad offsets in a compiled graph on CPU raise when the graph runs (the check eager mode makes, as
+    ``torch._assert_async`` in the graph), instead of summing overlapping groups; good ones run as before."""
+    from fp8tensor.grouped import fp8_grouped_mm
+
+    w = Fp8MasterWeight(torch.randn(4, N, K))
+    f = torch.compile(lambda a, o: fp8_grouped_mm(a, w.transpose(-2, -1), o), fullgraph=True, backend="aot_eager")
+    torch._dynamo.reset()
+    x = torch.randn(10, K)
+    good = torch.tensor([2, 2, 7, 10], dtype=torch.int32)
+    assert f(x, good).shape == (10, N)
+    with pytest.raises(RuntimeError, match="fp8_grouped_mm: offs must be non-decreasing"):
+        f(x, torch.tensor(bad, dtype=torch.int32))
+    with pytest.raises(ValueError, match="fp8_grouped_mm: offs must be non-decreasing"):
+        fp8_grouped_mm(x, w.transpose(-2, -1), torch.tensor(bad, dtype=torch.int32))
+    torch._dynamo.reset()
+
+
 def test_compiled_fp8_stored_experts_inference():
     """``quantize_weights``: fp8-stored experts (``ScaledFp8Tensor``), compiled for inference under no_grad."""
     block = RoutedExperts(cast=False)

@@ -219,6 +219,11 @@ def _check(a, b, offs, op: str) -> None:
         if bool((o[1:] < o[:-1]).any()) or int(o[0]) < 0 or int(o[-1]) > a.shape[0]:
             raise ValueError(f"{op}: offs must be non-decreasing cumulative group ends within [0, {a.shape[0]}], "
                              f"got {offs.tolist()}")
+    elif offs.device.type == "cpu" and offs.numel():  # traced on CPU: the same check in the graph, run with it
+        o = offs.to(torch.int64)
+        ok = (o[1:] >= o[:-1]).all() & (o[0] >= 0) & (o[-1] <= a.shape[0])
+        torch._assert_async(ok, f"{op}: offs must be non-decreasing cumulative group ends within [0, M] (M the "
+                                "input's rows)")
 
 
 class _Fp8GroupedMM(torch.autograd.Function):
@@ -311,9 +316,10 @@ def fp8_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, *, reci
 
     Raises:
         ValueError: wrong ranks or shapes, unknown recipe, ``offs`` with another number of groups than experts, or
-            (on CPU) decreasing offsets or offsets outside ``[0, M]``.
+            (on CPU, eager) decreasing offsets or offsets outside ``[0, M]``.
         TypeError: ``offs`` not int32, an fp8 or non-float input or ``out_dtype``.
-        RuntimeError: operands on different devices.
+        RuntimeError: operands on different devices; (on CPU, in a compiled or exported graph, when it runs) the
+            offsets check above (``torch._assert_async``).
         NotImplementedError: double backward.
     """
     op = "fp8_grouped_mm"

@@ -415,6 +415,28 @@ def fp8_module_filter(module: nn.Module, fqn: str) -> bool:
 
 
 
+def root_tp_plan(*, sequence_parallel: bool = True) -> dict:
+    """The tensor-parallel plan of :class:`Llama`'s own modules (apply it to the model; each block takes
+    :func:`block_tp_plan` with the same ``sequence_parallel``): ``tok_embeddings`` ``RowwiseParallel`` (a
+    vocab-sharded table), ``output`` ``ColwiseParallel`` with replicated (full) logits. With ``sequence_parallel`` the
+    embedding's output is the local sequence shard (``Shard(1)``, what the blocks of that plan take), the final
+    ``norm`` is ``SequenceParallel`` and ``output`` gathers the sequence. The blocks' plan alone would read the
+    replicated embedding output as a sequence shard: wrong results, fp8 or not."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    if sequence_parallel:
+        return {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        }
+    return {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
+        "output": ColwiseParallel(output_layouts=Replicate()),
+    }
+
+
 def block_tp_plan(*, sequence_parallel: bool = True) -> dict:
     """The tensor-parallel plan of one :class:`TransformerBlock`, with PyTorch's own parallel styles.
 
@@ -526,13 +548,7 @@ def parallelize_llama(
     ``dp_mesh`` / ``tp_mesh`` may be ``None`` to skip that dimension.
     Returns ``model``.
     """
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        SequenceParallel,
-        parallelize_module,
-    )
+    from torch.distributed.tensor.parallel import parallelize_module
 
     if tp_mesh is not None and (tp_mesh.size() > 1 or tp_on_one_rank):
         tp = tp_mesh.size()
@@ -542,21 +558,7 @@ def parallelize_llama(
             if n % tp:
                 raise ValueError(f"{name}={n} is not divisible by tp={tp}")
 
-        if sequence_parallel:
-            root_plan = {
-                "tok_embeddings": RowwiseParallel(
-                    input_layouts=Replicate(), output_layouts=Shard(1)
-                ),
-                "norm": SequenceParallel(),
-                "output": ColwiseParallel(
-                    input_layouts=Shard(1), output_layouts=Replicate()
-                ),
-            }
-        else:
-            root_plan = {
-                "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
-                "output": ColwiseParallel(output_layouts=Replicate()),
-            }
+        root_plan = root_tp_plan(sequence_parallel=sequence_parallel)
         block_plan = block_tp_plan(sequence_parallel=sequence_parallel)
         if sp_fp8_comm:
             if not sequence_parallel:

@@ -72,7 +72,10 @@ def _dispatch(cls, func, types, args=(), kwargs=None):
             raise NotImplementedError(f"ScaledFp8Tensor: out= op {name} into a ScaledFp8Tensor is not supported")
         raise NotImplementedError(
             f"ScaledFp8Tensor: in-place op {name} would modify fp8-stored data, which loses updates to rounding. "
-            "Train with a high-precision master weight (fp8tensor.convert_to_fp8) and quantize on use instead."
+            "Train with a high-precision master weight (fp8tensor.convert_to_fp8) and quantize on use instead. "
+            "(Under FSDP2 a converted weight is all-gathered as fp8: between forward and reshard "
+            "(reshard_after_forward=False) the module holds that fp8 copy; call model.reshard() and write the "
+            "sharded parameter.) To set new values, copy_ them in (quantized per row)."
         )
     if _returns_view(func):
         # (a view of the dequantized copy would look like a view of t to autograd, and writes through it would

@@ -250,3 +250,20 @@ def test_view_base():
     assert compat.view_base(base) is None
     assert compat.view_base(base.t()) is base and compat.view_base(base[:, :1].t()) is base
     assert compat.view_base(base.clone()) is None
+
+
+def test_assert_async_raises_on_cpu_eagerly_and_in_a_compiled_graph():
+    """compat.assert_async: a False check raises RuntimeError with the message (eager, and when a compiled graph that
+    traced it runs); a True one passes."""
+    import pytest
+
+    compat.assert_async(torch.tensor(True), "never")
+    with pytest.raises(RuntimeError, match="the check failed"):
+        compat.assert_async(torch.tensor(False), "the check failed")
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: (compat.assert_async((x >= 0).all(), "negative input"), x + 1)[1], fullgraph=True,
+                      backend="aot_eager")
+    assert torch.equal(f(torch.ones(3)), torch.full((3,), 2.0))
+    with pytest.raises(RuntimeError, match="negative input"):
+        f(-torch.ones(3))
+    torch._dynamo.reset()

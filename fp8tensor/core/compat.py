@@ -19,7 +19,7 @@ __all__ = ["TORCH_VERSION", "register_foreach_type", "local_tensor", "set_local_
            "raw_cuda_stream", "rebuild_parameter", "functional_collectives", "register_state_dict_hook",
            "functional_data", "forward_ad_active", "op_schema", "is_parameter_marked", "mark_parameter",
            "local_tensor_shards", "disable_torch_function", "assert_tensor_metadata_op", "buffers_dict", "children_dict", "parameters_dict", "experts_implementation", "preserve_version_counter",
-           "c10d_functional_ops", "view_base", "eager_unless_inlined"]
+           "c10d_functional_ops", "view_base", "eager_unless_inlined", "assert_async"]
 
 #: The dispatch key of composite ops (decomposed above autograd).
 COMPOSITE_IMPLICIT = torch._C.DispatchKey.CompositeImplicitAutograd
@@ -315,6 +315,13 @@ def local_tensor_shards(t) -> dict:
     """The per-rank tensors of a ``LocalTensor`` (its ``_local_tensors`` dict, rank -> tensor); else ``{}``."""
     shards = getattr(t, "_local_tensors", None)
     return shards if isinstance(shards, dict) else {}
+
+
+def assert_async(cond: torch.Tensor, msg: str) -> None:
+    """``torch._assert_async(cond, msg)``: a check of a one-element bool tensor that a traced graph keeps and runs
+    (on CPU it raises ``RuntimeError(msg)`` where ``cond`` is False, when the graph runs; use it only where a failed
+    check may be synchronous: on CUDA it is a device assert)."""
+    torch._assert_async(cond, msg)
 
 
 def one_buffer(x: torch.Tensor) -> torch.Tensor:

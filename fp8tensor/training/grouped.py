@@ -222,7 +222,7 @@ def _check(a, b, offs, op: str) -> None:
     elif offs.device.type == "cpu" and offs.numel():  # traced on CPU: the same check in the graph, run with it
         o = offs.to(torch.int64)
         ok = (o[1:] >= o[:-1]).all() & (o[0] >= 0) & (o[-1] <= a.shape[0])
-        torch._assert_async(ok, f"{op}: offs must be non-decreasing cumulative group ends within [0, M] (M the "
+        compat.assert_async(ok, f"{op}: offs must be non-decreasing cumulative group ends within [0, M] (M the "
                                 "input's rows)")
 
 

@@ -292,6 +292,29 @@ def test_assign_of_high_precision_weights_stores_fp8_again():
     assert ((m(x).double() - ref).norm() / ref.norm()).item() < 1e-1
 
 
+def test_assign_of_meta_or_fake_weights_ties_nothing():
+    """Meta (and fake) tensors have no memory of their own (every data pointer 0): ``load_state_dict(assign=True)``
+    of such a state dict loads without tying same-shaped weights or comparing their (absent) data."""
+    m = quantize_weights(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16)))
+    meta = {k: torch.empty_like(v.to_hp() if isinstance(v, ScaledFp8Tensor) else v, device="meta")
+            for k, v in m.state_dict().items()}
+    m.load_state_dict(meta, assign=True)
+    assert m[0].weight is not m[1].weight and m[0].weight.device.type == "meta"
+
+
+def test_a_record_left_by_a_submodule_load_ties_nothing_at_the_next_model_load():
+    """A load into one submodule leaves its record of where its weight came from (no model-level re-tie runs); the
+    model's next load drops such records first, so a module that load does not touch (``strict=False``) is not tied
+    to another loaded from the same tensor."""
+    m = quantize_weights(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16)))
+    v = torch.randn(16, 16)
+    m[1].load_state_dict({"weight": v, "bias": torch.zeros(16)}, assign=True)
+    assert hasattr(m[1], "_fp8_loaded_from")
+    m.load_state_dict({"0.weight": v, "0.bias": torch.zeros(16)}, strict=False, assign=True)
+    assert m[0].weight is not m[1].weight
+    assert not any(hasattr(mod, "_fp8_loaded_from") for mod in m.modules())
+
+
 @pytest.mark.parametrize("where", ["root", "submodule_first"])
 def test_assign_of_a_tied_weight_keeps_the_tie(where):
     """Two Linears sharing one weight, ``quantize_weights``, then ``load_state_dict(assign=True)`` of a state dict

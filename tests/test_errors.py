@@ -216,10 +216,10 @@ def test_converted_linear_names_itself_for_a_non_tensor_or_sparse_input(conversi
                            fp8tensor.dequantize(v) if isinstance(v, ScaledFp8Tensor) else v) for k, v in before.items())
 
 
-@pytest.mark.parametrize("src_dtype", [torch.bool, torch.int32, torch.float8_e4m3fn, torch.float8_e5m2])
-def test_copy_of_integer_bool_or_plain_fp8_values_into_an_fp8_weight(src_dtype):
-    """``weight.copy_(src)`` converts ``src``'s values as ``copy_`` does for a high-precision weight (bool, integers,
-    a plain fp8 tensor's values): the weight then holds them quantized per row, within e4m3's rounding."""
+@pytest.mark.parametrize("src_dtype", [torch.bool, torch.int32])
+def test_copy_of_integer_or_bool_values_into_an_fp8_weight(src_dtype):
+    """``weight.copy_(src)`` converts bool and integer values as ``copy_`` does for a high-precision weight: the
+    weight then holds them quantized per row, within e4m3's rounding."""
     w = ScaledFp8Tensor.from_hp(torch.randn(4, 8))
     vals = torch.randn(4, 8) * 3
     src = (vals > 0) if src_dtype is torch.bool else vals.to(src_dtype)
@@ -227,6 +227,17 @@ def test_copy_of_integer_bool_or_plain_fp8_values_into_an_fp8_weight(src_dtype):
     w.copy_(src)
     got = w.to_hp(torch.float64)
     assert ((got - want).abs() <= 2.0**-4 * want.abs().amax(dim=1, keepdim=True)).all(), (got, want)
+
+
+@pytest.mark.parametrize("f8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_copy_of_a_plain_fp8_tensor_into_an_fp8_weight_raises_and_changes_nothing(f8):
+    """A plain fp8 tensor holds the codes of some scaled tensor, not values: ``copy_`` refuses it (a checkpoint's
+    ``weight`` without its ``weight_scale`` would otherwise load as codes, orders of magnitude off)."""
+    w = ScaledFp8Tensor.from_hp(torch.randn(4, 8))
+    before = w.qdata.view(torch.uint8).clone(), w.scale.clone()
+    with pytest.raises(TypeError, match="copy_: the source is a plain torch.float8"):
+        w.copy_(ScaledFp8Tensor.from_hp(torch.randn(4, 8), f8).qdata)
+    assert torch.equal(w.qdata.view(torch.uint8), before[0]) and torch.equal(w.scale, before[1])
 
 
 def test_copy_of_complex_values_into_an_fp8_weight_raises_and_changes_nothing():

@@ -162,7 +162,7 @@ def test_tied_embedding_and_head_stay_one_parameter():
     assert model.head.weight is model.emb.weight
     fp8tensor.convert_to_fp8(model)
     assert model.head.weight is model.emb.weight and type(model.head.weight) is nn.Parameter
-    assert type(model.head).__name__ == "Fp8Linear"
+    assert type(model.head).__name__ == "Fp8Linear" and model.head.fp8_all_gather is False
     assert len(list(model.parameters())) == 2  # emb/head (tied) + proj
     idx = torch.randint(0, 64, (4, 8))
     tgt = torch.randint(0, 64, (4, 8))
@@ -403,3 +403,16 @@ def test_share_memory_of_an_fp8_model_shares_data_and_scales():
     p.join(60)
     assert p.exitcode == 0 and done.get(timeout=5)
     assert torch.equal(fp8tensor.dequantize(lin.weight), fp8tensor.dequantize(fp8tensor.ScaledFp8Tensor.from_hp(new)))
+
+
+def test_tied_head_stays_plain_after_assign_load():
+    """``convert_to_fp8(fp8_all_gather=True)`` of a model whose output head is tied to the embedding: the head's
+    weight stays plain (its ``fp8_all_gather`` False), also after ``load_state_dict(assign=True)``, whose re-wrap
+    of masters follows that flag; the other Linear becomes a master again."""
+    model = fp8tensor.convert_to_fp8(_TiedLM(), fp8_all_gather=True)
+    assert type(model.head.weight) is nn.Parameter and model.head.fp8_all_gather is False
+    assert isinstance(model.proj.weight, Fp8MasterWeight) and model.proj.fp8_all_gather is True
+    sd = _TiedLM().state_dict()
+    sd["head.weight"] = sd["emb.weight"]
+    model.load_state_dict(sd, assign=True)
+    assert type(model.head.weight) is nn.Parameter and isinstance(model.proj.weight, Fp8MasterWeight)

@@ -568,3 +568,29 @@ def test_a_block_made_in_one_thread_and_entered_in_another():
     dropped = fp8tensor.config(gemm_backend="emulated")  # noqa: F841 (made, never entered)
     with pytest.raises(RuntimeError, match="without `with`"):
         fp8tensor.get_config()
+
+
+@pytest.mark.skipif(tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 12),
+                    reason="torch 2.11 keys subclass graph inputs without _stable_hash_for_caching (docs/design.md)")
+def test_inductor_cache_does_not_reuse_a_graph_compiled_under_other_settings(tmp_path, monkeypatch):
+    """The settings are read below dynamo, so the graph dynamo recompiles under a changed ``gemm_backend`` looks the
+    same to inductor's AOTAutograd cache; the fp8 subclasses' cache key holds the settings, so the second compile
+    misses the cache and runs the new backend (a hit returned the graph of the old one)."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch._dynamo.reset()
+    counters.clear()
+    lin = fp8tensor.quantize_weights(torch.nn.Linear(64, 32))
+    f = torch.compile(lin)
+    x = torch.randn(4, 64)
+    try:
+        with torch.no_grad():
+            f(x)
+            with fp8tensor.config(gemm_backend="emulated"):
+                y = f(x)
+                want = lin(x)
+        assert counters["aot_autograd"].get("autograd_cache_hit", 0) == 0, dict(counters["aot_autograd"])
+        assert torch.allclose(y, want, rtol=1e-5, atol=1e-6)
+    finally:
+        torch._dynamo.reset()

@@ -336,16 +336,28 @@ def test_fallback_result_matches_dequantized_value_closely():
 @pytest.mark.parametrize("view", [lambda t: t.diagonal(), lambda t: t.unfold(1, 2, 2), lambda t: t.view(torch.uint8),
                                   lambda t: torch.view_as_real(t)], ids=["diagonal", "unfold", "view_dtype", "view_as_real"])
 def test_view_op_without_fp8_form_raises(view):
-    """A view op the table lacks raises ``NotImplementedError`` naming it (under every ``unknown_ops`` policy): a view
-    of the dequantized values would not share the fp8 data, and writes through it would be lost silently."""
+    """A view op the table lacks raises ``NotImplementedError`` naming it (``unknown_ops`` "warn", the default, and
+    "raise"): a view of the dequantized values would not share the fp8 data, and writes through it would be lost
+    silently."""
     t = ScaledFp8Tensor.from_hp(torch.randn(8, 8))
     before = t.qdata.view(torch.uint8).clone()
-    for policy in ("warn", "allow"):
+    for policy in ("warn", "raise"):
         with fp8tensor.config(unknown_ops=policy), pytest.raises(NotImplementedError, match="view op aten"):
             view(t)
     assert torch.equal(t.qdata.view(torch.uint8), before)
     d = fp8tensor.dequantize(t).diagonal()  # (the way the message gives)
     assert torch.equal(d, t.to_hp().diagonal())
+
+
+def test_view_op_without_fp8_form_reads_dequantized_values_under_allow():
+    """Under ``unknown_ops="allow"`` a view op without an fp8 form reads the dequantized values (``einsum("ii->i")``,
+    ``diagonal().sum()``): what it returns views a copy, so the fp8 tensor is never written through it."""
+    t = ScaledFp8Tensor.from_hp(torch.randn(8, 8))
+    hp = t.to_hp()
+    with fp8tensor.config(unknown_ops="allow"):
+        assert torch.equal(t.diagonal(), hp.diagonal())
+        assert torch.equal(torch.einsum("ii->i", t), torch.einsum("ii->i", hp))
+        assert torch.equal(t.unfold(1, 4, 4).sum(-1), hp.unfold(1, 4, 4).sum(-1))
 
 
 def test_write_through_expand_reaches_the_data_or_raises():

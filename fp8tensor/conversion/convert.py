@@ -135,7 +135,8 @@ def _tied_outside_linears(root: nn.Module, chosen) -> set:
             for p in compat.parameters_dict(mod).values() if p is not None and id(p) in weights}
 
 
-def _adopt_parameter(root: nn.Module, old: nn.Parameter, new: nn.Parameter, where: str = "") -> None:
+def _adopt_parameter(root: nn.Module, old: nn.Parameter, new: nn.Parameter, where: str = "",
+                     stacklevel: int = 3) -> None:
     """Make every holder of ``old`` hold the master ``new`` (``swap_tensors``, else set in every module of ``root``
     with a warning: an optimizer built before keeps ``old``); a non-Linear holder (a tied embedding) gets the plain
     state-dict hook."""
@@ -150,7 +151,8 @@ def _adopt_parameter(root: nn.Module, old: nn.Parameter, new: nn.Parameter, wher
             f"convert_to_fp8: {where or 'a weight'} {tuple(old.shape)} could not be swapped in place "
             f"({str(e).splitlines()[0][:160]}; a weak reference or a view of it is alive), so the module now holds a "
             "new Parameter: an optimizer (or anything else) holding the old one no longer updates the model. Build "
-            "the optimizer after convert_to_fp8, or drop the references and views first", UserWarning, stacklevel=4)
+            "the optimizer after convert_to_fp8, or drop the references and views first", UserWarning,
+            stacklevel=stacklevel)
         for mod in root.modules():
             for name, p in list(compat.parameters_dict(mod).items()):
                 if p is old:
@@ -177,7 +179,7 @@ def _convert_experts(root: nn.Module, chosen, r, skipped: list) -> None:
                     continue
                 new = swap_local(w, lambda lt: Fp8MasterWeight(lt, r))
                 if new is not None:
-                    _adopt_parameter(root, w, new, f"{fqn + '.' if fqn else ''}{name}")
+                    _adopt_parameter(root, w, new, f"{fqn + '.' if fqn else ''}{name}", stacklevel=4)
             done.append(name)
         if done:
             if not getattr(mod, "_fp8_hooks", False):
@@ -290,7 +292,10 @@ def convert_to_fp8(
             lin.register_load_state_dict_post_hook(rewrap_after_load)
             lin._fp8_hooks = True
         lin.fp8_recipe = lr
-        lin.fp8_all_gather = fp8_all_gather or isinstance(local_of(lin.weight), Fp8MasterWeight)
+        # (what the weight is: a master is all-gathered in fp8; a plain one, e.g. an embedding's too, is not, also
+        # after load_state_dict(assign=True), whose rewrap reads this flag)
+        lin.fp8_all_gather = isinstance(local_of(lin.weight), Fp8MasterWeight) or (
+            fp8_all_gather and id(w) not in tied)
         install_fp8_forward(lin, classes[fqn], redirects[fqn])
         add_tp_export_hook(lin)
     _convert_experts(module, experts, r, skipped)

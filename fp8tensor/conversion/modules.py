@@ -303,9 +303,11 @@ def requantize_after_load(module, incompatible_keys):
             continue
         q = quantize_expert_weight(w.detach(), dt) if w.dim() == 3 else ScaledFp8Tensor.from_hp(w.detach(), dt)
         setattr(module, name, nn.Parameter(q, requires_grad=False))
-        # (where it was loaded from, for retie_after_load: weights loaded from one tensor share one fp8 Parameter)
-        module.__dict__.setdefault(_LOADED_FROM, {})[name] = (w.data_ptr(), tuple(w.shape), tuple(w.stride()),
-                                                              w.dtype, w.device)
+        # (where it was loaded from, for retie_after_load: weights loaded from one tensor share one fp8 Parameter;
+        # none for tensors without memory of their own: meta, fake)
+        if w.device.type != "meta" and not compat.is_fake(w) and w.data_ptr() != 0:
+            module.__dict__.setdefault(_LOADED_FROM, {})[name] = (w.data_ptr(), tuple(w.shape), tuple(w.stride()),
+                                                                  w.dtype, w.device)
 
 
 #: Attribute of a module whose fp8 weights :func:`requantize_after_load` made in the current ``load_state_dict``

@@ -16,7 +16,9 @@ __all__ = ["Config", "config", "get_config", "set_config", "GEMM_BACKENDS", "UNK
 #: tensor-wise, else an emulation in high precision.
 GEMM_BACKENDS = ("auto", "rowwise", "tensorwise", "emulated")
 #: What an out-of-place op without an fp8 implementation does on a ``ScaledFp8Tensor``: ``warn`` runs it dequantized
-#: and warns once per op, ``raise`` raises ``NotImplementedError``, ``allow`` runs it dequantized silently.
+#: and warns once per op, ``raise`` raises ``NotImplementedError``, ``allow`` runs it dequantized silently. A view op
+#: without one raises under ``warn`` and ``raise`` (writes through a view of dequantized values would be lost); under
+#: ``allow`` it returns a view of a dequantized copy (read it; writes through it do not reach the tensor).
 UNKNOWN_OPS = ("warn", "raise", "allow")
 #: How compiled graphs quantize the grad_weight GEMMs' token-dim operands (see :attr:`Config.compiled_quantization`).
 COMPILED_QUANTIZATION = ("kernels", "inductor")
@@ -34,7 +36,8 @@ class Config:
     Attributes:
         gemm_backend: one of :data:`GEMM_BACKENDS` (default ``"auto"``).
         unknown_ops: one of :data:`UNKNOWN_OPS` (default ``"warn"``): what an out-of-place op without an fp8
-            implementation does (it runs on the dequantized tensors; ``"raise"`` proves a path stays in fp8).
+            implementation does (it runs on the dequantized tensors; ``"raise"`` proves a path stays in fp8). A view
+            op without one raises unless ``"allow"`` (then: a view of a dequantized copy, for reading).
         weight_only_decode: (default True) with autograd off, a decode-sized input (up to 64 tokens; bf16 / fp16,
             CUDA with Triton) of a per-row fp8 weight takes the small-M GEMM of
             :func:`fp8tensor.quantize.decode_mm`, split over K: up to 16 tokens multiplied in its own precision by
@@ -98,7 +101,6 @@ TRACED_SETTINGS = ("gemm_backend", "unknown_ops", "weight_only_decode", "compile
 
 
 _global = Config()
-_DEFAULT_TRACED = tuple(getattr(_global, name) for name in TRACED_SETTINGS)
 class _ThreadState(threading.local):
     """This thread's :func:`config` state. Every field is set on the instance in each thread (``__init__`` runs in a
     thread at its first access), never left to a class-level default: reading one is a plain attribute lookup
@@ -135,19 +137,22 @@ def get_config() -> Config:
     return merged
 
 
+def traced_settings() -> tuple:
+    """The values of :data:`TRACED_SETTINGS` in force in this thread (for keys of compiled code, e.g. the
+    AOTAutograd cache key of fp8tensor's subclasses)."""
+    cfg = get_config()
+    return tuple(getattr(cfg, name) for name in TRACED_SETTINGS)
 
 
-def read_traced_settings() -> tuple:
-    """Read (and return) every field of :data:`TRACED_SETTINGS` from :func:`get_config`. Called from the fp8 Linear
-    and grouped GEMM entry points under ``torch.compile``: dynamo guards on each value it sees read, so a later
-    ``set_config`` or ``config`` block that changes one recompiles instead of running a graph traced under the old
-    value."""
+def read_traced_settings() -> bool:
+    """Compare every field of :data:`TRACED_SETTINGS` of :func:`get_config` with its default; returns whether all
+    are defaults. Called from the fp8 Linear and grouped GEMM entry points under ``torch.compile``: dynamo installs a
+    guard on a value where traced code compares it (not where it is only read), so a later ``set_config`` or
+    ``config`` block that changes one recompiles instead of running a graph traced under the old value."""
     cfg = get_config()
     values = (cfg.gemm_backend, cfg.unknown_ops, cfg.weight_only_decode, cfg.compiled_quantization,
               cfg.grouped_gemm_kernel)
-    if values == _DEFAULT_TRACED:  # (dynamo installs a value's guard where traced code compares it, not at a read)
-        return _DEFAULT_TRACED
-    return values
+    return values == ("auto", "warn", True, "kernels", True)  # (a literal: no guard of its own)
 
 
 def scope_token():
@@ -235,8 +240,9 @@ def config(**changes) -> _Scope:
             model(x)
 
     The result must be entered (``with``) before the thread's next fp8tensor operation (in this thread or another;
-    its settings hold in the thread that enters it). A compiled model recompiles when a block changes a setting its
-    graph was traced under.
+    its settings hold in the thread that enters it). A compiled converted Linear or grouped-experts module recompiles
+    when a block changes a setting its graph was traced under; fp8 tensors used directly in compiled code (``x @
+    w.t()``) keep the settings of the trace.
 
     Raises:
         TypeError: an unknown field. ValueError: an unknown value (both when called, before any ``with``).

@@ -117,8 +117,13 @@ def _copy_into_data_and_scale(func, args, kwargs):
         if src.is_complex():
             raise TypeError(f"ScaledFp8Tensor copy_: a complex source ({src.dtype}) cannot be quantized to fp8; "
                             "copy its real part (src.real)")
-        if not src.is_floating_point() or src.dtype in FLOAT8_DTYPES:
-            src = src.to(torch.float32)  # (its values, as copy_ converts them: bool, integers, plain fp8 data)
+        if src.dtype in FLOAT8_DTYPES:
+            raise TypeError(
+                f"ScaledFp8Tensor copy_: the source is a plain {src.dtype} tensor, which has no scales to read it by "
+                "(its values are the fp8 codes of some scaled tensor); copy a ScaledFp8Tensor (ScaledFp8Tensor(qdata, "
+                "scale)), or convert the source explicitly (src.float()) if its codes are the values")
+        if not src.is_floating_point():
+            src = src.to(torch.float32)  # (its values, as copy_ converts them: bool, integers)
         check_finite_rows(src.detach(), "ScaledFp8Tensor copy_")  # (quantized, an inf / NaN row would be all NaN)
     if isinstance(src, ScaledFp8Tensor):
         if src.qdata.dtype == dst.qdata.dtype and _scale_fits(src.scale, dst.scale):

@@ -2,6 +2,7 @@
 (``OP_TABLE``, :func:`implements`) and dispatcher; docs/design.md ("One tensor class", "The op table")."""
 from __future__ import annotations
 
+import hashlib
 import warnings
 from typing import Any, Callable, Optional, Sequence
 
@@ -10,7 +11,7 @@ import torch
 from ..core import compat
 from ..numerics import fsdp_payload as _payload
 from ..numerics.quantize import E4M3, FLOAT8_DTYPES, amax_to_scale, cast_to_fp8, check_float8_dtype, quantize
-from ..core.settings import get_config
+from ..core.settings import get_config, traced_settings
 
 __all__ = ["ScaledFp8Tensor", "dequantize", "OP_TABLE", "implements", "validate_parts", "make_scaled", "rowwise_dims"]
 
@@ -54,7 +55,8 @@ _IMPLICIT = compat.COMPOSITE_IMPLICIT
 
 def _dispatch(cls, func, types, args=(), kwargs=None):
     """``__torch_dispatch__``: the op table, else composite ops decomposed, out-of-place ops dequantized; in-place /
-    ``out=`` writes and collectives raise ``NotImplementedError`` naming the op."""
+    ``out=`` writes, collectives and view ops without an entry (unless ``unknown_ops="allow"``: a dequantized copy)
+    raise ``NotImplementedError`` naming the op."""
     kwargs = kwargs or {}
     handler = OP_TABLE.get(func)
     if handler is not None:
@@ -77,13 +79,14 @@ def _dispatch(cls, func, types, args=(), kwargs=None):
             "(reshard_after_forward=False) the module holds that fp8 copy; call model.reshard() and write the "
             "sharded parameter.) To set new values, copy_ them in (quantized per row)."
         )
-    if _returns_view(func):
+    if _returns_view(func) and get_config().unknown_ops != "allow":
         # (a view of the dequantized copy would look like a view of t to autograd, and writes through it would
-        # change the copy only: silently lost)
+        # change the copy only: silently lost; under "allow" the user takes the dequantized values as they are)
         raise NotImplementedError(
             f"ScaledFp8Tensor: view op {name} has no fp8 implementation; a view of the dequantized values would not "
             "share the fp8 data, so writes through it would be lost. Take a high-precision copy first "
-            "(fp8tensor.dequantize(t)) and view that")
+            "(fp8tensor.dequantize(t)) and view that, or, to read dequantized values and never write through them, "
+            "enter `with fp8tensor.config(unknown_ops='allow'):`")
     _unknown_op(name)
     args, kwargs = compat.tree_map_only(ScaledFp8Tensor, lambda t: t.to_hp(), (args, kwargs))
     return func(*args, **kwargs)
@@ -346,6 +349,11 @@ class ScaledFp8Tensor(torch.Tensor):
         ctx = (self.orig_dtype, self.fast_accum, self.shares_scale, self._scale_writes, self.scaled_dims)
         return ["qdata", "scale"], ctx
 
+    def _stable_hash_for_caching(self) -> str:
+        """The AOTAutograd cache key of this tensor as a graph input (:func:`cache_hash`; the record of scale writes
+        left out: it compares equal to any other)."""
+        return cache_hash(self, (self.orig_dtype, self.fast_accum, self.shares_scale, self.scaled_dims))
+
     @staticmethod
     def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):
         orig_dtype, fast_accum, shares_scale, scale_writes, scaled_dims = ctx
@@ -446,6 +454,24 @@ def quantize_like(x: torch.Tensor, scaled_dims, float8_dtype: torch.dtype) -> tu
         amax = x.abs().amax(dim=dims, keepdim=True)
     scale = amax_to_scale(amax, float8_dtype)
     return cast_to_fp8(x, scale, float8_dtype), scale
+
+
+def cache_hash(t: torch.Tensor, ctx: tuple) -> str:
+    """``_stable_hash_for_caching`` of fp8tensor's tensor subclasses: the AOTAutograd cache key of ``t`` as an input
+    of a compiled graph (torch >= 2.12 asks traceable subclasses for one): its type, shape and ``requires_grad``, its
+    flatten metadata ``ctx`` (deterministic reprs), its parts' metadata, and :func:`fp8tensor.config`'s
+    ``TRACED_SETTINGS``. Those settings are read by the ops AOTAutograd traces below dynamo, so a graph dynamo
+    recompiled under other settings looks the same to the cache: without them the cache returned the graph compiled
+    under the old ones. Torch 2.11 keys subclass inputs otherwise (docs/design.md, "Settings and tracing state")."""
+    names, _ = t.__tensor_flatten__()
+    parts = []
+    for name in names:
+        p = getattr(t, name)
+        parts.append((name, str(p.dtype), tuple(str(n) for n in p.shape), tuple(str(n) for n in p.stride()),
+                      p.device.type, str(p.storage_offset()), p.requires_grad))  # (plain tensors)
+    payload = (type(t).__qualname__, tuple(str(n) for n in t.shape), t.requires_grad, ctx, tuple(parts),
+               traced_settings())
+    return hashlib.blake2b(repr(payload).encode(), digest_size=16).hexdigest()
 
 
 def check_finite_rows(t: torch.Tensor, what: str) -> None:

@@ -16,7 +16,7 @@ from .grouped import fp8_grouped_mm, fp8_weight_call, grouped_mm_args, is_groupe
 from .linear import QuantizeOnUse, _quantize_local, fp8_linear
 from ..numerics.quantize import FLOAT8_DTYPES
 from .recipes import Recipe, get_recipe
-from ..subclass.tensor import ScaledFp8Tensor, fsdp_post_all_gather, written_args
+from ..subclass.tensor import ScaledFp8Tensor, cache_hash, fsdp_post_all_gather, written_args
 
 __all__ = ["Fp8MasterWeight", "keep_master_through"]
 
@@ -74,6 +74,10 @@ class Fp8MasterWeight(torch.Tensor, QuantizeOnUse):
 
     def __tensor_flatten__(self):
         return ["_data"], (self.recipe,)
+
+    def _stable_hash_for_caching(self) -> str:
+        """The AOTAutograd cache key of this master as a graph input (``fp8tensor.tensor.cache_hash``)."""
+        return cache_hash(self, (self.recipe,))
 
     @staticmethod
     def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
@@ -264,6 +268,10 @@ class GatheredExperts(ScaledFp8Tensor):
     def __tensor_flatten__(self):
         names, ctx = super().__tensor_flatten__()
         return names, (*ctx, self.recipe)
+
+    def _stable_hash_for_caching(self) -> str:
+        """The AOTAutograd cache key of these gathered experts as a graph input (with their recipe)."""
+        return cache_hash(self, (self.orig_dtype, self.fast_accum, self.shares_scale, self.scaled_dims, self.recipe))
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):

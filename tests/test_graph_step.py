@@ -352,3 +352,30 @@ def test_the_checks_never_search_the_heap(monkeypatch):
     model[0].weight = nn.Parameter(model[0].weight.detach().clone())
     with pytest.raises(RuntimeError, match=r"parameters 0\.weight were replaced"):
         step(torch.randn(4, 64))
+
+
+def test_cpu_step_takes_equal_numpy_values_again():
+    """A non-tensor input of equal value on a later call (numpy scalars and arrays, whose ``==`` gives ``np.bool_``
+    or an array) is the same input: the step runs; a changed value or shape still raises."""
+    import warnings
+
+    np = pytest.importorskip("numpy")
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available: the step would be captured (tests/gpu/test_gpu_graph_step.py)")
+    model = _model(0)
+
+    def fwd_bwd(x, s, a):
+        loss = model(x).square().mean() * float(s) * float(a.sum())
+        loss.backward()
+        return loss.detach()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        step = fp8tensor.graph_step(fwd_bwd, model)
+        x = torch.randn(16, 64)
+        step(x, np.float32(0.5), np.array([1.0, 2.0]))
+        step(x, np.float32(0.5), np.array([1.0, 2.0]))  # (equal values, new objects)
+        with pytest.raises(ValueError, match="graph_step: the inputs changed"):
+            step(x, np.float32(0.25), np.array([1.0, 2.0]))
+        with pytest.raises(ValueError, match="graph_step: the inputs changed"):
+            step(x, np.float32(0.5), np.array([1.0, 2.0, 3.0]))

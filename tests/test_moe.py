@@ -219,6 +219,8 @@ def test_errors_name_the_op_and_the_reason():
     b = w.transpose(-2, -1)
     with pytest.raises(TypeError, match="fp8_grouped_mm: offs must be a 1-D int32"):
         fp8_grouped_mm(x, b, torch.tensor([2, 4, 6, 8]))
+    with pytest.raises(ValueError, match=r"fp8_grouped_mm: offs must be a 1-D int32 .* got shape \(4, 1\)"):
+        fp8_grouped_mm(x, b, torch.tensor([[2], [4], [6], [8]], dtype=torch.int32))  # (int32, wrong rank)
     with pytest.raises(ValueError, match="offs has 3 groups but the weights have 4 experts"):
         fp8_grouped_mm(x, b, _offs([2, 2, 4]))
     with pytest.raises(ValueError, match="non-decreasing"):

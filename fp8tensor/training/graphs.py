@@ -32,9 +32,15 @@ class _Value:
             return True
         try:
             eq = a == b
+            if isinstance(eq, bool):
+                return eq
+            # (numpy scalars and arrays compare to np.bool_ or an array of them: equal where the shapes match and
+            # every element does)
+            if getattr(a, "shape", None) != getattr(b, "shape", None):
+                return False
+            return bool(eq.all()) if hasattr(eq, "all") else bool(eq)
         except Exception:
             return False
-        return eq if isinstance(eq, bool) else False
 
     def __repr__(self):
         return f"{type(self.v).__name__} {self.v!r}"

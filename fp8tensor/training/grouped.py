@@ -206,9 +206,12 @@ def _check(a, b, offs, op: str) -> None:
             or not bd.dtype.is_floating_point):
         raise TypeError(f"{op}: expected a high-precision input and weights (or a ScaledFp8Tensor), got {a.dtype} "
                         f"and {bd.dtype}")
-    if not isinstance(offs, torch.Tensor) or offs.dim() != 1 or offs.dtype != torch.int32:
+    if not isinstance(offs, torch.Tensor) or offs.dtype != torch.int32:
         raise TypeError(f"{op}: offs must be a 1-D int32 tensor of cumulative group ends, got "
                         f"{getattr(offs, 'dtype', type(offs))} of shape {tuple(getattr(offs, 'shape', ()))}")
+    if offs.dim() != 1:
+        raise ValueError(f"{op}: offs must be a 1-D int32 tensor of cumulative group ends, got shape "
+                         f"{tuple(offs.shape)}")
     if offs.numel() != bd.shape[0]:
         raise ValueError(f"{op}: offs has {offs.numel()} groups but the weights have {bd.shape[0]} experts")
     if offs.device != a.device or bd.device != a.device:

@@ -5,7 +5,7 @@ with ``torch.compile``; ``x`` of shape ``[M, K]`` requires grad; one step = forw
 grad_output; median time (triton do_bench). Usage: ``PYTHONPATH=. python benchmarks/linear.py [--profile]
 [--json PATH]``. ``--shapes 1024x1024,1024x4096`` times other shapes.
 
-Two more modes (CUDA):
+More modes (CUDA):
 
 * ``--size-rule [--quick]``: calibrate ``convert_to_fp8(..., size_rule=True)`` for a GPU. One Linear's forward +
   backward, bf16 vs ``rowwise`` and ``rowwise_gw_hp``, eager and captured as one CUDA graph with
@@ -17,6 +17,9 @@ Two more modes (CUDA):
   tokens (the dim-0 kernels: column amax, transposing cast), both layouts (row + column amax in one read, then both
   casts from one read). µs, the GB/s of the bytes each must move (reads of x, fp8 writes) and that as a share of a
   bf16 copy's GB/s on the same tensor (the achievable bandwidth).
+* ``--quant-tiles``: the two-layout kernels' tiles swept against ``kernels.BOTH_CONFIG`` (48 amax and 18 cast tiles,
+  each bit-checked against the table's outputs, CUDA-graph timed) on ``--M`` x K bf16 tensors, K = 2048 / 4096 /
+  8192: whether another tile would be faster on this GPU.
 * ``--host``: the host time of one eager forward (no grad, ``--host-tokens`` rows) of ``nn.Linear``, an fp8 Linear
   with a master weight and a ``quantize_weights`` Linear, in µs per call: calls issued back to back without
   synchronizing, so the time is the host's as long as the GPU keeps up (the rows are tiny).
@@ -141,6 +144,110 @@ def quant_table(dev, M: int, json_path=None, command: str = "") -> None:
     write_json(json_path, "quant_kernels", rows, command)
 
 
+def quant_tiles_table(dev, M: int, json_path=None, command: str = "") -> None:
+    """``--quant-tiles``: the two-layout kernels' tiles against the table's (``kernels.BOTH_CONFIG``), on ``M`` x K
+    bf16 tensors (K = 2048, 4096, 8192). The amax kernel (48 tiles: rows per tile, columns per tile, rows per
+    program, warps) and the cast kernel (18 tiles) launched directly; each candidate's outputs compared bit for bit
+    with ``launch_both``'s (a mismatch is printed and the candidate dropped); each timed as the median of CUDA-graph
+    replays of 10 launches (L2 not flushed)."""
+    import itertools
+
+    from fp8tensor.numerics import kernels
+    from fp8tensor.quantize import E4M3, SCALE_FLOOR
+
+    def graph_us(fn) -> float:
+        fn()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(10):
+                fn()
+        g.replay()
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(8):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            g.replay()
+            b.record()
+            torch.cuda.synchronize()
+            ts.append(a.elapsed_time(b) * 1e3 / 10)
+        return sorted(ts)[len(ts) // 2]
+
+    def amax_call(x, amax, bm, bk, chunk, warps):
+        grid = (kernels._cdiv(x.shape[1], bk), kernels._cdiv(x.shape[0], chunk))
+
+        def f():
+            amax.zero_()
+            kernels._launch(kernels._amax_both_kernel, grid, (x, amax, x.shape[0], x.shape[1], x.stride(0)),
+                            dict(CHUNK_M=chunk, BLOCK_M=bm, BLOCK_K=bk), warps, x.device)
+        return f
+
+    def cast_call(x, amax, outs, bm, bk, warps):
+        Mx, Kx = x.shape
+        grid = (kernels._cdiv(Mx, bm), kernels._cdiv(Kx, bk))
+
+        def f():
+            kernels._launch(kernels._cast_both_kernel, grid,
+                            (x, amax[:Mx], amax[Mx:], *outs, Mx, Kx, x.stride(0)),
+                            dict(FMAX=torch.finfo(E4M3).max, EPS=SCALE_FLOOR, BLOCK_M=bm, BLOCK_K=bk), warps,
+                            x.device)
+        return f
+
+    def same(a, b) -> bool:
+        return torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.dtype == E4M3 else torch.equal(a, b)
+
+    cols = ["K", "copy GB/s", "amax, BOTH_CONFIG µs (GB/s, % copy)", "amax, best of 48 tiles µs (tile)",
+            "cast, BOTH_CONFIG µs (GB/s, % copy)", "cast, best of 18 tiles µs (tile)", "launch_both µs"]
+    print(f"# two-layout kernels' tiles, {M} tokens, bf16 ({env_line()})\n")
+    print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
+    c = kernels.BOTH_CONFIG
+    rows = []
+    for K in (2048, 4096, 8192):
+        torch.manual_seed(K)
+        x = torch.randn(M, K, device=dev, dtype=torch.bfloat16) * torch.rand(M, 1, device=dev, dtype=torch.bfloat16)
+        ref = kernels.launch_both(x, E4M3, SCALE_FLOOR)
+        amax_ref = torch.cat([x.float().abs().amax(1), x.float().abs().amax(0)])
+        n = x.numel()
+        copy_gbs = 4 * n / graph_us(lambda: x.clone()) / 1e3
+        full = graph_us(lambda: kernels.launch_both(x, E4M3, SCALE_FLOOR))
+        chunk = min(c["amax_chunk_m_max"], max(c["amax_chunk_m"], kernels._next_power_of_2(
+            kernels._cdiv(M * kernels._cdiv(K, c["amax_block_k"]), c["amax_programs"]))))  # (launch_both's rule)
+        amax = torch.zeros(M + K, dtype=torch.float32, device=dev)
+        outs = [torch.empty_like(t) for t in ref]
+        table_a = graph_us(amax_call(x, amax, c["amax_block_m"], c["amax_block_k"], chunk, c["amax_warps"]))
+        table_c = graph_us(cast_call(x, amax_ref, outs, c["cast_block_m"], c["cast_block_k"], c["cast_warps"]))
+        timed_a, timed_c = [], []
+        for bm, bk, ch, warps in itertools.product((16, 32, 64), (256, 512), (128, 256, 512, 1024), (4, 8)):
+            f = amax_call(x, amax, bm, bk, ch, warps)
+            f()
+            if not torch.equal(amax, amax_ref):
+                print(f"(amax tile {(bm, bk, ch, warps)}: other bits, dropped)")
+                continue
+            timed_a.append((graph_us(f), f"BLOCK_M {bm}, BLOCK_K {bk}, {ch} rows, {warps} warps"))
+        for bm, bk, warps in itertools.product((32, 64, 128), (64, 128, 256), (4, 8)):
+            f = cast_call(x, amax_ref, outs, bm, bk, warps)
+            for o in outs:
+                o.zero_()
+            f()
+            if not all(same(o, r) for o, r in zip(outs, ref)):
+                print(f"(cast tile {(bm, bk, warps)}: other bits, dropped)")
+                continue
+            timed_c.append((graph_us(f), f"BLOCK_M {bm}, BLOCK_K {bk}, {warps} warps"))
+        ba, bc = min(timed_a), min(timed_c)
+        a_gbs, c_gbs = 2 * n / table_a / 1e3, 4 * n / table_c / 1e3
+        cells = [str(K), f"{copy_gbs:.0f}", f"{table_a:.1f} ({a_gbs:.0f}, {100 * a_gbs / copy_gbs:.0f}%)",
+                 f"{ba[0]:.1f} ({ba[1]})", f"{table_c:.1f} ({c_gbs:.0f}, {100 * c_gbs / copy_gbs:.0f}%)",
+                 f"{bc[0]:.1f} ({bc[1]})", f"{full:.1f}"]
+        print("| " + " | ".join(cells) + " |", flush=True)
+        rows.append(dict(zip(cols, cells)))
+    write_json(json_path, "quant_tiles", rows, command)
+
+
 # ------------------------------------------------------------------------------------------------ --size-rule
 SIZE_RULE_VARIANTS = ("bf16", "rowwise", "rowwise_gw_hp")
 
@@ -215,6 +322,8 @@ def main() -> None:
     p.add_argument("--host", action="store_true", help="host time of one eager forward per call (see the docstring)")
     p.add_argument("--host-tokens", type=int, default=16)
     p.add_argument("--quant", action="store_true", help="the quantization kernels' time and bandwidth (--M tokens)")
+    p.add_argument("--quant-tiles", action="store_true",
+                   help="the two-layout kernels' tiles against BOTH_CONFIG, bit-checked (--M tokens)")
     args = p.parse_args()
     command = "python benchmarks/linear.py " + " ".join(sys.argv[1:])
     if args.size_rule:
@@ -230,6 +339,9 @@ def main() -> None:
         return
     if args.quant:
         quant_table(dev, args.M or 8192, json_path=args.json, command=command)
+        return
+    if args.quant_tiles:
+        quant_tiles_table(dev, args.M or 8192, json_path=args.json, command=command)
         return
     args.M = args.M or 16384
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")] if args.shapes else SHAPES

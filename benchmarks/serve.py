@@ -16,6 +16,7 @@ compiling beside them).
                                [--modes eager,compile] [--variants bf16,fp8tensor,torchao] [--profile decode8]
                                [--parallel]
     python benchmarks/serve.py --host    # host time per eager call: F.linear, nn.Linear, a quantize_weights Linear
+    python benchmarks/serve.py --host-shapes [--host-ms 1,8,16,64]   # eager: host and GPU µs per Linear, 8B shapes
     python benchmarks/serve.py --crossover [--ms 16,32,48,64,96,128] [--sweep-all]   # decode GEMM vs dual fp8 per M
     python benchmarks/serve.py --host-compiled decode1 [--variants bf16,fp8tensor]   # compiled: host vs GPU per call
     python benchmarks/serve.py --agreement [--device cpu|cuda] [--seq 64] [--no-aoti]   # export / AOTI vs eager
@@ -265,6 +266,62 @@ def host_per_call() -> None:
                       "nn.Linear bf16": lambda: lin(x),
                       "nn.Linear after quantize_weights": lambda: q(x)}.items():
             print(f"| {k} | {per_call(fn):.1f} |", flush=True)
+
+
+def host_per_shape(a) -> None:
+    """Where an eager decode step's time goes, per Linear (``--host-shapes``): at each Llama3-8B Linear shape and
+    token count (``--host-ms``; inputs ``(M, 1, K)`` as the decode rows pass them), the host time to issue one call
+    while the GPU is held busy (``torch.cuda._sleep``, so that no call waits for the GPU) and the GPU time per call
+    (CUDA events around the same 200 calls, queued behind the sleep), µs: bf16 ``F.linear`` and ``nn.Linear``, a
+    ``quantize_weights`` Linear, its decode GEMM alone (``launch_w8_mm``) as the eager call runs it (one launch) and
+    as a CUDA graph runs it (the K split and its reduce launch), and past ``W8_MM_CONFIG["max_m"]`` tokens the
+    activations' row quantization alone (host time)."""
+    from fp8tensor import kernels
+    from fp8tensor.quantize import E4M3, quantize
+
+    def host_gpu(fn, n=200):
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(1e8))  # (about 50 ms at 2 GHz: longer than the 200 calls take to issue)
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        host = (time.perf_counter() - t0) / n * 1e6
+        e1.record()
+        torch.cuda.synchronize()
+        return host, e0.elapsed_time(e1) * 1e3 / n  # (the GPU time: the calls queued behind the sleep)
+
+    ms = [int(m) for m in a.host_ms.split(",")]
+    print(f"# host and GPU time per eager call, Llama3-8B Linear shapes ({env_line()}); µs\n")
+    print("| GEMM (N x K) | tokens | bf16 F.linear host / GPU | bf16 nn.Linear host | fp8 Linear host / GPU | "
+          "decode GEMM GPU, one launch | decode GEMM GPU, K split | activations' quantization host |")
+    print("|---|---|---|---|---|---|---|---|", flush=True)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, N, K, _ in GEMMS_8B:
+            lin = torch.nn.Linear(K, N, bias=False, device="cuda", dtype=torch.bfloat16)
+            q = fp8tensor.quantize_weights(torch.nn.Sequential(torch.nn.Linear(K, N, bias=False, device="cuda",
+                                                                               dtype=torch.bfloat16)))[0]
+            w8, s = q.weight.qdata, q.weight.scale
+            for m in ms:
+                x = torch.randn(m, 1, K, device="cuda", dtype=torch.bfloat16)
+                x2 = x.reshape(-1, K)
+                bh, bg = host_gpu(lambda: torch.nn.functional.linear(x, lin.weight))
+                nh, _ = host_gpu(lambda: lin(x))
+                fh, fg = host_gpu(lambda: q(x))
+                if m > kernels.W8_MM_CONFIG["max_m"]:
+                    xq, xs = quantize(x2, -1, E4M3)
+                    xin, kw = xq, dict(x_scale=xs, out_dtype=x.dtype)
+                    qh = f"{host_gpu(lambda: quantize(x2, -1, E4M3))[0]:.1f}"
+                else:
+                    xin, kw, qh = x2, {}, "-"
+                _, og = host_gpu(lambda: kernels.launch_w8_mm(xin, w8, s, None, one_launch=True, **kw))
+                _, sg = host_gpu(lambda: kernels.launch_w8_mm(xin, w8, s, None, one_launch=False, **kw))
+                print(f"| {name} ({N} x {K}) | {m} | {bh:.1f} / {bg:.1f} | {nh:.1f} | {fh:.1f} / {fg:.1f} | {og:.1f} | "
+                      f"{sg:.1f} | {qh} |", flush=True)
 
 
 def _guard_check_us(model: torch.nn.Module, tokens: torch.Tensor) -> str:
@@ -579,6 +636,9 @@ def crossover(a) -> None:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--host", action="store_true", help="only the host time per eager call (see host_per_call)")
+    ap.add_argument("--host-shapes", action="store_true",
+                    help="only the host and GPU time per eager call at Llama3-8B shapes (see host_per_shape)")
+    ap.add_argument("--host-ms", default="1,8,16,64", help="with --host-shapes: token counts")
     ap.add_argument("--crossover", action="store_true",
                     help="only the decode GEMM against the dual-fp8 GEMM per Llama3-8B shape and token count, and "
                          "tile candidates past 32 tokens (see crossover)")
@@ -616,6 +676,9 @@ def main():
         return
     if a.host:
         host_per_call()
+        return
+    if a.host_shapes:
+        host_per_shape(a)
         return
     if a.crossover:
         crossover(a)

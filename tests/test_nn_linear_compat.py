@@ -405,6 +405,33 @@ def test_share_memory_of_an_fp8_model_shares_data_and_scales():
     assert torch.equal(fp8tensor.dequantize(lin.weight), fp8tensor.dequantize(fp8tensor.ScaledFp8Tensor.from_hp(new)))
 
 
+def test_share_memory_of_a_training_model_shares_the_masters():
+    """``nn.Module.share_memory()`` of a ``convert_to_fp8`` model (master weights; torch's own implementation crashed
+    the process on the wrapper): the masters' data moves to shared memory and stays the module's trainable master, a
+    write in a forked process reaches the parent's weight, and the forward and its gradients match float64 after it."""
+    import multiprocessing
+
+    torch.manual_seed(0)
+    lin = fp8tensor.convert_to_fp8(nn.Linear(32, 16))
+    assert lin.share_memory() is lin
+    w = lin.weight
+    assert type(w) is Fp8MasterWeight and w.is_shared() and w._data.is_shared() and w.requires_grad
+    new = torch.randn(16, 32)
+    ctx = multiprocessing.get_context("fork")
+    done = ctx.Queue()
+    p = ctx.Process(target=_write_shared_weight, args=(lin, new, done))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0 and done.get(timeout=5)
+    assert torch.equal(lin.weight._data, new)
+    x = torch.randn(8, 32, dtype=torch.float64).float().requires_grad_()
+    out = lin(x)
+    ref = x.double() @ new.double().t() + lin.bias.detach().double()
+    assert rel_err(out, ref) < E4M3_GEMM_BOUND
+    out.sum().backward()
+    assert rel_err(lin.weight.grad, x.detach().double().sum(0).expand(16, 32)) < E4M3_GEMM_BOUND
+
+
 def test_tied_head_stays_plain_after_assign_load():
     """``convert_to_fp8(fp8_all_gather=True)`` of a model whose output head is tied to the embedding: the head's
     weight stays plain (its ``fp8_all_gather`` False), also after ``load_state_dict(assign=True)``, whose re-wrap

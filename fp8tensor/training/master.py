@@ -140,6 +140,17 @@ class Fp8MasterWeight(torch.Tensor, QuantizeOnUse):
             return _map_tensors(out, lambda t: Fp8MasterWeight(t, recipe) if t.dtype == dtype else t)
         return out
 
+    def share_memory_(self) -> "Fp8MasterWeight":
+        """``Tensor.share_memory_`` (``nn.Module.share_memory``): moves the wrapped high-precision data to shared
+        memory (a no-op on CUDA) and returns this master. (The wrapper has no storage of its own: torch's
+        implementation would crash on it.)"""
+        self._data.share_memory_()
+        return self
+
+    def is_shared(self) -> bool:
+        """``Tensor.is_shared``: whether the wrapped high-precision data is in shared memory."""
+        return self._data.is_shared()
+
     # FSDP2 all-gather extension: quantize local rows, gather fp8 data + row scales.
     @_payload.pre_all_gather_hook
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):

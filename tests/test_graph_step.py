@@ -217,6 +217,42 @@ def test_cpu_fallback_refuses_parameters_moved_after_the_capture(how):
     assert all(p.grad is not None for p in model.parameters())
 
 
+@pytest.mark.parametrize("freeze", [True, False])
+def test_cpu_fallback_refuses_requires_grad_changed_after_the_capture(freeze):
+    """A parameter frozen (or unfrozen) after the capture raises at the next call, before anything runs: the captured
+    backward would keep writing the frozen one's gradient (an optimizer would keep training it) and never the
+    unfrozen one's. ``close()`` then captures again and the step trains what requires grad now."""
+    import warnings
+
+    model = _model(0, bias_free_tail=True)
+    if not freeze:
+        model[0].weight.requires_grad_(False)
+    calls = []
+    inner = _fwd_bwd_of(model)
+
+    def fn(x, scale=1.0):
+        calls.append(1)
+        return inner(x, scale)
+
+    step = fp8tensor.graph_step(fn, model, warmup_steps=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        step(torch.randn(4, 64))  # warm-up
+    step(torch.randn(4, 64))  # the call that would capture
+    model[0].weight.requires_grad_(not freeze)
+    n = len(calls)
+    with pytest.raises(RuntimeError, match=r"graph_step: requires_grad of 1 of \d+ parameters changed .*close\(\)"):
+        step(torch.randn(4, 64))
+    assert len(calls) == n, "the step ran with the capture's gradients"
+    step.close()
+    model.zero_grad(set_to_none=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for _ in range(3):
+            step(torch.randn(4, 64))
+    assert (model[0].weight.grad is None) == freeze
+
+
 def test_cpu_fallback_dtensor_parameters():
     """Tensor-parallel (DTensor) parameters pass the per-call checks (their inner tensors are compared, not their
     mesh, which torch >= 2.13 also lists in ``__tensor_flatten__``) and are refused when moved."""

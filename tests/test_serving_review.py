@@ -215,3 +215,44 @@ def test_safetensors_save_model_of_linears_sharing_an_fp8_weight_loads(tmp_path)
     ref = torch.relu(x.double() @ wd.t()) @ wd.t()
     with torch.no_grad():
         assert rel_err(loaded(x), ref) < 2**0.5 * E4M3_GEMM_BOUND  # (activations rounded at both GEMMs)
+
+
+def _state_bits(model) -> dict:
+    out = {}
+    for k, v in model.state_dict().items():
+        t = v.qdata.view(torch.uint8) if type(v) is ScaledFp8Tensor else v
+        out[k] = t.detach().clone()
+        if type(v) is ScaledFp8Tensor:
+            out[k + "/scale"] = v.scale.clone()
+    return out
+
+
+@pytest.mark.parametrize("assign", [False, True])
+def test_a_refused_entry_of_a_later_layer_leaves_the_whole_model_unchanged(assign):
+    """``load_state_dict`` of a three-layer ``quantize_weights`` model whose last layer's entry holds a NaN: raises
+    naming that key, and no layer changes (the checks run for every fp8 module before any loads: the first layers
+    used to hold the new checkpoint's values, the others the old ones, a mix of two checkpoints)."""
+    torch.manual_seed(0)
+    model = fp8tensor.quantize_weights(nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 48), nn.Linear(48, 32)))
+    before = _state_bits(model)
+    state = {k: torch.randn(v.shape) for k, v in model.state_dict().items()}
+    state["2.weight"][3, 1] = float("nan")
+    with pytest.raises(ValueError, match=r"load_state_dict \('2\.weight'\): inf or NaN in 1 row\(s\)"):
+        model.load_state_dict(state, assign=assign)
+    after = _state_bits(model)
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert all(type(m.weight) is ScaledFp8Tensor for m in model)
+
+
+def test_a_refused_plain_layout_entry_leaves_a_training_model_unchanged():
+    """The same for a ``convert_to_fp8`` model (master weights) loading a plain-layout checkpoint whose last fp8
+    entry lacks its scales: nothing loads."""
+    torch.manual_seed(0)
+    model = fp8tensor.convert_to_fp8(nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 32)))
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state = {"0.weight": torch.randn(48, 64), "0.bias": torch.randn(48),
+             "1.weight": torch.randn(32, 48).to(torch.float8_e4m3fn), "1.bias": torch.randn(32)}
+    with pytest.raises(ValueError, match=r"'1\.weight' is a plain torch.float8_e4m3fn tensor without its scales"):
+        model.load_state_dict(state)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k].detach()) for k in before)

@@ -16,7 +16,7 @@ from ..subclass.tensor import (ScaledFp8Tensor, _is_dtensor, check_finite_rows, 
                                validate_parts)
 
 __all__ = ["SCALE_SUFFIX", "plain_state_dict", "load_safetensors", "state_dict_hook", "load_state_dict_pre_hook",
-           "set_hf_quantization_config"]
+           "check_before_load", "set_hf_quantization_config"]
 
 #: Suffix of the scale entry next to an fp8 entry.
 SCALE_SUFFIX = "_scale"
@@ -133,8 +133,26 @@ def load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict,
     Raises ``TypeError`` / ``ValueError`` (naming the key): the scale entry is not float32, does not match the data's
     shape or holds a value that is not finite and positive (as the ``ScaledFp8Tensor`` constructor), a plain fp8 entry
     lacks its scale, or a high-precision entry for an fp8 weight holds an inf or NaN (quantized, its rows would be all
-    NaN). Raised before this module's tensors change, ``assign=True`` included.
+    NaN). Raised before this module's tensors change, ``assign=True`` included; a converted model's
+    :func:`check_before_load` runs these checks for all its fp8 modules before any of them loads.
     """
+    _check_entries(module, state_dict, prefix, merge=True)
+
+
+def check_before_load(root, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                      error_msgs) -> None:
+    """``Module.register_load_state_dict_pre_hook`` of a converted model (the module ``convert_to_fp8`` or
+    ``quantize_weights`` was given): the checks of :func:`load_state_dict_pre_hook` for the entries of every fp8
+    module under it, before any module loads, so an entry they refuse leaves the whole model unchanged (a failed load
+    of a plain ``nn.Module`` leaves the modules loaded before the failure loaded). Raises as that hook does."""
+    for name, mod in root.named_modules(remove_duplicate=False):
+        if getattr(mod, "_fp8_checkpoint_hooks", False) or getattr(mod, "_fp8_hooks", False):
+            _check_entries(mod, state_dict, prefix + (name + "." if name else ""), merge=False)
+
+
+def _check_entries(module, state_dict, prefix, *, merge: bool) -> None:
+    """The checks of :func:`load_state_dict_pre_hook` for ``module``'s entries (``merge``: and the merge of each
+    plain-layout pair into one entry, in ``state_dict``)."""
     for name, p in compat.parameters_dict(module).items():
         key = prefix + name
         scale = state_dict.get(key + SCALE_SUFFIX)
@@ -157,6 +175,8 @@ def load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict,
             p.dtype if p is not None and p.dtype not in FLOAT8_DTYPES else torch.float32)
         dims = validate_parts(q, scale, orig, rowwise_dims(q.dim(), -1),  # (a scale that is not finite and > 0 too)
                               f"fp8tensor load_state_dict ({key!r} + {key + SCALE_SUFFIX!r})")
+        if not merge:
+            continue
         if isinstance(local, ScaledFp8Tensor):
             state_dict[key] = make_scaled(q, scale, orig, True, dims)
         else:  # a high-precision (master) weight: the dequantized values, q * scale, in its dtype

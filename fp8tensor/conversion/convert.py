@@ -19,7 +19,7 @@ from ..training.master import Fp8MasterWeight
 from .modules import (Fp8GroupedExpertsMixin, Fp8Linear, Fp8LinearMixin, _new_converted, add_fp8_checkpoint_hooks,
                       experts_class, fp8_class, fp8_linear_forward, install_fp8_forward, instance_forward, own_forward,
                       plain_state_dict_hook, quantize_expert_weight, requantize_after_load, rewrap_after_load,
-                      add_retie_hooks,
+                      add_load_check_hook, add_retie_hooks,
                       swap_local, uses_grouped_mm)
 from ..training.recipes import fp8_size_choice, fp8_size_rule, get_recipe
 from ..core.settings import get_config
@@ -301,6 +301,7 @@ def convert_to_fp8(
     _convert_experts(module, experts, r, skipped)
     if chosen or experts:
         add_model_export_hook(module)
+        add_load_check_hook(module)
     module.fp8_skipped = skipped
     module.fp8_grad_weight_hp = gw_hp
     if skipped:
@@ -413,6 +414,7 @@ def quantize_weights(
             mod.__class__ = experts_class(type(mod))
     if chosen or experts:
         add_model_export_hook(module)
+        add_load_check_hook(module)
         add_retie_hooks(module)
         _checkpoint.set_hf_quantization_config(module)
     return module

@@ -22,7 +22,8 @@ from ..subclass.tensor import ScaledFp8Tensor, _is_dtensor, local_of, map_local,
 __all__ = ["fp8_linear_forward", "Fp8LinearMixin", "Fp8Linear", "Fp8GroupedExpertsMixin", "converted_class",
            "fp8_class", "experts_class", "uses_grouped_mm", "own_forward", "instance_forward", "install_fp8_forward",
            "swap_local", "plain_state_dict_hook", "rewrap_after_load", "add_fp8_checkpoint_hooks",
-           "quantize_expert_weight", "requantize_after_load", "add_retie_hooks", "retie_after_load"]
+           "quantize_expert_weight", "requantize_after_load", "add_retie_hooks", "retie_after_load",
+           "add_load_check_hook"]
 
 
 def fp8_linear_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
@@ -313,6 +314,15 @@ def requantize_after_load(module, incompatible_keys):
 #: Attribute of a module whose fp8 weights :func:`requantize_after_load` made in the current ``load_state_dict``
 #: call: ``{name: (data pointer, shape, stride, dtype, device) of the high-precision tensor it was loaded from}``.
 _LOADED_FROM = "_fp8_loaded_from"
+
+
+def add_load_check_hook(root: nn.Module) -> None:
+    """Once per model: :func:`fp8tensor.checkpoint.check_before_load` as a ``load_state_dict`` pre-hook of ``root``
+    (the module ``convert_to_fp8`` / ``quantize_weights`` was given): the fp8 modules' entries are checked before any
+    module loads."""
+    if not getattr(root, "_fp8_load_check", False):
+        root.register_load_state_dict_pre_hook(_checkpoint.check_before_load)
+        root._fp8_load_check = True
 
 
 def add_retie_hooks(root: nn.Module) -> None:

@@ -114,6 +114,7 @@ class GraphedStep:
         self._stream: Optional[torch.cuda.Stream] = None
         self._watched: list = []  # (parameter, its gradient tensor at capture): the tensors the graph writes
         self._had_grad: list = []  # parameters that had a gradient after the last warm-up call
+        self._requires_grad: list = []  # (parameter, its requires_grad at capture): which gradients the graph computes
         self._memory: list = []  # (parameter or buffer, its storage addresses at capture): the memory the graph reads
         self._tree: list = []  # (module, its parameters, buffers, children) of the model at capture (model given)
         self._names: dict = {}  # {"parameters" / "buffers" / "submodules": [(name, object)]} of the model at capture
@@ -264,6 +265,7 @@ class GraphedStep:
     def _record_memory(self) -> None:
         """Snapshot what the graph reads and writes: gradients, storages, and (model given) buffers and members."""
         self._watched = [(p, p.grad) for p in self.parameters if p.grad is not None]
+        self._requires_grad = [(p, p.requires_grad) for p in self.parameters]
         tensors = list(self.parameters)
         self._tree, self._names = [], {}
         if self._module is not None:
@@ -273,6 +275,14 @@ class GraphedStep:
         self._memory = [(t, _storage_ptrs(t)) for t in tensors]
 
     def _check_memory(self) -> None:
+        flipped = [p for p, rg in self._requires_grad if p.requires_grad is not rg]
+        if flipped:
+            raise RuntimeError(
+                f"graph_step: requires_grad of {len(flipped)} of {len(self._requires_grad)} parameters changed after "
+                "the capture (p.requires_grad_(...)); the captured backward computes the gradients it computed then, "
+                "so a parameter frozen since would keep receiving gradients (and an optimizer keep training it) and "
+                "one unfrozen since would get none. Freeze or unfreeze before the first call, or call close() to warm "
+                "up and capture again")
         moved = [t for t, ptrs in self._memory if _storage_ptrs(t) != ptrs]
         replaced = {}
         # (identities only, no names walk: a tensor's == is elementwise)

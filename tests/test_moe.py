@@ -209,8 +209,9 @@ def test_empty_and_tiny_inputs(M, sizes):
         if end == start:
             assert torch.equal(wp.grad[e], torch.zeros(N, K))
         start = end
-    if int(offs[-1]) > 0:
-        assert _rel(y[: int(offs[-1])], _ref(x, w, offs)[: int(offs[-1])]) <= TWO
+    if int(offs[-1]) > 0:  # one row: TWO bounds the expected RMS error; the sample RMS of one row's 48 outputs
+        # spreads around it (0.67 x TWO on average, at most 1.15 x over 1500 seeds), hence 1.5 x
+        assert _rel(y[: int(offs[-1])], _ref(x, w, offs)[: int(offs[-1])]) <= 1.5 * TWO
     assert torch.equal(y[int(offs[-1]):], torch.zeros(M - int(offs[-1]), N))  # rows of no group (CPU: zeros)
 
 

@@ -163,7 +163,7 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         hd = self.head_dim
 
-        def heads(t):  # [B, T, local heads, hd]: all heads unsharded, heads/tp under TP (also for 0 tokens)
+        def heads(t):  # [B, T, local heads, hd]: all heads unsharded, heads/tp under TP (0 tokens: in one process)
             return t.view(B, T, t.shape[-1] // hd, hd)
 
         q, k, v = heads(self.wq(x)), heads(self.wk(x)), heads(self.wv(x))

@@ -635,3 +635,21 @@ def test_masked_grad_weight_gemm_ignores_unspecified_columns(monkeypatch):
     out = Gm.grouped_2d2d(gq, gs, xq, xs, pad_ends, torch.float32, fast_accum=False)
     assert out.isfinite().all()
     assert _rel(out, ref) <= 1e-6
+
+
+def test_a_plain_fp8_checkpoint_of_experts_loads_into_training_experts_as_its_values():
+    """A ``quantize_weights`` experts checkpoint in the plain layout (fp8 data + ``_scale``) loaded into a
+    ``convert_to_fp8`` model: each master weight holds the dequantized values (as a Linear's does), not the e4m3 codes
+    (the experts had no hook to merge the pair), and the next forward runs on them."""
+    from fp8tensor.checkpoint import plain_state_dict
+
+    torch.manual_seed(0)
+    src = fp8tensor.quantize_weights(Block())
+    sd = plain_state_dict(src.state_dict())
+    assert "experts.w1_scale" in sd and sd["experts.w1"].dtype == torch.float8_e4m3fn
+    model = convert_to_fp8(Block())
+    model.load_state_dict(sd)
+    for n in ("w1", "w2", "w3"):
+        w = getattr(model.experts, n)
+        assert isinstance(w, Fp8MasterWeight) and w.requires_grad
+        assert torch.equal(w._data, fp8tensor.dequantize(getattr(src.experts, n)).to(w.dtype)), n

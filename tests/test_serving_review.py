@@ -246,13 +246,58 @@ def test_a_refused_entry_of_a_later_layer_leaves_the_whole_model_unchanged(assig
 
 def test_a_refused_plain_layout_entry_leaves_a_training_model_unchanged():
     """The same for a ``convert_to_fp8`` model (master weights) loading a plain-layout checkpoint whose last fp8
-    entry lacks its scales: nothing loads."""
+    entry's scales hold a NaN: nothing loads."""
     torch.manual_seed(0)
     model = fp8tensor.convert_to_fp8(nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 32)))
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    scale = torch.rand(32, 1) + 0.5
+    scale[7] = float("nan")
     state = {"0.weight": torch.randn(48, 64), "0.bias": torch.randn(48),
-             "1.weight": torch.randn(32, 48).to(torch.float8_e4m3fn), "1.bias": torch.randn(32)}
-    with pytest.raises(ValueError, match=r"'1\.weight' is a plain torch.float8_e4m3fn tensor without its scales"):
+             "1.weight": torch.randn(32, 48).to(torch.float8_e4m3fn), "1.weight_scale": scale,
+             "1.bias": torch.randn(32)}
+    with pytest.raises(ValueError, match=r"load_state_dict \('1\.weight' \+ '1\.weight_scale'\)"):
         model.load_state_dict(state)
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k].detach()) for k in before)
+
+
+def test_a_pre_hook_registered_after_conversion_may_bring_the_scales():
+    """A model's own ``load_state_dict`` pre-hook, registered after ``quantize_weights``, that renames a checkpoint's
+    scale entries (``weight_scale_inv`` -> ``weight_scale``) loads as before: the model's check before the load leaves
+    an fp8 entry without its scales to each module's own hook, which runs after it."""
+    from fp8tensor.checkpoint import plain_state_dict
+
+    torch.manual_seed(0)
+    src = fp8tensor.quantize_weights(nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 32)))
+    sd = {k.replace("weight_scale", "weight_scale_inv"): v for k, v in plain_state_dict(src.state_dict()).items()}
+    model = fp8tensor.quantize_weights(nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 32)))
+
+    def rename(mod, state, prefix, *args):
+        for k in [k for k in state if k.endswith("_scale_inv")]:
+            state[k.replace("_scale_inv", "_scale")] = state.pop(k)
+
+    model.register_load_state_dict_pre_hook(rename)
+    model.load_state_dict(sd)
+    assert all(same_bits(a.qdata, b.qdata) and torch.equal(a.scale, b.scale)
+               for a, b in ((model[i].weight, src[i].weight) for i in range(2)))
+
+
+def test_a_refused_entry_leaves_activation_checkpointed_blocks_unchanged():
+    """Blocks wrapped by ``checkpoint_wrapper`` after ``quantize_weights`` (torchtitan's activation checkpointing):
+    their state-dict keys at the root lack the wrapper's segment, and the model's check before the load finds them
+    by those keys; a NaN in the last block's entry leaves the first block unchanged."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.layers = nn.ModuleList([nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)) for _ in range(2)])
+    fp8tensor.quantize_weights(model)
+    for i, b in enumerate(model.layers):
+        model.layers[i] = checkpoint_wrapper(b)
+    before = _state_bits(model)
+    state = {k: torch.randn(v.shape) for k, v in model.state_dict().items()}
+    state["layers.1.1.weight"][0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"inf or NaN in 1 row\(s\)"):
+        model.load_state_dict(state)
+    after = _state_bits(model)
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)

@@ -142,11 +142,17 @@ def load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict,
 def check_before_load(root, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                       error_msgs) -> None:
     """``Module.register_load_state_dict_pre_hook`` of a converted model (the module ``convert_to_fp8`` or
-    ``quantize_weights`` was given): the checks of :func:`load_state_dict_pre_hook` for the entries of every fp8
-    module under it, before any module loads, so an entry they refuse leaves the whole model unchanged (a failed load
-    of a plain ``nn.Module`` leaves the modules loaded before the failure loaded). Raises as that hook does."""
+    ``quantize_weights`` was given): before any module loads, the entries of every fp8 module under it that are in
+    their final form are checked as :func:`load_state_dict_pre_hook` checks them (high-precision values for an fp8
+    weight: finite; a plain-layout pair: its scales), so such an entry refused leaves the whole model unchanged (a
+    failed load of a plain ``nn.Module`` keeps the modules loaded before the failure). An fp8 entry without its
+    scales is left to the module's own hook, after the pre-hooks registered later that may rename keys. Keys are the
+    root's: the segments of module wrappers whose state-dict hooks drop them (``checkpoint_wrapper``) are dropped
+    here too. Raises as that hook does."""
     for name, mod in root.named_modules(remove_duplicate=False):
         if getattr(mod, "_fp8_checkpoint_hooks", False) or getattr(mod, "_fp8_hooks", False):
+            for seg in compat.STATE_DICT_HIDDEN_SEGMENTS:
+                name = (name + ".").replace(seg, "")[:-1] if name else name
             _check_entries(mod, state_dict, prefix + (name + "." if name else ""), merge=False)
 
 
@@ -165,6 +171,8 @@ def _check_entries(module, state_dict, prefix, *, merge: bool) -> None:
             continue
         local = local_of(p)
         if scale is None:
+            if not merge:  # (the model's check before the load: a later pre-hook may still bring the scales)
+                continue
             if p is not None and local.dtype not in FLOAT8_DTYPES or isinstance(local, ScaledFp8Tensor):
                 raise ValueError(
                     f"fp8tensor load_state_dict: {key!r} is a plain {q.dtype} tensor without its scales "

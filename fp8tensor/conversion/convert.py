@@ -184,6 +184,7 @@ def _convert_experts(root: nn.Module, chosen, r, skipped: list) -> None:
         if done:
             if not getattr(mod, "_fp8_hooks", False):
                 compat.register_state_dict_hook(mod, plain_state_dict_hook)
+                mod.register_load_state_dict_pre_hook(_checkpoint.load_state_dict_pre_hook)  # plain fp8 checkpoints
                 mod.register_load_state_dict_post_hook(rewrap_after_load)
                 mod._fp8_hooks = True
             mod.fp8_recipe = r

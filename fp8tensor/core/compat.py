@@ -71,6 +71,11 @@ def eager_unless_inlined(fn):
     return fn
 
 
+#: Module-name segments of torch's module wrappers whose state-dict hooks drop them from the keys (activation
+#: checkpointing's ``checkpoint_wrapper``, FSDP1's wrapper): a wrapped module's keys at the root lack them.
+STATE_DICT_HIDDEN_SEGMENTS = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
+
+
 def prepend_forward_pre_hook(module: torch.nn.Module, hook):
     """Register ``hook`` as the first forward pre-hook of ``module`` and return its ``RemovableHandle``. (Not
     ``prepend=True``: its ``move_to_end`` order fails torch 2.11's dynamo guards; the dict is re-filled in order.)"""

@@ -265,7 +265,7 @@ class GraphedStep:
     def _record_memory(self) -> None:
         """Snapshot what the graph reads and writes: gradients, storages, and (model given) buffers and members."""
         self._watched = [(p, p.grad) for p in self.parameters if p.grad is not None]
-        self._requires_grad = [(p, p.requires_grad) for p in self.parameters]
+        self._requires_grad = list({id(p): (p, p.requires_grad) for p in self.parameters}.values())
         tensors = list(self.parameters)
         self._tree, self._names = [], {}
         if self._module is not None:
@@ -277,12 +277,15 @@ class GraphedStep:
     def _check_memory(self) -> None:
         flipped = [p for p, rg in self._requires_grad if p.requires_grad is not rg]
         if flipped:
+            names = [n for n, t in self._names.get("parameters", ()) if any(t is p for p in flipped)]
+            more = f" and {len(names) - 4} more" if len(names) > 4 else ""
+            shown = f" ({', '.join(names[:4])}{more})" if names else ""
             raise RuntimeError(
-                f"graph_step: requires_grad of {len(flipped)} of {len(self._requires_grad)} parameters changed after "
-                "the capture (p.requires_grad_(...)); the captured backward computes the gradients it computed then, "
-                "so a parameter frozen since would keep receiving gradients (and an optimizer keep training it) and "
-                "one unfrozen since would get none. Freeze or unfreeze before the first call, or call close() to warm "
-                "up and capture again")
+                f"graph_step: requires_grad of {len(flipped)} of {len(self._requires_grad)} parameters{shown} changed "
+                "after the capture (p.requires_grad_(...)); the captured backward computes the gradients it computed "
+                "then, so a parameter frozen since would keep receiving gradients (and an optimizer keep training it) "
+                "and one unfrozen since would get none. Freeze or unfreeze before the first call, or call close() to "
+                "warm up and capture again")
         moved = [t for t, ptrs in self._memory if _storage_ptrs(t) != ptrs]
         replaced = {}
         # (identities only, no names walk: a tensor's == is elementwise)

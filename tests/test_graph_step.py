@@ -178,15 +178,11 @@ def _moved_by(how: str, model: nn.Module) -> None:
         model[2] = nn.Linear(128, 32)
 
 
-@pytest.mark.parametrize("how", ["to", "data", "assign", "setattr", "submodule"])
-def test_cpu_fallback_refuses_parameters_moved_after_the_capture(how):
-    """Parameters moved to new memory (``model.to``, ``p.data =``) or replaced in the model
-    (``load_state_dict(assign=True)``, attribute assignment, a swapped submodule) after the capture raise at the next
-    call, naming the cause and the remedy, before anything runs; ``close()`` then starts over on the model's current
-    parameters (compared with a snapshot taken at capture; no heap search)."""
+def _captured_step(model: nn.Module):
+    """``(step, calls)``: ``graph_step`` of ``model``'s forward + backward (one warm-up call, then the call that
+    captures; on CPU both eager under the graph's contract) and the list its every run of the step appends to."""
     import warnings
 
-    model = _model(0, bias_free_tail=True)
     calls = []
     inner = _fwd_bwd_of(model)
 
@@ -199,6 +195,19 @@ def test_cpu_fallback_refuses_parameters_moved_after_the_capture(how):
         warnings.simplefilter("ignore", RuntimeWarning)
         step(torch.randn(4, 64))  # warm-up
     step(torch.randn(4, 64))  # the call that would capture
+    return step, calls
+
+
+@pytest.mark.parametrize("how", ["to", "data", "assign", "setattr", "submodule"])
+def test_cpu_fallback_refuses_parameters_moved_after_the_capture(how):
+    """Parameters moved to new memory (``model.to``, ``p.data =``) or replaced in the model
+    (``load_state_dict(assign=True)``, attribute assignment, a swapped submodule) after the capture raise at the next
+    call, naming the cause and the remedy, before anything runs; ``close()`` then starts over on the model's current
+    parameters (compared with a snapshot taken at capture; no heap search)."""
+    import warnings
+
+    model = _model(0, bias_free_tail=True)
+    step, calls = _captured_step(model)
     step(torch.randn(4, 64))  # a replay: nothing moved
     _moved_by(how, model)
     n = len(calls)
@@ -227,18 +236,7 @@ def test_cpu_fallback_refuses_requires_grad_changed_after_the_capture(freeze):
     model = _model(0, bias_free_tail=True)
     if not freeze:
         model[0].weight.requires_grad_(False)
-    calls = []
-    inner = _fwd_bwd_of(model)
-
-    def fn(x, scale=1.0):
-        calls.append(1)
-        return inner(x, scale)
-
-    step = fp8tensor.graph_step(fn, model, warmup_steps=1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        step(torch.randn(4, 64))  # warm-up
-    step(torch.randn(4, 64))  # the call that would capture
+    step, calls = _captured_step(model)
     model[0].weight.requires_grad_(not freeze)
     n = len(calls)
     with pytest.raises(RuntimeError,

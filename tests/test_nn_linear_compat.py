@@ -379,12 +379,22 @@ def _write_shared_weight(lin, new, done):
     done.put(True)
 
 
+def _write_in_a_forked_process(lin, new) -> None:
+    """``lin.weight.copy_(new)`` in a forked child process, which must exit cleanly."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    done = ctx.Queue()
+    p = ctx.Process(target=_write_shared_weight, args=(lin, new, done))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0 and done.get(timeout=5)
+
+
 def test_share_memory_of_an_fp8_model_shares_data_and_scales():
     """``nn.Module.share_memory()`` of a ``quantize_weights`` model (torch's own implementation crashes on a wrapper
     subclass): its fp8 data and scales move to shared memory, outputs unchanged, and a write in a forked process
     reaches the parent's weight."""
-    import multiprocessing
-
     torch.manual_seed(0)
     lin = fp8tensor.quantize_weights(nn.Linear(32, 16))
     x = torch.randn(3, 32)
@@ -396,12 +406,7 @@ def test_share_memory_of_an_fp8_model_shares_data_and_scales():
     with torch.no_grad():
         assert torch.equal(lin(x), before)
     new = torch.randn(16, 32)
-    ctx = multiprocessing.get_context("fork")
-    done = ctx.Queue()
-    p = ctx.Process(target=_write_shared_weight, args=(lin, new, done))
-    p.start()
-    p.join(60)
-    assert p.exitcode == 0 and done.get(timeout=5)
+    _write_in_a_forked_process(lin, new)
     assert torch.equal(fp8tensor.dequantize(lin.weight), fp8tensor.dequantize(fp8tensor.ScaledFp8Tensor.from_hp(new)))
 
 
@@ -409,20 +414,13 @@ def test_share_memory_of_a_training_model_shares_the_masters():
     """``nn.Module.share_memory()`` of a ``convert_to_fp8`` model (master weights; torch's own implementation crashed
     the process on the wrapper): the masters' data moves to shared memory and stays the module's trainable master, a
     write in a forked process reaches the parent's weight, and the forward and its gradients match float64 after it."""
-    import multiprocessing
-
     torch.manual_seed(0)
     lin = fp8tensor.convert_to_fp8(nn.Linear(32, 16))
     assert lin.share_memory() is lin
     w = lin.weight
     assert type(w) is Fp8MasterWeight and w.is_shared() and w._data.is_shared() and w.requires_grad
     new = torch.randn(16, 32)
-    ctx = multiprocessing.get_context("fork")
-    done = ctx.Queue()
-    p = ctx.Process(target=_write_shared_weight, args=(lin, new, done))
-    p.start()
-    p.join(60)
-    assert p.exitcode == 0 and done.get(timeout=5)
+    _write_in_a_forked_process(lin, new)
     assert torch.equal(lin.weight._data, new)
     x = torch.randn(8, 32, dtype=torch.float64).float().requires_grad_()
     out = lin(x)

@@ -199,7 +199,7 @@ def test_fp8_linear_rejects_bad_operands_in_eager(kind):
 @pytest.mark.parametrize("conversion", ["quantize_weights", "convert_to_fp8"])
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
 def test_converted_linear_names_itself_for_a_non_tensor_or_sparse_input(conversion, grad):
-    """A list or a sparse input gets a ``TypeError`` naming ``fp8_linear``, not an AttributeError or a backend's
+    """A list, a sparse or a nested input gets a ``TypeError`` naming ``fp8_linear``, not an AttributeError or a backend's
     message; the weights are unchanged."""
     import fp8tensor
 
@@ -211,6 +211,10 @@ def test_converted_linear_names_itself_for_a_non_tensor_or_sparse_input(conversi
             lin([[1.0] * 32])
         with pytest.raises(TypeError, match="fp8_linear: input must be a dense"):
             lin(torch.randn(3, 32).to_sparse())
+        # a strided nested tensor reports the strided layout (nn.Linear takes it; fp8_linear asks for a dense one)
+        nested = torch.nested.nested_tensor([torch.randn(2, 32), torch.randn(3, 32)], layout=torch.strided)
+        with pytest.raises(TypeError, match="fp8_linear: input must be a dense .*nested tensor"):
+            lin(nested)
     after = lin.state_dict()
     assert all(torch.equal(fp8tensor.dequantize(after[k]) if isinstance(after[k], ScaledFp8Tensor) else after[k],
                            fp8tensor.dequantize(v) if isinstance(v, ScaledFp8Tensor) else v) for k, v in before.items())
@@ -246,3 +250,40 @@ def test_copy_of_complex_values_into_an_fp8_weight_raises_and_changes_nothing():
     with pytest.raises(TypeError, match="copy_: a complex source"):
         w.copy_(torch.randn(4, 8, dtype=torch.complex64))
     assert torch.equal(w.qdata.view(torch.uint8), before[0]) and torch.equal(w.scale, before[1])
+
+
+def test_fp8_linear_names_itself_for_a_non_tensor_weight():
+    """``fp8_linear`` with a weight that is not a tensor: a ``TypeError`` naming the op, as for the input."""
+    import fp8tensor
+
+    with pytest.raises(TypeError, match="fp8_linear: weight must be a Tensor, got list"):
+        fp8tensor.fp8_linear(torch.randn(2, 4), [[1.0] * 4])
+
+
+def test_refused_quantize_weights_leaves_the_model_unchanged():
+    """A NaN in a selected weight: ``quantize_weights`` raises before any change, ``fp8_skipped`` of an earlier
+    conversion included, and warns of nothing it did not do."""
+    import warnings
+
+    import fp8tensor
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(16, 32)
+            self.a = torch.nn.Linear(32, 32)
+            self.head = torch.nn.Linear(32, 16)
+            self.head.weight = self.emb.weight  # (left in high precision: a warning when the conversion happens)
+
+    m = M()
+    m.fp8_skipped = ["earlier"]
+    with torch.no_grad():
+        m.a.weight[0, 0] = float("nan")
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(ValueError, match=r"quantize_weights: a\.weight: inf or NaN"):
+            fp8tensor.quantize_weights(m)
+    assert not [str(c.message) for c in caught if "quantize_weights" in str(c.message)]
+    assert m.fp8_skipped == ["earlier"] and type(m.a) is torch.nn.Linear
+    assert all(torch.equal(v.nan_to_num(), before[k].nan_to_num()) for k, v in m.state_dict().items())

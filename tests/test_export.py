@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import io
 
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
@@ -184,19 +186,55 @@ class _PlainWeight(nn.Module):
 
 
 @STRICT
-def test_plain_weight_fp8_linear_raises_clearly(strict):
+def test_plain_weight_fp8_linear_exports(strict):
+    """fp8_linear of a plain high-precision weight: the program quantizes it per row on each call, as each eager call
+    does (outputs equal bit for bit), and keeps it a parameter of the program, not a constant."""
     m = _PlainWeight()
-    w = m.w.detach().clone()
     x = torch.randn(4, 64)
-    with pytest.raises(Exception, match=r"fp8tensor\.fp8_linear: torch\.export of an fp8 Linear whose weight is a "
-                                        r"plain high-precision tensor.*quantize_weights"):
-        torch.export.export(m, (x,), strict=strict)
-    assert torch.equal(m.w.detach(), w) and type(m.w) is nn.Parameter
-    # the remedy named by the message works
-    q = fp8tensor.quantize_weights(nn.Linear(64, 32, bias=False))
-    q.weight = nn.Parameter(ScaledFp8Tensor.from_hp(w), requires_grad=False)
-    ep = torch.export.export(q, (x,), strict=strict)
-    assert torch.equal(ep.module()(x), q(x))
+    ep = torch.export.export(m, (x,), strict=strict)
+    assert "w" in ep.state_dict and ep.state_dict["w"].dtype == torch.float32
+    for _ in range(2):
+        x = torch.randn(4, 64)
+        assert torch.equal(ep.module()(x), m(x))
+    with torch.no_grad():  # the program reads the parameter it was given, quantized when it runs
+        prog = ep.module()
+        prog.w.mul_(2)
+        m.w.mul_(2)
+    assert torch.equal(prog(x), m(x))
+
+
+class _TiedLM(nn.Module):
+    """An embedding, a Linear, and an output head tied to the embedding (a plain Parameter after convert_to_fp8)."""
+
+    def __init__(self, tied: bool):
+        super().__init__()
+        self.embed = nn.Embedding(64, 32)
+        self.proj = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 64, bias=False)
+        self.head.weight = self.embed.weight if tied else nn.Parameter(self.embed.weight.detach().clone())
+
+    def forward(self, ids):
+        return self.head(self.proj(self.embed(ids)))
+
+
+@STRICT
+@pytest.mark.parametrize("fp8_all_gather", [None, False], ids=["default", "bf16_all_gather"])
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_converted_plain_weights_export(strict, fp8_all_gather, tied):
+    """convert_to_fp8 leaves a weight a plain Parameter with fp8_all_gather=False, and an output head tied to the
+    embedding always: their exported forward quantizes them in the program, as eager does (equal bit for bit)."""
+    torch.manual_seed(0)
+    m = _TiedLM(tied)
+    kw = {} if fp8_all_gather is None else {"fp8_all_gather": fp8_all_gather}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the tied head left in high precision: the conversion says so)
+        fp8tensor.convert_to_fp8(m, **kw)
+    ids = torch.randint(0, 64, (2, 8))
+    ep = torch.export.export(m, (ids,), strict=strict)
+    for _ in range(2):
+        ids = torch.randint(0, 64, (2, 8))
+        with torch.no_grad():
+            assert torch.equal(ep.module()(ids), m(ids))
 
 
 @STRICT

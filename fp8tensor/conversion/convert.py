@@ -369,9 +369,6 @@ def quantize_weights(
     for fqn, mod, names in experts:
         skipped += [f"{fqn + '.' if fqn else ''}{n} ({tuple(getattr(mod, n).shape)})" for n in names
                     if getattr(mod, n).shape[1] % 16 or getattr(mod, n).shape[2] % 16]
-    module.fp8_skipped = skipped
-    if skipped:
-        warnings.warn(f"{op}: left in high precision: {', '.join(skipped)}", stacklevel=2)
     targets = [(fqn, lin, ("weight",)) for fqn, lin in chosen] + experts
     for fqn, mod, names in targets:
         for n in names:  # inf / NaN rows raise before any change (quantized, they would be all NaN)
@@ -380,6 +377,9 @@ def quantize_weights(
             if not isinstance(local, ScaledFp8Tensor) and local.dtype.is_floating_point:  # (fp8 weights skipped)
                 check_finite_rows(local.detach(), f"{op}: {fqn + '.' if fqn else ''}{n}")
     classes = {fqn: fp8_class(type(lin)) for fqn, lin in chosen}  # before any change: a failure leaves no trace
+    module.fp8_skipped = skipped
+    if skipped:
+        warnings.warn(f"{op}: left in high precision: {', '.join(skipped)}", stacklevel=2)
     q = functools.partial(quantize_expert_weight, float8_dtype=float8_dtype)  # a master's data, or the tensor itself
     shared: dict = {}  # id(old weight) -> (old weight, its fp8 Parameter): Linears sharing a weight share the fp8 one
     for fqn, mod, names in targets:

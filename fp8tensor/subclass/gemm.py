@@ -90,6 +90,14 @@ def choose_backend(device: torch.device, a_dtype: torch.dtype, b_dtype: torch.dt
     return "emulated"
 
 
+@torch.compiler.assume_constant_result
+def _traced_backend(device, a_dtype, b_dtype, out_dtype, backend) -> str:
+    """:func:`choose_backend`, which dynamo runs as it is, its answer a constant of the graph (where dynamo traces
+    :func:`scaled_mm`: the exported forward of a plain weight; the probe of a CPU ``torch._scaled_mm`` cannot be
+    traced)."""
+    return choose_backend(device, a_dtype, b_dtype, out_dtype, backend)
+
+
 def scaled_mm(a8: torch.Tensor, sa: torch.Tensor, b8: torch.Tensor, sb: torch.Tensor, out_dtype: torch.dtype,
               bias: Optional[torch.Tensor] = None, use_fast_accum: bool = False, backend: Optional[str] = None
               ) -> torch.Tensor:
@@ -108,8 +116,8 @@ def scaled_mm(a8: torch.Tensor, sa: torch.Tensor, b8: torch.Tensor, sb: torch.Te
     M, K = a8.shape
     N = b8.shape[1]
     empty = M == 0 or N == 0 or K == 0
-    name = None if empty else choose_backend(a8.device, a8.dtype, b8.dtype, out_dtype,
-                                             _check_backend(backend or get_gemm_backend()))
+    name = None if empty else _traced_backend(a8.device, a8.dtype, b8.dtype, out_dtype,
+                                              _check_backend(backend or get_gemm_backend()))
     if empty or name == "emulated":  # (empty: what the dense matmul gives; torch._scaled_mm rejects empty scales)
         out = (torch.zeros((M, N), dtype=torch.float32, device=a8.device) if empty
                else (a8.to(torch.float32) * sa) @ (b8.to(torch.float32) * sb))

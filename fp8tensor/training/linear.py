@@ -15,7 +15,7 @@ import torch
 import torch.autograd.forward_ad as _forward_ad
 
 from ..core import compat
-from ..subclass.gemm import fp8_mm
+from ..subclass.gemm import fp8_mm, scaled_mm
 from ..subclass.ops import t_view
 from ..numerics.quantize import (E4M3, FLOAT8_DTYPES, quantize, quantize_dim0_t_after, quantize_token_layouts,
                                  quantize_tokens, transpose_after, decode_mm)
@@ -322,8 +322,8 @@ def fp8_linear(
 
     Raises:
         ValueError: unknown recipe.
-        TypeError: ``input`` is not a dense (strided) tensor, or ``input`` or ``weight`` is a plain float8 tensor (no
-            scales to read it by).
+        TypeError: ``input`` is not a dense (strided, not nested) tensor, ``weight`` is not a tensor, or ``input``
+            or ``weight`` is a plain float8 tensor (no scales to read it by).
         NotImplementedError: called under a ``torch.func`` transform (``grad``, ``vmap``, ...) or with a
             forward-mode AD tangent, which this ``autograd.Function`` does not support; also, raised by the backward,
             double backward (``create_graph=True``).
@@ -341,9 +341,12 @@ def fp8_linear(
             return _inference_forward(input, weight, bias, r)
     if not isinstance(input, torch.Tensor):
         raise TypeError(f"fp8_linear: input must be a Tensor, got {type(input).__name__}")
-    if input.layout is not torch.strided:
-        raise TypeError(f"fp8_linear: input must be a dense (strided) tensor, got layout {input.layout}; "
-                        "densify it first (input.to_dense())")
+    if input.layout is not torch.strided or input.is_nested:
+        raise TypeError(f"fp8_linear: input must be a dense (strided) tensor, got "
+                        f"{'a nested tensor' if input.is_nested else f'layout {input.layout}'}; densify it first "
+                        "(input.to_dense(), or torch.nested.to_padded_tensor)")
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"fp8_linear: weight must be a Tensor, got {type(weight).__name__}")
     wd = weight._data if isinstance(weight, QuantizeOnUse) else weight  # (its metadata without torch_function)
     if wd.dim() != 2:
         raise RuntimeError(f"fp8_linear: weight must be 2-D (out_features, in_features), got shape {tuple(weight.shape)}")
@@ -402,8 +405,8 @@ def _eager_no_grad(x: torch.Tensor, weight: ScaledFp8Tensor, bias: Optional[torc
     ``qdata`` (its logical shape) and ``orig_dtype`` (its ``dtype``), plain attributes: the subclass's own cost a
     ``__torch_function__`` lookup each. Nothing is kept between calls."""
     w8 = weight.qdata
-    return (x.dim() >= 1 and w8.dim() == 2 and weight.orig_dtype == x.dtype and x.shape[-1] == w8.shape[1]
-            and x.layout is torch.strided
+    return (not x.is_nested and x.layout is torch.strided and x.dim() >= 1 and w8.dim() == 2
+            and weight.orig_dtype == x.dtype and x.shape[-1] == w8.shape[1]
             and (bias is None or (bias.dim() == 1 and bias.shape[0] == w8.shape[0]))
             and not (compat.is_exporting() or compat.functorch_active() or compat.forward_ad_active()
                      or autocast_enabled("cuda" if x.is_cuda else x.device.type)))
@@ -467,14 +470,17 @@ def _exported_forward(input: torch.Tensor, weight: torch.Tensor, bias: Optional[
         # exported program has no backward (and the master's mm warns about one recorded outside fp8_linear).
         with torch.no_grad():
             out = torch.mm(x2, weight.t())
+    elif not recipe.output.fp8:
+        out = _hp_mm(x2, weight.t())
     else:
-        raise NotImplementedError(
-            "fp8tensor.fp8_linear: torch.export of an fp8 Linear whose weight is a plain high-precision tensor "
-            f"(shape {tuple(weight.shape)}, {weight.dtype}) is not supported: the weight would be quantized inside "
-            "the exported graph. Store it in fp8 first (fp8tensor.quantize_weights(model), or "
-            "nn.Parameter(ScaledFp8Tensor.from_hp(w), requires_grad=False)), or keep an Fp8MasterWeight "
-            "(fp8tensor.convert_to_fp8)"
-        )
+        # a plain high-precision weight (convert_to_fp8 without fp8_all_gather, a tied output head): the eager
+        # forward's quantizations and GEMM on plain tensors, the weight quantized per row inside the program as each
+        # eager call quantizes it
+        g = recipe.output
+        wq, ws = quantize(weight, -1, g.b.float8_dtype, gemm_layout=True)
+        xq, xs = quantize(x2, 1, E4M3, gemm_layout=True)
+        out = scaled_mm(xq, xs, wq.t(), ws.t(), torch.promote_types(x2.dtype, weight.dtype),
+                        use_fast_accum=g.fast_accum)
     if bias is not None:
         out = _add_bias(out, bias, input)
     return out if input.dim() == 2 else out.reshape(*input.shape[:-1], N)

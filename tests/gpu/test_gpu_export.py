@@ -119,3 +119,22 @@ def test_aoti_example_llama(tmp_path, aoti_ok):
             assert torch.isfinite(y).all()
             # two layers of fp8 GEMMs in series: the logits agree within fp8 rounding of the chain
             assert rel(y, ref) < 2 * SAME_FP8, (T, rel(y, ref))
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["nonstrict", "strict"])
+def test_converted_plain_weight_export_on_cuda(strict):
+    """A ``convert_to_fp8`` model whose Linears keep plain weights (``fp8_all_gather=False``) exports on CUDA: the
+    program quantizes each weight per row when it runs. Eager (the Triton row kernel) and the program (plain ops) may
+    differ in a scale's last bit: the program agrees with eager to ``SAME_FP8``, and both with the float64 reference
+    of the high-precision model to the e4m3 bound."""
+    torch.manual_seed(0)
+    hp = Block().to(DEV, torch.bfloat16)
+    m = fp8tensor.convert_to_fp8(copy.deepcopy(hp), fp8_all_gather=False)
+    assert type(m.up.weight) is nn.Parameter
+    x = torch.randn(8, 256, device=DEV, dtype=torch.bfloat16)
+    ep = torch.export.export(m, (x,), strict=strict)
+    with torch.no_grad():
+        got, want = ep.module()(x), m(x)
+        ref = hp.double()(x.double())
+    assert rel(got, want) < SAME_FP8
+    assert rel(got, ref) < 2 * E4M3_GEMM_BOUND and rel(want, ref) < 2 * E4M3_GEMM_BOUND

@@ -135,8 +135,19 @@ def all_gather_inputs(qdata: torch.Tensor, scale: torch.Tensor, mesh, outer_size
         qdata: ``(r, *rest)`` fp8 local rows (``r`` may be 0). scale: ``(r, *srest)`` float32 scales of those rows.
         mesh: FSDP2's 1-D shard mesh. outer_size: the unsharded size. fast_accum: carried to the unsharded tensor.
         packed: on a 1-rank mesh, the packed payload ``qdata`` and ``scale`` already view; built here when None.
+
+    Raises:
+        NotImplementedError: the local shard is not whole rows of the unsharded tensor (a shard on a dim other than
+            0, from ``fully_shard``'s ``shard_placement_fn``), on every rank alike.
     """
     world_size, rows = mesh.size(), int(outer_size[0])
+    if tuple(qdata.shape[1:]) != tuple(int(d) for d in outer_size[1:]):
+        raise NotImplementedError(
+            f"fp8tensor (FSDP2 fp8 all-gather): this parameter is sharded on a dim other than 0 (local shard "
+            f"{tuple(qdata.shape)} of {tuple(int(d) for d in outer_size)}, e.g. by fully_shard's shard_placement_fn): "
+            "the fp8 all-gather quantizes and gathers whole rows with their row scales, which needs FSDP2's default "
+            "Shard(0). Shard fp8 weights on dim 0 (no shard_placement_fn for them, or one returning Shard(0)), or "
+            "gather master weights in high precision: convert_to_fp8(model, fp8_all_gather=False)")
     if world_size == 1:
         buf = packed if packed is not None else pack(qdata, scale)
         return (buf,), _Meta(LOCAL, qdata.dtype, rows, fast_accum, None, (tuple(qdata.shape), tuple(scale.shape)))

@@ -18,6 +18,8 @@ What is checked, against the single-process result (bit-for-bit: the math is the
   bit-equal to the same model on one process, over two iterations (the second refills the gathered weight in
   place); input gradients bit-equal too; weight gradients within float32 rounding of the single-process ones (FSDP2 averages identical per-rank
   gradients).
+* FSDP2 with a ``shard_placement_fn`` sharding weights on dim 1: the fp8 all-gather raises a clear
+  ``NotImplementedError`` on every rank; master weights with ``fp8_all_gather=False`` run, bit-equal to one process.
 """
 from __future__ import annotations
 
@@ -199,6 +201,35 @@ def check_fsdp(mesh, rank: int, world: int, seed: int) -> list:
                 return True
 
             _check(fails, tag, run)
+
+    for kind in ("quantize_weights", "rowwise", "rowwise.bf16_all_gather"):
+        # fully_shard's shard_placement_fn sharding the weight's dim 1: the fp8 all-gather (whole rows and their
+        # scales) raises NotImplementedError naming the remedies on every rank alike; the bf16 all-gather of
+        # masters (fp8_all_gather=False) runs, its outputs bit-equal to one process
+        def run_dim1(kind=kind):
+            from torch.distributed.tensor import Shard
+
+            base = nn.Linear(48, 16)  # (48: even dim-1 shards on 2, 3, 4 ranks, which FSDP2 needs)
+            with torch.no_grad():
+                base.weight.copy_(_weight(seed, (16, 48), salt=101))
+            if kind == "quantize_weights":  # (dims multiples of 16: converted)
+                ref, m = quantize_weights(copy.deepcopy(base)), quantize_weights(copy.deepcopy(base))
+            else:
+                kw = {"fp8_all_gather": not kind.endswith("bf16_all_gather")}
+                ref, m = convert_to_fp8(copy.deepcopy(base), **kw), convert_to_fp8(copy.deepcopy(base), **kw)
+            fully_shard(m, mesh=mesh, shard_placement_fn=lambda p: Shard(1) if p.dim() == 2 else Shard(0))
+            x = torch.randn(4, 48, generator=torch.Generator().manual_seed(seed + 7))
+            if kind.endswith("bf16_all_gather"):
+                y, yr = m(x), ref(x)
+                return True if torch.equal(y, yr) else f"output differs from one process by {(y - yr).abs().max()}"
+            try:
+                m(x)
+            except NotImplementedError as e:
+                msg = str(e)
+                return True if ("sharded on a dim other than 0" in msg and "fp8_all_gather=False" in msg) else msg
+            return "no error for a Shard(1) fp8 all-gather"
+
+        _check(fails, f"FSDP2 Shard(1) placement {kind}", run_dim1)
     return fails
 
 

@@ -193,6 +193,13 @@ def test_plain_weight_fp8_linear_exports(strict):
     x = torch.randn(4, 64)
     ep = torch.export.export(m, (x,), strict=strict)
     assert "w" in ep.state_dict and ep.state_dict["w"].dtype == torch.float32
+    # the eager call's fast-accumulation flag (CPU's _scaled_mm ignores it, so outputs cannot show it); no
+    # _scaled_mm where this torch's CPU GEMM is emulated (torch 2.11)
+    fast = fp8tensor.RECIPES["rowwise"].output.fast_accum
+    for node in ep.run_decompositions().graph_module.graph.nodes:
+        if node.target is torch.ops.aten._scaled_mm.default:
+            flag = node.kwargs.get("use_fast_accum", node.args[7] if len(node.args) > 7 else False)
+            assert flag is fast, node.format_node()
     for _ in range(2):
         x = torch.randn(4, 64)
         assert torch.equal(ep.module()(x), m(x))

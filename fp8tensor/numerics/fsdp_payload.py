@@ -137,8 +137,8 @@ def all_gather_inputs(qdata: torch.Tensor, scale: torch.Tensor, mesh, outer_size
         packed: on a 1-rank mesh, the packed payload ``qdata`` and ``scale`` already view; built here when None.
 
     Raises:
-        NotImplementedError: the local shard is not whole rows of the unsharded tensor (a shard on a dim other than
-            0, from ``fully_shard``'s ``shard_placement_fn``), on every rank alike.
+        NotImplementedError: on a mesh of more than one rank, the local shard is not a dim-0 shard of the unsharded
+            tensor (a shard on any other dim, from ``fully_shard``'s ``shard_placement_fn``), on every rank alike.
     """
     world_size, rows = mesh.size(), int(outer_size[0])
     if tuple(qdata.shape[1:]) != tuple(int(d) for d in outer_size[1:]):

@@ -456,7 +456,8 @@ def _exported_forward(input: torch.Tensor, weight: torch.Tensor, bias: Optional[
                       recipe: Recipe) -> torch.Tensor:
     """The fp8 Linear's forward as ``torch.export`` traces it, outside the ``autograd.Function`` (export cannot
     trace a subclass inside one; an exported program has no backward): the quantizations and ``torch._scaled_mm``
-    call of the eager forward through the op table, so the program's outputs equal eager ones to the bit. Returns
+    call of the eager forward, through the op table for fp8 and master weights and as plain ops for a plain
+    high-precision weight, so the program's outputs equal eager ones to the bit. Returns
     ``(*, N)``, as :func:`fp8_linear` (which casts the operands under ``torch.autocast``)."""
     if _is_dtensor(weight) or _is_dtensor(input):
         raise NotImplementedError(tp_export_message("fp8tensor.fp8_linear"))

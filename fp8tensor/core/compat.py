@@ -12,7 +12,7 @@ __all__ = ["TORCH_VERSION", "register_foreach_type", "local_tensor", "set_local_
            "dispatch_modes_active", "function_modes_active", "functorch_active", "fsdp_states", "fsdp_param_groups",
            "fsdp_module_state", "fsdp_params_of", "fsdp_sharded_local", "fsdp_param_name", "fsdp_is_sharded",
            "fsdp_state_name", "fsdp_unsharded_param", "fsdp_flat_shard", "fsdp_set_flat_shard",
-           "fsdp_reset_extension", "process_group_size", "wait_work", "tree_flatten", "tree_unflatten", "tree_leaves",
+           "fsdp_reset_extension", "process_group_size", "process_group_rank", "wait_work", "tree_flatten", "tree_unflatten", "tree_leaves",
            "tree_map_only", "is_fake", "local_tensor_cls", "run_per_simulated_rank", "COMPOSITE_IMPLICIT",
            "DISABLED_TORCH_FUNCTION", "DATA_SETTER", "DATA_GETTER", "disable_torch_function_subclass", "parse_to",
            "is_exporting", "is_compiling", "prepend_forward_pre_hook", "disable_current_modes", "is_functorch_wrapped",
@@ -266,6 +266,14 @@ def process_group_size(group_name: str) -> int:
     """The size of the process group registered under ``group_name`` (the functional collectives' handle)."""
     from torch.distributed.distributed_c10d import _get_group_size_by_name
     return _get_group_size_by_name(group_name)
+
+
+def process_group_rank(process_group) -> int:
+    """This process's rank in ``process_group``, the ``ProcessGroup`` argument of a ``c10d.*_`` op (the dispatcher
+    boxes it as a ScriptObject)."""
+    from torch._C._distributed_c10d import ProcessGroup
+    pg = process_group if isinstance(process_group, ProcessGroup) else ProcessGroup.unbox(process_group)
+    return pg.rank()
 
 
 def wait_work(work) -> None:

@@ -1,6 +1,7 @@
 """Collectives of :class:`~fp8tensor.tensor.ScaledFp8Tensor` (DTensor's sharding, redistribution and
-``distribute_tensor``): fp8 data (as ``uint8``) and float32 scales move as two collectives of the same kind (docs/tp.md,
-"What is communicated"); reductions raise ``NotImplementedError``. Also the ops whose results stay master weights."""
+``distribute_tensor``): fp8 data (as ``uint8``) and float32 scales move as two collectives of the same kind, except
+``broadcast_``, which sends the values in the logical dtype (docs/tp.md, "What is communicated"); reductions raise
+``NotImplementedError``. Also the ops whose results stay master weights."""
 from __future__ import annotations
 
 import importlib
@@ -11,7 +12,7 @@ import torch
 from ..core import compat
 from ..training.master import keep_master_through
 from ..subclass.ops import _scale_fits
-from ..subclass.tensor import ScaledFp8Tensor, implements, make_scaled
+from ..subclass.tensor import ScaledFp8Tensor, implements, make_scaled, quantize_like
 
 __all__: list[str] = []
 
@@ -181,9 +182,19 @@ def _scatter_data_and_scales(func, args, kwargs):
 
 
 @implements(_dist_op("c10d.broadcast_.default"))
-def _broadcast_data_and_scale(func, args, kwargs):
-    """``distribute_tensor`` with Replicate: broadcast bytes and scale in place. Raises ``NotImplementedError``: more
-    than one tensor in the list, or ScaledFp8Tensors mixed with other tensors."""
+def _broadcast_values(func, args, kwargs):
+    """``broadcast_`` of a ScaledFp8Tensor (``distribute_tensor`` with Replicate; ``set_model_state_dict`` with
+    ``broadcast_from_rank0``): one collective of the values in the logical dtype, then each rank holding a
+    ScaledFp8Tensor quantizes them in its own layout.
+
+    The values travel, not the fp8 bytes and the scales, because a receiving rank may hold a plain tensor of the
+    logical dtype (torch's state-dict broadcast allocates one): both sides post the same collective whatever the
+    other holds. A tensor quantized from values of its logical dtype (``from_hp``, ``quantize_weights``) round-trips
+    bit for bit: its row maximum dequantizes to the row's amax, which gives back the same scale and codes. Other
+    scales come back re-quantized from the values (within the logical dtype's rounding); the source rank then holds
+    that result too (new data and scale; its input's storage is not written), so every rank holds the same bits.
+
+    Raises ``NotImplementedError``: more than one tensor in the list, or ScaledFp8Tensors mixed with other tensors."""
     b = _bind(func, args, kwargs)
     tensors = list(b["tensors"])
     op = "c10d.broadcast_"
@@ -192,9 +203,23 @@ def _broadcast_data_and_scale(func, args, kwargs):
     if len(tensors) != 1:
         raise NotImplementedError(f"ScaledFp8Tensor: {op} supports one tensor per call, got {len(tensors)}")
     t = tensors[0]
+    root = compat.process_group_rank(b["process_group"]) == b["root_rank"]
+    if root:
+        values = t.to_hp(t.orig_dtype).contiguous()
+    else:
+        values = torch.empty(t.shape, dtype=t.orig_dtype, device=t.device)
     rest = (b["process_group"], b["root_rank"], b["root_tensor"], b["async_op"], b["timeout"])
-    _bytes_in_place(t, lambda q: func([q], *rest)[1])
-    _, work = func([_contiguous_scale(t)], *rest)
+    _, work = func([values], *rest)
+    compat.wait_work(work)
+    q, s = quantize_like(values, t.scaled_dims, t.qdata.dtype)
+    if root:
+        same = torch.equal(q.view(torch.uint8), t.qdata.view(torch.uint8)) and torch.equal(s.expand(t.scale.shape),
+                                                                                           t.scale)
+        if not same:
+            t.qdata, t.scale = q, s
+    else:
+        t.qdata.copy_(q)
+        _contiguous_scale(t).copy_(s.expand(t.scale.shape))
     return [t], work
 
 

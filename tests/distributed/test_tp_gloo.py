@@ -150,7 +150,11 @@ def check_distribute(mesh, rank, world, seed) -> list:
             with log:
                 d = distribute_tensor(t, mesh, [p])
             _check_local(d, expected, type(t), rank, world, f"distribute_tensor {kind} {name}", fails)
-            if kind == "fp8":
+            if kind == "fp8" and name == "R":  # one broadcast of the values in the logical dtype (docs/tp.md)
+                want = [("c10d.broadcast_.default", [(torch.float32, tuple(t.shape))])]
+                if log.calls != want:
+                    fails.append(f"distribute_tensor fp8 R: expected {want} on the wire, got {log.calls}")
+            elif kind == "fp8":
                 _only_fp8_payload(log.calls, f"distribute_tensor fp8 {name}", fails)
             f = d.full_tensor()
             if not (isinstance(f, type(t)) and torch.equal(dequant(f), expected)):
@@ -455,7 +459,8 @@ def _no_fails(run, key):
 
 def test_distribute_tensor_scatter_and_broadcast(run):
     """``distribute_tensor`` Shard (scatter) / Replicate (broadcast) of fp8 and master weights: rank 0's values,
-    bit-exact, subclass kept; fp8 bytes + scales on the wire."""
+    bit-exact, subclass kept; fp8 bytes + scales on the wire for scatter, the values in the logical dtype for
+    broadcast."""
     _no_fails(run, "distribute")
 
 

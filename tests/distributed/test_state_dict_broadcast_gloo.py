@@ -1,0 +1,147 @@
+"""Loading an fp8 state dict held by rank 0 only (``set_model_state_dict`` with ``broadcast_from_rank0=True``) and
+``distribute_tensor(..., [Replicate()])`` of a ScaledFp8Tensor, over real gloo processes (2 and 3 ranks).
+
+torch's state-dict broadcast allocates a plain tensor of the logical dtype on the receiving ranks while rank 0 holds
+a ScaledFp8Tensor, so the broadcast carries the values in the logical dtype and each fp8 rank quantizes them in its
+own layout. What is checked:
+
+* ``quantize_weights`` models (bfloat16 and float32), plain and under FSDP2: after the load every rank's weights have
+  the bits of rank 0's state dict (a tensor quantized from values of its logical dtype round-trips exactly), the
+  biases equal, and the forward outputs equal the source model's on every rank.
+* A ScaledFp8Tensor whose scales are not ``amax / fp8_max`` of its values (scaled by a factor): replicated, every rank
+  holds the same bits, dequantizing within the logical dtype's rounding of the source (relative 2^-8), and rank 0's
+  input keeps its storage and bits.
+"""
+from __future__ import annotations
+
+import traceback
+
+import pytest
+import torch
+import torch.nn as nn
+
+pytestmark = pytest.mark.slow
+
+
+def spawn(world: int, out_dir) -> list[dict]:
+    from _spawn import spawn as run
+
+    return run(__name__, "worker", world, out_dir)
+
+
+def _bits(t) -> tuple:
+    """``(fp8 bytes, scale)`` of a ScaledFp8Tensor (a DTensor's full tensor), or ``(t, None)``."""
+    from fp8tensor import ScaledFp8Tensor
+
+    t = t.full_tensor() if hasattr(t, "full_tensor") else t
+    t = t.detach()
+    if isinstance(t, ScaledFp8Tensor):
+        return t.qdata.view(torch.uint8).clone(), t.scale.expand(
+            [n if s > 1 else 1 for n, s in zip(t.shape, t.scale.shape)]).clone()
+    return t.clone(), None
+
+
+def _model(seed: int, dtype: torch.dtype) -> nn.Module:
+    g = torch.Generator().manual_seed(seed)
+    m = nn.Sequential(nn.Linear(40, 24), nn.ReLU(), nn.Linear(24, 16))
+    with torch.no_grad():
+        for i, p in enumerate(m.parameters()):  # rows of very different magnitudes: every row scale differs
+            rows = torch.logspace(-2, 2, p.shape[0]).view(-1, *([1] * (p.ndim - 1)))
+            p.copy_(torch.randn(p.shape, generator=g) * rows)
+    return m.to(dtype)
+
+
+def check_load(rank: int, world: int, seed: int) -> list:
+    from fp8tensor import quantize_weights
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    fails = []
+    for dtype in (torch.bfloat16, torch.float32):
+        for fsdp in (False, True):
+            tag = f"{dtype} {'FSDP2' if fsdp else 'plain'}"
+            try:
+                src = quantize_weights(_model(seed, dtype))
+                dst = quantize_weights(_model(seed + 1 + rank, dtype))  # other weights on every rank
+                if fsdp:
+                    fully_shard(dst)
+                sd = src.state_dict() if rank == 0 else {}
+                set_model_state_dict(dst, sd, options=StateDictOptions(full_state_dict=True,
+                                                                       broadcast_from_rank0=True))
+                for (name, p), (_, q) in zip(dst.named_parameters(), src.named_parameters()):
+                    (a, sa), (b, sb) = _bits(p), _bits(q)
+                    if not torch.equal(a, b) or (sa is None) != (sb is None) or (sa is not None and
+                                                                                 not torch.equal(sa, sb)):
+                        fails.append(f"{tag}: {name} does not have the bits of rank 0's state dict")
+                x = torch.randn(5, 40, generator=torch.Generator().manual_seed(seed)).to(dtype)
+                with torch.no_grad():
+                    y, want = dst(x), src(x)
+                y = y.full_tensor() if hasattr(y, "full_tensor") else y
+                if not torch.equal(y, want):
+                    fails.append(f"{tag}: outputs differ from the source model's")
+            except Exception as e:  # noqa: BLE001 - recorded for the parent
+                fails.append(f"{tag}: {type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}")
+    return fails
+
+
+def check_replicate(rank: int, world: int, seed: int) -> dict:
+    from fp8tensor import ScaledFp8Tensor
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        g = torch.Generator().manual_seed(seed + rank)  # every rank passes different values; rank 0's win
+        w = (torch.randn(6, 9, generator=g) * torch.logspace(-3, 3, 6).view(-1, 1)).to(dtype)
+        t = ScaledFp8Tensor.from_hp(w)
+        t = ScaledFp8Tensor(t.qdata, t.scale * 1.0371, orig_dtype=dtype)  # scales that do not round-trip
+        before = (t.qdata.data_ptr(), t.scale.data_ptr(), t.qdata.view(torch.uint8).clone(), t.scale.clone())
+        d = distribute_tensor(t, mesh, [Replicate()])
+        loc = d.to_local()
+        out[str(dtype)] = {
+            "type": type(loc).__name__,
+            "bits": _bits(loc),
+            "values": loc.to_hp(torch.float64),
+            "source_values": t.to_hp(torch.float64),
+            "input_kept": rank != 0 or ((t.qdata.data_ptr(), t.scale.data_ptr()) == before[:2]
+                                        and torch.equal(t.qdata.view(torch.uint8), before[2])
+                                        and torch.equal(t.scale, before[3])),
+        }
+    return out
+
+
+def worker(rank: int, world: int, seed: int) -> dict:
+    return {"seed": seed, "load": check_load(rank, world, seed), "replicate": check_replicate(rank, world, seed)}
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])
+def run(request, tmp_path_factory):
+    return spawn(request.param, tmp_path_factory.mktemp(f"bcast{request.param}"))
+
+
+def test_broadcast_from_rank0_loads_fp8_state_dict(run):
+    """``set_model_state_dict(..., broadcast_from_rank0=True)`` of a ``quantize_weights`` state dict on rank 0:
+    every rank gets its bits (plain and FSDP2 models, bfloat16 and float32)."""
+    fails = {rank: r["load"] for rank, r in enumerate(run) if r["load"]}
+    assert not fails, f"(seed {run[0]['seed']}) " + "\n".join(f"rank {k}: {v}" for k, v in fails.items())
+
+
+def test_replicate_scales_that_do_not_round_trip(run):
+    """``distribute_tensor(Replicate)`` of a ScaledFp8Tensor whose scales are not its rows' amax / fp8_max: every
+    rank holds the same bits, within the logical dtype's rounding of rank 0's values; rank 0's input is untouched
+    (the receiving ranks' inputs are overwritten, as a plain tensor's are)."""
+    seed = run[0]["seed"]
+    for key, r0 in run[0]["replicate"].items():
+        ref = r0["source_values"]  # rank 0's values: the broadcast's source
+        bound = 2.0 ** -8 if key == str(torch.bfloat16) else 2.0 ** -20
+        for rank, r in enumerate(run):
+            got = r["replicate"][key]
+            assert got["type"] == "ScaledFp8Tensor", f"(seed {seed}) rank {rank} {key}: local is {got['type']}"
+            assert got["input_kept"], f"(seed {seed}) rank 0 {key}: the source tensor changed"
+            for a, b in zip(got["bits"], r0["bits"]):
+                assert torch.equal(a, b), f"(seed {seed}) rank {rank} {key}: bits differ from rank 0's"
+            err = ((got["values"] - ref).norm() / ref.norm()).item()
+            assert err <= bound, f"(seed {seed}) rank {rank} {key}: relative error {err:.3g} > {bound:.3g}"
+            rows = ((got["values"] - ref).abs().amax(1) / ref.abs().amax(1)).max().item()
+            assert rows <= bound, f"(seed {seed}) rank {rank} {key}: row error {rows:.3g} > {bound:.3g}"

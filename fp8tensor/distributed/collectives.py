@@ -184,15 +184,16 @@ def _scatter_data_and_scales(func, args, kwargs):
 @implements(_dist_op("c10d.broadcast_.default"))
 def _broadcast_values(func, args, kwargs):
     """``broadcast_`` of a ScaledFp8Tensor (``distribute_tensor`` with Replicate; ``set_model_state_dict`` with
-    ``broadcast_from_rank0``): one collective of the values in the logical dtype, then each rank holding a
-    ScaledFp8Tensor quantizes them in its own layout.
+    ``broadcast_from_rank0``): one collective of the values in the logical dtype, copied into each receiving rank's
+    ScaledFp8Tensor (``copy_``: quantized in its own layout).
 
     The values travel, not the fp8 bytes and the scales, because a receiving rank may hold a plain tensor of the
     logical dtype (torch's state-dict broadcast allocates one): both sides post the same collective whatever the
-    other holds. A tensor quantized from values of its logical dtype (``from_hp``, ``quantize_weights``) round-trips
-    bit for bit: its row maximum dequantizes to the row's amax, which gives back the same scale and codes. Other
-    scales come back re-quantized from the values (within the logical dtype's rounding); the source rank then holds
-    that result too (new data and scale; its input's storage is not written), so every rank holds the same bits.
+    other holds. A tensor quantized from values of its logical dtype (``from_hp``, ``quantize_weights``: each row's
+    largest code is the format's maximum) almost always round-trips: re-quantizing its dequantized values gives back
+    its codes and scales. Where the source's do not round-trip (rows whose codes stay below the maximum, codes whose
+    values fall among float16's subnormals), the source rank copies the values into its own tensor too, so every rank
+    holds the same bits: re-quantized, within fp8 rounding of the source (docs/tp.md, "What is communicated").
 
     Raises ``NotImplementedError``: more than one tensor in the list, or ScaledFp8Tensors mixed with other tensors."""
     b = _bind(func, args, kwargs)
@@ -203,23 +204,17 @@ def _broadcast_values(func, args, kwargs):
     if len(tensors) != 1:
         raise NotImplementedError(f"ScaledFp8Tensor: {op} supports one tensor per call, got {len(tensors)}")
     t = tensors[0]
-    root = compat.process_group_rank(b["process_group"]) == b["root_rank"]
-    if root:
-        values = t.to_hp(t.orig_dtype).contiguous()
-    else:
-        values = torch.empty(t.shape, dtype=t.orig_dtype, device=t.device)
+    # (every rank's own values: the collective overwrites them on the receivers; a group that sends nothing keeps them)
+    values = t.to_hp(t.orig_dtype).contiguous()
     rest = (b["process_group"], b["root_rank"], b["root_tensor"], b["async_op"], b["timeout"])
     _, work = func([values], *rest)
     compat.wait_work(work)
-    q, s = quantize_like(values, t.scaled_dims, t.qdata.dtype)
-    if root:
-        same = torch.equal(q.view(torch.uint8), t.qdata.view(torch.uint8)) and torch.equal(s.expand(t.scale.shape),
-                                                                                           t.scale)
-        if not same:
-            t.qdata, t.scale = q, s
-    else:
-        t.qdata.copy_(q)
-        _contiguous_scale(t).copy_(s.expand(t.scale.shape))
+    if compat.process_group_rank(b["process_group"]) == b["root_rank"]:
+        q, s = quantize_like(values, t.scaled_dims, t.qdata.dtype)
+        if torch.equal(q.view(torch.uint8), t.qdata.view(torch.uint8)) and torch.equal(s.expand(t.scale.shape),
+                                                                                     t.scale):
+            return [t], work
+    t.copy_(values)
     return [t], work
 
 

@@ -17,7 +17,8 @@ What is checked, and the reference:
   on fp8 tensors (gloo implements all-to-all): dequantize bit-exactly to the *same collective run on the
   dequantized tensor*, for row-scaled and column-scaled tensors.
 * What goes over the wire (a dispatch mode logging the plain tensors handed to collectives): fp8 bytes as
-  ``uint8`` plus float32 scales, never the high-precision values.
+  ``uint8`` plus float32 scales, never the high-precision values; except ``broadcast_`` (Replicate), which sends one
+  collective of the values in the logical dtype (docs/tp.md, "What is communicated").
 * The block under ``parallelize_module`` (both orders of ``convert_to_fp8``, both recipes, with / without sequence
   parallelism, and ``quantize_weights``): the ``split`` single-device reference (same fp8 numerics; float32
   summation order only), the single-device fp8 model and float64 (fp8 bounds, derived in ``test_tp_local.py``).

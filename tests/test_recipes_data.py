@@ -92,3 +92,36 @@ def test_construction_errors_name_the_field():
         weight_format(all_hp, torch.float32)
     with pytest.raises(TypeError, match="a recipe is a name"):
         fp8tensor.convert_to_fp8(nn.Linear(16, 16), recipe=["rowwise"])
+
+
+def test_grouped_backward_accumulation_follows_grouped_fast_accum(monkeypatch):
+    """``fp8_grouped_mm``'s backward GEMMs accumulate fast by default (``Recipe.grouped_fast_accum``); with it off
+    they follow ``grad_input`` / ``grad_weight`` as the Linear's do. The forward follows ``output``. A Recipe
+    unpickled from before the field reads its default; a non-bool raises."""
+    import fp8tensor.training.grouped as grouped
+
+    calls = []
+    for name in ("grouped_2d3d", "grouped_2d2d"):
+        orig = getattr(grouped, name)
+        monkeypatch.setattr(grouped, name, lambda *a, _o=orig, _n=name, **k: (calls.append((_n, k["fast_accum"])),
+                                                                              _o(*a, **k))[1])
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(40, 32, generator=g, requires_grad=True)
+    b = torch.randn(3, 32, 16, generator=g, requires_grad=True)
+    offs = torch.tensor([16, 16, 40], dtype=torch.int32)  # (an empty group too)
+    cases = {
+        "default": (fp8tensor.RECIPES["rowwise"], [True, True]),
+        "off": (Recipe("off", grouped_fast_accum=False), [False, False]),
+        "off, fast grad_weight": (Recipe("gw", grouped_fast_accum=False, grad_weight=Gemm(fast_accum=True)),
+                                  [False, True]),
+    }
+    for what, (recipe, (want_gi, want_gw)) in cases.items():
+        calls.clear()
+        fp8tensor.fp8_grouped_mm(a, b, offs, recipe=recipe).sum().backward()
+        assert calls == [("grouped_2d3d", recipe.output.fast_accum), ("grouped_2d3d", want_gi),
+                         ("grouped_2d2d", want_gw)], (what, calls)
+    old = object.__new__(Recipe)  # a Recipe pickled before the field: its __dict__ lacks it
+    old.__dict__.update({k: v for k, v in fp8tensor.RECIPES["rowwise"].__dict__.items() if k != "grouped_fast_accum"})
+    assert old.grouped_fast_accum is True
+    with pytest.raises(ValueError, match="grouped_fast_accum must be True or False"):
+        Recipe("x", grouped_fast_accum=1)

@@ -273,7 +273,8 @@ class _Fp8GroupedMM(torch.autograd.Function):
         gy = gy.contiguous()
         M, N = gy.shape
         E = offs.numel()
-        fast = recipe.fast_accum_backward
+        fast_gi = recipe.grouped_fast_accum or recipe.grad_input.fast_accum
+        fast_gw = recipe.grouped_fast_accum or recipe.grad_weight.fast_accum
         grad_a = grad_b = None
         if ctx.needs_input_grad[0]:
             w, fp8 = _weight_parts(b)
@@ -288,14 +289,14 @@ class _Fp8GroupedMM(torch.autograd.Function):
                 gq, gs = (quantize(gy, -1, E4M3, col_scale=ws.contiguous(), col_scale_ends=offs) if E
                           else _quantize_rows(gy.to(torch.float32), E4M3))
             grad_a = grouped_2d3d(gq, gs.reshape(M), wq_t.transpose(-2, -1), ws_t, offs, ctx.a_dtype,
-                                  fast_accum=fast)
+                                  fast_accum=fast_gi)
         if ctx.needs_input_grad[1]:
             if recipe.grad_weight_fp8:
                 M_pad, pad_ends, pad_starts = padded_offsets(offs, M)
                 gq_t, gs = quantize_group_cols(gy, offs, M_pad, pad_starts, E4M3)
                 xq_t, xs = quantize_group_cols(a.contiguous(), offs, M_pad, pad_starts, E4M3)
                 grad_w = grouped_2d2d(gq_t, gs, xq_t, xs, pad_ends, torch.promote_types(gy.dtype, a.dtype),
-                                      fast_accum=fast)
+                                      fast_accum=fast_gw)
             else:
                 dt = torch.promote_types(gy.dtype, a.dtype)
                 grad_w = _grouped_hp_weight_grad(gy.to(dt), a.to(dt), offs, E)

@@ -14,11 +14,13 @@ the extra row ``fp8tensor rowwise (unaligned)`` with the unrounded sizes). Varia
 weights: the same call dispatches to :func:`fp8tensor.grouped.fp8_grouped_mm`), ``fp8tensor rowwise (fp8 weights)``
 (the weights as FSDP2's fp8 all-gather hands them to the experts: row-wise fp8 ``GatheredExperts``, quantized
 once outside the timed step as the all-gather does before it; grad_input folds their row scales into
-``grad_output``), ``torchao fp8 rowwise``
+``grad_output``), ``fp8tensor rowwise, slow grouped backward`` (``Recipe.grouped_fast_accum=False``: the backward
+GEMMs accumulate slowly, as the Linear's), ``torchao fp8 rowwise``
 (``torchao.prototype.moe_training``'s ``_to_fp8_rowwise_then_scaled_grouped_mm``, when importable). Median times
 from ``triton.testing.do_bench``. Prints a markdown table; ``--out`` writes the rows as JSON.
 
-Usage: ``PYTHONPATH=. python benchmarks/moe.py [--shapes deepseek,qwen3] [--out moe.json] [--profile]``.
+Usage: ``PYTHONPATH=. python benchmarks/moe.py [--shapes deepseek,qwen3] [--out moe.json] [--profile]``;
+``--raw-gemms``: ``torch._scaled_grouped_mm`` alone, fast and slow accumulation, against bf16 ``_grouped_mm``.
 """
 from __future__ import annotations
 
@@ -81,6 +83,49 @@ def torch_gmm(a, b, offs):
     return torch._grouped_mm(a, b, offs=offs)
 
 
+#: ``rowwise`` with the grouped GEMMs' backward accumulating as the Linear's does (slow): the A/B of
+#: ``Recipe.grouped_fast_accum``.
+SLOW_BACKWARD = fp8tensor.RECIPES["rowwise"].replace(grouped_fast_accum=False)
+
+
+def raw_gemms(dev) -> list:
+    """``torch._scaled_grouped_mm`` alone (fp8 operands and scales made outside the timing; fast and slow accumulation)
+    against bf16 ``torch._grouped_mm`` at each shape's GEMMs: the forward / grad_input products (2-D x 3-D) and the
+    grad_weight ones (2-D x 2-D over the padded token layout)."""
+    from triton.testing import do_bench
+
+    from fp8tensor.training.grouped import padded_offsets
+
+    f8, out = torch.float8_e4m3fn, []
+    for name, cfg in SHAPES.items():
+        E, D, H, M = cfg["experts"], cfg["dim"], cfg["hidden"], cfg["rows"]
+        offs = torch.cumsum(torch.tensor(group_sizes(M, E, 16), device=dev), 0).to(torch.int32)
+        M_pad, pends, _ = padded_offsets(offs, M)
+        cases = []
+        for what, K, N in (("x @ w1^T", D, H), ("h @ w2^T", H, D)):
+            a = torch.randn(M, K, device=dev).bfloat16()
+            b = torch.randn(E, N, K, device=dev).bfloat16().transpose(-2, -1)
+            bq = b.transpose(-2, -1).contiguous().to(f8).transpose(-2, -1)
+            sa, sb = torch.rand(M, device=dev) + 0.5, torch.rand(E, N, device=dev) + 0.5
+            cases.append((f"2d x 3d {what}", M * K * N, lambda a=a, b=b: torch._grouped_mm(a, b, offs=offs),
+                          lambda fast, a=a.to(f8), b=bq, sa=sa, sb=sb: torch._scaled_grouped_mm(
+                              a, b, sa, sb, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=fast)))
+        for what, N, K in (("gy_h^T @ x", H, D), ("gy^T @ h", D, H)):
+            gy, x = torch.randn(M, N, device=dev).bfloat16(), torch.randn(M, K, device=dev).bfloat16()
+            gq, xq = torch.randn(N, M_pad, device=dev).to(f8), torch.randn(K, M_pad, device=dev).to(f8)
+            s1, s2 = torch.rand(E * N, device=dev) + 0.5, torch.rand(E * K, device=dev) + 0.5
+            cases.append((f"2d x 2d {what}", M * K * N, lambda gy=gy, x=x: torch._grouped_mm(gy.t(), x, offs=offs),
+                          lambda fast, gq=gq, xq=xq, s1=s1, s2=s2: torch._scaled_grouped_mm(
+                              gq, xq.t(), s1, s2, offs=pends, out_dtype=torch.bfloat16, use_fast_accum=fast)))
+        for what, mnk, bf, f8mm in cases:
+            t_bf = do_bench(bf, warmup=20, rep=200)
+            t_fast = do_bench(lambda: f8mm(True), warmup=20, rep=200)
+            t_slow = do_bench(lambda: f8mm(False), warmup=20, rep=200)
+            out.append(dict(shape=name, gemm=what, bf16_us=round(t_bf * 1e3, 1), fast_us=round(t_fast * 1e3, 1),
+                            slow_us=round(t_slow * 1e3, 1), tflops_fast=round(2 * mnk / t_fast / 1e9, 1)))
+    return out
+
+
 def weights(cfg, dev, master_recipe=None, seed=0, gathered_fp8=False):
     g = torch.Generator(device=dev).manual_seed(seed)
     E, D, H = cfg["experts"], cfg["dim"], cfg["hidden"]
@@ -108,6 +153,7 @@ def run_shape(name: str, cfg: dict, dev, ao, profile: bool) -> list:
         "fp8tensor rowwise_gw_hp": (weights(cfg, dev, "rowwise_gw_hp"), torch_gmm, offs_al),
         "fp8tensor rowwise (unaligned)": (weights(cfg, dev, "rowwise"), torch_gmm, offs_un),
         "fp8tensor rowwise (fp8 weights)": (weights(cfg, dev, "rowwise", gathered_fp8=True), torch_gmm, offs_al),
+        "fp8tensor rowwise, slow grouped backward": (weights(cfg, dev, SLOW_BACKWARD), torch_gmm, offs_al),
     }
     if ao is not None:
         variants["torchao fp8 rowwise"] = (weights(cfg, dev), ao, offs_al)
@@ -139,10 +185,24 @@ def main() -> None:
     p.add_argument("--out", default=None, help="write the rows as JSON to this path")
     p.add_argument("--profile", action="store_true", help="print the top kernels of fp8tensor rowwise per shape")
     p.add_argument("--no-peers", action="store_true", help="skip torchao")
+    p.add_argument("--raw-gemms", action="store_true",
+                   help="time torch._scaled_grouped_mm alone (fast / slow accumulation) against bf16 _grouped_mm")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/moe.py: needs a CUDA GPU (torch._scaled_grouped_mm)")
     dev = torch.device("cuda")
+    if args.raw_gemms:
+        raw = raw_gemms(dev)
+        print(f"\n# raw grouped GEMMs · {env_line()}\n")
+        print("| shape | GEMM | bf16 µs | fp8 fast µs | fp8 slow µs | fast vs bf16 | slow vs fast |")
+        print("|---|---|---:|---:|---:|---:|---:|")
+        for r in raw:
+            print(f"| {r['shape']} | {r['gemm']} | {r['bf16_us']} | {r['fast_us']} | {r['slow_us']} | "
+                  f"{r['bf16_us'] / r['fast_us']:.2f}x | {r['slow_us'] / r['fast_us']:.2f}x |")
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(dict(env=env_line(), fp8tensor=fp8tensor.__version__, raw=raw), f, indent=1)
+        return
     ao = None if args.no_peers else torchao_gmm()
     rows = []
     for name in args.shapes.split(","):

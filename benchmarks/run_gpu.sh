@@ -70,7 +70,8 @@ for stage in "$@"; do
     memory-4096) timeout 300 $py benchmarks/memory.py --fsdp --dim 4096 --ffn 14336 --heads 32 --kv-heads 8 \
              --layers 4 --seq 8192 --warmup 1 --variants bf16@compile,rowwise@compile,rowwise_gw_hp@compile \
              > "$out/memory_4096.txt" 2>&1; tail -30 "$out/memory_4096.txt" ;;
-    moe) timeout 300 $py benchmarks/moe.py --out "$out/moe.json" --profile > "$out/moe.txt" 2>&1; table "$out/moe.txt" ;;
+    moe) timeout 300 $py benchmarks/moe.py --out "$out/moe.json" --profile > "$out/moe.txt" 2>&1; table "$out/moe.txt"
+         timeout 150 $py benchmarks/moe.py --raw-gemms --out "$out/moe_raw.json" > "$out/moe_raw.txt" 2>&1; table "$out/moe_raw.txt" ;;
     quant) timeout 200 $py benchmarks/linear.py --quant --json "$out/record/quant_kernels.json" > "$out/quant.txt" 2>&1; table "$out/quant.txt" ;;
     host) timeout 200 $py benchmarks/linear.py --host --json "$out/record/host_linear.json" > "$out/host.txt" 2>&1; table "$out/host.txt" ;;
     serve-host) timeout 120 $py benchmarks/serve.py --host > "$out/serve_host.txt" 2>&1; table "$out/serve_host.txt" ;;

@@ -61,7 +61,7 @@ def _select(module: nn.Module, module_filter_fn: Optional[FilterFn], op: str, ti
         raise TypeError(f"{op}: module_filter_fn must be callable (module, fqn) -> bool")
     chosen = [(fqn, mod) for fqn, mod in module.named_modules()
               if isinstance(mod, nn.Linear) and _wanted(module_filter_fn, mod, fqn, op)]
-    _check_fsdp_sharded([lin.weight for _, lin in chosen], op)
+    _check_fsdp_sharded([(f"{name}.weight" if name else "weight", lin.weight) for name, lin in chosen], op)
     chosen, skipped, redirects = _drop_custom_forwards(chosen, op)
     if ties:
         _check_ties(module, chosen, op)
@@ -80,7 +80,8 @@ def _select(module: nn.Module, module_filter_fn: Optional[FilterFn], op: str, ti
                 experts.append((fqn, mod, names))
             skipped += [f"{fqn + '.' if fqn else ''}{n} (a {weights[n].dtype} weight, not a high-precision "
                         "floating-point one)" for n in plain_fp8]
-    _check_fsdp_sharded([getattr(m, n) for _, m, names in experts for n in names], op)
+    _check_fsdp_sharded([(f"{name}.{n}" if name else n, getattr(m, n)) for name, m, names in experts
+                         for n in names], op)
     return chosen, skipped, redirects, experts
 
 

@@ -84,18 +84,18 @@ def refresh_fsdp_param(param: torch.Tensor, module: Optional[torch.nn.Module] = 
     return True
 
 
-def check_fsdp_sharded(params, op: str) -> None:
+def check_fsdp_sharded(named_params, op: str) -> None:
     """Raise ``RuntimeError`` (naming ``op`` and the parameter; nothing changed) before a conversion if any of
-    ``params`` is an FSDP2 parameter held *unsharded* (a swap would be lost)."""
-    params = [p for p in params if isinstance(p, torch.Tensor)]
-    if not params:
+    ``named_params`` (``(name, parameter)`` pairs, the names as the model's ``named_parameters`` gives them) is an
+    FSDP2 parameter held *unsharded* (a swap would be lost)."""
+    names = {id(p): name for name, p in named_params if isinstance(p, torch.Tensor)}
+    if not names:
         return
-    ids = {id(p) for p in params}
     for fp in _fsdp_params():
         unsharded = compat.fsdp_unsharded_param(fp)
-        if unsharded is not None and id(unsharded) in ids and not compat.fsdp_is_sharded(fp):
+        if unsharded is not None and id(unsharded) in names and not compat.fsdp_is_sharded(fp):
             raise RuntimeError(
-                f"{op}: parameter {compat.fsdp_param_name(fp)!r} is currently unsharded by FSDP2 "
+                f"{op}: parameter {names[id(unsharded)]!r} is currently unsharded by FSDP2 "
                 f"({compat.fsdp_state_name(fp)}); call model.reshard() (or convert before the first forward). "
                 "The model was not changed."
             )

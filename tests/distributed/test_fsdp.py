@@ -20,6 +20,7 @@ printed on failure).
 from __future__ import annotations
 
 import copy
+import re
 import types
 from pathlib import Path
 
@@ -759,6 +760,7 @@ def test_convert_after_fully_shard(run1d):
         assert r["C_outputs_equal_A"] and r["C_params_equal_A"], _ctx(r)
         err = r["C_unsharded_error"]
         assert err and "convert_to_fp8" in err and "unsharded" in err and "reshard" in err, err
+        assert re.search(r"parameter '(attention|feed_forward)\.\w+\.weight'", err), err  # its full name
         assert r["C_unsharded_unchanged"] and r["C_after_reshard_types"] == ["Fp8MasterWeight"]
 
 

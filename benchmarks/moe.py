@@ -88,8 +88,9 @@ def torch_gmm(a, b, offs):
 SLOW_BACKWARD = fp8tensor.RECIPES["rowwise"].replace(grouped_fast_accum=False)
 
 
-def raw_gemms(dev) -> list:
-    """``torch._scaled_grouped_mm`` alone (fp8 operands and scales made outside the timing; fast and slow accumulation)
+def raw_gemms(dev, shapes) -> list:
+    """``torch._scaled_grouped_mm`` alone (fp8 operands and scales made outside the timing; fast and slow accumulation;
+    medians of ``triton.testing.do_bench``)
     against bf16 ``torch._grouped_mm`` at each shape's GEMMs: the forward / grad_input products (2-D x 3-D) and the
     grad_weight ones (2-D x 2-D over the padded token layout)."""
     from triton.testing import do_bench
@@ -97,7 +98,8 @@ def raw_gemms(dev) -> list:
     from fp8tensor.training.grouped import padded_offsets
 
     f8, out = torch.float8_e4m3fn, []
-    for name, cfg in SHAPES.items():
+    for name in shapes:
+        cfg = SHAPES[name]
         E, D, H, M = cfg["experts"], cfg["dim"], cfg["hidden"], cfg["rows"]
         offs = torch.cumsum(torch.tensor(group_sizes(M, E, 16), device=dev), 0).to(torch.int32)
         M_pad, pends, _ = padded_offsets(offs, M)
@@ -118,9 +120,9 @@ def raw_gemms(dev) -> list:
                           lambda fast, gq=gq, xq=xq, s1=s1, s2=s2: torch._scaled_grouped_mm(
                               gq, xq.t(), s1, s2, offs=pends, out_dtype=torch.bfloat16, use_fast_accum=fast)))
         for what, mnk, bf, f8mm in cases:
-            t_bf = do_bench(bf, warmup=20, rep=200)
-            t_fast = do_bench(lambda: f8mm(True), warmup=20, rep=200)
-            t_slow = do_bench(lambda: f8mm(False), warmup=20, rep=200)
+            t_bf = do_bench(bf, warmup=20, rep=200, return_mode="median")
+            t_fast = do_bench(lambda: f8mm(True), warmup=20, rep=200, return_mode="median")
+            t_slow = do_bench(lambda: f8mm(False), warmup=20, rep=200, return_mode="median")
             out.append(dict(shape=name, gemm=what, bf16_us=round(t_bf * 1e3, 1), fast_us=round(t_fast * 1e3, 1),
                             slow_us=round(t_slow * 1e3, 1), tflops_fast=round(2 * mnk / t_fast / 1e9, 1)))
     return out
@@ -192,7 +194,7 @@ def main() -> None:
         raise SystemExit("benchmarks/moe.py: needs a CUDA GPU (torch._scaled_grouped_mm)")
     dev = torch.device("cuda")
     if args.raw_gemms:
-        raw = raw_gemms(dev)
+        raw = raw_gemms(dev, args.shapes.split(","))
         print(f"\n# raw grouped GEMMs · {env_line()}\n")
         print("| shape | GEMM | bf16 µs | fp8 fast µs | fp8 slow µs | fast vs bf16 | slow vs fast |")
         print("|---|---|---:|---:|---:|---:|---:|")

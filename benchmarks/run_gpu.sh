@@ -9,7 +9,8 @@
 #                bf16 / fp8tensor rowwise, rowwise_gw_hp / torchao tensorwise, rowwise; plain FSDP2 and DTensor (tp)
 #   linear       benchmarks/linear.py (per-layer forward + backward, M = 16384)
 #   memory-4096  benchmarks/memory.py at dim 4096 (FSDP2, compiled blocks, one AdamW over all parameters)
-#   moe          benchmarks/moe.py (MoE experts forward + backward, DeepSeek-V3-like and Qwen3-30B-A3B-like shapes)
+#   moe          benchmarks/moe.py (MoE experts forward + backward, DeepSeek-V3-like and Qwen3-30B-A3B-like shapes),
+#                then benchmarks/moe.py --raw-gemms (torch._scaled_grouped_mm alone, fast / slow accumulation, vs bf16)
 #   serve        tests/gpu/test_gpu_export.py (torch.export + AOTInductor) and benchmarks/serve.py (decode / prefill,
 #                eager / compile, bf16 / fp8tensor / torchao) at Llama3-8B shapes (SERVE_ARGS="--model readme": the
 #                README model); compiled rows with --parallel
@@ -22,7 +23,7 @@
 #                printed beside the fp8 gap of the `train` stage (run `train` first, in the same OUTDIR)
 # JSON: e2e-*, linear and size-rule write docs/results records (command, date, GPU, torch version, commit,
 # rows) into OUTDIR/record/; copy them into docs/results/ and render the tables with `python benchmarks/render.py`.
-# moe, train and train-seeds write their own JSON (moe.json, train/losses.json, seeds/spread.json) in OUTDIR.
+# moe, train and train-seeds write their own JSON (moe.json, moe_raw.json, train/losses.json, seeds/spread.json) in OUTDIR.
 set -uo pipefail
 out=${OUTDIR:-${OUT:-out}}; mkdir -p "$out/record"
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1

@@ -114,6 +114,7 @@ def test_grouped_backward_accumulation_follows_grouped_fast_accum(monkeypatch):
         "off": (Recipe("off", grouped_fast_accum=False), [False, False]),
         "off, fast grad_weight": (Recipe("gw", grouped_fast_accum=False, grad_weight=Gemm(fast_accum=True)),
                                   [False, True]),
+        "slow forward": (Recipe("slow_fwd", output=Gemm()), [True, True]),
     }
     for what, (recipe, (want_gi, want_gw)) in cases.items():
         calls.clear()

@@ -11,7 +11,7 @@ import torch
 
 from ..core import compat
 from ..training.master import keep_master_through
-from ..subclass.ops import _scale_fits
+from ..subclass.ops import _SCALE_COPY, _scale_fits
 from ..subclass.tensor import ScaledFp8Tensor, implements, make_scaled, quantize_like
 
 __all__: list[str] = []
@@ -184,18 +184,23 @@ def _scatter_data_and_scales(func, args, kwargs):
 @implements(_dist_op("c10d.broadcast_.default"))
 def _broadcast_values(func, args, kwargs):
     """``broadcast_`` of a ScaledFp8Tensor (``distribute_tensor`` with Replicate; ``set_model_state_dict`` with
-    ``broadcast_from_rank0``): one collective of the values in the logical dtype, copied into each receiving rank's
-    ScaledFp8Tensor (``copy_``: quantized in its own layout).
+    ``broadcast_from_rank0``): one collective of the values in the logical dtype, which each receiving rank holding a
+    ScaledFp8Tensor quantizes in its own layout, in place.
 
     The values travel, not the fp8 bytes and the scales, because a receiving rank may hold a plain tensor of the
     logical dtype (torch's state-dict broadcast allocates one): both sides post the same collective whatever the
     other holds. A tensor quantized from values of its logical dtype (``from_hp``, ``quantize_weights``: each row's
     largest code is the format's maximum) almost always round-trips: re-quantizing its dequantized values gives back
-    its codes and scales. Where the source's do not round-trip (rows whose codes stay below the maximum, codes whose
-    values fall among float16's subnormals), the source rank copies the values into its own tensor too, so every rank
-    holds the same bits: re-quantized, within fp8 rounding of the source (docs/tp.md, "What is communicated").
+    its codes and scales, and the source keeps its tensor. Where they do not round-trip (rows whose codes stay below
+    the maximum, codes whose values fall among float16's subnormals), the source rank's tensor takes the
+    re-quantized data and scales too (new tensors: the caller's storage is not written), so every rank holds the
+    same bits, within fp8 rounding of the source (docs/tp.md, "What is communicated"). Nothing raises after the
+    collective (a rank raising alone would leave the others in the next collective): a non-finite row stays
+    non-finite on every rank.
 
-    Raises ``NotImplementedError``: more than one tensor in the list, or ScaledFp8Tensors mixed with other tensors."""
+    Raises ``NotImplementedError`` before the collective: more than one tensor in the list, ScaledFp8Tensors mixed
+    with other tensors, or a tensor whose scales stand for elements outside it (a view such as a column slice of a
+    row-scaled tensor, or its copies) or whose elements share memory (an expanded view)."""
     b = _bind(func, args, kwargs)
     tensors = list(b["tensors"])
     op = "c10d.broadcast_"
@@ -204,17 +209,26 @@ def _broadcast_values(func, args, kwargs):
     if len(tensors) != 1:
         raise NotImplementedError(f"ScaledFp8Tensor: {op} supports one tensor per call, got {len(tensors)}")
     t = tensors[0]
+    if t.shares_scale or t.__dict__.get(_SCALE_COPY) or any(
+            st == 0 and n > 1 for n, st in zip(t.qdata.shape, t.qdata.stride())):
+        raise NotImplementedError(
+            f"ScaledFp8Tensor {op}: the tensor ({tuple(t.shape)}, scale {tuple(t.scale.shape)}) is a view whose "
+            "scales stand for elements outside it (such as a column slice of a row-scaled tensor), or an expanded "
+            "view; broadcast the whole tensor, or a tensor quantized on its own (ScaledFp8Tensor.from_hp(t.to_hp()))")
     # (every rank's own values: the collective overwrites them on the receivers; a group that sends nothing keeps them)
     values = t.to_hp(t.orig_dtype).contiguous()
     rest = (b["process_group"], b["root_rank"], b["root_tensor"], b["async_op"], b["timeout"])
     _, work = func([values], *rest)
     compat.wait_work(work)
+    q, s = quantize_like(values, t.scaled_dims, t.qdata.dtype)
+    s = s.expand(t.scale.shape)
     if compat.process_group_rank(b["process_group"]) == b["root_rank"]:
-        q, s = quantize_like(values, t.scaled_dims, t.qdata.dtype)
-        if torch.equal(q.view(torch.uint8), t.qdata.view(torch.uint8)) and torch.equal(s.expand(t.scale.shape),
-                                                                                     t.scale):
-            return [t], work
-    t.copy_(values)
+        if not (torch.equal(q.view(torch.uint8), t.qdata.view(torch.uint8)) and torch.equal(s, t.scale)):
+            t.qdata = torch.empty_strided(t.qdata.shape, t.qdata.stride(), dtype=q.dtype, device=q.device).copy_(q)
+            t.scale = torch.empty_like(t.scale, memory_format=torch.contiguous_format).copy_(s)
+    else:
+        t.qdata.copy_(q)
+        _contiguous_scale(t).copy_(s)
     return [t], work
 
 

@@ -97,11 +97,11 @@ class Recipe:
         grouped_fast_accum: the backward GEMMs of :func:`fp8tensor.fp8_grouped_mm` (the experts' grad_input and
             grad_weight) accumulate fast (default True); ``False``: they follow ``grad_input`` and ``grad_weight`` as
             the Linear's do. ``torch._scaled_grouped_mm``'s slow accumulation is the slow part of the experts'
-            backward at fine-grained expert shapes, and fast accumulation moved the gradients' error against
-            float64 by at most 1e-5 of the fp8 error's 0.037 (docs/moe.md).
+            backward at fine-grained expert shapes, and fast accumulation changed the gradients' relative error
+            against float64 (0.037, the fp8 error) by at most 1e-5 (docs/moe.md).
 
     Raises ``TypeError`` (``name`` not a string, a GEMM not a :class:`Gemm`) or ``ValueError`` (the weight sides of
-    the output and grad_input GEMMs differ in fp8 format).
+    the output and grad_input GEMMs differ in fp8 format; ``grouped_fast_accum`` not a bool).
     """
 
     name: str

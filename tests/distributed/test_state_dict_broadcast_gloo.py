@@ -117,8 +117,57 @@ def check_replicate(rank: int, world: int, seed: int) -> dict:
     return out
 
 
+def check_direct(rank: int, world: int, seed: int) -> list:
+    """``dist.broadcast`` called directly: a source that does not round-trip takes new tensors (its storage is not
+    written); a non-finite row raises on no rank (the next collective runs on every rank); a view whose scales stand
+    for elements outside it raises NotImplementedError before the collective (on every rank here: each passes one)."""
+    import torch.distributed as dist
+    from fp8tensor import ScaledFp8Tensor
+
+    fails = []
+    q = torch.tensor([[100.0, 50.0, -20.0, 3.0]]).repeat(2, 1).to(torch.float8_e4m3fn)  # codes below the maximum
+    t = ScaledFp8Tensor(q.clone(), torch.full((2, 1), 0.01), orig_dtype=torch.bfloat16)
+    alias_q, alias_s = t.qdata, t.scale
+    before_q, before_s = alias_q.view(torch.uint8).clone(), alias_s.clone()
+    if rank != 0:
+        t = ScaledFp8Tensor.from_hp(torch.randn(2, 4).bfloat16())
+    dist.broadcast(t, src=0)
+    got = _bits(t)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, got)
+    if not all(torch.equal(a, b) for other in everyone for a, b in zip(other, got)):
+        fails.append("direct broadcast: ranks hold different bits")
+    if rank == 0 and not (torch.equal(alias_q.view(torch.uint8), before_q) and torch.equal(alias_s, before_s)):
+        fails.append("direct broadcast: the source's storage was written")
+    # a NaN code on the source, plain receivers (the state-dict path): nobody raises
+    if rank == 0:
+        qn = torch.full((4, 8), 1.0).to(torch.float8_e4m3fn)
+        qn[1, 3] = float("nan")
+        src = ScaledFp8Tensor(qn, torch.ones(4, 1), orig_dtype=torch.bfloat16)
+    else:
+        src = torch.empty(4, 8, dtype=torch.bfloat16)
+    try:
+        dist.broadcast(src, src=0)
+        vals = src.to_hp(torch.float32) if rank == 0 else src.float()
+        if not (vals[1].isnan().all() if rank == 0 else vals[1, 3].isnan()) or not vals[0].isfinite().all():
+            fails.append(f"NaN source: rank {rank} holds {vals.tolist()}")
+    except Exception as e:  # noqa: BLE001
+        fails.append(f"NaN source raised on rank {rank}: {type(e).__name__}: {e}")
+    dist.barrier()
+    full = ScaledFp8Tensor.from_hp(torch.randn(6, 16).bfloat16())
+    try:
+        dist.broadcast(full[:, :4].contiguous(), src=0)
+        fails.append("a column slice of a row-scaled tensor was broadcast")
+    except NotImplementedError as e:
+        if "broadcast_" not in str(e) or "column slice" not in str(e):
+            fails.append(f"column slice: unhelpful message {e}")
+    dist.barrier()
+    return fails
+
+
 def worker(rank: int, world: int, seed: int) -> dict:
-    return {"seed": seed, "load": check_load(rank, world, seed), "replicate": check_replicate(rank, world, seed)}
+    return {"seed": seed, "load": check_load(rank, world, seed), "replicate": check_replicate(rank, world, seed),
+            "direct": check_direct(rank, world, seed)}
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])
@@ -155,3 +204,10 @@ def test_replicate_every_rank_holds_the_same_bits(run):
             bound = (2.0 ** -4 + 2.0 ** -8) * ref.abs() + 2.0 ** -10 * ref.abs().amax(-1, keepdim=True)
             worst = (err - bound).max().item()
             assert worst <= 0, f"(seed {seed}) rank {rank} {name}: error exceeds fp8 rounding by {worst:.3g}"
+
+
+def test_direct_broadcast_source_nan_and_views(run):
+    """``dist.broadcast`` of a source that does not round-trip leaves its storage alone and every rank with the same
+    bits; a NaN row raises on no rank; a column-slice view raises NotImplementedError naming the op."""
+    fails = {rank: r["direct"] for rank, r in enumerate(run) if r["direct"]}
+    assert not fails, f"(seed {run[0]['seed']}) " + "\n".join(f"rank {k}: {v}" for k, v in fails.items())

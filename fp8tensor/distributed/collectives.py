@@ -191,16 +191,16 @@ def _broadcast_values(func, args, kwargs):
     logical dtype (torch's state-dict broadcast allocates one): both sides post the same collective whatever the
     other holds. A tensor quantized from values of its logical dtype (``from_hp``, ``quantize_weights``: each row's
     largest code is the format's maximum) almost always round-trips: re-quantizing its dequantized values gives back
-    its codes and scales, and the source keeps its tensor. Where they do not round-trip (rows whose codes stay below
-    the maximum, codes whose values fall among float16's subnormals), the source rank's tensor takes the
-    re-quantized data and scales too (new tensors: the caller's storage is not written), so every rank holds the
-    same bits, within fp8 rounding of the source (docs/tp.md, "What is communicated"). Nothing raises after the
-    collective (a rank raising alone would leave the others in the next collective): a non-finite row stays
-    non-finite on every rank.
+    its codes and scales, and the source keeps its tensor untouched. Where they do not round-trip (rows whose codes
+    stay below the maximum, codes whose values fall among float16's subnormals), the source's tensor is re-quantized
+    in place too (its views and aliases see it), so every rank holds the same bits, within fp8 rounding of the
+    source (docs/tp.md, "What is communicated"). Nothing raises after the collective (a rank raising alone would
+    leave the others in the next collective): a non-finite row stays non-finite on every rank.
 
-    Raises ``NotImplementedError`` before the collective: more than one tensor in the list, ScaledFp8Tensors mixed
-    with other tensors, or a tensor whose scales stand for elements outside it (a view such as a column slice of a
-    row-scaled tensor, or its copies) or whose elements share memory (an expanded view)."""
+    Raises ``NotImplementedError`` before the collective (the other ranks then wait in it): more than one tensor in
+    the list, ScaledFp8Tensors mixed with other tensors, or a tensor whose scales stand for elements outside it (a
+    view such as a column slice of a row-scaled tensor, or its copies; a view merging the scaled rows) or whose
+    elements share memory (an expanded view)."""
     b = _bind(func, args, kwargs)
     tensors = list(b["tensors"])
     op = "c10d.broadcast_"
@@ -222,13 +222,14 @@ def _broadcast_values(func, args, kwargs):
     compat.wait_work(work)
     q, s = quantize_like(values, t.scaled_dims, t.qdata.dtype)
     s = s.expand(t.scale.shape)
-    if compat.process_group_rank(b["process_group"]) == b["root_rank"]:
-        if not (torch.equal(q.view(torch.uint8), t.qdata.view(torch.uint8)) and torch.equal(s, t.scale)):
-            t.qdata = torch.empty_strided(t.qdata.shape, t.qdata.stride(), dtype=q.dtype, device=q.device).copy_(q)
-            t.scale = torch.empty_like(t.scale, memory_format=torch.contiguous_format).copy_(s)
+    if (compat.process_group_rank(b["process_group"]) == b["root_rank"]
+            and torch.equal(q.view(torch.uint8), t.qdata.view(torch.uint8)) and torch.equal(s, t.scale)):
+        return [t], work
+    t.qdata.copy_(q)  # (in place, as a plain broadcast writes its receivers: views and aliases of t see it)
+    if any(st == 0 and n > 1 for n, st in zip(t.scale.shape, t.scale.stride())):
+        t.scale = s.contiguous()  # an expanded scale holds one value for many rows: t takes a scale of its own
     else:
-        t.qdata.copy_(q)
-        _contiguous_scale(t).copy_(s)
+        t.scale.copy_(s)
     return [t], work
 
 

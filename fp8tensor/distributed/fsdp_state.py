@@ -88,7 +88,10 @@ def check_fsdp_sharded(named_params, op: str) -> None:
     """Raise ``RuntimeError`` (naming ``op`` and the parameter; nothing changed) before a conversion if any of
     ``named_params`` (``(name, parameter)`` pairs, the names as the model's ``named_parameters`` gives them) is an
     FSDP2 parameter held *unsharded* (a swap would be lost)."""
-    names = {id(p): name for name, p in named_params if isinstance(p, torch.Tensor)}
+    names: dict = {}
+    for name, p in named_params:
+        if isinstance(p, torch.Tensor):
+            names.setdefault(id(p), name)  # (a weight tied between modules: its first name)
     if not names:
         return
     for fp in _fsdp_params():

@@ -118,27 +118,37 @@ def check_replicate(rank: int, world: int, seed: int) -> dict:
 
 
 def check_direct(rank: int, world: int, seed: int) -> list:
-    """``dist.broadcast`` called directly: a source that does not round-trip takes new tensors (its storage is not
-    written); a non-finite row raises on no rank (the next collective runs on every rank); a view whose scales stand
-    for elements outside it raises NotImplementedError before the collective (on every rank here: each passes one)."""
+    """``dist.broadcast`` called directly: a source that does not round-trip is re-quantized in place, so its aliases
+    (``p.detach()``, ``p.data``) and every rank hold the same bits; a receiver that is a strided view writes through
+    to its parent (data and scales); a non-finite row raises on no rank (the next collective runs on every rank); a
+    view whose scales stand for elements outside it raises NotImplementedError before the collective (on every rank
+    here: each passes one)."""
     import torch.distributed as dist
     from fp8tensor import ScaledFp8Tensor
 
     fails = []
+
+    def same_everywhere(what, t):
+        got = _bits(t)
+        everyone = [None] * world
+        dist.all_gather_object(everyone, got)
+        if not all(torch.equal(a, b) for other in everyone for a, b in zip(other, got)):
+            fails.append(f"{what}: ranks hold different bits")
+
     q = torch.tensor([[100.0, 50.0, -20.0, 3.0]]).repeat(2, 1).to(torch.float8_e4m3fn)  # codes below the maximum
-    t = ScaledFp8Tensor(q.clone(), torch.full((2, 1), 0.01), orig_dtype=torch.bfloat16)
-    alias_q, alias_s = t.qdata, t.scale
-    before_q, before_s = alias_q.view(torch.uint8).clone(), alias_s.clone()
-    if rank != 0:
-        t = ScaledFp8Tensor.from_hp(torch.randn(2, 4).bfloat16())
-    dist.broadcast(t, src=0)
-    got = _bits(t)
-    everyone = [None] * world
-    dist.all_gather_object(everyone, got)
-    if not all(torch.equal(a, b) for other in everyone for a, b in zip(other, got)):
-        fails.append("direct broadcast: ranks hold different bits")
-    if rank == 0 and not (torch.equal(alias_q.view(torch.uint8), before_q) and torch.equal(alias_s, before_s)):
-        fails.append("direct broadcast: the source's storage was written")
+    for how in ("tensor", "detach", "data"):
+        p = ScaledFp8Tensor(q.clone(), torch.full((2, 1), 0.01), orig_dtype=torch.bfloat16)
+        if rank != 0:
+            p = ScaledFp8Tensor.from_hp(torch.randn(2, 4).bfloat16())
+        dist.broadcast({"tensor": p, "detach": p.detach(), "data": p.data}[how], src=0)
+        same_everywhere(f"broadcast of the source's {how}", p)
+    # receivers holding a strided row view of a larger tensor: data and scales written through to the parent
+    parent = ScaledFp8Tensor.from_hp((torch.randn(6, 16) * torch.logspace(-2, 2, 6).view(-1, 1)).bfloat16())
+    v = parent[::2]
+    dist.broadcast(v, src=0)
+    same_everywhere("strided view", v)
+    if not torch.equal(parent.to_hp(torch.float32)[::2], v.to_hp(torch.float32)):
+        fails.append("strided view: the parent does not hold the view's new values")
     # a NaN code on the source, plain receivers (the state-dict path): nobody raises
     if rank == 0:
         qn = torch.full((4, 8), 1.0).to(torch.float8_e4m3fn)
@@ -207,7 +217,8 @@ def test_replicate_every_rank_holds_the_same_bits(run):
 
 
 def test_direct_broadcast_source_nan_and_views(run):
-    """``dist.broadcast`` of a source that does not round-trip leaves its storage alone and every rank with the same
-    bits; a NaN row raises on no rank; a column-slice view raises NotImplementedError naming the op."""
+    """``dist.broadcast`` of a source that does not round-trip (or of its ``detach()`` / ``.data``) leaves every rank
+    with the same bits; a strided receiver view writes through to its parent; a NaN row raises on no rank; a
+    column-slice view raises NotImplementedError naming the op."""
     fails = {rank: r["direct"] for rank, r in enumerate(run) if r["direct"]}
     assert not fails, f"(seed {run[0]['seed']}) " + "\n".join(f"rank {k}: {v}" for k, v in fails.items())

@@ -20,7 +20,10 @@ GEMMs accumulate slowly, as the Linear's), ``torchao fp8 rowwise``
 from ``triton.testing.do_bench``. Prints a markdown table; ``--out`` writes the rows as JSON.
 
 Usage: ``PYTHONPATH=. python benchmarks/moe.py [--shapes deepseek,qwen3] [--out moe.json] [--profile]``;
-``--raw-gemms``: ``torch._scaled_grouped_mm`` alone, fast and slow accumulation, against bf16 ``_grouped_mm``.
+``--raw-gemms``: ``torch._scaled_grouped_mm`` alone, fast and slow accumulation, against bf16 ``_grouped_mm``;
+``--quant``: the per-group column quantizations of one step's operands (the grad_weight GEMMs' tokens and gradients,
+the grad_input GEMMs' expert weights) alone, in both forms of the kernel (one launch; split over chunks of each
+group's rows), against a copy of the operand (GB/s as read once and written once in fp8).
 """
 from __future__ import annotations
 
@@ -128,6 +131,60 @@ def raw_gemms(dev, shapes) -> list:
     return out
 
 
+def column_quant(dev, shapes: list) -> list:
+    """µs of :func:`fp8tensor.grouped.quantize_group_cols` / :func:`~fp8tensor.grouped.quantize_expert_cols` per
+    operand of one step, in the kernel's one-launch form and in the form the package picks (the split where
+    ``kernels.group_col_chunks`` gives more than one chunk), CUDA-graph replays (CUDA events), medians."""
+    from fp8tensor.grouped import padded_offsets, quantize_expert_cols, quantize_group_cols
+    from fp8tensor.numerics import kernels
+
+    def graph_us(fn, reps=10, rounds=9):
+        fn()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(reps):
+                fn()
+        g.replay()
+        ts = []
+        for _ in range(rounds):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            g.replay()
+            b.record()
+            b.synchronize()
+            ts.append(a.elapsed_time(b) * 1e3 / reps)
+        return sorted(ts)[len(ts) // 2]
+
+    table, out = kernels.GROUP_COL_CONFIG, []
+    for name in shapes:
+        cfg = SHAPES[name]
+        E, D, H, M = cfg["experts"], cfg["dim"], cfg["hidden"], cfg["rows"]
+        offs = torch.cumsum(torch.tensor(group_sizes(M, E, 16), device=dev), 0).to(torch.int32)
+        M_pad, _, pad_starts = padded_offsets(offs, M)
+        ops = [(f"tokens ({M} x {C}, {E} groups)", torch.randn(M, C, device=dev).bfloat16(), M, E,
+                lambda t: quantize_group_cols(t, offs, M_pad, pad_starts)) for C in (D, H)]
+        ops += [(f"expert weights ({E} x {N} x {K})", torch.randn(E, N, K, device=dev).bfloat16(), E * N, E,
+                 quantize_expert_cols) for N, K in ((H, D), (D, H))]
+        for what, t, rows, groups, fn in ops:
+            row = dict(shape=name, operand=what, copy_us=round(graph_us(lambda: t.clone()), 1))
+            for form in ("one_kernel", "auto"):
+                kernels.GROUP_COL_CONFIG = kernels._frozen({**table, "mode": form})
+                try:
+                    row["chunks" if form == "auto" else "one_chunks"] = kernels.group_col_chunks(rows, groups)
+                    row[f"{form}_us"] = round(graph_us(lambda: fn(t)), 1)
+                finally:
+                    kernels.GROUP_COL_CONFIG = table
+            row["gbs"] = round(3 * t.numel() / row["auto_us"] / 1e3)
+            row["copy_gbs"] = round(4 * t.numel() / row["copy_us"] / 1e3)
+            out.append(row)
+    return out
+
+
 def weights(cfg, dev, master_recipe=None, seed=0, gathered_fp8=False):
     g = torch.Generator(device=dev).manual_seed(seed)
     E, D, H = cfg["experts"], cfg["dim"], cfg["hidden"]
@@ -189,6 +246,8 @@ def main() -> None:
     p.add_argument("--no-peers", action="store_true", help="skip torchao")
     p.add_argument("--raw-gemms", action="store_true",
                    help="time torch._scaled_grouped_mm alone (fast / slow accumulation) against bf16 _grouped_mm")
+    p.add_argument("--quant", action="store_true",
+                   help="time the per-group column quantizations of one step's operands (both kernel forms)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/moe.py: needs a CUDA GPU (torch._scaled_grouped_mm)")
@@ -204,6 +263,18 @@ def main() -> None:
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(dict(env=env_line(), fp8tensor=fp8tensor.__version__, raw=raw), f, indent=1)
+        return
+    if args.quant:
+        rows = column_quant(dev, args.shapes.split(","))
+        print(f"\n# per-group column quantization · {env_line()}\n")
+        print("| shape | operand | copy µs (GB/s) | one launch µs | package µs (chunks) | GB/s | one launch / package |")
+        print("|---|---|---:|---:|---:|---:|---:|")
+        for r in rows:
+            print(f"| {r['shape']} | {r['operand']} | {r['copy_us']} ({r['copy_gbs']}) | {r['one_kernel_us']} | "
+                  f"{r['auto_us']} ({r['chunks']}) | {r['gbs']} | {r['one_kernel_us'] / r['auto_us']:.2f}x |")
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(dict(env=env_line(), fp8tensor=fp8tensor.__version__, rows=rows), f, indent=1)
         return
     ao = None if args.no_peers else torchao_gmm()
     rows = []

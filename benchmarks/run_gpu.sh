@@ -11,6 +11,7 @@
 #   memory-4096  benchmarks/memory.py at dim 4096 (FSDP2, compiled blocks, one AdamW over all parameters)
 #   moe          benchmarks/moe.py (MoE experts forward + backward, DeepSeek-V3-like and Qwen3-30B-A3B-like shapes),
 #                then benchmarks/moe.py --raw-gemms (torch._scaled_grouped_mm alone, fast / slow accumulation, vs bf16)
+#                and benchmarks/moe.py --quant (the per-group column quantizations alone, both kernel forms)
 #   serve        tests/gpu/test_gpu_export.py (torch.export + AOTInductor) and benchmarks/serve.py (decode / prefill,
 #                eager / compile, bf16 / fp8tensor / torchao) at Llama3-8B shapes (SERVE_ARGS="--model readme": the
 #                README model); compiled rows with --parallel
@@ -23,7 +24,7 @@
 #                printed beside the fp8 gap of the `train` stage (run `train` first, in the same OUTDIR)
 # JSON: e2e-*, linear and size-rule write docs/results records (command, date, GPU, torch version, commit,
 # rows) into OUTDIR/record/; copy them into docs/results/ and render the tables with `python benchmarks/render.py`.
-# moe, train and train-seeds write their own JSON (moe.json, moe_raw.json, train/losses.json, seeds/spread.json) in OUTDIR.
+# moe, train and train-seeds write their own JSON (moe.json, moe_raw.json, moe_quant.json, train/losses.json, seeds/spread.json) in OUTDIR.
 set -uo pipefail
 out=${OUTDIR:-${OUT:-out}}; mkdir -p "$out/record"
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
@@ -72,7 +73,8 @@ for stage in "$@"; do
              --layers 4 --seq 8192 --warmup 1 --variants bf16@compile,rowwise@compile,rowwise_gw_hp@compile \
              > "$out/memory_4096.txt" 2>&1; tail -30 "$out/memory_4096.txt" ;;
     moe) timeout 300 $py benchmarks/moe.py --out "$out/moe.json" --profile > "$out/moe.txt" 2>&1; table "$out/moe.txt"
-         timeout 150 $py benchmarks/moe.py --raw-gemms --out "$out/moe_raw.json" > "$out/moe_raw.txt" 2>&1; table "$out/moe_raw.txt" ;;
+         timeout 150 $py benchmarks/moe.py --raw-gemms --out "$out/moe_raw.json" > "$out/moe_raw.txt" 2>&1; table "$out/moe_raw.txt"
+         timeout 150 $py benchmarks/moe.py --quant --out "$out/moe_quant.json" > "$out/moe_quant.txt" 2>&1; table "$out/moe_quant.txt" ;;
     quant) timeout 200 $py benchmarks/linear.py --quant --json "$out/record/quant_kernels.json" > "$out/quant.txt" 2>&1; table "$out/quant.txt" ;;
     host) timeout 200 $py benchmarks/linear.py --host --json "$out/record/host_linear.json" > "$out/host.txt" 2>&1; table "$out/host.txt" ;;
     serve-host) timeout 120 $py benchmarks/serve.py --host > "$out/serve_host.txt" 2>&1; table "$out/serve_host.txt" ;;

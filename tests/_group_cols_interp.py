@@ -21,6 +21,34 @@ from fp8tensor import kernels
 from fp8tensor.quantize import SCALE_FLOOR
 
 
+def _forms_agree(x, ends, dst, q_cols, q_ref, s_ref, *, align, min_pad, per_group=False):
+    """launch_group_cols_t in its one-launch and split forms (chunks of 2 to 5 per group: some chunks past a group's
+    rows, some groups in fewer rows than a chunk) writes the bits of the kernel launched directly (q_ref, s_ref)."""
+    G_ = ends.numel()
+    C = x.shape[1]
+    saved = kernels.GROUP_COL_CONFIG
+    small = dict(block_m=16, block_c=32, warps=4, amax_block_m=8, amax_block_c=64, amax_warps=4)
+    try:
+        for mode, rows, most in (("one_kernel", 512, 8), ("split", 512, 8), ("split", 2, 5), ("auto", 2, 3)):
+            kernels.GROUP_COL_CONFIG = kernels._frozen({**saved, **small, "mode": mode, "split_rows": rows,
+                                                        "split_max": most, "split_min_rows": 4})
+            chunks = kernels.group_col_chunks(x.shape[0], G_)
+            assert chunks == (1 if mode == "one_kernel" else 2 if rows == 512 else most), (mode, chunks)
+            if per_group:
+                q = torch.empty(G_, C, q_cols, dtype=torch.float8_e4m3fn)
+                kw = dict(stride_qg=C * q_cols, stride_qc=q_cols)
+            else:
+                q = torch.full((C, q_cols), 5.0).to(torch.float8_e4m3fn)
+                kw = dict(stride_qg=0, stride_qc=q_cols)
+            s = torch.full((G_, C), -1.0)
+            kernels.launch_group_cols_t(x, ends, dst, q, s, q_cols=q_cols, align=align, float8_dtype=torch.float8_e4m3fn,
+                                        scale_floor=SCALE_FLOOR, min_pad=min_pad, **kw)
+            assert torch.equal(s, s_ref), (mode, chunks)
+            assert torch.equal(q.view(torch.uint8).reshape(q_ref.shape), q_ref.view(torch.uint8)), (mode, chunks)
+    finally:
+        kernels.GROUP_COL_CONFIG = saved
+
+
 def main():
     torch.manual_seed(int(sys.argv[1]))
     offs = torch.cumsum(torch.tensor([13, 0, 40, 1, 0, 20]), 0).to(torch.int32)
@@ -34,6 +62,7 @@ def main():
         FMAX=448.0, EPS=SCALE_FLOOR, ALIGN=16, MIN_PAD=16, BLOCK_M=16, BLOCK_C=32)
     qp, sp = G.quantize_group_cols(x, offs, M_pad, pad_starts)
     assert torch.equal(s, sp), (s - sp).abs().max()
+    _forms_agree(x, offs, pad_starts, M_pad, q, s, align=16, min_pad=16)
     end = int(pad_ends[-1])
     a, b = q[:, :end].float(), qp[:, :end].float()
     bad = _close(a, b)
@@ -54,6 +83,8 @@ def main():
         sw, E * N, K, K, K * N, N, N, FMAX=448.0, EPS=SCALE_FLOOR, ALIGN=1, MIN_PAD=0, BLOCK_M=16, BLOCK_C=32)
     qp, sp = G.quantize_expert_cols(w)
     assert torch.equal(sw, sp)
+    _forms_agree(w.reshape(E * N, K), torch.arange(1, E + 1, dtype=torch.int32) * N, torch.zeros(E, dtype=torch.int32),
+                 N, qw.reshape(E * K, N), sw, align=1, min_pad=0, per_group=True)
     a, b = qw.float(), qp.float()
     assert _close(a, b).numel() == 0 and float((a != b).float().mean()) < 0.05
     print("ok")

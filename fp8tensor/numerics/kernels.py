@@ -23,7 +23,7 @@ __all__ = [
     "quantize_last_dim_group",
     "row_kernel_available",
     "eager_launch_ok", "transpose_available", "launch_transpose", "quantize_last_dim_group_into",
-    "group_col_kernel_available", "group_col_layout_ok", "launch_group_cols_t",
+    "group_col_chunks", "group_col_kernel_available", "group_col_layout_ok", "launch_group_cols_t",
     "w8_mm_available", "launch_w8_mm", "w8_mm_split", "launch_w8_mm_partials", "W8_MM_CONFIG",
 ]
 
@@ -235,44 +235,98 @@ if _HAS_TRITON:
                  mask=(offs_n[:, None] < N) & (offs_m[None, :] < M))
 
     @triton.jit
+    def _group_col_rows(x_ptr, start, r, size, M, offs_c, cmask, stride_xm):
+        # The float32 tile of the group's rows r (rows past its size, or past M: zeros) at columns offs_c
+        rows = start + r
+        m = (r < size) & (rows < M)
+        return tl.load(x_ptr + rows[:, None] * stride_xm + offs_c[None, :], mask=m[:, None] & cmask[None, :],
+                       other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _group_col_amax(x_ptr, start, r_begin, r_end, size, M, offs_c, cmask, stride_xm, BLOCK_M: tl.constexpr,
+                        BLOCK_C: tl.constexpr):
+        # The column amax of the group's rows [r_begin, min(r_end, size)) (NaN -> inf: the column's scale becomes
+        # inf, its output non-finite)
+        acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+        for r0 in range(r_begin, tl.minimum(r_end, size), BLOCK_M):
+            a = tl.abs(_group_col_rows(x_ptr, start, r0 + tl.arange(0, BLOCK_M), size, M, offs_c, cmask, stride_xm))
+            a = tl.where(a != a, float("inf"), a)
+            acc = tl.maximum(acc, tl.max(a, axis=0))
+        return acc
+
+    @triton.jit
+    def _group_col_cast_t(x_ptr, q_base, start, dst0, r_begin, r_end, size, M, offs_c, cmask, scale, stride_xm,
+                          stride_qc, Q_COLS, FMAX: tl.constexpr, BLOCK_M: tl.constexpr):
+        # The group's rows [r_begin, r_end) (zeros past its size) divided by the column scales, saturated, cast and
+        # stored transposed: row r to column dst0 + r of q (columns below Q_COLS)
+        for r0 in range(r_begin, r_end, BLOCK_M):
+            r = r0 + tl.arange(0, BLOCK_M)
+            x = _group_col_rows(x_ptr, start, r, size, M, offs_c, cmask, stride_xm)
+            y = tl.div_rn(x, scale[None, :])
+            y = tl.clamp(y, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
+            q = tl.trans(y.to(q_base.dtype.element_ty))
+            dst = dst0 + r
+            smask = cmask[:, None] & ((r < r_end) & (dst < Q_COLS))[None, :]
+            tl.store(q_base + offs_c.to(tl.int64)[:, None] * stride_qc + dst[None, :], q, mask=smask)
+
+    @triton.jit
+    def _group_col_chunk(ends_ptr, g, s, S, ALIGN: tl.constexpr, MIN_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+        # Group g's first row, its size, and chunk s of S of its padded rows [0, psize) (BLOCK_M-row multiples)
+        end = tl.load(ends_ptr + g).to(tl.int64)
+        start = tl.load(ends_ptr + g - 1, mask=g > 0, other=0).to(tl.int64)
+        size = tl.maximum(end - start, 0)
+        psize = tl.maximum((size + ALIGN - 1) // ALIGN * ALIGN, MIN_PAD)
+        chunk = (psize + S * BLOCK_M - 1) // (S * BLOCK_M) * BLOCK_M
+        r_begin = s * chunk
+        return start, size, r_begin, tl.minimum(r_begin + chunk, psize)
+
+    @triton.jit
     def _group_col_quant_t_kernel(x_ptr, ends_ptr, dst_ptr, q_ptr, scale_ptr, M, C, stride_xm, stride_qg, stride_qc,
                                   Q_COLS, FMAX: tl.constexpr, EPS: tl.constexpr, ALIGN: tl.constexpr,
                                   MIN_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
         # Program (pid_c, g): columns pid_c * BLOCK_C ... of rows [ends[g-1], ends[g]) of x; see launch_group_cols_t.
+        # Two passes over the group's rows: the column amax, then the cast (mostly from L2).
         pid_c = tl.program_id(0)
         g = tl.program_id(1)
-        end = tl.load(ends_ptr + g).to(tl.int64)
-        start = tl.load(ends_ptr + g - 1, mask=g > 0, other=0).to(tl.int64)
-        dst0 = tl.load(dst_ptr + g).to(tl.int64)
-        size = tl.maximum(end - start, 0)
+        start, size, r_begin, r_end = _group_col_chunk(ends_ptr, g, 0, 1, ALIGN, MIN_PAD, BLOCK_M)
         offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
         cmask = offs_c < C
-        acc = tl.zeros([BLOCK_C], dtype=tl.float32)
-        for r0 in range(0, size, BLOCK_M):
-            r = r0 + tl.arange(0, BLOCK_M)
-            rows = start + r
-            m = (r < size) & (rows < M)
-            x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_c[None, :], mask=m[:, None] & cmask[None, :],
-                        other=0.0).to(tl.float32)
-            a = tl.abs(x)
-            a = tl.where(a != a, float("inf"), a)  # NaN -> inf: the column's scale becomes inf, output non-finite
-            acc = tl.maximum(acc, tl.max(a, axis=0))
+        acc = _group_col_amax(x_ptr, start, 0, r_end, size, M, offs_c, cmask, stride_xm, BLOCK_M, BLOCK_C)
         scale = tl.maximum(acc / FMAX, EPS)
         tl.store(scale_ptr + g * C + offs_c, scale, mask=cmask)
-        psize = tl.maximum((size + ALIGN - 1) // ALIGN * ALIGN, MIN_PAD)
-        q_base = q_ptr + g.to(tl.int64) * stride_qg
-        for r0 in range(0, psize, BLOCK_M):
-            r = r0 + tl.arange(0, BLOCK_M)
-            rows = start + r
-            m = (r < size) & (rows < M)
-            x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_c[None, :], mask=m[:, None] & cmask[None, :],
-                        other=0.0).to(tl.float32)
-            y = tl.div_rn(x, scale[None, :])
-            y = tl.clamp(y, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
-            q = tl.trans(y.to(q_ptr.dtype.element_ty))
-            dst = dst0 + r
-            smask = cmask[:, None] & ((r < psize) & (dst < Q_COLS))[None, :]
-            tl.store(q_base + offs_c.to(tl.int64)[:, None] * stride_qc + dst[None, :], q, mask=smask)
+        _group_col_cast_t(x_ptr, q_ptr + g.to(tl.int64) * stride_qg, start, tl.load(dst_ptr + g).to(tl.int64), 0,
+                          r_end, size, M, offs_c, cmask, scale, stride_xm, stride_qc, Q_COLS, FMAX, BLOCK_M)
+
+    @triton.jit
+    def _group_col_amax_kernel(x_ptr, ends_ptr, amax_ptr, M, C, stride_xm, S, ALIGN: tl.constexpr,
+                               MIN_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+        # Split form, first launch. Program (pid_c, s, g): the column amax of chunk s of group g's rows, atomically
+        # maxed into amax[g] (float32 (G, C), zeros before the launch)
+        pid_c = tl.program_id(0)
+        s = tl.program_id(1)
+        g = tl.program_id(2)
+        start, size, r_begin, r_end = _group_col_chunk(ends_ptr, g, s, S, ALIGN, MIN_PAD, BLOCK_M)
+        offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+        cmask = offs_c < C
+        acc = _group_col_amax(x_ptr, start, r_begin, r_end, size, M, offs_c, cmask, stride_xm, BLOCK_M, BLOCK_C)
+        tl.atomic_max(amax_ptr + g * C + offs_c, acc, mask=cmask & ((offs_c * 0 + r_begin) < size), sem="relaxed")
+
+    @triton.jit
+    def _group_col_cast_t_kernel(x_ptr, ends_ptr, dst_ptr, amax_ptr, q_ptr, scale_ptr, M, C, stride_xm, stride_qg,
+                                 stride_qc, Q_COLS, S, FMAX: tl.constexpr, EPS: tl.constexpr, ALIGN: tl.constexpr,
+                                 MIN_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+        # Split form, second launch. Program (pid_c, s, g): chunk s of group g's padded rows cast with the scales of
+        # amax[g] (the one-launch kernel's expression); chunk 0 stores the scales
+        pid_c = tl.program_id(0)
+        s = tl.program_id(1)
+        g = tl.program_id(2)
+        start, size, r_begin, r_end = _group_col_chunk(ends_ptr, g, s, S, ALIGN, MIN_PAD, BLOCK_M)
+        offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+        cmask = offs_c < C
+        scale = tl.maximum(tl.load(amax_ptr + g * C + offs_c, mask=cmask, other=0.0) / FMAX, EPS)
+        tl.store(scale_ptr + g * C + offs_c, scale, mask=cmask & ((offs_c * 0 + s) == 0))
+        _group_col_cast_t(x_ptr, q_ptr + g.to(tl.int64) * stride_qg, start, tl.load(dst_ptr + g).to(tl.int64),
+                          r_begin, r_end, size, M, offs_c, cmask, scale, stride_xm, stride_qc, Q_COLS, FMAX, BLOCK_M)
 
 
 # ---------------------------------------------------------------------------------------------- eager launches
@@ -805,10 +859,28 @@ def launch_transpose(src: torch.Tensor) -> torch.Tensor:
     return dst
 
 
-#: Tiles of the per-group column quantization kernel (the same bits for any). 128 x 16: the fastest of six candidates
-#: in an A/B on H100 at 16384 tokens over 8 groups (C = 768-7168) and 65536 over 128 (C = 768, 2048), ahead of the
-#: earlier 128 x 32 at each.
-GROUP_COL_CONFIG = _frozen(dict(block_m=128, block_c=16, warps=4))
+#: Tiles of the per-group column quantization (the same bits for any, in either form). One launch, a program per
+#: (column strip, group) reading its group twice: 128 x 16 tiles, the fastest of six candidates in an A/B on H100 at
+#: 16384 tokens over 8 groups (C = 768-7168) and 65536 over 128 (C = 768, 2048). Split form (mode "auto": groups of
+#: ``split_min_rows`` rows or more on average; "split" / "one_kernel" force a form): each group's rows in
+#: ``min(split_max, rows // split_rows)`` chunks, an amax launch (``amax_*`` tiles; atomic max per chunk) then a cast
+#: launch (``block_m`` x ``block_c``). On H100 at 16384 tokens over 8 groups the split (4 chunks) took 84 against
+#: 120 µs at C = 2048 and 265 against 281 µs at C = 7168; at 65536 tokens over 128 groups the one launch was ahead
+#: (287 against 322 µs at C = 2048 with one chunk, 128 against 147 at C = 768 with two).
+GROUP_COL_CONFIG = _frozen(dict(block_m=128, block_c=16, warps=4, mode="auto", split_min_rows=1024, split_rows=512,
+                                split_max=8, amax_block_m=128, amax_block_c=64, amax_warps=4))
+
+
+def group_col_chunks(M: int, G: int) -> int:
+    """How many chunks :func:`launch_group_cols_t` splits each group's rows into for ``M`` rows over ``G`` groups
+    (1: the one-launch kernel), from :data:`GROUP_COL_CONFIG` and the shapes alone (no device value read)."""
+    c = GROUP_COL_CONFIG
+    rows = M // max(G, 1)
+    if c["mode"] == "one_kernel":
+        return 1
+    if c["mode"] == "split":
+        return max(2, min(c["split_max"], rows // c["split_rows"]))
+    return min(c["split_max"], rows // c["split_rows"]) if rows >= c["split_min_rows"] else 1
 
 
 def group_col_layout_ok(x: torch.Tensor) -> bool:
@@ -835,8 +907,9 @@ def launch_group_cols_t(x: torch.Tensor, ends: torch.Tensor, dst: torch.Tensor, 
     Group ``g`` holds rows ``[ends[g-1], ends[g])`` (``ends`` int32 ``(G,)``, cumulative; ``ends[-1]`` of 0 for
     ``g == 0``). Its column scales ``max(amax / fmax, scale_floor)`` go to ``scale[g, c]`` (float32 ``(G, C)``,
     contiguous) and its ``r``-th row, quantized, to ``q.flat[g * stride_qg + c * stride_qc + dst[g] + r]`` for
-    ``r < max(round_up(size, align), min_pad)`` (zeros past the group's rows) and ``dst[g] + r < q_cols``. One read
-    of ``x`` for the amax and one (mostly from L2) for the cast. ``traced=True``: the body of a ``triton_op``
+    ``r < max(round_up(size, align), min_pad)`` (zeros past the group's rows) and ``dst[g] + r < q_cols``. Two reads
+    of ``x``: one for the amax, one for the cast; one launch, or, for large groups (:func:`group_col_chunks`), an
+    amax launch and a cast launch over chunks of each group's rows (the same bits). ``traced=True``: the body of a ``triton_op``
     (``wrap_triton``; ``x`` realized once, :func:`fp8tensor.compat.one_buffer`)."""
     if traced:
         x = compat.one_buffer(x)
@@ -845,11 +918,20 @@ def launch_group_cols_t(x: torch.Tensor, ends: torch.Tensor, dst: torch.Tensor, 
     if G == 0 or C == 0:
         return
     c = GROUP_COL_CONFIG
-    _launch(_group_col_quant_t_kernel, (_cdiv(C, c["block_c"]), G),
-            (x, ends, dst, q, scale, M, C, x.stride(0), stride_qg, stride_qc, q_cols),
-            dict(FMAX=_fmax(float8_dtype), EPS=scale_floor, ALIGN=align, MIN_PAD=min_pad,
-                 BLOCK_M=c["block_m"], BLOCK_C=c["block_c"]),
-            c["warps"], x.device, traced=traced)
+    consts = dict(ALIGN=align, MIN_PAD=min_pad, BLOCK_M=c["block_m"], BLOCK_C=c["block_c"])
+    S = group_col_chunks(M, G)
+    if S == 1:
+        _launch(_group_col_quant_t_kernel, (_cdiv(C, c["block_c"]), G),
+                (x, ends, dst, q, scale, M, C, x.stride(0), stride_qg, stride_qc, q_cols),
+                dict(FMAX=_fmax(float8_dtype), EPS=scale_floor, **consts), c["warps"], x.device, traced=traced)
+        return
+    amax = torch.zeros(G, C, dtype=torch.float32, device=x.device)
+    _launch(_group_col_amax_kernel, (_cdiv(C, c["amax_block_c"]), S, G), (x, ends, amax, M, C, x.stride(0), S),
+            dict(ALIGN=align, MIN_PAD=min_pad, BLOCK_M=c["amax_block_m"], BLOCK_C=c["amax_block_c"]),
+            c["amax_warps"], x.device, traced=traced)
+    _launch(_group_col_cast_t_kernel, (_cdiv(C, c["block_c"]), S, G),
+            (x, ends, dst, amax, q, scale, M, C, x.stride(0), stride_qg, stride_qc, q_cols, S),
+            dict(FMAX=_fmax(float8_dtype), EPS=scale_floor, **consts), c["warps"], x.device, traced=traced)
 
 
 # ------------------------------------------------------------------------------ small-M fp8-weight GEMM (decode)

@@ -113,6 +113,41 @@ def test_group_col_kernel_matches_plain_ops(dtype, monkeypatch):
     assert torch.equal(sk, sp) and torch.equal(qk.view(torch.uint8), qp.view(torch.uint8))
 
 
+@pytest.mark.skipif(not kernels.HAS_TRITON, reason="needs Triton")
+@pytest.mark.parametrize("mode", ["one_kernel", "split", "auto"])
+def test_group_col_kernel_forms_agree_at_moe_shapes(mode, monkeypatch):
+    # The one-launch kernel and the split form (amax launch, then cast launch over chunks of each group's rows) write
+    # the bits of the plain ops at a DeepSeek-V3-like token count (groups of ~2000 rows: "auto" splits them), uneven
+    # groups with an empty one, tokens and expert weights; with NaN and inf in the tokens, the bits of the one launch.
+    table = kernels.GROUP_COL_CONFIG
+    monkeypatch.setattr(kernels, "GROUP_COL_CONFIG", kernels._frozen({**table, "mode": mode}))
+    torch.manual_seed(0)
+    sizes = [3000, 0, 2048, 1, 4500, 17, 2600, 4200]
+    offs = _offs(sizes)
+    M = int(offs[-1]) + 5
+    x = torch.randn(M, 1040, device=DEV, dtype=torch.bfloat16) * torch.logspace(-3, 3, 1040, device=DEV).bfloat16()
+    M_pad, pad_ends, pad_starts = G.padded_offsets(offs, M)
+    end = int(pad_ends[-1])
+    assert kernels.group_col_chunks(M, len(sizes)) == {"one_kernel": 1, "split": 3, "auto": 3}[mode]
+    qk, sk = G.quantize_group_cols(x, offs, M_pad, pad_starts)
+    w = torch.randn(4, 2048, 272, device=DEV, dtype=torch.bfloat16)
+    qwk, swk = G.quantize_expert_cols(w)
+    xs = x.clone()
+    xs[5, 7], xs[3100, 9], xs[9000, 1039] = float("nan"), float("inf"), -float("inf")
+    qsk, ssk = G.quantize_group_cols(xs, offs, M_pad, pad_starts)
+    with monkeypatch.context() as m:
+        m.setattr(kernels, "group_col_kernel_available", lambda t: False)
+        qp, sp = G.quantize_group_cols(x, offs, M_pad, pad_starts)
+        qwp, swp = G.quantize_expert_cols(w)
+    assert torch.equal(sk, sp)
+    assert torch.equal(qk[:, :end].view(torch.uint8), qp[:, :end].view(torch.uint8))
+    assert torch.equal(swk, swp) and torch.equal(qwk.view(torch.uint8), qwp.view(torch.uint8))
+    monkeypatch.setattr(kernels, "GROUP_COL_CONFIG", kernels._frozen({**table, "mode": "one_kernel"}))
+    qs1, ss1 = G.quantize_group_cols(xs, offs, M_pad, pad_starts)
+    assert torch.equal(ssk, ss1) and ssk[0, 7] == float("inf") and ssk[2, 9] == float("inf")
+    assert torch.equal(qsk[:, :end].view(torch.uint8), qs1[:, :end].view(torch.uint8))
+
+
 class _Experts(nn.Module):
     """Two-GEMM grouped experts with torchtitan's casts (bf16 operands, output cast back)."""
 

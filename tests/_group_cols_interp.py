@@ -1,4 +1,5 @@
-"""Run the per-group column quantization kernel under Triton's interpreter (CPU) and compare with the plain ops.
+"""Run the per-group column quantization kernel (and the row re-cast of expert weights) under Triton's interpreter
+(CPU) and compare with the plain ops.
 
 Invoked by tests/test_moe.py in a subprocess with TRITON_INTERPRET=1 (read when the kernels are defined). The
 interpreter's float -> fp8 cast is not the GPU's (it rounds ties away from zero and maps some exact powers of two
@@ -41,8 +42,9 @@ def _forms_agree(x, ends, dst, q_cols, q_ref, s_ref, *, align, min_pad, per_grou
                 q = torch.full((C, q_cols), 5.0).to(torch.float8_e4m3fn)
                 kw = dict(stride_qg=0, stride_qc=q_cols)
             s = torch.full((G_, C), -1.0)
-            kernels.launch_group_cols_t(x, ends, dst, q, s, q_cols=q_cols, align=align, float8_dtype=torch.float8_e4m3fn,
-                                        scale_floor=SCALE_FLOOR, min_pad=min_pad, **kw)
+            kernels.launch_group_cols_t(x, ends, dst, q, s, q_cols=q_cols, align=align,
+                                        float8_dtype=torch.float8_e4m3fn, scale_floor=SCALE_FLOOR, min_pad=min_pad,
+                                        **kw)
             assert torch.equal(s, s_ref), (mode, chunks)
             assert torch.equal(q.view(torch.uint8).reshape(q_ref.shape), q_ref.view(torch.uint8)), (mode, chunks)
     finally:
@@ -87,6 +89,14 @@ def main():
                  N, qw.reshape(E * K, N), sw, align=1, min_pad=0, per_group=True)
     a, b = qw.float(), qp.float()
     assert _close(a, b).numel() == 0 and float((a != b).float().mean()) < 0.05
+    # a master weight's rows re-cast with given scales, stored transposed (grad_input's operand): ragged tiles
+    w = torch.randn(3, 37, 70) * torch.logspace(-2, 2, 70)
+    sr = w.abs().amax(-1) / 448.0
+    qt = torch.empty(3, 70, 37, dtype=torch.float8_e4m3fn)
+    kernels._cast_rows_t_kernel[(triton.cdiv(37, 16), triton.cdiv(70, 32), 3)](
+        w, sr, qt, 37, 70, w.stride(1), w.stride(0), FMAX=448.0, BLOCK_M=16, BLOCK_N=32)
+    ref = torch.clamp(w / sr[..., None], -448.0, 448.0).to(torch.float8_e4m3fn).transpose(-2, -1).float()
+    assert _close(qt.float(), ref).numel() == 0 and float((qt.float() != ref).float().mean()) < 0.05
     print("ok")
 
 

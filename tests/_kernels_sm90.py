@@ -105,6 +105,9 @@ def _record_package_tiles(seen: set, launches: list) -> None:
     K._device_table = lambda values, device: torch.empty(len(values), dtype=torch.int64, device=meta)
     K._launch_group([torch.empty(64, 64, dtype=torch.bfloat16, device=meta)], [0], [0], e4m3, 1e-12)
     K.launch_transpose(torch.empty(4096, 1024, dtype=e4m3, device=meta))
+    for dtype in (torch.bfloat16, torch.float32):  # a master expert weight re-cast for grad_input
+        K.launch_cast_rows_t(torch.empty(8, 2048, 7168, dtype=dtype, device=meta), torch.empty(8, 2048, device=meta),
+                             e4m3)
     for mode in ("one_kernel", "split"):
         saved = K.GROUP_COL_CONFIG
         K.GROUP_COL_CONFIG = K._frozen({**saved, "mode": mode})

@@ -164,6 +164,43 @@ def test_expert_cols():
     assert _rel(q.float() * s[:, :, None], w.transpose(-2, -1)) <= U
 
 
+@pytest.mark.parametrize("sizes", SIZES)
+def test_grad_input_of_a_master_weight_uses_the_forwards_fp8_weight(sizes):
+    # A high-precision weight's grad_input GEMM takes the forward's fp8 weight (its rows re-cast with the forward's
+    # row scales, those scales folded into gy): the gradient of a stored fp8 weight of the same values, bit for bit,
+    # within the two-operand bound of float64.
+    seed = int(torch.randint(0, 2**31, ()))
+    torch.manual_seed(seed)
+    offs = _offs(sizes)
+    M = int(offs[-1])
+    x, w, g = torch.randn(M, K), torch.randn(E, N, K) * torch.logspace(-3, 3, K), torch.randn(M, N)
+    grads = []
+    for b in (nn.Parameter(Fp8MasterWeight(w.clone(), "rowwise")), ScaledFp8Tensor.from_hp(w)):
+        xr = x.clone().requires_grad_()
+        fp8_grouped_mm(xr, b.transpose(-2, -1), offs).backward(g)
+        grads.append(xr.grad)
+    assert torch.equal(grads[0], grads[1]), seed
+    assert _rel(grads[0], _ref(g, w.transpose(-2, -1), offs)) <= TWO, seed
+
+
+def test_cast_rows_t_after():
+    from fp8tensor.numerics.quantize import cast_rows_t_after, quantize
+
+    seed = int(torch.randint(0, 2**31, ()))
+    torch.manual_seed(seed)
+    for shape in ((3, 40, 16), (40, 16), (2, 0, 5)):
+        w = torch.randn(shape, dtype=torch.bfloat16)
+        q, s = quantize(w, -1)
+        qt = cast_rows_t_after(w, s.squeeze(-1), w)
+        assert qt.shape == (*shape[:-2], shape[-1], shape[-2]) and qt.is_contiguous(), seed
+        assert torch.equal(qt.view(torch.uint8), q.transpose(-2, -1).contiguous().view(torch.uint8)), seed
+    w = torch.randn(3, 4)
+    qt = cast_rows_t_after(w * 4, torch.full((3,), w.abs().max().item() / 448.0), w)  # changed after its scales
+    assert torch.isfinite(qt.float()).all() and qt.float().abs().max() == 448.0
+    with pytest.raises(ValueError, match="cast_rows_t_after"):
+        cast_rows_t_after(w, torch.ones(4), w)
+
+
 @pytest.mark.parametrize("recipe", ["rowwise", "rowwise_gw_hp"])
 def test_scaled_fp8_weights(recipe):
     # from_hp of (E, N, K): scales (E, N, 1); forward uses them as stored, grad_input folds them into gy.

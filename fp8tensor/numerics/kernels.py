@@ -23,6 +23,7 @@ __all__ = [
     "quantize_last_dim_group",
     "row_kernel_available",
     "eager_launch_ok", "transpose_available", "launch_transpose", "quantize_last_dim_group_into",
+    "cast_rows_t_available", "launch_cast_rows_t",
     "group_col_chunks", "group_col_kernel_available", "group_col_layout_ok", "launch_group_cols_t",
     "w8_mm_available", "launch_w8_mm", "w8_mm_split", "launch_w8_mm_partials", "W8_MM_CONFIG",
 ]
@@ -232,6 +233,28 @@ if _HAS_TRITON:
         mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
         x = tl.load(src_ptr + offs_m.to(tl.int64)[:, None] * stride_m + offs_n[None, :], mask=mask)
         tl.store(dst_ptr + offs_n.to(tl.int64)[:, None] * M + offs_m[None, :], tl.trans(x),
+                 mask=(offs_n[:, None] < N) & (offs_m[None, :] < M))
+
+    @triton.jit
+    def _cast_rows_t_kernel(src_ptr, s_ptr, dst_ptr, M, N, stride_m, stride_b, FMAX: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        # dst[b] (N, M) row-major = the rows of src[b] (M, N) divided by their scales s[b] (M,), saturated, cast and
+        # transposed (src: row stride stride_m, unit column stride, matrix b at src_ptr + b * stride_b; s contiguous
+        # (B, M); dst at dst_ptr + b * M * N). The row kernel's arithmetic: the same bits for the same scales.
+        b = tl.program_id(2).to(tl.int64)
+        src_ptr += b * stride_b
+        s_ptr += b * M
+        dst_ptr += b * M * N
+        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        x = tl.load(src_ptr + offs_m.to(tl.int64)[:, None] * stride_m + offs_n[None, :], mask=mask,
+                    other=0.0).to(tl.float32)
+        scale = tl.load(s_ptr + offs_m, mask=offs_m < M, other=1.0)
+        y = tl.div_rn(x, scale[:, None])
+        y = tl.clamp(y, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
+        q = tl.trans(y.to(dst_ptr.dtype.element_ty))
+        tl.store(dst_ptr + offs_n.to(tl.int64)[:, None] * M + offs_m[None, :], q,
                  mask=(offs_n[:, None] < N) & (offs_m[None, :] < M))
 
     @triton.jit
@@ -859,6 +882,43 @@ def launch_transpose(src: torch.Tensor) -> torch.Tensor:
     return dst
 
 
+#: Tiles of :func:`launch_cast_rows_t` (any tile gives the same bits).
+CAST_ROWS_T_CONFIG = _frozen(dict(block_m=64, block_n=128, warps=8))
+
+
+def cast_rows_t_available(src: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Whether :func:`launch_cast_rows_t` takes ``src`` and ``scale`` now, launched from Python: a 2-D ``(M, N)`` or
+    3-D ``(B, M, N)`` float32/bf16/fp16 CUDA ``src`` with unit inner stride and at least one element, a contiguous
+    float32 ``scale`` of ``src.shape[:-1]`` on its device, in eager mode (no tracing, no dispatch mode, plain
+    tensors, no autograd recording)."""
+    nd = src.dim()
+    c = CAST_ROWS_T_CONFIG
+    return (_HAS_TRITON and src.is_cuda and nd in (2, 3) and src.dtype in _KERNEL_DTYPES and src.stride(-1) == 1
+            and src.numel() > 0 and src.shape[-1] <= 65535 * c["block_n"] and (nd == 2 or src.shape[0] <= 65535)
+            and src.shape[-2] * src.shape[-1] < 2**31
+            and scale.dtype == torch.float32 and tuple(scale.shape) == tuple(src.shape[:-1])
+            and scale.is_contiguous() and scale.device == src.device
+            and eager_launch_ok(src) and eager_launch_ok(scale)
+            and not (torch.is_grad_enabled() and (src.requires_grad or scale.requires_grad)))
+
+
+def launch_cast_rows_t(src: torch.Tensor, scale: torch.Tensor, float8_dtype: torch.dtype) -> torch.Tensor:
+    """The rows of ``src`` ``(M, N)`` / ``(B, M, N)`` divided by their float32 ``scale`` ``(M,)`` / ``(B, M)``,
+    saturated to ``float8_dtype``'s range and stored transposed: ``(N, M)`` / ``(B, N, M)`` row-major, in one tiled
+    Triton kernel (check :func:`cast_rows_t_available`). The row kernel's arithmetic (``x / scale`` as an IEEE
+    division, then the clamp and the cast): with the scales the row kernel computed, the bits of its output,
+    transposed. An eager launch."""
+    B = src.shape[0] if src.dim() == 3 else 1
+    M, N = src.shape[-2:]
+    dst = torch.empty((*src.shape[:-2], N, M), dtype=float8_dtype, device=src.device)
+    c = CAST_ROWS_T_CONFIG
+    grid = (_cdiv(M, c["block_m"]), _cdiv(N, c["block_n"]), B)
+    _launcher(_cast_rows_t_kernel)(grid, (src, scale, dst, M, N, src.stride(-2), src.stride(0) if B > 1 else 0),
+                                   dict(FMAX=_fmax(float8_dtype), BLOCK_M=c["block_m"], BLOCK_N=c["block_n"]),
+                                   c["warps"], src.device)
+    return dst
+
+
 #: Tiles of the per-group column quantization (the same bits for any, in either form). One launch, a program per
 #: (column strip, group) reading its group twice: 128 x 16 tiles, the fastest of six candidates in an A/B on H100 at
 #: 16384 tokens over 8 groups (C = 768-7168) and 65536 over 128 (C = 768, 2048). Split form (mode "auto": groups of
@@ -909,8 +969,8 @@ def launch_group_cols_t(x: torch.Tensor, ends: torch.Tensor, dst: torch.Tensor, 
     contiguous) and its ``r``-th row, quantized, to ``q.flat[g * stride_qg + c * stride_qc + dst[g] + r]`` for
     ``r < max(round_up(size, align), min_pad)`` (zeros past the group's rows) and ``dst[g] + r < q_cols``. Two reads
     of ``x``: one for the amax, one for the cast; one launch, or, for large groups (:func:`group_col_chunks`), an
-    amax launch and a cast launch over chunks of each group's rows (the same bits). ``traced=True``: the body of a ``triton_op``
-    (``wrap_triton``; ``x`` realized once, :func:`fp8tensor.compat.one_buffer`)."""
+    amax launch and a cast launch over chunks of each group's rows (the same bits). ``traced=True``: the body of a
+    ``triton_op`` (``wrap_triton``; ``x`` realized once, :func:`fp8tensor.compat.one_buffer`)."""
     if traced:
         x = compat.one_buffer(x)
     M, C = x.shape

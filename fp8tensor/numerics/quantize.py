@@ -28,6 +28,7 @@ from . import kernels
 
 __all__ = [
     "quantize", "quantize_group_cols", "quantize_expert_cols", "group_ids", "quantize_rows_into", "transpose_after",
+    "cast_rows_t_after",
     "quantize_group", "quantize_dim0_t", "quantize_dim0_t_after", "after_dep", "quantize_tokens",
     "quantize_token_layouts", "decode_mm", "weight_only_mm",
     "FLOAT8_DTYPES", "E4M3", "E5M2", "check_float8_dtype", "amax_to_scale", "rowwise_scale", "cast_to_fp8",
@@ -652,6 +653,32 @@ _LIB.impl("transpose_after", _transpose_after_impl, "CompositeExplicitAutograd")
 @torch.library.register_fake("fp8tensor::transpose_after", lib=_LIB)
 def _(q, after):
     return q.new_empty((*q.shape[:-2], q.shape[-1], q.shape[-2]))
+
+
+def cast_rows_t_after(x: torch.Tensor, scale: torch.Tensor, after: torch.Tensor,
+                      float8_dtype: torch.dtype = E4M3) -> torch.Tensor:
+    """The rows of ``x`` quantized with given row scales and stored transposed: ``(N, M)`` / ``(B, N, M)`` contiguous
+    ``float8_dtype`` for a high-precision ``x`` ``(M, N)`` / ``(B, M, N)`` and float32 ``scale`` ``(M,)`` /
+    ``(B, M)`` (the dequantization multipliers): ``cast_to_fp8(x, scale[..., None]).transpose(-2, -1)``, with the
+    row kernel's bits when ``scale`` is what it computed (the grad_input operand of expert weights quantized per row
+    in the forward, re-cast in the backward from the forward's scales without another amax pass).
+
+    Eager on CUDA: one tiled Triton kernel (read once, written once); otherwise (CPU, compiled graphs, a mode, a
+    subclass) the plain ops, which inductor fuses into one kernel; compiled, they read :func:`after_dep` of
+    ``after`` (the gradient the result meets), so the cast stays in the backward graph instead of being hoisted into
+    the forward and kept. Values beyond the format's range saturate (an ``x`` changed after its scales were taken is
+    clamped, never non-finite unless it is).
+
+    Raises:
+        ValueError: ``scale`` not of shape ``x.shape[:-1]``, or ``x`` not 2-D or 3-D."""
+    if x.dim() not in (2, 3) or tuple(scale.shape) != tuple(x.shape[:-1]):
+        raise ValueError(f"cast_rows_t_after: expected x (M, N) or (B, M, N) and scale of x.shape[:-1], got "
+                         f"{tuple(x.shape)} and {tuple(scale.shape)}")
+    if kernels.cast_rows_t_available(x, scale) and kernels.eager_launch_ok(after):
+        return kernels.launch_cast_rows_t(x, scale, float8_dtype)
+    if compat.is_compiling():
+        scale = scale + after_dep(after)  # +0.0: the same scales
+    return cast_to_fp8(x, scale[..., None], float8_dtype).transpose(-2, -1).contiguous()
 
 
 def transpose_after(q: torch.Tensor, after: torch.Tensor) -> torch.Tensor:

@@ -9,8 +9,8 @@ import torch
 
 from ..core import compat
 from .linear import _AUTOCAST_TYPES, QuantizeOnUse, autocast_enabled
-from ..numerics.quantize import (E4M3, FLOAT8_DTYPES, quantize, quantize_expert_cols, transpose_after,
-                       quantize_group_cols)
+from ..numerics.quantize import (E4M3, FLOAT8_DTYPES, cast_rows_t_after, quantize, quantize_expert_cols,
+                                 quantize_group_cols, transpose_after)
 from .recipes import Recipe, get_recipe
 from ..core.settings import get_config, read_traced_settings
 from ..subclass.gemm import scaled_mm
@@ -247,7 +247,10 @@ class _Fp8GroupedMM(torch.autograd.Function):
                            fast_accum=recipe.fast_accum_forward)
         ctx.recipe = recipe
         ctx.a_dtype, ctx.b_dtype = a.dtype, b.dtype
-        ctx.save_for_backward(a if ctx.needs_input_grad[1] else None, b if ctx.needs_input_grad[0] else None, offs)
+        gi = ctx.needs_input_grad[0]
+        # a high-precision weight's row scales (E, N): grad_input re-casts the weight with them (the forward's bits)
+        ctx.save_for_backward(a if ctx.needs_input_grad[1] else None, b if gi else None, offs,
+                              ws if gi and fp8 is None else None)
         return out
 
     @staticmethod
@@ -268,7 +271,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
             raise NotImplementedError(
                 "fp8_grouped_mm: double backward (create_graph=True) is not supported: the fp8 gradient GEMMs are "
                 "not differentiable")
-        a, b, offs = ctx.saved_tensors
+        a, b, offs, ws_hp = ctx.saved_tensors
         recipe: Recipe = ctx.recipe
         gy = gy.contiguous()
         M, N = gy.shape
@@ -279,15 +282,18 @@ class _Fp8GroupedMM(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             w, fp8 = _weight_parts(b)
             K = b.shape[1]
+            # scale folding: gy[e] @ (diag(s_e) W8_e) = (gy[e] diag(s_e)) @ W8_e, the product in the row kernel; W8
+            # the forward's fp8 weight (E, K, N) column-major: a stored one transposed, a high-precision one cast
+            # again with the forward's row scales (the same bits, one pass: no column amax)
             if fp8 is None:
-                wq_t, ws_t = quantize_expert_cols(w.contiguous(), recipe.float8_dtype)  # (E, K, N), (E, K)
-                gq, gs = _quantize_rows(gy, E4M3)
-            else:  # scale folding: gy[e] @ (diag(s_e) W8_e) = (gy[e] diag(s_e)) @ W8_e, the product in the row kernel
+                ws = ws_hp
+                wq_t = cast_rows_t_after(w.contiguous(), ws, gy, recipe.float8_dtype)
+            else:
                 w8, ws = fp8
-                wq_t = transpose_after(w8, gy)  # (E, K, N): one tiled kernel on CUDA, in the backward graph
-                ws_t = torch.ones(E, K, dtype=torch.float32, device=gy.device)
-                gq, gs = (quantize(gy, -1, E4M3, col_scale=ws.contiguous(), col_scale_ends=offs) if E
-                          else _quantize_rows(gy.to(torch.float32), E4M3))
+                wq_t = transpose_after(w8, gy)  # one tiled kernel on CUDA, in the backward graph
+            ws_t = torch.ones(E, K, dtype=torch.float32, device=gy.device)
+            gq, gs = (quantize(gy, -1, E4M3, col_scale=ws.contiguous(), col_scale_ends=offs) if E
+                      else _quantize_rows(gy.to(torch.float32), E4M3))
             grad_a = grouped_2d3d(gq, gs.reshape(M), wq_t.transpose(-2, -1), ws_t, offs, ctx.a_dtype,
                                   fast_accum=fast_gi)
         if ctx.needs_input_grad[1]:

@@ -148,6 +148,54 @@ def test_group_col_kernel_forms_agree_at_moe_shapes(mode, monkeypatch):
     assert torch.equal(qsk[:, :end].view(torch.uint8), qs1[:, :end].view(torch.uint8))
 
 
+@pytest.mark.skipif(not kernels.HAS_TRITON, reason="needs Triton")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cast_rows_t_kernel_is_the_row_kernel_transposed(dtype):
+    # The backward's re-cast of a master weight with the forward's row scales: the row kernel's bits, transposed,
+    # at expert shapes and ragged tiles; a weight changed after its scales saturates.
+    from fp8tensor.numerics.quantize import cast_rows_t_after, quantize
+
+    torch.manual_seed(0)
+    for shape in ((8, 2048, 7168), (128, 768, 2048), (3, 70, 200), (1000, 17)):
+        w = torch.randn(shape, device=DEV, dtype=dtype) * torch.logspace(-3, 3, shape[-1], device=DEV).to(dtype)
+        q, s = quantize(w, -1)
+        assert kernels.cast_rows_t_available(w, s.squeeze(-1))
+        qt = cast_rows_t_after(w, s.squeeze(-1), w)
+        assert torch.equal(qt.view(torch.uint8), q.transpose(-2, -1).contiguous().view(torch.uint8)), shape
+    qt = cast_rows_t_after(w * 4, s.squeeze(-1), w)
+    assert torch.isfinite(qt.float()).all() and qt.float().abs().max() == 448.0
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_gw_hp"])
+def test_grad_input_of_a_master_weight_is_the_stored_fp8_weights_on_cuda(recipe):
+    # eager and compiled: a bf16 master's grad_input equals a stored fp8 weight's of the same values (the forward's
+    # fp8 weight, its row scales folded into gy), within the fp8 bound of float64
+    sizes = [1500, 0, 700, 3, 1900]
+    offs = _offs(sizes)
+    M, K, N = int(offs[-1]), 512, 768
+    torch.manual_seed(1)
+    x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(len(sizes), N, K, device=DEV, dtype=torch.bfloat16) * 0.05
+    g = torch.randn(M, N, device=DEV, dtype=torch.bfloat16)
+
+    def grad(b, compiled):
+        xr = x.clone().requires_grad_()
+        f = (lambda a, bb: G.fp8_grouped_mm(a, bb, offs, recipe=recipe))
+        if compiled:
+            torch._dynamo.reset()
+            f = torch.compile(f, fullgraph=True)
+        f(xr, b.transpose(-2, -1)).backward(g)
+        return xr.grad
+
+    stored = grad(ScaledFp8Tensor.from_hp(w), False)
+    for compiled in (False, True):
+        gx = grad(nn.Parameter(Fp8MasterWeight(w.clone(), recipe)), compiled)
+        if not compiled:
+            assert torch.equal(gx, stored)
+        assert rel(gx, _ref(g, w.transpose(-2, -1), offs)) <= BOUND, compiled
+    torch._dynamo.reset()
+
+
 class _Experts(nn.Module):
     """Two-GEMM grouped experts with torchtitan's casts (bf16 operands, output cast back)."""
 

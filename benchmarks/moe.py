@@ -21,10 +21,11 @@ from ``triton.testing.do_bench``. Prints a markdown table; ``--out`` writes the 
 
 Usage: ``PYTHONPATH=. python benchmarks/moe.py [--shapes deepseek,qwen3] [--out moe.json] [--profile]``;
 ``--raw-gemms``: ``torch._scaled_grouped_mm`` alone, fast and slow accumulation, against bf16 ``_grouped_mm``;
-``--quant``: the per-group column quantizations of one step's operands (the grad_weight GEMMs' tokens and gradients,
-the grad_input GEMMs' expert weights) alone, in both forms of the kernel (one launch; split over chunks of each
-group's rows) and the one the package picks, against a copy of the operand (GB/s as read once and written once in
-fp8).
+``--quant``: the quantizations of one step's backward operands alone: the per-group column quantization of the
+grad_weight GEMMs' tokens and gradients in both forms of the kernel (one launch; split over chunks of each group's
+rows) and the one the package picks, against a copy (GB/s as read once and written once in fp8); the grad_input
+GEMMs' expert weights re-cast per row with the forward's scales, against the per-column re-quantization of before
+and a stored fp8 weight's transpose.
 """
 from __future__ import annotations
 
@@ -132,59 +133,75 @@ def raw_gemms(dev, shapes) -> list:
     return out
 
 
-def column_quant(dev, shapes: list) -> list:
-    """µs of :func:`fp8tensor.grouped.quantize_group_cols` / :func:`~fp8tensor.grouped.quantize_expert_cols` per
-    operand of one step, in the kernel's one-launch form, its split form (forced: at least 2 chunks per group) and
-    the form the package picks (the split where ``kernels.group_col_chunks`` gives more than one chunk), CUDA-graph
-    replays (CUDA events), medians."""
+def _graph_us(fn, reps=10, rounds=9):
+    """Median µs per call of ``fn`` over ``rounds`` CUDA-graph replays of ``reps`` calls (CUDA events)."""
+    fn()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    g.replay()
+    ts = []
+    for _ in range(rounds):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3 / reps)
+    return sorted(ts)[len(ts) // 2]
+
+
+def column_quant(dev, shapes: list) -> tuple:
+    """The quantizations of one step's backward operands alone, CUDA-graph replays, medians:
+
+    * tokens: µs of :func:`fp8tensor.grouped.quantize_group_cols` per operand in the kernel's one-launch form, its
+      split form (forced: at least 2 chunks per group) and the form the package picks (the split where
+      ``kernels.group_col_chunks`` gives more than one chunk);
+    * expert weights (grad_input's operand): µs of the per-column re-quantization
+      (:func:`~fp8tensor.grouped.quantize_expert_cols`, the package's form), of the row re-cast with the
+      forward's scales the backward runs (``cast_rows_t_after``) and of a stored fp8 weight's transpose.
+
+    Returns ``(token rows, weight rows)``."""
     from fp8tensor.grouped import padded_offsets, quantize_expert_cols, quantize_group_cols
     from fp8tensor.numerics import kernels
+    from fp8tensor.numerics.quantize import cast_rows_t_after, quantize, transpose_after
 
-    def graph_us(fn, reps=10, rounds=9):
-        fn()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(reps):
-                fn()
-        g.replay()
-        ts = []
-        for _ in range(rounds):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            g.replay()
-            b.record()
-            b.synchronize()
-            ts.append(a.elapsed_time(b) * 1e3 / reps)
-        return sorted(ts)[len(ts) // 2]
-
-    table, out = kernels.GROUP_COL_CONFIG, []
+    table, toks, wts = kernels.GROUP_COL_CONFIG, [], []
     for name in shapes:
         cfg = SHAPES[name]
         E, D, H, M = cfg["experts"], cfg["dim"], cfg["hidden"], cfg["rows"]
         offs = torch.cumsum(torch.tensor(group_sizes(M, E, 16), device=dev), 0).to(torch.int32)
         M_pad, _, pad_starts = padded_offsets(offs, M)
-        ops = [(f"tokens ({M} x {C}, {E} groups)", torch.randn(M, C, device=dev).bfloat16(), M, E,
-                lambda t: quantize_group_cols(t, offs, M_pad, pad_starts)) for C in (D, H)]
-        ops += [(f"expert weights ({E} x {N} x {K})", torch.randn(E, N, K, device=dev).bfloat16(), E * N, E,
-                 quantize_expert_cols) for N, K in ((H, D), (D, H))]
-        for what, t, rows, groups, fn in ops:
-            row = dict(shape=name, operand=what, copy_us=round(graph_us(lambda: t.clone()), 1))
+        for C in (D, H):
+            t = torch.randn(M, C, device=dev).bfloat16()
+            row = dict(shape=name, operand=f"tokens ({M} x {C}, {E} groups)", copy_us=round(_graph_us(t.clone), 1))
             for form in ("one_kernel", "split", "auto"):
                 kernels.GROUP_COL_CONFIG = kernels._frozen({**table, "mode": form})
                 try:
-                    row[f"{form}_chunks"] = kernels.group_col_chunks(rows, groups)
-                    row[f"{form}_us"] = round(graph_us(lambda: fn(t)), 1)
+                    row[f"{form}_chunks"] = kernels.group_col_chunks(M, E)
+                    row[f"{form}_us"] = round(_graph_us(lambda: quantize_group_cols(t, offs, M_pad, pad_starts)), 1)
                 finally:
                     kernels.GROUP_COL_CONFIG = table
             row["gbs"] = round(3 * t.numel() / row["auto_us"] / 1e3)
             row["copy_gbs"] = round(4 * t.numel() / row["copy_us"] / 1e3)
-            out.append(row)
-    return out
+            toks.append(row)
+        for N, K in ((H, D), (D, H)):
+            w = torch.randn(E, N, K, device=dev).bfloat16()
+            q, s = quantize(w, -1)
+            s = s.reshape(E, N)
+            row = dict(shape=name, operand=f"expert weights ({E} x {N} x {K})",
+                       cols_us=round(_graph_us(lambda: quantize_expert_cols(w)), 1),
+                       recast_us=round(_graph_us(lambda: cast_rows_t_after(w, s, w)), 1),
+                       transpose_us=round(_graph_us(lambda: transpose_after(q, w)), 1))
+            row["recast_gbs"] = round(3 * w.numel() / row["recast_us"] / 1e3)
+            wts.append(row)
+    return toks, wts
 
 
 def weights(cfg, dev, master_recipe=None, seed=0, gathered_fp8=False):
@@ -267,18 +284,25 @@ def main() -> None:
                 json.dump(dict(env=env_line(), fp8tensor=fp8tensor.__version__, raw=raw), f, indent=1)
         return
     if args.quant:
-        rows = column_quant(dev, args.shapes.split(","))
-        print(f"\n# per-group column quantization · {env_line()}\n")
+        toks, wts = column_quant(dev, args.shapes.split(","))
+        print(f"\n# per-group column quantization of the tokens · {env_line()}\n")
         print("| shape | operand | copy µs (GB/s) | one launch µs | split µs (chunks) | package µs (chunks) | "
               "GB/s | one launch / package |")
         print("|---|---|---:|---:|---:|---:|---:|---:|")
-        for r in rows:
+        for r in toks:
             print(f"| {r['shape']} | {r['operand']} | {r['copy_us']} ({r['copy_gbs']}) | {r['one_kernel_us']} | "
                   f"{r['split_us']} ({r['split_chunks']}) | {r['auto_us']} ({r['auto_chunks']}) | {r['gbs']} | "
                   f"{r['one_kernel_us'] / r['auto_us']:.2f}x |")
+        print(f"\n# grad_input's expert weights · {env_line()}\n")
+        print("| shape | operand | per-column re-quantization µs | row re-cast µs (GB/s) | fp8 transpose µs |")
+        print("|---|---|---:|---:|---:|")
+        for r in wts:
+            print(f"| {r['shape']} | {r['operand']} | {r['cols_us']} | {r['recast_us']} ({r['recast_gbs']}) | "
+                  f"{r['transpose_us']} |")
         if args.out:
             with open(args.out, "w") as f:
-                json.dump(dict(env=env_line(), fp8tensor=fp8tensor.__version__, rows=rows), f, indent=1)
+                json.dump(dict(env=env_line(), fp8tensor=fp8tensor.__version__, tokens=toks, weights=wts), f,
+                          indent=1)
         return
     ao = None if args.no_peers else torchao_gmm()
     rows = []

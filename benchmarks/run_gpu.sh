@@ -11,7 +11,7 @@
 #   memory-4096  benchmarks/memory.py at dim 4096 (FSDP2, compiled blocks, one AdamW over all parameters)
 #   moe          benchmarks/moe.py (MoE experts forward + backward, DeepSeek-V3-like and Qwen3-30B-A3B-like shapes),
 #                then benchmarks/moe.py --raw-gemms (torch._scaled_grouped_mm alone, fast / slow accumulation, vs bf16)
-#                and benchmarks/moe.py --quant (the per-group column quantizations alone, both kernel forms)
+#                and benchmarks/moe.py --quant (the backward operands' quantizations alone: tokens per group column, weights)
 #   serve        tests/gpu/test_gpu_export.py (torch.export + AOTInductor) and benchmarks/serve.py (decode / prefill,
 #                eager / compile, bf16 / fp8tensor / torchao) at Llama3-8B shapes (SERVE_ARGS="--model readme": the
 #                README model); compiled rows with --parallel

@@ -97,6 +97,10 @@ def main():
         w, sr, qt, 37, 70, w.stride(1), w.stride(0), FMAX=448.0, BLOCK_M=16, BLOCK_N=32)
     ref = torch.clamp(w / sr[..., None], -448.0, 448.0).to(torch.float8_e4m3fn).transpose(-2, -1).float()
     assert _close(qt.float(), ref).numel() == 0 and float((qt.float() != ref).float().mean()) < 0.05
+    # its launch function (the package's tiles; a 3-D weight and a 2-D one): the kernel's bits
+    assert torch.equal(kernels.launch_cast_rows_t(w, sr, torch.float8_e4m3fn).view(torch.uint8), qt.view(torch.uint8))
+    q2 = kernels.launch_cast_rows_t(w[1], sr[1], torch.float8_e4m3fn)
+    assert q2.shape == (70, 37) and torch.equal(q2.view(torch.uint8), qt[1].view(torch.uint8))
     print("ok")
 
 

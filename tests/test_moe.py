@@ -199,6 +199,8 @@ def test_cast_rows_t_after():
     assert torch.isfinite(qt.float()).all() and qt.float().abs().max() == 448.0
     with pytest.raises(ValueError, match="cast_rows_t_after"):
         cast_rows_t_after(w, torch.ones(4), w)
+    with pytest.raises(TypeError, match="cast_rows_t_after"):
+        cast_rows_t_after(w, torch.ones(3), w, torch.bfloat16)
 
 
 @pytest.mark.parametrize("recipe", ["rowwise", "rowwise_gw_hp"])

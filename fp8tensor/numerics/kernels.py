@@ -888,9 +888,10 @@ CAST_ROWS_T_CONFIG = _frozen(dict(block_m=64, block_n=128, warps=8))
 
 def cast_rows_t_available(src: torch.Tensor, scale: torch.Tensor) -> bool:
     """Whether :func:`launch_cast_rows_t` takes ``src`` and ``scale`` now, launched from Python: a 2-D ``(M, N)`` or
-    3-D ``(B, M, N)`` float32/bf16/fp16 CUDA ``src`` with unit inner stride and at least one element, a contiguous
-    float32 ``scale`` of ``src.shape[:-1]`` on its device, in eager mode (no tracing, no dispatch mode, plain
-    tensors, no autograd recording)."""
+    3-D ``(B, M, N)`` float32/bf16/fp16 CUDA ``src`` with unit inner stride and at least one element (``N`` at most
+    65535 column tiles, ``B`` at most 65535, ``M * N`` below 2^31), a contiguous float32 ``scale`` of
+    ``src.shape[:-1]`` on its device, in eager mode (no tracing, no dispatch mode, plain tensors, no autograd
+    recording)."""
     nd = src.dim()
     c = CAST_ROWS_T_CONFIG
     return (_HAS_TRITON and src.is_cuda and nd in (2, 3) and src.dtype in _KERNEL_DTYPES and src.stride(-1) == 1
@@ -907,15 +908,14 @@ def launch_cast_rows_t(src: torch.Tensor, scale: torch.Tensor, float8_dtype: tor
     saturated to ``float8_dtype``'s range and stored transposed: ``(N, M)`` / ``(B, N, M)`` row-major, in one tiled
     Triton kernel (check :func:`cast_rows_t_available`). The row kernel's arithmetic (``x / scale`` as an IEEE
     division, then the clamp and the cast): with the scales the row kernel computed, the bits of its output,
-    transposed. An eager launch."""
+    transposed. An eager launch (off CUDA: Triton's interpreter)."""
     B = src.shape[0] if src.dim() == 3 else 1
     M, N = src.shape[-2:]
     dst = torch.empty((*src.shape[:-2], N, M), dtype=float8_dtype, device=src.device)
     c = CAST_ROWS_T_CONFIG
     grid = (_cdiv(M, c["block_m"]), _cdiv(N, c["block_n"]), B)
-    _launcher(_cast_rows_t_kernel)(grid, (src, scale, dst, M, N, src.stride(-2), src.stride(0) if B > 1 else 0),
-                                   dict(FMAX=_fmax(float8_dtype), BLOCK_M=c["block_m"], BLOCK_N=c["block_n"]),
-                                   c["warps"], src.device)
+    _launch(_cast_rows_t_kernel, grid, (src, scale, dst, M, N, src.stride(-2), src.stride(0) if B > 1 else 0),
+            dict(FMAX=_fmax(float8_dtype), BLOCK_M=c["block_m"], BLOCK_N=c["block_n"]), c["warps"], src.device)
     return dst
 
 
@@ -924,9 +924,9 @@ def launch_cast_rows_t(src: torch.Tensor, scale: torch.Tensor, float8_dtype: tor
 #: 16384 tokens over 8 groups (C = 768-7168) and 65536 over 128 (C = 768, 2048). Split form (mode "auto": groups of
 #: ``split_min_rows`` rows or more on average; "split" / "one_kernel" force a form): each group's rows in
 #: ``min(split_max, rows // split_rows)`` chunks, an amax launch (``amax_*`` tiles; atomic max per chunk) then a cast
-#: launch (``block_m`` x ``block_c``). On H100 at 16384 tokens over 8 groups the split (4 chunks) took 84 against
-#: 120 µs at C = 2048 and 265 against 281 µs at C = 7168; at 65536 tokens over 128 groups the one launch was ahead
-#: (287 against 322 µs at C = 2048 with one chunk, 128 against 147 at C = 768 with two).
+#: launch (``block_m`` x ``block_c``). ``python benchmarks/moe.py --quant`` times both forms per MoE operand
+#: (docs/benchmarks.md, record moe_col_quant_h100: on H100 the split took 86.2 against 121.2 µs at 16384 x 2048
+#: over 8 groups).
 GROUP_COL_CONFIG = _frozen(dict(block_m=128, block_c=16, warps=4, mode="auto", split_min_rows=1024, split_rows=512,
                                 split_max=8, amax_block_m=128, amax_block_c=64, amax_warps=4))
 
@@ -940,7 +940,7 @@ def group_col_chunks(M: int, G: int) -> int:
         return 1
     if c["mode"] == "split":
         return max(2, min(c["split_max"], rows // c["split_rows"]))
-    return min(c["split_max"], rows // c["split_rows"]) if rows >= c["split_min_rows"] else 1
+    return max(1, min(c["split_max"], rows // c["split_rows"])) if rows >= c["split_min_rows"] else 1
 
 
 def group_col_layout_ok(x: torch.Tensor) -> bool:

@@ -670,7 +670,9 @@ def cast_rows_t_after(x: torch.Tensor, scale: torch.Tensor, after: torch.Tensor,
     clamped, never non-finite unless it is).
 
     Raises:
-        ValueError: ``scale`` not of shape ``x.shape[:-1]``, or ``x`` not 2-D or 3-D."""
+        ValueError: ``scale`` not of shape ``x.shape[:-1]``, or ``x`` not 2-D or 3-D.
+        TypeError: ``float8_dtype`` not an fp8 dtype."""
+    check_float8_dtype(float8_dtype, "cast_rows_t_after")
     if x.dim() not in (2, 3) or tuple(scale.shape) != tuple(x.shape[:-1]):
         raise ValueError(f"cast_rows_t_after: expected x (M, N) or (B, M, N) and scale of x.shape[:-1], got "
                          f"{tuple(x.shape)} and {tuple(scale.shape)}")

@@ -10,7 +10,7 @@ import torch
 from ..core import compat
 from .linear import _AUTOCAST_TYPES, QuantizeOnUse, autocast_enabled
 from ..numerics.quantize import (E4M3, FLOAT8_DTYPES, cast_rows_t_after, quantize, quantize_expert_cols,
-                                 quantize_group_cols, transpose_after)
+                                 quantize_group_cols, quantize_rows_group_amax, transpose_after)
 from .recipes import Recipe, get_recipe
 from ..core.settings import get_config, read_traced_settings
 from ..subclass.gemm import scaled_mm
@@ -242,7 +242,13 @@ class _Fp8GroupedMM(torch.autograd.Function):
             ws = ws.reshape(E, N)
         else:
             wq, ws = fp8
-        aq, as_ = _quantize_rows(a, E4M3)
+        a_amax = None
+        if ctx.needs_input_grad[1] and recipe.grad_weight_fp8 and offs.numel():
+            # the row quantization also takes the tokens' per-group column amax (float32 (E, K)): grad_weight's
+            # column quantization of a is then its cast alone
+            aq, as_, a_amax = quantize_rows_group_amax(a.contiguous(), offs, E4M3)
+        else:
+            aq, as_ = _quantize_rows(a, E4M3)
         out = grouped_2d3d(aq, as_.reshape(M), wq.transpose(-2, -1), ws, offs, out_dtype,
                            fast_accum=recipe.fast_accum_forward)
         ctx.recipe = recipe
@@ -250,7 +256,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
         gi = ctx.needs_input_grad[0]
         # a high-precision weight's row scales (E, N): grad_input re-casts the weight with them (the forward's bits)
         ctx.save_for_backward(a if ctx.needs_input_grad[1] else None, b if gi else None, offs,
-                              ws if gi and fp8 is None else None)
+                              ws if gi and fp8 is None else None, a_amax)
         return out
 
     @staticmethod
@@ -271,14 +277,15 @@ class _Fp8GroupedMM(torch.autograd.Function):
             raise NotImplementedError(
                 "fp8_grouped_mm: double backward (create_graph=True) is not supported: the fp8 gradient GEMMs are "
                 "not differentiable")
-        a, b, offs, ws_hp = ctx.saved_tensors
+        a, b, offs, ws_hp, a_amax = ctx.saved_tensors
         recipe: Recipe = ctx.recipe
         gy = gy.contiguous()
         M, N = gy.shape
         E = offs.numel()
         fast_gi = recipe.grouped_fast_accum or recipe.grad_input.fast_accum
         fast_gw = recipe.grouped_fast_accum or recipe.grad_weight.fast_accum
-        grad_a = grad_b = None
+        grad_a = grad_b = g_amax = None
+        gw_fp8 = ctx.needs_input_grad[1] and recipe.grad_weight_fp8
         if ctx.needs_input_grad[0]:
             w, fp8 = _weight_parts(b)
             K = b.shape[1]
@@ -292,15 +299,19 @@ class _Fp8GroupedMM(torch.autograd.Function):
                 w8, ws = fp8
                 wq_t = transpose_after(w8, gy)  # one tiled kernel on CUDA, in the backward graph
             ws_t = torch.ones(E, K, dtype=torch.float32, device=gy.device)
-            gq, gs = (quantize(gy, -1, E4M3, col_scale=ws.contiguous(), col_scale_ends=offs) if E
-                      else _quantize_rows(gy.to(torch.float32), E4M3))
+            if E and gw_fp8:  # (the row quantization takes gy's per-group column amax too, for grad_weight)
+                gq, gs, g_amax = quantize_rows_group_amax(gy, offs, E4M3, col_scale=ws.contiguous())
+            elif E:
+                gq, gs = quantize(gy, -1, E4M3, col_scale=ws.contiguous(), col_scale_ends=offs)
+            else:
+                gq, gs = _quantize_rows(gy.to(torch.float32), E4M3)
             grad_a = grouped_2d3d(gq, gs.reshape(M), wq_t.transpose(-2, -1), ws_t, offs, ctx.a_dtype,
                                   fast_accum=fast_gi)
         if ctx.needs_input_grad[1]:
-            if recipe.grad_weight_fp8:
+            if gw_fp8:
                 M_pad, pad_ends, pad_starts = padded_offsets(offs, M)
-                gq_t, gs = quantize_group_cols(gy, offs, M_pad, pad_starts, E4M3)
-                xq_t, xs = quantize_group_cols(a.contiguous(), offs, M_pad, pad_starts, E4M3)
+                gq_t, gs = quantize_group_cols(gy, offs, M_pad, pad_starts, E4M3, amax=g_amax)
+                xq_t, xs = quantize_group_cols(a.contiguous(), offs, M_pad, pad_starts, E4M3, amax=a_amax)
                 grad_w = grouped_2d2d(gq_t, gs, xq_t, xs, pad_ends, torch.promote_types(gy.dtype, a.dtype),
                                       fast_accum=fast_gw)
             else:

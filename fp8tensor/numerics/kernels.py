@@ -1049,8 +1049,9 @@ def launch_group_cols_t(x: torch.Tensor, ends: torch.Tensor, dst: torch.Tensor, 
 
 #: Tiles of the row kernel that also takes the per-group column amax (:func:`launch_row_quant_group_amax`): ``rows``
 #: rows per program (the column amax's atomics: one per column per program and group boundary), ``block_m`` rows at
-#: a time held in registers, whole rows up to ``max_k`` elements, ``warps`` warps.
-ROW_GROUP_AMAX_CONFIG = _frozen(dict(rows=32, block_m=1, max_k=8192, warps=8))
+#: a time held in registers, whole rows up to ``max_k`` elements, ``warps`` warps (``wide_warps`` for rows of more
+#: than 4096 elements: fewer registers per thread, no spills).
+ROW_GROUP_AMAX_CONFIG = _frozen(dict(rows=32, block_m=1, max_k=8192, warps=8, wide_warps=16))
 
 
 def row_group_amax_available(x: torch.Tensor, ends: torch.Tensor) -> bool:
@@ -1086,10 +1087,12 @@ def launch_row_quant_group_amax(x: torch.Tensor, ends: torch.Tensor, float8_dtyp
     scale = torch.empty(M, 1, dtype=torch.float32, device=x.device)
     amax = torch.zeros(G, K, dtype=torch.float32, device=x.device)
     rows = c["rows"] // c["block_m"] * c["block_m"] or c["block_m"]
+    bk = _next_power_of_2(max(K, 16))
     _launch(_row_quant_group_amax_kernel, (_cdiv(M, rows),),
             (x, x if col_scale is None else col_scale, q, scale, ends, amax, M, K, G, rows),
-            dict(FMAX=_fmax(float8_dtype), EPS=scale_floor, BLOCK_M=c["block_m"], BLOCK_K=_next_power_of_2(max(K, 16)),
-                 G_BLOCK=_next_power_of_2(G), HAS_C=col_scale is not None), c["warps"], x.device)
+            dict(FMAX=_fmax(float8_dtype), EPS=scale_floor, BLOCK_M=c["block_m"], BLOCK_K=bk,
+                 G_BLOCK=_next_power_of_2(G), HAS_C=col_scale is not None),
+            c["warps"] if bk * c["block_m"] <= 4096 else c["wide_warps"], x.device)
     return q, scale, amax
 
 

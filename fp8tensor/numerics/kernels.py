@@ -354,13 +354,13 @@ if _HAS_TRITON:
 
     @triton.jit
     def _row_quant_group_amax_kernel(x_ptr, c_ptr, q_ptr, scale_ptr, ends_ptr, amax_ptr, M, K, G, ROWS,
-                                     FMAX: tl.constexpr, EPS: tl.constexpr, BLOCK_M: tl.constexpr,
-                                     BLOCK_K: tl.constexpr, G_BLOCK: tl.constexpr, HAS_C: tl.constexpr):
-        # The one-tile row kernel (rows of K <= BLOCK_K elements, held in registers) over ROWS rows per program,
-        # BLOCK_M at a time, that also takes each token group's column amax of the raw rows (before the HAS_C
-        # multipliers): kept per column in registers while the rows stay in one group, atomically maxed into
-        # amax[g] (float32 (G, K), zeros before the launch) when the group changes and at the end. Rows past the last
-        # end belong to no group (G). The row scales and the fp8 rows are the row kernel's bits.
+                                     FMAX: tl.constexpr, EPS: tl.constexpr, BLOCK_K: tl.constexpr,
+                                     G_BLOCK: tl.constexpr, HAS_C: tl.constexpr):
+        # The one-tile row kernel (a row of K <= BLOCK_K elements held in registers) over ROWS rows per program, one
+        # at a time, that also takes each token group's column amax of the raw rows (before the HAS_C multipliers):
+        # kept per column in registers while the rows stay in one group, atomically maxed into amax[g] (float32
+        # (G, K), zeros before the launch) when the group changes and at the end. Rows past the last end belong to
+        # no group (G). The row scales and the fp8 rows are the row kernel's bits.
         m0 = tl.program_id(0) * ROWS
         offs_k = tl.arange(0, BLOCK_K)
         kmask = offs_k < K
@@ -368,35 +368,30 @@ if _HAS_TRITON:
         ends = tl.load(ends_ptr + offs_g, mask=offs_g < G, other=2**31 - 1)
         cur = tl.sum((ends <= m0).to(tl.int32), axis=0)
         acc = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for i in range(0, ROWS, BLOCK_M):
-            offs_m = m0 + i + tl.arange(0, BLOCK_M)
-            mmask = offs_m < M
-            rows = offs_m.to(tl.int64)[:, None] * K
-            mask = mmask[:, None] & kmask[None, :]
-            x = tl.load(x_ptr + rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+        for i in range(0, ROWS):
+            m = m0 + i
+            row = m.to(tl.int64) * K
+            xmask = kmask & ((offs_k * 0 + m) < M)
+            x = tl.load(x_ptr + row + offs_k, mask=xmask, other=0.0).to(tl.float32)
             a = tl.abs(x)
             a = tl.where(a != a, float("inf"), a)  # NaN -> inf, as the column kernels' amax
-            gid = tl.sum((ends[None, :] <= offs_m[:, None]).to(tl.int32), axis=1)
-            gid = tl.where(mmask, gid, cur)  # (rows past M: zeros, in the current group)
-            g_hi = tl.max(gid, axis=0)
-            for g in range(cur, g_hi + 1):  # the groups of this tile's rows, in order (one, but at a boundary)
-                part = tl.max(tl.where((gid == g)[:, None], a, 0.0), axis=0)
-                if g != cur:
-                    tl.atomic_max(amax_ptr + cur.to(tl.int64) * K + offs_k, acc,
-                                  mask=kmask & ((offs_k * 0 + cur) < G), sem="relaxed")
-                    acc = part
-                    cur = g
-                else:
-                    acc = tl.maximum(acc, part)
-            c_rows = tl.minimum(gid, G - 1).to(tl.int64)[:, None] * K
-            if HAS_C:  # the row's group's multipliers (rows past the last end: the last group's)
-                x = x * tl.load(c_ptr + c_rows + offs_k[None, :], mask=mask, other=0.0)
-                ra = _row_tile_amax(x)
+            g = tl.where(m < M, tl.sum((ends <= m).to(tl.int32), axis=0), cur)  # (rows past M: zeros, no flush)
+            if g != cur:
+                tl.atomic_max(amax_ptr + cur.to(tl.int64) * K + offs_k, acc, mask=kmask & ((offs_k * 0 + cur) < G),
+                              sem="relaxed")
+                acc = a
+                cur = g
             else:
-                ra = tl.max(a, axis=1)
-            scale = tl.maximum(ra / FMAX, EPS)
-            tl.store(scale_ptr + offs_m, scale, mask=mmask)
-            _store_row_tile(q_ptr, rows, offs_k, mask, x, scale, FMAX)
+                acc = tl.maximum(acc, a)
+            if HAS_C:  # the row's group's multipliers (rows past the last end: the last group's)
+                x = x * tl.load(c_ptr + tl.minimum(g, G - 1).to(tl.int64) * K + offs_k, mask=kmask, other=0.0)
+                a = tl.abs(x)
+                a = tl.where(a != a, float("inf"), a)
+            scale = tl.maximum(tl.max(a, axis=0) / FMAX, EPS)
+            tl.store(scale_ptr + m + offs_k * 0, scale + tl.zeros([BLOCK_K], dtype=tl.float32),
+                     mask=(offs_k == 0) & ((offs_k * 0 + m) < M))
+            y = tl.clamp(tl.div_rn(x, scale), -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
+            tl.store(q_ptr + row + offs_k, y.to(q_ptr.dtype.element_ty), mask=xmask)
         tl.atomic_max(amax_ptr + cur.to(tl.int64) * K + offs_k, acc, mask=kmask & ((offs_k * 0 + cur) < G),
                       sem="relaxed")
 
@@ -1048,10 +1043,10 @@ def launch_group_cols_t(x: torch.Tensor, ends: torch.Tensor, dst: torch.Tensor, 
 
 
 #: Tiles of the row kernel that also takes the per-group column amax (:func:`launch_row_quant_group_amax`): ``rows``
-#: rows per program (the column amax's atomics: one per column per program and group boundary), ``block_m`` rows at
-#: a time held in registers, whole rows up to ``max_k`` elements, ``warps`` warps (``wide_warps`` for rows of more
-#: than 4096 elements: fewer registers per thread, no spills).
-ROW_GROUP_AMAX_CONFIG = _frozen(dict(rows=32, block_m=1, max_k=8192, warps=8, wide_warps=16))
+#: rows per program, one at a time held in registers (the column amax's atomics: one per column per program and
+#: group boundary), whole rows up to ``max_k`` elements, ``warps`` warps (``wide_warps`` for rows of more than 4096
+#: elements).
+ROW_GROUP_AMAX_CONFIG = _frozen(dict(rows=32, max_k=8192, warps=8, wide_warps=16, stages=1))
 
 
 def row_group_amax_available(x: torch.Tensor, ends: torch.Tensor) -> bool:
@@ -1086,13 +1081,13 @@ def launch_row_quant_group_amax(x: torch.Tensor, ends: torch.Tensor, float8_dtyp
     q = torch.empty(M, K, dtype=float8_dtype, device=x.device)
     scale = torch.empty(M, 1, dtype=torch.float32, device=x.device)
     amax = torch.zeros(G, K, dtype=torch.float32, device=x.device)
-    rows = c["rows"] // c["block_m"] * c["block_m"] or c["block_m"]
+    rows = max(1, c["rows"])
     bk = _next_power_of_2(max(K, 16))
     _launch(_row_quant_group_amax_kernel, (_cdiv(M, rows),),
             (x, x if col_scale is None else col_scale, q, scale, ends, amax, M, K, G, rows),
-            dict(FMAX=_fmax(float8_dtype), EPS=scale_floor, BLOCK_M=c["block_m"], BLOCK_K=bk,
-                 G_BLOCK=_next_power_of_2(G), HAS_C=col_scale is not None),
-            c["warps"] if bk * c["block_m"] <= 4096 else c["wide_warps"], x.device)
+            dict(FMAX=_fmax(float8_dtype), EPS=scale_floor, BLOCK_K=bk, G_BLOCK=_next_power_of_2(G),
+                 HAS_C=col_scale is not None), c["warps"] if bk <= 4096 else c["wide_warps"], x.device,
+            c["stages"])
     return q, scale, amax
 
 

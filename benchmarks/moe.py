@@ -14,7 +14,9 @@ the extra row ``fp8tensor rowwise (unaligned)`` with the unrounded sizes). Varia
 weights: the same call dispatches to :func:`fp8tensor.grouped.fp8_grouped_mm`), ``fp8tensor rowwise (fp8 weights)``
 (the weights as FSDP2's fp8 all-gather hands them to the experts: row-wise fp8 ``GatheredExperts``, quantized
 once outside the timed step as the all-gather does before it; grad_input folds their row scales into
-``grad_output``), ``fp8tensor rowwise, slow grouped backward`` (``Recipe.grouped_fast_accum=False``: the backward
+``grad_output``), ``fp8tensor rowwise (converted module)`` (the step under
+:class:`~fp8tensor.grouped.Fp8GroupedMMMode`, as a converted experts module runs its forward: w1 and w3 share the
+tokens' quantization), ``fp8tensor rowwise, slow grouped backward`` (``Recipe.grouped_fast_accum=False``: the backward
 GEMMs accumulate slowly, as the Linear's), ``torchao fp8 rowwise``
 (``torchao.prototype.moe_training``'s ``_to_fp8_rowwise_then_scaled_grouped_mm``, when importable). Median times
 from ``triton.testing.do_bench``. Prints a markdown table; ``--out`` writes the rows as JSON.
@@ -30,6 +32,7 @@ and a stored fp8 weight's transpose.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 
@@ -41,6 +44,7 @@ from _util import bench_ms, env_line, top_kernels  # noqa: E402
 
 import fp8tensor  # noqa: E402
 from fp8tensor import Fp8MasterWeight  # noqa: E402
+from fp8tensor.training.grouped import Fp8GroupedMMMode  # noqa: E402
 from fp8tensor.training.master import GatheredExperts  # noqa: E402
 
 SHAPES = {
@@ -72,11 +76,12 @@ def torchao_gmm():
     return None
 
 
-def experts_step(x, ws, offs, gy, gmm):
+def experts_step(x, ws, offs, gy, gmm, mode=None):
     def step():
         w1, w2, w3 = ws
-        h = F.silu(gmm(x, w1.transpose(-2, -1), offs)) * gmm(x, w3.transpose(-2, -1), offs)
-        y = gmm(h, w2.transpose(-2, -1), offs)
+        with mode() if mode is not None else contextlib.nullcontext():
+            h = F.silu(gmm(x, w1.transpose(-2, -1), offs)) * gmm(x, w3.transpose(-2, -1), offs)
+            y = gmm(h, w2.transpose(-2, -1), offs)
         y.backward(gy)
         for t in (x, *ws):
             t.grad = None
@@ -239,13 +244,14 @@ def run_shape(name: str, cfg: dict, dev, ao, profile: bool) -> list:
         "fp8tensor rowwise (unaligned)": (weights(cfg, dev, "rowwise"), torch_gmm, offs_un),
         "fp8tensor rowwise (fp8 weights)": (weights(cfg, dev, "rowwise", gathered_fp8=True), torch_gmm, offs_al),
         "fp8tensor rowwise, slow grouped backward": (weights(cfg, dev, SLOW_BACKWARD), torch_gmm, offs_al),
+        "fp8tensor rowwise (converted module)": (weights(cfg, dev, "rowwise"), torch_gmm, offs_al, Fp8GroupedMMMode),
     }
     if ao is not None:
         variants["torchao fp8 rowwise"] = (weights(cfg, dev), ao, offs_al)
     flops = 3 * 2 * 3 * rows * cfg["dim"] * cfg["hidden"]  # 3 GEMMs forward, 2x that backward
     out, base = [], None
-    for vname, (ws, gmm, offs) in variants.items():
-        step = experts_step(x, ws, offs, gy, gmm)
+    for vname, (ws, gmm, offs, *mode) in variants.items():
+        step = experts_step(x, ws, offs, gy, gmm, *mode)
         try:
             step()
             ms = bench_ms(step)
@@ -257,7 +263,7 @@ def run_shape(name: str, cfg: dict, dev, ao, profile: bool) -> list:
         row = dict(shape=name, variant=vname, ms=round(ms, 4), tflops=round(flops / ms / 1e9, 1),
                    speedup=round(base / ms, 3) if base else None, **cfg)
         out.append(row)
-        if profile and vname == "fp8tensor rowwise":
+        if profile and vname in ("fp8tensor rowwise", "fp8tensor rowwise (converted module)"):
             print(top_kernels(step))
         del step
         torch.cuda.empty_cache()

@@ -397,6 +397,79 @@ def test_tokens_refilled_between_grouped_gemms_are_quantized_again():
         buf.data.copy_(torch.randn(32, K) * 5)
 
 
+def _swiglu_experts(x, ws, offs):
+    w1, w2, w3 = ws
+    h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)) * torch._grouped_mm(x, w3.transpose(-2, -1),
+                                                                                        offs=offs)
+    return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_gw_hp"])
+def test_experts_mode_quantizes_each_input_once_with_the_same_bits(recipe, monkeypatch):
+    # Under Fp8GroupedMMMode (a converted experts module's forward) w1 and w3 share the tokens' quantization: the
+    # row-wise fp8 in the forward, the per-group column fp8 in the backward, computed once; the outputs and every
+    # gradient are the bits of the unshared calls, also over two backwards of one graph (retain_graph).
+    from fp8tensor.training import grouped as GR
+
+    seed = 3
+    torch.manual_seed(seed)
+    offs = _offs([13, 0, 29, 5])
+    x = torch.randn(50, K, requires_grad=True)
+    ws = [nn.Parameter(Fp8MasterWeight(torch.randn(*shape) * shape[-1] ** -0.5, recipe))
+          for shape in ((E, N, K), (E, K, N), (E, N, K))]
+    gy = torch.randn(50, K)
+    calls = {"rows": [], "cols": []}
+    rows_fn, cols_fn = GR.quantize_rows_group_amax, GR.quantize_group_cols
+    monkeypatch.setattr(GR, "quantize_rows_group_amax",
+                        lambda t, *a, **k: calls["rows"].append((t.shape, "col_scale" in k)) or rows_fn(t, *a, **k))
+    monkeypatch.setattr(GR, "quantize_group_cols",
+                        lambda t, *a, **k: calls["cols"].append(t.shape) or cols_fn(t, *a, **k))
+
+    def run(mode):
+        for t in (x, *ws):
+            t.grad = None
+        calls["rows"].clear(), calls["cols"].clear()
+        with GR.Fp8GroupedMMMode() if mode else torch.enable_grad():
+            y = _swiglu_experts(x, ws, offs)
+        y.backward(gy, retain_graph=True)
+        once = [t.grad.clone() for t in (x, *ws)]
+        y.backward(gy)
+        return y.detach(), once, [t.grad.clone() for t in (x, *ws)], dict(rows=list(calls["rows"]),
+                                                                          cols=list(calls["cols"]))
+
+    y0, g0, gg0, c0 = run(False)
+    y1, g1, gg1, c1 = run(True)
+    assert torch.equal(y0, y1), seed
+    for a, b in zip(g0 + gg0, g1 + gg1):
+        assert torch.equal(a, b), seed
+    for a, b in zip(g0, gg0):
+        assert torch.equal(2 * a, b), seed
+    if recipe == "rowwise":  # (fp8 grad_weight: the column quantizations)
+        fwd0 = [c for c in c0["rows"] if not c[1]]
+        fwd1 = [c for c in c1["rows"] if not c[1]]
+        assert len(fwd0) == 3 and len(fwd1) == 2, (c0, c1)  # x for w1 and w3, h; shared: x once, h
+        # per backward: gy of each GEMM, and the tokens (x twice, h) unshared; x once shared (two backwards)
+        assert len(c0["cols"]) == 2 * 6 and len(c1["cols"]) == 2 * 6 - 1, (c0["cols"], c1["cols"])
+
+
+def test_experts_mode_quantizes_a_changed_input_again():
+    # The shared quantization is found by the input's identity, version and storage: an in-place change of the
+    # tokens between two GEMMs of one block (a version bump) or a .data assignment (new storage) is quantized anew.
+    offs = _offs([3, 0, 20, 9])
+    w1 = nn.Parameter(Fp8MasterWeight(torch.randn(E, N, K)))
+    buf = torch.randn(32, K)
+    from fp8tensor.training.grouped import Fp8GroupedMMMode
+
+    with torch.no_grad(), Fp8GroupedMMMode():
+        y1 = torch._grouped_mm(buf, w1.transpose(-2, -1), offs=offs)
+        buf.mul_(2.0)  # (a power of two: the fp8 values are the same, the scales double)
+        y2 = torch._grouped_mm(buf, w1.transpose(-2, -1), offs=offs)
+        buf.data = torch.randn(32, K)
+        y3 = torch._grouped_mm(buf, w1.transpose(-2, -1), offs=offs)
+    assert torch.equal(y2, 2 * y1)
+    assert _rel(y3[:32], _ref(buf, w1._data, offs)[:32]) <= E4M3_GEMM_BOUND
+
+
 def test_quantize_weights_stores_expert_weights_in_fp8():
     m = Block()
     w = {n: getattr(m.experts, n).detach().clone() for n in ("w1", "w2", "w3")}

@@ -229,11 +229,53 @@ def _check(a, b, offs, op: str) -> None:
                                 "input's rows)")
 
 
+class _SharedTokens:
+    """One input ``a`` of the grouped GEMMs run inside one :class:`Fp8GroupedMMMode` (one forward of a converted
+    experts module), quantized once for every GEMM that reads it (SwiGLU's w1 and w3 read the same tokens): the
+    forward's row-wise fp8 and per-group column amax, computed by the first GEMM and reused by the next, and the
+    backward's per-group column quantization, computed by the first backward and reused by the others."""
+
+    __slots__ = ("a", "version", "ptr", "offs", "offs_version", "rows", "amax", "cols", "pending")
+
+    def __init__(self, a, offs, rows, amax):
+        self.a, self.version, self.ptr = a, a._version, a.data_ptr()
+        self.offs, self.offs_version = offs, offs._version
+        self.rows, self.amax, self.cols, self.pending = rows, amax, None, 0
+
+    def matches(self, a, offs) -> bool:
+        return (self.a is a and self.offs is offs and a._version == self.version and a.data_ptr() == self.ptr
+                and offs._version == self.offs_version)
+
+
+class _TokenMemo:
+    """The :class:`_SharedTokens` of one :class:`Fp8GroupedMMMode` while it is active: an input's entry is found by
+    identity, version counter and data pointer (an in-place change, ``.data`` assignment included, makes a new one).
+    On the mode's exit the entries drop the input and its row-wise fp8 (the backward keeps what it shares)."""
+
+    def __init__(self):
+        self.entries: list = []
+
+    def find(self, a, offs):
+        for e in self.entries:
+            if e.matches(a, offs):
+                return e
+        return None
+
+    def add(self, a, offs, rows, amax):
+        self.entries = [e for e in self.entries if e.a is not a] + [_SharedTokens(a, offs, rows, amax)]
+        return self.entries[-1]
+
+    def close(self) -> None:
+        for e in self.entries:
+            e.a = e.offs = e.rows = None
+        self.entries = []
+
+
 class _Fp8GroupedMM(torch.autograd.Function):
     """``torch._grouped_mm(a, b, offs)`` (2-D x 3-D) with fp8 GEMMs per the recipe."""
 
     @staticmethod
-    def forward(ctx, a, b, offs, recipe: Recipe, out_dtype):
+    def forward(ctx, a, b, offs, recipe: Recipe, out_dtype, tokens: Optional[_TokenMemo] = None):
         E, K, N = b.shape
         M = a.shape[0]
         w, fp8 = _weight_parts(b)
@@ -242,13 +284,23 @@ class _Fp8GroupedMM(torch.autograd.Function):
             ws = ws.reshape(E, N)
         else:
             wq, ws = fp8
-        a_amax = None
-        if ctx.needs_input_grad[1] and recipe.grad_weight_fp8 and offs.numel():
-            # the row quantization also takes the tokens' per-group column amax (float32 (E, K)): grad_weight's
-            # column quantization of a is then its cast alone
-            aq, as_, a_amax = quantize_rows_group_amax(a.contiguous(), offs, E4M3)
+        gw_fp8 = ctx.needs_input_grad[1] and recipe.grad_weight_fp8
+        shared = None if tokens is None else tokens.find(a, offs)
+        if shared is not None and (shared.amax is not None or not gw_fp8 or not offs.numel()):
+            (aq, as_), a_amax = shared.rows, shared.amax  # (quantized by an earlier GEMM of this forward)
         else:
-            aq, as_ = _quantize_rows(a, E4M3)
+            a_amax = None
+            if gw_fp8 and offs.numel():
+                # the row quantization also takes the tokens' per-group column amax (float32 (E, K)): grad_weight's
+                # column quantization of a is then its cast alone
+                aq, as_, a_amax = quantize_rows_group_amax(a.contiguous(), offs, E4M3)
+            else:
+                aq, as_ = _quantize_rows(a, E4M3)
+            if tokens is not None:
+                shared = tokens.add(a, offs, (aq, as_), a_amax)
+        ctx.shared = shared if gw_fp8 else None
+        if ctx.shared is not None:
+            shared.pending += 1  # (backwards still to take its column quantization)
         out = grouped_2d3d(aq, as_.reshape(M), wq.transpose(-2, -1), ws, offs, out_dtype,
                            fast_accum=recipe.fast_accum_forward)
         ctx.recipe = recipe
@@ -311,14 +363,21 @@ class _Fp8GroupedMM(torch.autograd.Function):
             if gw_fp8:
                 M_pad, pad_ends, pad_starts = padded_offsets(offs, M)
                 gq_t, gs = quantize_group_cols(gy, offs, M_pad, pad_starts, E4M3, amax=g_amax)
-                xq_t, xs = quantize_group_cols(a.contiguous(), offs, M_pad, pad_starts, E4M3, amax=a_amax)
+                shared = ctx.shared
+                if shared is not None and shared.cols is not None:  # (another backward of this input made them)
+                    xq_t, xs = shared.cols
+                else:
+                    xq_t, xs = quantize_group_cols(a.contiguous(), offs, M_pad, pad_starts, E4M3, amax=a_amax)
+                if shared is not None:  # kept for the input's other backwards, dropped by the last
+                    shared.pending -= 1
+                    shared.cols = (xq_t, xs) if shared.pending > 0 else None
                 grad_w = grouped_2d2d(gq_t, gs, xq_t, xs, pad_ends, torch.promote_types(gy.dtype, a.dtype),
                                       fast_accum=fast_gw)
             else:
                 dt = torch.promote_types(gy.dtype, a.dtype)
                 grad_w = _grouped_hp_weight_grad(gy.to(dt), a.to(dt), offs, E)
             grad_b = grad_w.transpose(-2, -1).to(ctx.b_dtype)
-        return grad_a, grad_b, None, None, None
+        return grad_a, grad_b, None, None, None, None
 
 
 def fp8_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, *, recipe="rowwise",
@@ -343,8 +402,17 @@ def fp8_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, *, reci
             offsets check above (``torch._assert_async``).
         NotImplementedError: double backward.
     """
+    return _grouped_mm_call(a, b, offs, recipe, out_dtype, None)
+
+
+def _grouped_mm_call(a, b, offs, recipe, out_dtype, tokens: Optional[_TokenMemo]) -> torch.Tensor:
+    """:func:`fp8_grouped_mm`; ``tokens``: the memo of the :class:`Fp8GroupedMMMode` it runs under (eager, plain
+    tensors: inputs quantized once per forward), else None."""
     op = "fp8_grouped_mm"
     r = get_recipe(recipe)
+    if tokens is not None and (compat.is_traced(a) or type(a) is not torch.Tensor or type(offs) is not torch.Tensor
+                               or compat.dispatch_modes_active()):
+        tokens = None
     if compat.is_compiling():
         read_traced_settings()  # (dynamo guards on them: a later change recompiles)
     _check(a, b, offs, op)
@@ -359,8 +427,8 @@ def fp8_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, *, reci
     if autocast_enabled(a.device.type):
         # the operands as they are, the fp8 GEMMs with autocast off (it would cast their float32 scales)
         with torch.autocast(a.device.type, enabled=False):
-            return _Fp8GroupedMM.apply(a, b, offs, r, out_dtype)
-    return _Fp8GroupedMM.apply(a, b, offs, r, out_dtype)
+            return _Fp8GroupedMM.apply(a, b, offs, r, out_dtype, tokens)
+    return _Fp8GroupedMM.apply(a, b, offs, r, out_dtype, tokens)
 
 
 def _exported_master_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
@@ -463,11 +531,28 @@ class Fp8GroupedMMMode(torch.overrides.TorchFunctionMode):
     """While active, ``torch._grouped_mm`` / ``F.grouped_mm`` of 2-D tokens with 3-D master or ScaledFp8Tensor expert
     weights runs :func:`fp8_grouped_mm`, and a dtype cast of a master (``w.bfloat16()``) keeps it a master.
     Converted grouped-experts modules run their ``forward`` under it. ``recipe``: the recipe of ScaledFp8Tensor
-    weights (a master uses its own)."""
+    weights (a master uses its own).
+
+    In eager mode the GEMMs of one ``with`` block that read the same input tensor (a SwiGLU's w1 and w3) quantize it
+    once: its row-wise fp8 in the forward, its per-group column fp8 in the backward. The shared quantization is
+    found by the input's identity, version counter and data pointer, so an in-place change in between makes a new
+    one; it lives while the block runs (the backward's part until the last backward that takes it)."""
 
     def __init__(self, recipe="rowwise"):
         super().__init__()
         self.recipe = get_recipe(recipe)
+        self._tokens: Optional[_TokenMemo] = None
+
+    def __enter__(self):
+        # (while active: each input's quantization, shared by the GEMMs that read it; see _TokenMemo)
+        self._tokens = _TokenMemo()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        if self._tokens is not None:
+            self._tokens.close()
+            self._tokens = None
+        return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -475,7 +560,7 @@ class Fp8GroupedMMMode(torch.overrides.TorchFunctionMode):
             call = fp8_weight_call(args, kwargs, self.recipe)
             if call is not None:
                 a, b, offs, out_dtype, recipe = call
-                return fp8_grouped_mm(a, b, offs, recipe=recipe, out_dtype=out_dtype)
+                return _grouped_mm_call(a, b, offs, recipe, out_dtype, self._tokens)
         elif func in _CASTS and args and isinstance(args[0], QuantizeOnUse):
             dtype = _cast_target(func, args, kwargs)
             if dtype is not None and dtype.is_floating_point and dtype not in FLOAT8_DTYPES:

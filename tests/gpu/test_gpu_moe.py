@@ -356,3 +356,41 @@ def test_compiled_grouped_backward_runs_the_group_col_kernel(recipe, fused):
     T = int(offs[-1])  # (rows past the last group: unspecified, as torch._grouped_mm's)
     assert rel(y_c[:T], y_e[:T]) <= BOUND and rel(gx_c[:T], gx_e[:T]) <= BOUND
     assert gw_c.isfinite().all() and rel(gw_c, gw_e) <= BOUND
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_gw_hp"])
+def test_experts_mode_shares_the_tokens_quantization_with_the_same_bits_on_cuda(recipe):
+    # On CUDA (the row kernel with the per-group column amax, the column cast from it): SwiGLU experts under
+    # Fp8GroupedMMMode, w1 and w3 sharing the tokens' quantization, give the bits of the unshared calls, and the
+    # fp8 bound against float64.
+    from fp8tensor.training.grouped import Fp8GroupedMMMode
+
+    torch.manual_seed(1)
+    sizes = [300, 0, 517, 45, 1, 700, 0, 64]
+    offs = _offs(sizes)
+    M, D, H = int(offs[-1]) + 3, 512, 256
+    x = torch.randn(M, D, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    ws = [nn.Parameter(Fp8MasterWeight((torch.randn(*s, device=DEV) * s[-1] ** -0.5).bfloat16(), recipe))
+          for s in ((8, H, D), (8, D, H), (8, H, D))]
+    gy = torch.randn(M, D, device=DEV, dtype=torch.bfloat16)
+
+    def run(mode):
+        for t in (x, *ws):
+            t.grad = None
+        with Fp8GroupedMMMode() if mode else torch.enable_grad():
+            w1, w2, w3 = ws
+            h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)) * torch._grouped_mm(
+                x, w3.transpose(-2, -1), offs=offs)
+            y = torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
+        y.backward(gy)
+        return [y.detach()] + [t.grad.clone() for t in (x, *ws)]
+
+    a, b = run(False), run(True)
+    for p, q in zip(a, b):
+        assert torch.equal(p, q)
+    w1 = ws[0]._data.double()
+    ref = _ref(x.detach(), w1, offs)
+    end = int(offs[-1])
+    # (the GEMM of w1 alone: its output against float64, by the two-operand bound)
+    y1 = torch._grouped_mm(x.detach(), ws[0].transpose(-2, -1), offs=offs)
+    assert rel(y1[:end], ref[:end]) <= BOUND

@@ -453,8 +453,9 @@ def test_experts_mode_quantizes_each_input_once_with_the_same_bits(recipe, monke
 
 
 def test_experts_mode_quantizes_a_changed_input_again():
-    # The shared quantization is found by the input's identity, version and storage: an in-place change of the
-    # tokens between two GEMMs of one block (a version bump) or a .data assignment (new storage) is quantized anew.
+    # The shared quantization is found by the input's identity, version and storage, and forgotten on any .data
+    # access: an in-place change of the tokens between two GEMMs of one block (a version bump), a refill through
+    # .data (no version bump) or a .data assignment (new storage) is quantized anew.
     offs = _offs([3, 0, 20, 9])
     w1 = nn.Parameter(Fp8MasterWeight(torch.randn(E, N, K)))
     buf = torch.randn(32, K)
@@ -464,10 +465,35 @@ def test_experts_mode_quantizes_a_changed_input_again():
         y1 = torch._grouped_mm(buf, w1.transpose(-2, -1), offs=offs)
         buf.mul_(2.0)  # (a power of two: the fp8 values are the same, the scales double)
         y2 = torch._grouped_mm(buf, w1.transpose(-2, -1), offs=offs)
-        buf.data = torch.randn(32, K)
+        buf.data.mul_(2.0)
         y3 = torch._grouped_mm(buf, w1.transpose(-2, -1), offs=offs)
-    assert torch.equal(y2, 2 * y1)
-    assert _rel(y3[:32], _ref(buf, w1._data, offs)[:32]) <= E4M3_GEMM_BOUND
+        buf.data = torch.randn(32, K)
+        y4 = torch._grouped_mm(buf, w1.transpose(-2, -1), offs=offs)
+    assert torch.equal(y2, 2 * y1) and torch.equal(y3, 4 * y1)
+    assert _rel(y4[:32], _ref(buf, w1._data, offs)[:32]) <= E4M3_GEMM_BOUND
+
+
+def test_experts_mode_under_inference_mode_and_no_grad(monkeypatch):
+    # Inference tensors (no version counter): the GEMMs run unshared, as before; without grad mode nothing takes the
+    # column amax a backward would need.
+    from fp8tensor.training import grouped as GR
+
+    torch.manual_seed(5)
+    offs = _offs([5, 0, 21, 6])
+    ws = [nn.Parameter(Fp8MasterWeight(torch.randn(*shape) * shape[-1] ** -0.5))
+          for shape in ((E, N, K), (E, K, N), (E, N, K))]
+    x = torch.randn(32, K)
+    with torch.no_grad():
+        ref = _swiglu_experts(x, ws, offs)
+    asked = []
+    rows_fn = GR.quantize_rows_group_amax
+    monkeypatch.setattr(GR, "quantize_rows_group_amax", lambda *a, **k: asked.append(1) or rows_fn(*a, **k))
+    with torch.inference_mode():
+        with GR.Fp8GroupedMMMode():
+            y = _swiglu_experts(torch.randn(32, K) * 0 + x, ws, offs)
+    with torch.no_grad(), GR.Fp8GroupedMMMode():
+        y2 = _swiglu_experts(x, ws, offs)
+    assert torch.equal(y, ref) and torch.equal(y2, ref) and not asked
 
 
 def test_quantize_weights_stores_expert_weights_in_fp8():

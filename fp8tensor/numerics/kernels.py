@@ -25,6 +25,7 @@ __all__ = [
     "eager_launch_ok", "transpose_available", "launch_transpose", "quantize_last_dim_group_into",
     "cast_rows_t_available", "launch_cast_rows_t",
     "group_col_chunks", "group_col_kernel_available", "group_col_layout_ok", "launch_group_cols_t",
+    "row_group_amax_available", "launch_row_quant_group_amax",
     "w8_mm_available", "launch_w8_mm", "w8_mm_split", "launch_w8_mm_partials", "W8_MM_CONFIG",
 ]
 

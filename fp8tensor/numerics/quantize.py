@@ -27,7 +27,8 @@ from ..core.settings import get_config
 from . import kernels
 
 __all__ = [
-    "quantize", "quantize_group_cols", "quantize_rows_group_amax", "quantize_expert_cols", "group_ids", "quantize_rows_into", "transpose_after",
+    "quantize", "quantize_group_cols", "quantize_rows_group_amax",
+    "quantize_expert_cols", "group_ids", "quantize_rows_into", "transpose_after",
     "cast_rows_t_after",
     "quantize_group", "quantize_dim0_t", "quantize_dim0_t_after", "after_dep", "quantize_tokens",
     "quantize_token_layouts", "decode_mm", "weight_only_mm",
@@ -526,10 +527,10 @@ def quantize_rows_group_amax(x: torch.Tensor, offs: torch.Tensor, float8_dtype: 
 
     Returns:
         ``(q, scale, amax)``: ``(q, scale)`` the bits of ``quantize(x, -1, float8_dtype, col_scale=col_scale,
-        col_scale_ends=offs)``; ``amax`` float32 ``(G, K)`` (0 for a group without rows), or None in a traced graph
-        or with no groups (the column quantization then takes its own). Eager CUDA with rows of up to 8192
-        elements: one Triton kernel (:func:`fp8tensor.kernels.launch_row_quant_group_amax`); otherwise the row
-        quantization, then the plain scatter-amax.
+        col_scale_ends=offs)``; ``amax`` float32 ``(G, K)`` (0 for a group without rows; NaN counts as inf) where
+        one Triton kernel took both (:func:`fp8tensor.kernels.launch_row_quant_group_amax`: eager CUDA, rows of up
+        to 8192 elements), else None (the row quantization alone: the column quantization then takes its own amax,
+        as fast as a separate pass can).
 
     Raises:
         TypeError: ``float8_dtype`` is not one of the supported fp8 formats.
@@ -539,9 +540,7 @@ def quantize_rows_group_amax(x: torch.Tensor, offs: torch.Tensor, float8_dtype: 
             and (col_scale is None or (kernels.eager_launch_ok(col_scale) and col_scale.is_contiguous()))):
         return kernels.launch_row_quant_group_amax(x, offs, float8_dtype, SCALE_FLOOR, col_scale)
     q, s = quantize(x, -1, float8_dtype, col_scale=col_scale, col_scale_ends=None if col_scale is None else offs)
-    if compat.is_traced(x) or compat.is_traced(offs) or offs.numel() == 0:
-        return q, s, None
-    return q, s, _group_col_amax(x, offs)[:-1]
+    return q, s, None
 
 
 def quantize_group_cols(x: torch.Tensor, offs: torch.Tensor, M_pad: int, pad_starts: torch.Tensor,

@@ -231,51 +231,62 @@ def _check(a, b, offs, op: str) -> None:
 
 class _SharedTokens:
     """One input ``a`` of the grouped GEMMs run inside one :class:`Fp8GroupedMMMode` (one forward of a converted
-    experts module), quantized once for every GEMM that reads it (SwiGLU's w1 and w3 read the same tokens): the
-    forward's row-wise fp8 and per-group column amax, computed by the first GEMM and reused by the next, and the
-    backward's per-group column quantization, computed by the first backward and reused by the others."""
+    experts module), quantized once for the GEMMs that read it in a row (SwiGLU's w1 and w3 read the same tokens):
+    the forward's row-wise fp8 and per-group column amax, computed by the first GEMM and reused by the next, and the
+    backward's per-group column quantization, computed by the first backward and reused by the others
+    (``pending``: backwards still to take it; the last drops it)."""
 
-    __slots__ = ("a", "version", "ptr", "offs", "offs_version", "rows", "amax", "cols", "pending")
+    __slots__ = ("a", "version", "ptr", "offs", "offs_version", "rows", "amax", "asked", "cols", "pending")
 
-    def __init__(self, a, offs, rows, amax):
+    def __init__(self, a, offs, rows, amax, asked: bool):
         self.a, self.version, self.ptr = a, a._version, a.data_ptr()
         self.offs, self.offs_version = offs, offs._version
-        self.rows, self.amax, self.cols, self.pending = rows, amax, None, 0
+        self.rows, self.amax, self.asked, self.cols, self.pending = rows, amax, asked, None, 0
 
     def matches(self, a, offs) -> bool:
+        """Whether ``a`` and ``offs`` are this entry's tensors, unchanged since (version counters, storage)."""
         return (self.a is a and self.offs is offs and a._version == self.version and a.data_ptr() == self.ptr
                 and offs._version == self.offs_version)
 
+    def close(self) -> None:
+        """Drop what only the forward reads (the input, its row-wise fp8, the amax); the backward's share stays."""
+        self.a = self.offs = self.rows = self.amax = None
+
 
 class _TokenMemo:
-    """The :class:`_SharedTokens` of one :class:`Fp8GroupedMMMode` while it is active: an input's entry is found by
-    identity, version counter and data pointer (an in-place change, ``.data`` assignment included, makes a new one).
-    On the mode's exit the entries drop the input and its row-wise fp8 (the backward keeps what it shares)."""
+    """The :class:`_SharedTokens` of the last input of the grouped GEMMs of one active :class:`Fp8GroupedMMMode`,
+    found by identity, version counter and data pointer (an in-place op makes a new one; the mode forgets it on any
+    ``.data`` access, which can change values without a version bump). A GEMM of another input replaces it; the
+    mode's exit closes it."""
 
     def __init__(self):
-        self.entries: list = []
+        self.last: Optional[_SharedTokens] = None
 
-    def find(self, a, offs):
-        for e in self.entries:
-            if e.matches(a, offs):
-                return e
-        return None
+    def find(self, a, offs) -> Optional[_SharedTokens]:
+        """The entry of ``a`` and ``offs``, or None."""
+        e = self.last
+        return e if e is not None and e.matches(a, offs) else None
 
-    def add(self, a, offs, rows, amax):
-        self.entries = [e for e in self.entries if e.a is not a] + [_SharedTokens(a, offs, rows, amax)]
-        return self.entries[-1]
+    def add(self, a, offs, rows, amax, asked: bool) -> _SharedTokens:
+        """A new entry for ``a`` and ``offs`` with their row-wise fp8 ``rows`` and per-group column amax (``asked``:
+        whether it was asked for; None where no kernel took it), replacing the last one."""
+        self.forget()
+        self.last = _SharedTokens(a, offs, rows, amax, asked)
+        return self.last
 
-    def close(self) -> None:
-        for e in self.entries:
-            e.a = e.offs = e.rows = None
-        self.entries = []
+    def forget(self) -> None:
+        """Close and drop the entry."""
+        if self.last is not None:
+            self.last.close()
+            self.last = None
 
 
 class _Fp8GroupedMM(torch.autograd.Function):
     """``torch._grouped_mm(a, b, offs)`` (2-D x 3-D) with fp8 GEMMs per the recipe."""
 
     @staticmethod
-    def forward(ctx, a, b, offs, recipe: Recipe, out_dtype, tokens: Optional[_TokenMemo] = None):
+    def forward(ctx, a, b, offs, recipe: Recipe, out_dtype, grad_on: bool = True,
+                tokens: Optional[_TokenMemo] = None):
         E, K, N = b.shape
         M = a.shape[0]
         w, fp8 = _weight_parts(b)
@@ -284,9 +295,10 @@ class _Fp8GroupedMM(torch.autograd.Function):
             ws = ws.reshape(E, N)
         else:
             wq, ws = fp8
-        gw_fp8 = ctx.needs_input_grad[1] and recipe.grad_weight_fp8
+        # (grad_on: grad mode where the op was called, off inside forward; without it nothing needs the amax)
+        gw_fp8 = grad_on and ctx.needs_input_grad[1] and recipe.grad_weight_fp8
         shared = None if tokens is None else tokens.find(a, offs)
-        if shared is not None and (shared.amax is not None or not gw_fp8 or not offs.numel()):
+        if shared is not None and (shared.asked or not gw_fp8 or not offs.numel()):
             (aq, as_), a_amax = shared.rows, shared.amax  # (quantized by an earlier GEMM of this forward)
         else:
             a_amax = None
@@ -297,7 +309,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
             else:
                 aq, as_ = _quantize_rows(a, E4M3)
             if tokens is not None:
-                shared = tokens.add(a, offs, (aq, as_), a_amax)
+                shared = tokens.add(a, offs, (aq, as_), a_amax, gw_fp8 and bool(offs.numel()))
         ctx.shared = shared if gw_fp8 else None
         if ctx.shared is not None:
             shared.pending += 1  # (backwards still to take its column quantization)
@@ -308,7 +320,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
         gi = ctx.needs_input_grad[0]
         # a high-precision weight's row scales (E, N): grad_input re-casts the weight with them (the forward's bits)
         ctx.save_for_backward(a if ctx.needs_input_grad[1] else None, b if gi else None, offs,
-                              ws if gi and fp8 is None else None, a_amax)
+                              ws if gi and fp8 is None else None, a_amax if gw_fp8 else None)
         return out
 
     @staticmethod
@@ -338,6 +350,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
         fast_gw = recipe.grouped_fast_accum or recipe.grad_weight.fast_accum
         grad_a = grad_b = g_amax = None
         gw_fp8 = ctx.needs_input_grad[1] and recipe.grad_weight_fp8
+        shared = getattr(ctx, "shared", None)
         if ctx.needs_input_grad[0]:
             w, fp8 = _weight_parts(b)
             K = b.shape[1]
@@ -363,7 +376,6 @@ class _Fp8GroupedMM(torch.autograd.Function):
             if gw_fp8:
                 M_pad, pad_ends, pad_starts = padded_offsets(offs, M)
                 gq_t, gs = quantize_group_cols(gy, offs, M_pad, pad_starts, E4M3, amax=g_amax)
-                shared = ctx.shared
                 if shared is not None and shared.cols is not None:  # (another backward of this input made them)
                     xq_t, xs = shared.cols
                 else:
@@ -377,7 +389,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
                 dt = torch.promote_types(gy.dtype, a.dtype)
                 grad_w = _grouped_hp_weight_grad(gy.to(dt), a.to(dt), offs, E)
             grad_b = grad_w.transpose(-2, -1).to(ctx.b_dtype)
-        return grad_a, grad_b, None, None, None, None
+        return grad_a, grad_b, None, None, None, None, None
 
 
 def fp8_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, *, recipe="rowwise",
@@ -411,8 +423,10 @@ def _grouped_mm_call(a, b, offs, recipe, out_dtype, tokens: Optional[_TokenMemo]
     op = "fp8_grouped_mm"
     r = get_recipe(recipe)
     if tokens is not None and (compat.is_traced(a) or type(a) is not torch.Tensor or type(offs) is not torch.Tensor
-                               or compat.dispatch_modes_active()):
-        tokens = None
+                               or compat.dispatch_modes_active() or torch.is_inference_mode_enabled()
+                               or a.is_inference() or offs.is_inference()):
+        tokens = None  # (inference tensors have no version counter)
+    grad_on = torch.is_grad_enabled()
     if compat.is_compiling():
         read_traced_settings()  # (dynamo guards on them: a later change recompiles)
     _check(a, b, offs, op)
@@ -427,8 +441,8 @@ def _grouped_mm_call(a, b, offs, recipe, out_dtype, tokens: Optional[_TokenMemo]
     if autocast_enabled(a.device.type):
         # the operands as they are, the fp8 GEMMs with autocast off (it would cast their float32 scales)
         with torch.autocast(a.device.type, enabled=False):
-            return _Fp8GroupedMM.apply(a, b, offs, r, out_dtype, tokens)
-    return _Fp8GroupedMM.apply(a, b, offs, r, out_dtype, tokens)
+            return _Fp8GroupedMM.apply(a, b, offs, r, out_dtype, grad_on, tokens)
+    return _Fp8GroupedMM.apply(a, b, offs, r, out_dtype, grad_on, tokens)
 
 
 def _exported_master_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
@@ -475,6 +489,8 @@ _GROUPED_FUNCS = frozenset({torch._grouped_mm, getattr(torch.nn.functional, "gro
 _CAST_DTYPES = ((torch.Tensor.bfloat16, torch.bfloat16), (torch.Tensor.half, torch.float16),
                 (torch.Tensor.float, torch.float32))
 _CASTS = frozenset({torch.Tensor.to, torch.Tensor.type_as, *(f for f, _ in _CAST_DTYPES)})
+#: ``t.data`` and ``t.data = ...`` as a torch function mode sees them.
+_DATA_ACCESS = frozenset({torch.Tensor.data.__get__, torch.Tensor.data.__set__})
 
 
 def is_grouped_mm(func) -> bool:
@@ -533,10 +549,12 @@ class Fp8GroupedMMMode(torch.overrides.TorchFunctionMode):
     Converted grouped-experts modules run their ``forward`` under it. ``recipe``: the recipe of ScaledFp8Tensor
     weights (a master uses its own).
 
-    In eager mode the GEMMs of one ``with`` block that read the same input tensor (a SwiGLU's w1 and w3) quantize it
-    once: its row-wise fp8 in the forward, its per-group column fp8 in the backward. The shared quantization is
-    found by the input's identity, version counter and data pointer, so an in-place change in between makes a new
-    one; it lives while the block runs (the backward's part until the last backward that takes it)."""
+    In eager mode consecutive GEMMs of one ``with`` block that read the same input tensor (a SwiGLU's w1 and w3)
+    quantize it once: its row-wise fp8 in the forward, its per-group column fp8 in the backward. The shared
+    quantization is found by the input's identity, version counter and data pointer, so an in-place op in between
+    makes a new one, and the block forgets it on any ``.data`` access (values changed without a version bump); a
+    write that bypasses torch (through a raw data pointer) is not seen. Off under ``torch.compile``, dispatch modes
+    and inference mode; the backward's part lives until the last backward that takes it."""
 
     def __init__(self, recipe="rowwise"):
         super().__init__()
@@ -550,12 +568,14 @@ class Fp8GroupedMMMode(torch.overrides.TorchFunctionMode):
 
     def __exit__(self, *exc):
         if self._tokens is not None:
-            self._tokens.close()
+            self._tokens.forget()
             self._tokens = None
         return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _DATA_ACCESS and self._tokens is not None:
+            self._tokens.forget()  # (a .data alias can change values without a version bump)
         if func in _GROUPED_FUNCS:
             call = fp8_weight_call(args, kwargs, self.recipe)
             if call is not None:

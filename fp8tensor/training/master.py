@@ -3,6 +3,7 @@ master weights and the fp8 Linear function")."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import warnings
 
 import torch
@@ -137,7 +138,10 @@ class Fp8MasterWeight(torch.Tensor, QuantizeOnUse):
             return _map_tensors(out, lambda t: inner_to_outer.get(id(t), t))
         if func in _PRESERVE:
             recipe, dtype = masters[0].recipe, masters[0].dtype
-            return _map_tensors(out, lambda t: Fp8MasterWeight(t, recipe) if t.dtype == dtype else t)
+            # (a view of a master under inference mode: made outside it, so autograd can share the base's version
+            # counter with the view; an inference tensor has none)
+            with torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext():
+                return _map_tensors(out, lambda t: Fp8MasterWeight(t, recipe) if t.dtype == dtype else t)
         return out
 
     def share_memory_(self) -> "Fp8MasterWeight":

@@ -172,7 +172,7 @@ def test_row_quant_with_group_col_amax_at_moe_shapes(K, folded):
     start = 0
     for e, end in enumerate(offs.tolist()):
         if end > start:
-            ref[e] = x[start:end].float().abs().nan_to_num(nan=float("inf")).amax(0)
+            ref[e] = x[start:end].float().abs().nan_to_num(nan=float("inf"), posinf=float("inf")).amax(0)
         start = end
     assert torch.equal(amax, ref)
     M_pad, pad_ends, pad_starts = G.padded_offsets(offs, M)
@@ -386,11 +386,13 @@ def test_experts_mode_shares_the_tokens_quantization_with_the_same_bits_on_cuda(
         return [y.detach()] + [t.grad.clone() for t in (x, *ws)]
 
     a, b = run(False), run(True)
-    for p, q in zip(a, b):
+    end = int(offs[-1])
+    for p, q in zip(a[:2], b[:2]):  # (rows past offs[-1]: unspecified on CUDA)
+        assert torch.equal(p[:end], q[:end])
+    for p, q in zip(a[2:], b[2:]):
         assert torch.equal(p, q)
     w1 = ws[0]._data.double()
     ref = _ref(x.detach(), w1, offs)
-    end = int(offs[-1])
     # (the GEMM of w1 alone: its output against float64, by the two-operand bound)
     y1 = torch._grouped_mm(x.detach(), ws[0].transpose(-2, -1), offs=offs)
     assert rel(y1[:end], ref[:end]) <= BOUND

@@ -536,7 +536,7 @@ def quantize_rows_group_amax(x: torch.Tensor, offs: torch.Tensor, float8_dtype: 
         TypeError: ``float8_dtype`` is not one of the supported fp8 formats.
     """
     check_float8_dtype(float8_dtype, "quantize_rows_group_amax")
-    if (kernels.row_group_amax_available(x, offs)
+    if (not compat.is_compiling() and kernels.row_group_amax_available(x, offs)
             and (col_scale is None or (kernels.eager_launch_ok(col_scale) and col_scale.is_contiguous()))):
         return kernels.launch_row_quant_group_amax(x, offs, float8_dtype, SCALE_FLOOR, col_scale)
     q, s = quantize(x, -1, float8_dtype, col_scale=col_scale, col_scale_ends=None if col_scale is None else offs)

@@ -79,7 +79,7 @@ def torchao_gmm():
 def experts_step(x, ws, offs, gy, gmm, mode=None):
     def step():
         w1, w2, w3 = ws
-        with mode() if mode is not None else contextlib.nullcontext():
+        with mode(share_inputs=True) if mode is not None else contextlib.nullcontext():
             h = F.silu(gmm(x, w1.transpose(-2, -1), offs)) * gmm(x, w3.transpose(-2, -1), offs)
             y = gmm(h, w2.transpose(-2, -1), offs)
         y.backward(gy)

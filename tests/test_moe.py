@@ -429,7 +429,7 @@ def test_experts_mode_quantizes_each_input_once_with_the_same_bits(recipe, monke
         for t in (x, *ws):
             t.grad = None
         calls["rows"].clear(), calls["cols"].clear()
-        with GR.Fp8GroupedMMMode() if mode else torch.enable_grad():
+        with GR.Fp8GroupedMMMode(share_inputs=True) if mode else torch.enable_grad():
             y = _swiglu_experts(x, ws, offs)
         y.backward(gy, retain_graph=True)
         once = [t.grad.clone() for t in (x, *ws)]
@@ -461,7 +461,7 @@ def test_experts_mode_quantizes_a_changed_input_again():
     buf = torch.randn(32, K)
     from fp8tensor.training.grouped import Fp8GroupedMMMode
 
-    with torch.no_grad(), Fp8GroupedMMMode():
+    with torch.no_grad(), Fp8GroupedMMMode(share_inputs=True):
         y1 = torch._grouped_mm(buf, w1.transpose(-2, -1), offs=offs)
         buf.mul_(2.0)  # (a power of two: the fp8 values are the same, the scales double)
         y2 = torch._grouped_mm(buf, w1.transpose(-2, -1), offs=offs)
@@ -489,11 +489,52 @@ def test_experts_mode_under_inference_mode_and_no_grad(monkeypatch):
     rows_fn = GR.quantize_rows_group_amax
     monkeypatch.setattr(GR, "quantize_rows_group_amax", lambda *a, **k: asked.append(1) or rows_fn(*a, **k))
     with torch.inference_mode():
-        with GR.Fp8GroupedMMMode():
+        with GR.Fp8GroupedMMMode(share_inputs=True):
             y = _swiglu_experts(torch.randn(32, K) * 0 + x, ws, offs)
-    with torch.no_grad(), GR.Fp8GroupedMMMode():
+    with torch.no_grad(), GR.Fp8GroupedMMMode(share_inputs=True):
         y2 = _swiglu_experts(x, ws, offs)
     assert torch.equal(y, ref) and torch.equal(y2, ref) and not asked
+
+
+def test_master_views_and_copies_under_inference_mode_are_as_plain_tensors():
+    # Under inference mode a view of a normal master is a normal tensor (its grouped GEMM runs), a copy an inference
+    # tensor, and views and copies of an inference master inference tensors, as for plain tensors.
+    w = Fp8MasterWeight(torch.randn(E, N, K))
+    with torch.inference_mode():
+        wi = Fp8MasterWeight(torch.randn(E, N, K))
+        v, c, vi, ci = w.transpose(-2, -1), w.clone(), wi.transpose(-2, -1), wi.clone()
+        y = torch._grouped_mm(torch.randn(40, K), v, offs=_offs([10, 0, 20, 10]))
+    assert not v.is_inference() and c.is_inference() and vi.is_inference() and ci.is_inference()
+    assert y.shape == (40, N)
+    with pytest.raises(RuntimeError, match="nference"):
+        vi.add_(1)
+
+
+def test_experts_mode_with_a_graph_break_under_compile():
+    # dynamo supports a graph break inside a torch function mode only with TorchFunctionMode's own __enter__ /
+    # __exit__: a compiled function that enters the mode and breaks its graph inside keeps the eager gradients.
+    from fp8tensor.training.grouped import Fp8GroupedMMMode
+
+    torch.manual_seed(7)
+    offs = _offs([13, 0, 29, 5])
+    w1, w3 = (nn.Parameter(Fp8MasterWeight(torch.randn(E, N, K) * K**-0.5)) for _ in range(2))
+    x = torch.randn(47, K)
+
+    def f(x):
+        with Fp8GroupedMMMode(share_inputs=not torch.compiler.is_compiling()):
+            a = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)
+            torch._dynamo.graph_break()
+            return a * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
+
+    grads = []
+    for fn in (f, torch.compile(f, backend="aot_eager")):
+        torch._dynamo.reset()
+        w1.grad = w3.grad = None
+        xx = x.clone().requires_grad_()
+        fn(xx).sum().backward()
+        grads.append((xx.grad, w1.grad, w3.grad))
+    for a, b in zip(*grads):
+        assert _rel(b, a) <= 1e-5
 
 
 def test_quantize_weights_stores_expert_weights_in_fp8():

@@ -414,8 +414,13 @@ def _grouped_experts_forward(self, *args, **kwargs):
                       "whose GEMMs fp8tensor does not see: they run in high precision (set "
                       "config._experts_implementation to 'grouped_mm' or 'eager' for fp8 experts)", UserWarning,
                       stacklevel=2)
-    with Fp8GroupedMMMode(self.fp8_recipe):
-        return type(self)._fp8_base.forward(self, *args, **kwargs)
+    # (eager: w1 and w3 quantize the tokens they share once, within this call)
+    mode = Fp8GroupedMMMode(self.fp8_recipe, share_inputs=not compat.is_compiling())
+    try:
+        with mode:
+            return type(self)._fp8_base.forward(self, *args, **kwargs)
+    finally:
+        mode.forget_inputs()
 
 
 class Fp8GroupedExpertsMixin:

@@ -549,38 +549,38 @@ class Fp8GroupedMMMode(torch.overrides.TorchFunctionMode):
     Converted grouped-experts modules run their ``forward`` under it. ``recipe``: the recipe of ScaledFp8Tensor
     weights (a master uses its own).
 
-    In eager mode consecutive GEMMs of one ``with`` block that read the same input tensor (a SwiGLU's w1 and w3)
-    quantize it once: its row-wise fp8 in the forward, its per-group column fp8 in the backward. The shared
-    quantization is found by the input's identity, version counter and data pointer, so an in-place op in between
-    makes a new one, and the block forgets it on any ``.data`` access (values changed without a version bump); a
-    write that bypasses torch (through a raw data pointer) is not seen. Off under ``torch.compile``, dispatch modes
-    and inference mode; the backward's part lives until the last backward that takes it."""
+    ``share_inputs=True`` (converted experts modules, one mode per forward call, :meth:`forget_inputs` at its end):
+    in eager mode consecutive GEMMs that read the same input tensor (a SwiGLU's w1 and w3) quantize it once: its
+    row-wise fp8 in the forward, its per-group column fp8 in the backward. The shared quantization is found by the
+    input's identity, version counter and data pointer, so an in-place op in between makes a new one, and the mode
+    forgets it on any ``.data`` access (values changed without a version bump). Writes through an alias with a
+    version counter of its own (``set_`` on the input's storage, ``untyped_storage()``, DLPack or NumPy views, a raw
+    pointer) are not seen. Off under ``torch.compile``, dispatch modes and inference mode; the backward's part lives
+    until the last backward that takes it."""
 
-    def __init__(self, recipe="rowwise"):
+    def __init__(self, recipe="rowwise", *, share_inputs: bool = False):
         super().__init__()
         self.recipe = get_recipe(recipe)
-        self._tokens: Optional[_TokenMemo] = None
+        # (dynamo supports graph breaks under a mode only with TorchFunctionMode's own __enter__ / __exit__: the
+        # memo is made here and closed by its owner, forget_inputs)
+        self._tokens: Optional[_TokenMemo] = _TokenMemo() if share_inputs else None
 
-    def __enter__(self):
-        # (while active: each input's quantization, shared by the GEMMs that read it; see _TokenMemo)
-        self._tokens = _TokenMemo()
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        if self._tokens is not None:
-            self._tokens.forget()
-            self._tokens = None
-        return super().__exit__(*exc)
+    def forget_inputs(self) -> None:
+        """Drop the shared quantization of the last input (``share_inputs=True``; what a backward shares stays)."""
+        tokens = getattr(self, "_tokens", None)
+        if tokens is not None:
+            tokens.forget()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _DATA_ACCESS and self._tokens is not None:
-            self._tokens.forget()  # (a .data alias can change values without a version bump)
+        tokens = getattr(self, "_tokens", None)
+        if func in _DATA_ACCESS and tokens is not None:
+            tokens.forget()  # (a .data alias can change values without a version bump)
         if func in _GROUPED_FUNCS:
             call = fp8_weight_call(args, kwargs, self.recipe)
             if call is not None:
                 a, b, offs, out_dtype, recipe = call
-                return _grouped_mm_call(a, b, offs, recipe, out_dtype, self._tokens)
+                return _grouped_mm_call(a, b, offs, recipe, out_dtype, tokens)
         elif func in _CASTS and args and isinstance(args[0], QuantizeOnUse):
             dtype = _cast_target(func, args, kwargs)
             if dtype is not None and dtype.is_floating_point and dtype not in FLOAT8_DTYPES:

@@ -138,9 +138,12 @@ class Fp8MasterWeight(torch.Tensor, QuantizeOnUse):
             return _map_tensors(out, lambda t: inner_to_outer.get(id(t), t))
         if func in _PRESERVE:
             recipe, dtype = masters[0].recipe, masters[0].dtype
-            # (a view of a master under inference mode: made outside it, so autograd can share the base's version
-            # counter with the view; an inference tensor has none)
-            with torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext():
+            # (a view of a normal master under inference mode: its wrapper made outside inference mode, so autograd
+            # can share the base's version counter with it, as a plain view of a normal tensor; an inference tensor
+            # has none. No op runs inside the block. Other outputs, and views of inference masters, stay as made.)
+            view = any(r.alias_info is not None for r in compat.op_schema(func).returns)
+            leave = view and torch.is_inference_mode_enabled() and not args[0].is_inference()
+            with torch.inference_mode(False) if leave else contextlib.nullcontext():
                 return _map_tensors(out, lambda t: Fp8MasterWeight(t, recipe) if t.dtype == dtype else t)
         return out
 

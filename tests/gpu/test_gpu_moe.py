@@ -377,7 +377,7 @@ def test_experts_mode_shares_the_tokens_quantization_with_the_same_bits_on_cuda(
     def run(mode):
         for t in (x, *ws):
             t.grad = None
-        with Fp8GroupedMMMode() if mode else torch.enable_grad():
+        with Fp8GroupedMMMode(share_inputs=True) if mode else torch.enable_grad():
             w1, w2, w3 = ws
             h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)) * torch._grouped_mm(
                 x, w3.transpose(-2, -1), offs=offs)

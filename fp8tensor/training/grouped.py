@@ -256,8 +256,8 @@ class _SharedTokens:
 class _TokenMemo:
     """The :class:`_SharedTokens` of the last input of the grouped GEMMs of one active :class:`Fp8GroupedMMMode`,
     found by identity, version counter and data pointer (an in-place op makes a new one; the mode forgets it on any
-    ``.data`` access, which can change values without a version bump). A GEMM of another input replaces it; the
-    mode's exit closes it."""
+    ``.data`` access, which can change values without a version bump). A GEMM of another input replaces it; its
+    owner closes it (:meth:`Fp8GroupedMMMode.forget_inputs`, which a converted experts forward calls at its end)."""
 
     def __init__(self):
         self.last: Optional[_SharedTokens] = None

@@ -114,7 +114,10 @@ def raw_gemms(dev, shapes) -> list:
         offs = torch.cumsum(torch.tensor(group_sizes(M, E, 16), device=dev), 0).to(torch.int32)
         M_pad, pends, _ = padded_offsets(offs, M)
         cases = []
-        for what, K, N in (("x @ w1^T", D, H), ("h @ w2^T", H, D)):
+        # (the last two of each kind: w1 and w3 as one GEMM, [w1; w3] of 2H rows: the forward's x @ [w1; w3]^T,
+        # grad_input's [g1, g3] @ [w1; w3] without the add of two products, grad_weight's [g1, g3]^T @ x)
+        for what, K, N in (("x @ w1^T", D, H), ("h @ w2^T", H, D), ("x @ [w1; w3]^T", D, 2 * H),
+                           ("[g1, g3] @ [w1; w3]", 2 * H, D)):
             a = torch.randn(M, K, device=dev).bfloat16()
             b = torch.randn(E, N, K, device=dev).bfloat16().transpose(-2, -1)
             bq = b.transpose(-2, -1).contiguous().to(f8).transpose(-2, -1)
@@ -122,7 +125,7 @@ def raw_gemms(dev, shapes) -> list:
             cases.append((f"2d x 3d {what}", M * K * N, lambda a=a, b=b: torch._grouped_mm(a, b, offs=offs),
                           lambda fast, a=a.to(f8), b=bq, sa=sa, sb=sb: torch._scaled_grouped_mm(
                               a, b, sa, sb, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=fast)))
-        for what, N, K in (("gy_h^T @ x", H, D), ("gy^T @ h", D, H)):
+        for what, N, K in (("gy_h^T @ x", H, D), ("gy^T @ h", D, H), ("[g1, g3]^T @ x", 2 * H, D)):
             gy, x = torch.randn(M, N, device=dev).bfloat16(), torch.randn(M, K, device=dev).bfloat16()
             gq, xq = torch.randn(N, M_pad, device=dev).to(f8), torch.randn(K, M_pad, device=dev).to(f8)
             s1, s2 = torch.rand(E * N, device=dev) + 0.5, torch.rand(E * K, device=dev) + 0.5
@@ -135,6 +138,11 @@ def raw_gemms(dev, shapes) -> list:
             t_slow = do_bench(lambda: f8mm(False), warmup=20, rep=200, return_mode="median")
             out.append(dict(shape=name, gemm=what, bf16_us=round(t_bf * 1e3, 1), fast_us=round(t_fast * 1e3, 1),
                             slow_us=round(t_slow * 1e3, 1), tflops_fast=round(2 * mnk / t_fast / 1e9, 1)))
+        # what grad_input's two products of x cost to add up (autograd's accumulation; one GEMM of [w1; w3] has none)
+        u, v = torch.randn(M, D, device=dev).bfloat16(), torch.randn(M, D, device=dev).bfloat16()
+        t_add = do_bench(lambda: u + v, warmup=20, rep=200, return_mode="median")
+        out.append(dict(shape=name, gemm=f"grad_x add ({M} x {D} bf16)", bf16_us=round(t_add * 1e3, 1),
+                        fast_us=None, slow_us=None, tflops_fast=None))
     return out
 
 
@@ -290,8 +298,9 @@ def main() -> None:
         print("| shape | GEMM | bf16 µs | fp8 fast µs | fp8 slow µs | fast vs bf16 | slow vs fast |")
         print("|---|---|---:|---:|---:|---:|---:|")
         for r in raw:
-            print(f"| {r['shape']} | {r['gemm']} | {r['bf16_us']} | {r['fast_us']} | {r['slow_us']} | "
-                  f"{r['bf16_us'] / r['fast_us']:.2f}x | {r['slow_us'] / r['fast_us']:.2f}x |")
+            ratio = (lambda a, b: f"{a / b:.2f}x" if a and b else "—")
+            print(f"| {r['shape']} | {r['gemm']} | {r['bf16_us']} | {r['fast_us'] or '—'} | {r['slow_us'] or '—'} | "
+                  f"{ratio(r['bf16_us'], r['fast_us'])} | {ratio(r['slow_us'], r['fast_us'])} |")
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(dict(env=env_line(), fp8tensor=fp8tensor.__version__, raw=raw), f, indent=1)

@@ -175,7 +175,8 @@ def column_quant(dev, shapes: list) -> tuple:
 
     * tokens: µs of :func:`fp8tensor.grouped.quantize_group_cols` per operand in the kernel's one-launch form, its
       split form (forced: at least 2 chunks per group) and the form the package picks (the split where
-      ``kernels.group_col_chunks`` gives more than one chunk);
+      ``kernels.group_col_chunks`` gives more than one chunk), beside the same operand's row-wise quantization (the
+      forward's, :func:`~fp8tensor.numerics.quantize.quantize` over the last dim);
     * expert weights (grad_input's operand): µs of the per-column re-quantization
       (:func:`~fp8tensor.grouped.quantize_expert_cols`, the package's form), of the row re-cast with the
       forward's scales the backward runs (``cast_rows_t_after``) and of a stored fp8 weight's transpose.
@@ -183,7 +184,7 @@ def column_quant(dev, shapes: list) -> tuple:
     Returns ``(token rows, weight rows)``."""
     from fp8tensor.grouped import padded_offsets, quantize_expert_cols, quantize_group_cols
     from fp8tensor.numerics import kernels
-    from fp8tensor.numerics.quantize import cast_rows_t_after, quantize, quantize_rows_group_amax, transpose_after
+    from fp8tensor.numerics.quantize import cast_rows_t_after, quantize, transpose_after
 
     table, toks, wts = kernels.GROUP_COL_CONFIG, [], []
     for name in shapes:
@@ -201,13 +202,7 @@ def column_quant(dev, shapes: list) -> tuple:
                     row[f"{form}_us"] = round(_graph_us(lambda: quantize_group_cols(t, offs, M_pad, pad_starts)), 1)
                 finally:
                     kernels.GROUP_COL_CONFIG = table
-            # the forward's row quantization alone and with the per-group column amax taken in the same read; the
-            # column quantization's cast from that amax (the backward's part then)
-            am = quantize_rows_group_amax(t, offs)[2]
-            row["row_us"] = round(_graph_us(lambda: quantize(t, -1)), 1)
-            row["row_amax_us"] = round(_graph_us(lambda: quantize_rows_group_amax(t, offs)), 1)
-            row["cast_us"] = round(_graph_us(lambda: quantize_group_cols(t, offs, M_pad, pad_starts, amax=am)), 1)
-            row["saved_us"] = round(row["row_us"] + row["auto_us"] - row["row_amax_us"] - row["cast_us"], 1)
+            row["row_us"] = round(_graph_us(lambda: quantize(t, -1)), 1)  # (the forward's row-wise quantization)
             row["gbs"] = round(3 * t.numel() / row["auto_us"] / 1e3)
             row["copy_gbs"] = round(4 * t.numel() / row["copy_us"] / 1e3)
             toks.append(row)
@@ -309,19 +304,12 @@ def main() -> None:
         toks, wts = column_quant(dev, args.shapes.split(","))
         print(f"\n# per-group column quantization of the tokens · {env_line()}\n")
         print("| shape | operand | copy µs (GB/s) | one launch µs | split µs (chunks) | package µs (chunks) | "
-              "GB/s | one launch / package |")
-        print("|---|---|---:|---:|---:|---:|---:|---:|")
+              "GB/s | one launch / package | row-wise µs |")
+        print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
         for r in toks:
             print(f"| {r['shape']} | {r['operand']} | {r['copy_us']} ({r['copy_gbs']}) | {r['one_kernel_us']} | "
                   f"{r['split_us']} ({r['split_chunks']}) | {r['auto_us']} ({r['auto_chunks']}) | {r['gbs']} | "
-                  f"{r['one_kernel_us'] / r['auto_us']:.2f}x |")
-        print(f"\n# the tokens' row quantization with the per-group column amax in the same read · {env_line()}\n")
-        print("| shape | operand | row µs | row + column amax µs | column cast from that amax µs | "
-              "saved µs (row + package column - these two) |")
-        print("|---|---|---:|---:|---:|---:|")
-        for r in toks:
-            print(f"| {r['shape']} | {r['operand']} | {r['row_us']} | {r['row_amax_us']} | {r['cast_us']} | "
-                  f"{r['saved_us']} |")
+                  f"{r['one_kernel_us'] / r['auto_us']:.2f}x | {r['row_us']} |")
         print(f"\n# grad_input's expert weights · {env_line()}\n")
         print("| shape | operand | per-column re-quantization µs | row re-cast µs (GB/s) | fp8 transpose µs |")
         print("|---|---|---:|---:|---:|")

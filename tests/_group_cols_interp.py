@@ -101,43 +101,6 @@ def main():
     assert torch.equal(kernels.launch_cast_rows_t(w, sr, torch.float8_e4m3fn).view(torch.uint8), qt.view(torch.uint8))
     q2 = kernels.launch_cast_rows_t(w[1], sr[1], torch.float8_e4m3fn)
     assert q2.shape == (70, 37) and torch.equal(q2.view(torch.uint8), qt[1].view(torch.uint8))
-    # the row kernel that also takes each group's column amax (rows per program across group boundaries, empty
-    # groups, rows past the last group, grouped multipliers folded into the rows): the plain amax exactly, the row
-    # scales exactly, the fp8 rows within one step; the column cast from that amax: the two-read kernel's bits
-    from fp8tensor.numerics import quantize as Q
-
-    saved = kernels.ROW_GROUP_AMAX_CONFIG
-    try:
-        for sizes, K, rows, bm, extra in (([13, 0, 40, 1, 0, 20], 70, 8, 1, 3), ([5, 64, 0, 3], 33, 4, 2, 0),
-                                          ([0, 0, 7], 16, 32, 1, 5)):
-            offs = torch.cumsum(torch.tensor(sizes), 0).to(torch.int32)
-            M = int(offs[-1]) + extra
-            x = (torch.randn(M, K) * torch.logspace(-2, 2, K)).bfloat16()
-            x[1, 2] = float("nan")
-            kernels.ROW_GROUP_AMAX_CONFIG = kernels._frozen({**saved, "rows": rows, "warps": 4})
-            for cs in (None, torch.rand(len(sizes), K) + 0.5):
-                q, s, am = kernels.launch_row_quant_group_amax(x, offs, torch.float8_e4m3fn, SCALE_FLOOR, cs)
-                ref = Q._group_col_amax(x, offs)[:-1].nan_to_num(nan=float("inf"))
-                assert torch.equal(am, ref), (sizes, (am - ref).abs().max())
-                qr, sr = Q.quantize(x, -1, col_scale=cs, col_scale_ends=None if cs is None else offs)
-                rows_ok = torch.arange(M) != 1  # (the NaN row: an infinite scale here, NaN in the plain ops)
-                assert torch.equal(s[rows_ok], sr[rows_ok]) and s[1] == float("inf")
-                assert _close(q[rows_ok].float(), qr[rows_ok].float()).numel() == 0
-            M_pad, pad_ends, pad_starts = G.padded_offsets(offs, M)
-            qc = torch.full((K, M_pad), 5.0).to(torch.float8_e4m3fn)
-            sc = torch.empty(len(sizes), K)
-            kernels.launch_group_cols_t(x, offs, pad_starts, qc, sc, stride_qg=0, stride_qc=M_pad, q_cols=M_pad,
-                                        align=16, float8_dtype=torch.float8_e4m3fn, scale_floor=SCALE_FLOOR,
-                                        min_pad=16, amax=am)
-            q2 = torch.full((K, M_pad), 5.0).to(torch.float8_e4m3fn)
-            s2 = torch.empty(len(sizes), K)
-            kernels.launch_group_cols_t(x, offs, pad_starts, q2, s2, stride_qg=0, stride_qc=M_pad, q_cols=M_pad,
-                                        align=16, float8_dtype=torch.float8_e4m3fn, scale_floor=SCALE_FLOOR,
-                                        min_pad=16)
-            end = int(pad_ends[-1])
-            assert torch.equal(sc, s2) and torch.equal(qc[:, :end].view(torch.uint8), q2[:, :end].view(torch.uint8))
-    finally:
-        kernels.ROW_GROUP_AMAX_CONFIG = saved
     print("ok")
 
 

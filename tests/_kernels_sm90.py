@@ -121,15 +121,6 @@ def _record_package_tiles(seen: set, launches: list) -> None:
                                           align=align, float8_dtype=e4m3, scale_floor=1e-12, min_pad=pad)
         finally:
             K.GROUP_COL_CONFIG = saved
-    for M, C, G in ((16384, 7168, 8), (16384, 2048, 8), (65536, 2048, 128), (65536, 768, 128)):
-        # MoE tokens: the row kernel with the per-group column amax (plain, grouped multipliers), then the cast alone
-        x = torch.empty(M, C, dtype=torch.bfloat16, device=meta)
-        ends = torch.empty(G, dtype=torch.int32, device=meta)
-        for cs in (None, torch.empty(G, C, device=meta)):
-            K.launch_row_quant_group_amax(x, ends, e4m3, 1e-12, cs)
-        K.launch_group_cols_t(x, ends, ends, torch.empty(C * M, dtype=e4m3, device=meta), torch.empty(G, C, device=meta),
-                              stride_qg=0, stride_qc=M, q_cols=M, align=16, float8_dtype=e4m3, scale_floor=1e-12,
-                              min_pad=16, amax=torch.empty(G, C, device=meta))
     for dtype in (torch.bfloat16, torch.float16):
         for M in sorted({1, *K.W8_MM_CONFIG["tiles"]}):
             for N, Kd in ((6144, 4096), (4096, 4096), (14336, 4096), (4096, 14336)):

@@ -419,9 +419,8 @@ def test_experts_mode_quantizes_each_input_once_with_the_same_bits(recipe, monke
           for shape in ((E, N, K), (E, K, N), (E, N, K))]
     gy = torch.randn(50, K)
     calls = {"rows": [], "cols": []}
-    rows_fn, cols_fn = GR.quantize_rows_group_amax, GR.quantize_group_cols
-    monkeypatch.setattr(GR, "quantize_rows_group_amax",
-                        lambda t, *a, **k: calls["rows"].append((t.shape, "col_scale" in k)) or rows_fn(t, *a, **k))
+    rows_fn, cols_fn = GR._quantize_rows, GR.quantize_group_cols
+    monkeypatch.setattr(GR, "_quantize_rows", lambda t, *a, **k: calls["rows"].append(t.shape) or rows_fn(t, *a, **k))
     monkeypatch.setattr(GR, "quantize_group_cols",
                         lambda t, *a, **k: calls["cols"].append(t.shape) or cols_fn(t, *a, **k))
 
@@ -444,10 +443,10 @@ def test_experts_mode_quantizes_each_input_once_with_the_same_bits(recipe, monke
         assert torch.equal(a, b), seed
     for a, b in zip(g0, gg0):
         assert torch.equal(2 * a, b), seed
+    fwd0 = [c for c in c0["rows"] if len(c) == 2]  # (the tokens' row quantizations; the weights' are 3-D)
+    fwd1 = [c for c in c1["rows"] if len(c) == 2]
+    assert len(fwd0) == 3 and len(fwd1) == 2, (c0, c1)  # x for w1 and w3, h; shared: x once, h
     if recipe == "rowwise":  # (fp8 grad_weight: the column quantizations)
-        fwd0 = [c for c in c0["rows"] if not c[1]]
-        fwd1 = [c for c in c1["rows"] if not c[1]]
-        assert len(fwd0) == 3 and len(fwd1) == 2, (c0, c1)  # x for w1 and w3, h; shared: x once, h
         # per backward: gy of each GEMM, and the tokens (x twice, h) unshared; x once shared (two backwards)
         assert len(c0["cols"]) == 2 * 6 and len(c1["cols"]) == 2 * 6 - 1, (c0["cols"], c1["cols"])
 
@@ -473,9 +472,9 @@ def test_experts_mode_quantizes_a_changed_input_again():
     assert _rel(y4[:32], _ref(buf, w1._data, offs)[:32]) <= E4M3_GEMM_BOUND
 
 
-def test_experts_mode_under_inference_mode_and_no_grad(monkeypatch):
-    # Inference tensors (no version counter): the GEMMs run unshared, as before; without grad mode nothing takes the
-    # column amax a backward would need.
+def test_experts_mode_under_inference_mode_and_no_grad():
+    # Inference tensors (no version counter): the GEMMs run unshared, as before; without grad mode the forward's
+    # sharing gives the same bits.
     from fp8tensor.training import grouped as GR
 
     torch.manual_seed(5)
@@ -485,15 +484,12 @@ def test_experts_mode_under_inference_mode_and_no_grad(monkeypatch):
     x = torch.randn(32, K)
     with torch.no_grad():
         ref = _swiglu_experts(x, ws, offs)
-    asked = []
-    rows_fn = GR.quantize_rows_group_amax
-    monkeypatch.setattr(GR, "quantize_rows_group_amax", lambda *a, **k: asked.append(1) or rows_fn(*a, **k))
     with torch.inference_mode():
         with GR.Fp8GroupedMMMode(share_inputs=True):
             y = _swiglu_experts(torch.randn(32, K) * 0 + x, ws, offs)
     with torch.no_grad(), GR.Fp8GroupedMMMode(share_inputs=True):
         y2 = _swiglu_experts(x, ws, offs)
-    assert torch.equal(y, ref) and torch.equal(y2, ref) and not asked
+    assert torch.equal(y, ref) and torch.equal(y2, ref)
 
 
 def test_master_views_and_copies_under_inference_mode_are_as_plain_tensors():

@@ -25,7 +25,6 @@ __all__ = [
     "eager_launch_ok", "transpose_available", "launch_transpose", "quantize_last_dim_group_into",
     "cast_rows_t_available", "launch_cast_rows_t",
     "group_col_chunks", "group_col_kernel_available", "group_col_layout_ok", "launch_group_cols_t",
-    "row_group_amax_available", "launch_row_quant_group_amax",
     "w8_mm_available", "launch_w8_mm", "w8_mm_split", "launch_w8_mm_partials", "W8_MM_CONFIG",
 ]
 
@@ -351,50 +350,6 @@ if _HAS_TRITON:
         tl.store(scale_ptr + g * C + offs_c, scale, mask=cmask & ((offs_c * 0 + s) == 0))
         _group_col_cast_t(x_ptr, q_ptr + g.to(tl.int64) * stride_qg, start, tl.load(dst_ptr + g).to(tl.int64),
                           r_begin, r_end, size, M, offs_c, cmask, scale, stride_xm, stride_qc, Q_COLS, FMAX, BLOCK_M)
-
-
-    @triton.jit
-    def _row_quant_group_amax_kernel(x_ptr, c_ptr, q_ptr, scale_ptr, ends_ptr, amax_ptr, M, K, G, ROWS,
-                                     FMAX: tl.constexpr, EPS: tl.constexpr, BLOCK_K: tl.constexpr,
-                                     G_BLOCK: tl.constexpr, HAS_C: tl.constexpr):
-        # The one-tile row kernel (a row of K <= BLOCK_K elements held in registers) over ROWS rows per program, one
-        # at a time, that also takes each token group's column amax of the raw rows (before the HAS_C multipliers):
-        # kept per column in registers while the rows stay in one group, atomically maxed into amax[g] (float32
-        # (G, K), zeros before the launch) when the group changes and at the end. Rows past the last end belong to
-        # no group (G). The row scales and the fp8 rows are the row kernel's bits.
-        m0 = tl.program_id(0) * ROWS
-        offs_k = tl.arange(0, BLOCK_K)
-        kmask = offs_k < K
-        offs_g = tl.arange(0, G_BLOCK)
-        ends = tl.load(ends_ptr + offs_g, mask=offs_g < G, other=2**31 - 1)
-        cur = tl.sum((ends <= m0).to(tl.int32), axis=0)
-        acc = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for i in range(0, ROWS):
-            m = m0 + i
-            row = m.to(tl.int64) * K
-            xmask = kmask & ((offs_k * 0 + m) < M)
-            x = tl.load(x_ptr + row + offs_k, mask=xmask, other=0.0).to(tl.float32)
-            a = tl.abs(x)
-            a = tl.where(a != a, float("inf"), a)  # NaN -> inf, as the column kernels' amax
-            g = tl.where(m < M, tl.sum((ends <= m).to(tl.int32), axis=0), cur)  # (rows past M: zeros, no flush)
-            if g != cur:
-                tl.atomic_max(amax_ptr + cur.to(tl.int64) * K + offs_k, acc, mask=kmask & ((offs_k * 0 + cur) < G),
-                              sem="relaxed")
-                acc = a
-                cur = g
-            else:
-                acc = tl.maximum(acc, a)
-            if HAS_C:  # the row's group's multipliers (rows past the last end: the last group's)
-                x = x * tl.load(c_ptr + tl.minimum(g, G - 1).to(tl.int64) * K + offs_k, mask=kmask, other=0.0)
-                a = tl.abs(x)
-                a = tl.where(a != a, float("inf"), a)
-            scale = tl.maximum(tl.max(a, axis=0) / FMAX, EPS)
-            tl.store(scale_ptr + m + offs_k * 0, scale + tl.zeros([BLOCK_K], dtype=tl.float32),
-                     mask=(offs_k == 0) & ((offs_k * 0 + m) < M))
-            y = tl.clamp(tl.div_rn(x, scale), -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
-            tl.store(q_ptr + row + offs_k, y.to(q_ptr.dtype.element_ty), mask=xmask)
-        tl.atomic_max(amax_ptr + cur.to(tl.int64) * K + offs_k, acc, mask=kmask & ((offs_k * 0 + cur) < G),
-                      sem="relaxed")
 
 
 # ---------------------------------------------------------------------------------------------- eager launches
@@ -1005,7 +960,7 @@ def group_col_kernel_available(x: torch.Tensor) -> bool:
 def launch_group_cols_t(x: torch.Tensor, ends: torch.Tensor, dst: torch.Tensor, q: torch.Tensor,
                         scale: torch.Tensor, *, stride_qg: int, stride_qc: int, q_cols: int, align: int,
                         float8_dtype: torch.dtype, scale_floor: float, min_pad: int = 0,
-                        traced: bool = False, amax: Optional[torch.Tensor] = None) -> None:
+                        traced: bool = False) -> None:
     """Per-group column quantization of ``x`` ``(M, C)`` written transposed into ``q`` (check
     :func:`group_col_kernel_available` first).
 
@@ -1015,9 +970,7 @@ def launch_group_cols_t(x: torch.Tensor, ends: torch.Tensor, dst: torch.Tensor, 
     ``r < max(round_up(size, align), min_pad)`` (zeros past the group's rows) and ``dst[g] + r < q_cols``. Two reads
     of ``x``: one for the amax, one for the cast; one launch, or, for large groups (:func:`group_col_chunks`), an
     amax launch and a cast launch over chunks of each group's rows (the same bits). ``traced=True``: the body of a
-    ``triton_op`` (``wrap_triton``; ``x`` realized once, :func:`fp8tensor.compat.one_buffer`). ``amax`` (float32
-    ``(G, C)`` contiguous: the groups' column amax, e.g. :func:`launch_row_quant_group_amax`'s): the cast launch
-    alone, one read of ``x``, the same bits."""
+    ``triton_op`` (``wrap_triton``; ``x`` realized once, :func:`fp8tensor.compat.one_buffer`)."""
     if traced:
         x = compat.one_buffer(x)
     M, C = x.shape
@@ -1027,69 +980,18 @@ def launch_group_cols_t(x: torch.Tensor, ends: torch.Tensor, dst: torch.Tensor, 
     c = GROUP_COL_CONFIG
     consts = dict(ALIGN=align, MIN_PAD=min_pad, BLOCK_M=c["block_m"], BLOCK_C=c["block_c"])
     S = group_col_chunks(M, G)
-    if S == 1 and amax is None:
+    if S == 1:
         _launch(_group_col_quant_t_kernel, (_cdiv(C, c["block_c"]), G),
                 (x, ends, dst, q, scale, M, C, x.stride(0), stride_qg, stride_qc, q_cols),
                 dict(FMAX=_fmax(float8_dtype), EPS=scale_floor, **consts), c["warps"], x.device, traced=traced)
         return
-    if amax is None:
-        amax = torch.zeros(G, C, dtype=torch.float32, device=x.device)
-        _launch(_group_col_amax_kernel, (_cdiv(C, c["amax_block_c"]), S, G), (x, ends, amax, M, C, x.stride(0), S),
-                dict(ALIGN=align, MIN_PAD=min_pad, BLOCK_M=c["amax_block_m"], BLOCK_C=c["amax_block_c"]),
-                c["amax_warps"], x.device, traced=traced)
+    amax = torch.zeros(G, C, dtype=torch.float32, device=x.device)
+    _launch(_group_col_amax_kernel, (_cdiv(C, c["amax_block_c"]), S, G), (x, ends, amax, M, C, x.stride(0), S),
+            dict(ALIGN=align, MIN_PAD=min_pad, BLOCK_M=c["amax_block_m"], BLOCK_C=c["amax_block_c"]),
+            c["amax_warps"], x.device, traced=traced)
     _launch(_group_col_cast_t_kernel, (_cdiv(C, c["block_c"]), S, G),
             (x, ends, dst, amax, q, scale, M, C, x.stride(0), stride_qg, stride_qc, q_cols, S),
             dict(FMAX=_fmax(float8_dtype), EPS=scale_floor, **consts), c["warps"], x.device, traced=traced)
-
-
-
-#: Tiles of the row kernel that also takes the per-group column amax (:func:`launch_row_quant_group_amax`): ``rows``
-#: rows per program, one at a time held in registers (the column amax's atomics: one per column per program and
-#: group boundary), whole rows up to ``max_k`` elements, ``warps`` warps (``wide_warps`` for rows of more than 4096
-#: elements).
-ROW_GROUP_AMAX_CONFIG = _frozen(dict(rows=32, max_k=8192, warps=8, wide_warps=16, stages=1))
-
-
-def row_group_amax_available(x: torch.Tensor, ends: torch.Tensor) -> bool:
-    """Whether :func:`launch_row_quant_group_amax` takes ``x`` and ``ends`` now: a 2-D ``x`` the row kernel takes
-    (:func:`row_kernel_available`) with rows of at most ``ROW_GROUP_AMAX_CONFIG["max_k"]`` elements, and a
-    contiguous int32 1-D ``ends`` of at least one group on its device, launched from Python."""
-    return (x.dim() == 2 and 0 < x.shape[1] <= ROW_GROUP_AMAX_CONFIG["max_k"] and x.numel() < 2**31
-            and isinstance(ends, torch.Tensor) and ends.dtype == torch.int32 and ends.dim() == 1
-            and 0 < ends.numel() <= 4096 and ends.is_contiguous() and ends.device == x.device
-            and row_kernel_available(x) and eager_launch_ok(ends))
-
-
-def launch_row_quant_group_amax(x: torch.Tensor, ends: torch.Tensor, float8_dtype: torch.dtype, scale_floor: float,
-                                col_scale: Optional[torch.Tensor] = None) -> tuple:
-    """The row-wise quantization of ``x`` ``(M, K)`` (:func:`quantize_last_dim`'s bits, ``col_scale`` (float32
-    ``(G, K)`` contiguous) multiplying each row by its group's row as there) and, from the same read, the column
-    amax of ``x``'s raw values over each token group of ``ends`` (int32 ``(G,)`` cumulative ends; rows past
-    ``ends[-1]`` in no group; NaN counts as inf). Check :func:`row_group_amax_available` first.
-
-    Returns:
-        ``(q, scale, amax)``: ``q`` ``(M, K)`` ``float8_dtype``, ``scale`` float32 ``(M, 1)``, ``amax`` float32
-        ``(G, K)`` (0 for a group of no rows): what the per-group column quantization's cast takes
-        (:func:`launch_group_cols_t` with ``amax``).
-    """
-    M, K = x.shape
-    G = ends.numel()
-    if col_scale is not None and not (col_scale.dtype == torch.float32 and tuple(col_scale.shape) == (G, K)
-                                      and col_scale.is_contiguous() and col_scale.device == x.device):
-        raise ValueError(f"fp8tensor launch_row_quant_group_amax: col_scale must be contiguous float32 ({G}, {K}) "
-                         f"on {x.device}")
-    c = ROW_GROUP_AMAX_CONFIG
-    q = torch.empty(M, K, dtype=float8_dtype, device=x.device)
-    scale = torch.empty(M, 1, dtype=torch.float32, device=x.device)
-    amax = torch.zeros(G, K, dtype=torch.float32, device=x.device)
-    rows = max(1, c["rows"])
-    bk = _next_power_of_2(max(K, 16))
-    _launch(_row_quant_group_amax_kernel, (_cdiv(M, rows),),
-            (x, x if col_scale is None else col_scale, q, scale, ends, amax, M, K, G, rows),
-            dict(FMAX=_fmax(float8_dtype), EPS=scale_floor, BLOCK_K=bk, G_BLOCK=_next_power_of_2(G),
-                 HAS_C=col_scale is not None), c["warps"] if bk <= 4096 else c["wide_warps"], x.device,
-            c["stages"])
-    return q, scale, amax
 
 
 # ------------------------------------------------------------------------------ small-M fp8-weight GEMM (decode)

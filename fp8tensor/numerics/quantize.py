@@ -27,8 +27,7 @@ from ..core.settings import get_config
 from . import kernels
 
 __all__ = [
-    "quantize", "quantize_group_cols", "quantize_rows_group_amax",
-    "quantize_expert_cols", "group_ids", "quantize_rows_into", "transpose_after",
+    "quantize", "quantize_group_cols", "quantize_expert_cols", "group_ids", "quantize_rows_into", "transpose_after",
     "cast_rows_t_after",
     "quantize_group", "quantize_dim0_t", "quantize_dim0_t_after", "after_dep", "quantize_tokens",
     "quantize_token_layouts", "decode_mm", "weight_only_mm",
@@ -501,50 +500,8 @@ def group_ids(offs: torch.Tensor, M: int) -> torch.Tensor:
     return torch.searchsorted(offs, rows, right=True)
 
 
-def _group_col_amax(x: torch.Tensor, offs: torch.Tensor, gid: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The column amax of ``x`` ``(M, C)`` over each token group of ``offs`` (float32 ``(E + 1, C)``: row ``E`` for
-    the rows past ``offs[-1]``; NaN stays NaN, and the cast then writes NaN)."""
-    M, C = x.shape
-    if gid is None:
-        gid = group_ids(offs, M)
-    amax = x.new_zeros(offs.numel() + 1, C, dtype=torch.float32)
-    if M:
-        amax.scatter_reduce_(0, gid[:, None].expand(M, C), x.to(torch.float32).abs(), "amax", include_self=True)
-    return amax
-
-
-def quantize_rows_group_amax(x: torch.Tensor, offs: torch.Tensor, float8_dtype: torch.dtype = E4M3, *,
-                             col_scale: Optional[torch.Tensor] = None):
-    """Row-wise quantization of token rows ``x`` ``(M, K)`` and, from the same read where a kernel can, the column
-    amax of ``x`` over each token group of ``offs``: what :func:`quantize_group_cols` takes as ``amax``, so that a
-    later per-group column quantization of the same tensor is its cast alone (one read instead of two).
-
-    Args:
-        x: ``(M, K)`` floating-point tokens sorted by group.
-        offs: int32 ``(G,)`` cumulative group ends (rows past ``offs[-1]`` belong to no group).
-        col_scale: float32 ``(G, K)``: as :func:`quantize`'s ``col_scale`` with ``col_scale_ends=offs`` (each row
-            times its group's multipliers before the row quantization; ``G >= 1``); the amax is of ``x`` itself.
-
-    Returns:
-        ``(q, scale, amax)``: ``(q, scale)`` the bits of ``quantize(x, -1, float8_dtype, col_scale=col_scale,
-        col_scale_ends=offs)``; ``amax`` float32 ``(G, K)`` (0 for a group without rows; NaN counts as inf) where
-        one Triton kernel took both (:func:`fp8tensor.kernels.launch_row_quant_group_amax`: eager CUDA, rows of up
-        to 8192 elements), else None (the row quantization alone: the column quantization then takes its own amax,
-        as fast as a separate pass can).
-
-    Raises:
-        TypeError: ``float8_dtype`` is not one of the supported fp8 formats.
-    """
-    check_float8_dtype(float8_dtype, "quantize_rows_group_amax")
-    if (not compat.is_compiling() and kernels.row_group_amax_available(x, offs)
-            and (col_scale is None or (kernels.eager_launch_ok(col_scale) and col_scale.is_contiguous()))):
-        return kernels.launch_row_quant_group_amax(x, offs, float8_dtype, SCALE_FLOOR, col_scale)
-    q, s = quantize(x, -1, float8_dtype, col_scale=col_scale, col_scale_ends=None if col_scale is None else offs)
-    return q, s, None
-
-
 def quantize_group_cols(x: torch.Tensor, offs: torch.Tensor, M_pad: int, pad_starts: torch.Tensor,
-                        float8_dtype: torch.dtype = E4M3, *, align: int = 16, amax: Optional[torch.Tensor] = None):
+                        float8_dtype: torch.dtype = E4M3, *, align: int = 16):
     """``x`` ``(M, C)`` quantized per column over each token group, transposed into the padded token layout.
 
     Args:
@@ -562,30 +519,22 @@ def quantize_group_cols(x: torch.Tensor, offs: torch.Tensor, M_pad: int, pad_sta
     On CUDA the per-group column kernel: launched directly in eager mode, through the ``triton_op``
     ``fp8tensor::quantize_group_cols_t`` when traced (compiled backwards, whatever ``compiled_quantization`` says);
     else (CPU, a dispatch mode, vmap, a tensor subclass, autograd recording) the plain ops.
-
-    ``amax`` (float32 ``(E, C)`` on ``x``'s device): ``x``'s per-group column amax, already taken (as
-    :func:`quantize_rows_group_amax` takes it); the quantization then only casts (one read of ``x``). It must be
-    that amax: the scales come from it. A traced graph takes its own.
-
-    Raises:
-        ValueError: ``amax`` not float32 ``(E, C)`` on ``x``'s device.
     """
     M, C = x.shape
     E = offs.numel()
-    if amax is not None and not (isinstance(amax, torch.Tensor) and amax.dtype == torch.float32
-                                 and tuple(amax.shape) == (E, C) and amax.device == x.device):
-        raise ValueError(f"quantize_group_cols: amax must be float32 ({E}, {C}) on {x.device}, got "
-                         f"{getattr(amax, 'dtype', type(amax))} {tuple(getattr(amax, 'shape', ()))}")
     if kernels.group_col_layout_ok(x) and offs.is_cuda and pad_starts.is_cuda:
         if (kernels.group_col_kernel_available(x) and kernels.eager_launch_ok(offs)
-                and kernels.eager_launch_ok(pad_starts) and (amax is None or kernels.eager_launch_ok(amax))):
+                and kernels.eager_launch_ok(pad_starts)):
             return _group_cols_body(x, offs.contiguous(), pad_starts.contiguous(), M_pad, align, float8_dtype,
-                                    traced=False, amax=None if amax is None else amax.contiguous())
+                                    traced=False)
         if compat.is_traced(x):  # (under a mode, vmap, a subclass or with autograd on: the plain ops below)
             return torch.ops.fp8tensor.quantize_group_cols_t(x, offs, pad_starts, M_pad, align, float8_dtype)
     gid = group_ids(offs, M)  # E for rows outside every group
     xf = x.to(torch.float32)
-    scale = amax_to_scale(_group_col_amax(xf, offs, gid)[:E] if amax is None else amax, float8_dtype)
+    amax = xf.new_zeros(E + 1, C)
+    if M:
+        amax.scatter_reduce_(0, gid[:, None].expand(M, C), xf.abs(), "amax", include_self=True)
+    scale = amax_to_scale(amax[:E], float8_dtype)
     scale_rows = torch.cat([scale, scale.new_ones(1, C)])[gid]  # rows outside every group: any finite scale
     y = cast_to_fp8(xf, scale_rows, float8_dtype)
     q = torch.zeros(C, M_pad, dtype=torch.uint8, device=x.device)
@@ -620,9 +569,8 @@ def quantize_expert_cols(w: torch.Tensor, float8_dtype: torch.dtype = E4M3):
     return q.transpose(-2, -1).contiguous(), s.reshape(E, K)
 
 
-def _group_cols_body(x, offs, pad_starts, M_pad, align, float8_dtype, traced=True, amax=None):
-    """:func:`quantize_group_cols` by the per-group column kernel (``traced``: the body of its ``triton_op``;
-    ``amax``: the cast launch alone)."""
+def _group_cols_body(x, offs, pad_starts, M_pad, align, float8_dtype, traced=True):
+    """:func:`quantize_group_cols` by the per-group column kernel (``traced``: the body of its ``triton_op``)."""
     C = x.shape[1]
     q = torch.empty(C, M_pad, dtype=float8_dtype, device=x.device)
     scale = torch.empty(offs.numel(), C, dtype=torch.float32, device=x.device)
@@ -630,7 +578,7 @@ def _group_cols_body(x, offs, pad_starts, M_pad, align, float8_dtype, traced=Tru
         q.view(torch.uint8)[:, M_pad - align:].zero_()  # a write through an fp8 tensor's uint8 view)
     kernels.launch_group_cols_t(x, offs, pad_starts, q, scale, stride_qg=0, stride_qc=M_pad, q_cols=M_pad,
                                 align=align, float8_dtype=float8_dtype, scale_floor=SCALE_FLOOR, min_pad=align,
-                                traced=traced, amax=amax)
+                                traced=traced)
     # the columns between the last group's padded end and the spare block are never read by the GEMM
     return q, scale
 

@@ -10,7 +10,7 @@ import torch
 from ..core import compat
 from .linear import _AUTOCAST_TYPES, QuantizeOnUse, autocast_enabled
 from ..numerics.quantize import (E4M3, FLOAT8_DTYPES, cast_rows_t_after, quantize, quantize_expert_cols,
-                                 quantize_group_cols, quantize_rows_group_amax, transpose_after)
+                                 quantize_group_cols, transpose_after)
 from .recipes import Recipe, get_recipe
 from ..core.settings import get_config, read_traced_settings
 from ..subclass.gemm import scaled_mm
@@ -232,16 +232,16 @@ def _check(a, b, offs, op: str) -> None:
 class _SharedTokens:
     """One input ``a`` of the grouped GEMMs run inside one :class:`Fp8GroupedMMMode` (one forward of a converted
     experts module), quantized once for the GEMMs that read it in a row (SwiGLU's w1 and w3 read the same tokens):
-    the forward's row-wise fp8 and per-group column amax, computed by the first GEMM and reused by the next, and the
-    backward's per-group column quantization, computed by the first backward and reused by the others
-    (``pending``: backwards still to take it; the last drops it)."""
+    the forward's row-wise fp8, computed by the first GEMM and reused by the next, and the backward's per-group
+    column quantization, computed by the first backward and reused by the others (``pending``: backwards still to
+    take it; the last drops it)."""
 
-    __slots__ = ("a", "version", "ptr", "offs", "offs_version", "rows", "amax", "asked", "cols", "pending")
+    __slots__ = ("a", "version", "ptr", "offs", "offs_version", "rows", "cols", "pending")
 
-    def __init__(self, a, offs, rows, amax, asked: bool):
+    def __init__(self, a, offs, rows):
         self.a, self.version, self.ptr = a, a._version, a.data_ptr()
         self.offs, self.offs_version = offs, offs._version
-        self.rows, self.amax, self.asked, self.cols, self.pending = rows, amax, asked, None, 0
+        self.rows, self.cols, self.pending = rows, None, 0
 
     def matches(self, a, offs) -> bool:
         """Whether ``a`` and ``offs`` are this entry's tensors, unchanged since (version counters, storage)."""
@@ -249,8 +249,8 @@ class _SharedTokens:
                 and offs._version == self.offs_version)
 
     def close(self) -> None:
-        """Drop what only the forward reads (the input, its row-wise fp8, the amax); the backward's share stays."""
-        self.a = self.offs = self.rows = self.amax = None
+        """Drop what only the forward reads (the input, its row-wise fp8); the backward's share stays."""
+        self.a = self.offs = self.rows = None
 
 
 class _TokenMemo:
@@ -267,11 +267,10 @@ class _TokenMemo:
         e = self.last
         return e if e is not None and e.matches(a, offs) else None
 
-    def add(self, a, offs, rows, amax, asked: bool) -> _SharedTokens:
-        """A new entry for ``a`` and ``offs`` with their row-wise fp8 ``rows`` and per-group column amax (``asked``:
-        whether it was asked for; None where no kernel took it), replacing the last one."""
+    def add(self, a, offs, rows) -> _SharedTokens:
+        """A new entry for ``a`` and ``offs`` with their row-wise fp8 ``rows``, replacing the last one."""
         self.forget()
-        self.last = _SharedTokens(a, offs, rows, amax, asked)
+        self.last = _SharedTokens(a, offs, rows)
         return self.last
 
     def forget(self) -> None:
@@ -295,21 +294,15 @@ class _Fp8GroupedMM(torch.autograd.Function):
             ws = ws.reshape(E, N)
         else:
             wq, ws = fp8
-        # (grad_on: grad mode where the op was called, off inside forward; without it nothing needs the amax)
+        # (grad_on: grad mode where the op was called, off inside forward; without it no backward takes a share)
         gw_fp8 = grad_on and ctx.needs_input_grad[1] and recipe.grad_weight_fp8
         shared = None if tokens is None else tokens.find(a, offs)
-        if shared is not None and (shared.asked or not gw_fp8 or not offs.numel()):
-            (aq, as_), a_amax = shared.rows, shared.amax  # (quantized by an earlier GEMM of this forward)
+        if shared is not None:
+            aq, as_ = shared.rows  # (quantized by an earlier GEMM of this forward)
         else:
-            a_amax = None
-            if gw_fp8 and offs.numel():
-                # the row quantization also takes the tokens' per-group column amax (float32 (E, K)): grad_weight's
-                # column quantization of a is then its cast alone
-                aq, as_, a_amax = quantize_rows_group_amax(a.contiguous(), offs, E4M3)
-            else:
-                aq, as_ = _quantize_rows(a, E4M3)
+            aq, as_ = _quantize_rows(a, E4M3)
             if tokens is not None:
-                shared = tokens.add(a, offs, (aq, as_), a_amax, gw_fp8 and bool(offs.numel()))
+                shared = tokens.add(a, offs, (aq, as_))
         ctx.shared = shared if gw_fp8 else None
         if ctx.shared is not None:
             shared.pending += 1  # (backwards still to take its column quantization)
@@ -320,7 +313,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
         gi = ctx.needs_input_grad[0]
         # a high-precision weight's row scales (E, N): grad_input re-casts the weight with them (the forward's bits)
         ctx.save_for_backward(a if ctx.needs_input_grad[1] else None, b if gi else None, offs,
-                              ws if gi and fp8 is None else None, a_amax if gw_fp8 else None)
+                              ws if gi and fp8 is None else None)
         return out
 
     @staticmethod
@@ -341,14 +334,14 @@ class _Fp8GroupedMM(torch.autograd.Function):
             raise NotImplementedError(
                 "fp8_grouped_mm: double backward (create_graph=True) is not supported: the fp8 gradient GEMMs are "
                 "not differentiable")
-        a, b, offs, ws_hp, a_amax = ctx.saved_tensors
+        a, b, offs, ws_hp = ctx.saved_tensors
         recipe: Recipe = ctx.recipe
         gy = gy.contiguous()
         M, N = gy.shape
         E = offs.numel()
         fast_gi = recipe.grouped_fast_accum or recipe.grad_input.fast_accum
         fast_gw = recipe.grouped_fast_accum or recipe.grad_weight.fast_accum
-        grad_a = grad_b = g_amax = None
+        grad_a = grad_b = None
         gw_fp8 = ctx.needs_input_grad[1] and recipe.grad_weight_fp8
         shared = getattr(ctx, "shared", None)
         if ctx.needs_input_grad[0]:
@@ -364,9 +357,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
                 w8, ws = fp8
                 wq_t = transpose_after(w8, gy)  # one tiled kernel on CUDA, in the backward graph
             ws_t = torch.ones(E, K, dtype=torch.float32, device=gy.device)
-            if E and gw_fp8:  # (the row quantization takes gy's per-group column amax too, for grad_weight)
-                gq, gs, g_amax = quantize_rows_group_amax(gy, offs, E4M3, col_scale=ws.contiguous())
-            elif E:
+            if E:
                 gq, gs = quantize(gy, -1, E4M3, col_scale=ws.contiguous(), col_scale_ends=offs)
             else:
                 gq, gs = _quantize_rows(gy.to(torch.float32), E4M3)
@@ -375,11 +366,11 @@ class _Fp8GroupedMM(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             if gw_fp8:
                 M_pad, pad_ends, pad_starts = padded_offsets(offs, M)
-                gq_t, gs = quantize_group_cols(gy, offs, M_pad, pad_starts, E4M3, amax=g_amax)
+                gq_t, gs = quantize_group_cols(gy, offs, M_pad, pad_starts, E4M3)
                 if shared is not None and shared.cols is not None:  # (another backward of this input made them)
                     xq_t, xs = shared.cols
                 else:
-                    xq_t, xs = quantize_group_cols(a.contiguous(), offs, M_pad, pad_starts, E4M3, amax=a_amax)
+                    xq_t, xs = quantize_group_cols(a.contiguous(), offs, M_pad, pad_starts, E4M3)
                 if shared is not None:  # kept for the input's other backwards, dropped by the last
                     shared.pending -= 1
                     shared.cols = (xq_t, xs) if shared.pending > 0 else None

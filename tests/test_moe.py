@@ -381,8 +381,9 @@ def test_group_col_kernel_under_the_triton_interpreter():
 
 
 def test_tokens_refilled_between_grouped_gemms_are_quantized_again():
-    # Nothing quantized is kept between calls: w1 and w3 of SwiGLU experts each quantize the tokens they read, so a
-    # refill of the token buffer through .data (no version bump) between two calls is seen by the second.
+    # Nothing quantized is kept between bare calls (outside Fp8GroupedMMMode(share_inputs=True)): each quantizes the
+    # tokens it reads, so a refill of the token buffer through .data (no version bump) between two calls is seen by
+    # the second.
     offs = _offs([3, 0, 20, 9])
     buf = torch.randn(32, K)
     w1 = nn.Parameter(Fp8MasterWeight(torch.randn(E, N, K)))
